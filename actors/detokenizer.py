@@ -1,0 +1,292 @@
+"""Detokenizer: token ids in, a request's text, reasoning and tool calls out.
+
+Owns one ``RequestText`` per open request: mlx-lm's streaming detokenizer
+(one per request: ``TokenizerWrapper.detokenizer`` builds a fresh one on each
+access), the stop-string matcher, and mlx-lm's ``TextStateMachine`` state that
+splits the text into normal / reasoning / tool segments.
+
+Receives ``StepOutputs`` (all sequences of one engine step at once) from the
+Scheduler. Emits into each request's ``Outbox``: ``Progress``, merged
+``Delta``s and exactly one terminal ``Finished`` / ``Failed``. A stop string
+found in the text finishes the request here and asks the Scheduler to withdraw
+the sequence from the engine.
+
+Stop strings are matched on decoded text, so they work across token
+boundaries; text that could be the start of a stop string is held back until
+it is known not to be one, and released when the request ends otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+from mlx_lm.generate import TextStateMachine
+
+from runtime.messages import (
+    Failed,
+    Finished,
+    FinishReason,
+    Progress,
+    StepOutputs,
+    TokenEvent,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
+from runtime.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class TextSpec:
+    """How one request's tokens become text."""
+
+    stop: tuple[str, ...] = ()
+    tools: Any = None
+    markup: bool = True  # chat: split reasoning / tool calls; text completions: raw text
+    initial_state: str = "normal"
+    prompt_tokens: int = 0
+
+
+class StopMatcher:
+    """Finds the first stop string in a text stream, holding back possible prefixes."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was found)."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        first = -1
+        for stop in self._stops:
+            i = buf.find(stop)
+            if i != -1 and (first == -1 or i < first):
+                first = i
+        if first != -1:
+            self._held = ""
+            return buf[:first], True
+        keep = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:n]):
+                    keep = n
+                    break
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class RequestText:
+    """One request's text pipeline: tokens -> raw text -> stop check -> segments."""
+
+    def __init__(self, spec: TextSpec, detokenizer, state_machine: TextStateMachine | None):
+        self.spec = spec
+        self._detok = detokenizer
+        self._stops = StopMatcher(spec.stop)
+        self._sm = state_machine if spec.markup else None
+        self._sm_state = self._sm.make_state(spec.initial_state) if self._sm else None
+        self._prev_state = spec.initial_state
+        self._tool_text = ""
+        self.made_tool_call = False
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, token: int, *, final: str | None) -> tuple[str, str, list[str], bool]:
+        """Feed one token. Returns (content, reasoning, tool texts, stop string hit)."""
+        self.completion_tokens += 1
+        if final == FinishReason.STOP:
+            self._detok.finalize()  # the end-of-sequence token is not text
+        else:
+            self._detok.add_token(token)
+            if final is not None:
+                self._detok.finalize()
+        raw = self._detok.last_segment
+        safe, hit = self._stops.feed(raw)
+        if final is not None and not hit:
+            safe += self._stops.flush()
+        return (*self._segment(safe, end=final is not None or hit), hit)
+
+    def _segment(self, text: str, *, end: bool) -> tuple[str, str, list[str]]:
+        if self._sm is None:
+            return text, "", []
+        self._sm_state, segments = TextStateMachine.split(self._sm_state, text)
+        if end:
+            self._sm_state, flushed, state = TextStateMachine.flush(self._sm_state)
+            segments.append((state, flushed))
+        content, reasoning, tools = [], [], []
+        for state, piece in segments:
+            if state == "reasoning":
+                reasoning.append(piece)
+            elif state == "tool":
+                self._tool_text += piece
+            else:
+                if self._prev_state == "tool":
+                    tools.append(self._tool_text)
+                    self._tool_text = ""
+                content.append(piece)
+            self._prev_state = state
+        if end and self._prev_state == "tool" and self._tool_text:
+            tools.append(self._tool_text)
+            self._tool_text = ""
+        return "".join(content), "".join(reasoning), tools
+
+
+class DetokenizerCore:
+    """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step."""
+
+    def __init__(self, tokenizer, *, withdraw: Callable[[int], None]):
+        self._tokenizer = tokenizer
+        self._withdraw = withdraw
+        self._sm = _make_state_machine(tokenizer)
+        self._tool_parser = getattr(tokenizer, "tool_parser", None)
+        self._requests: dict[int, tuple[RequestText, Outbox]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox) -> None:
+        self._requests[request_id] = (
+            RequestText(spec, self._tokenizer.detokenizer, self._sm),
+            outbox,
+        )
+
+    def close(self, request_id: int) -> None:
+        self._requests.pop(request_id, None)
+
+    def fail(self, request_id: int, failure: Failed) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            entry[1].put_terminal(failure)
+
+    def on_outputs(self, outputs: StepOutputs) -> None:
+        for started in outputs.started:
+            entry = self._requests.get(started.request_id)
+            if entry is not None:
+                entry[0].cached_tokens = started.cached_tokens
+        for p in outputs.progress:
+            entry = self._requests.get(p.request_id)
+            if entry is not None:
+                entry[1].put_progress(Progress(done=p.done, total=p.total))
+        for event in outputs.tokens:
+            self._on_token(event)
+        for aborted in outputs.aborted:
+            entry = self._requests.pop(aborted.request_id, None)
+            if entry is not None:
+                entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
+        for failed in outputs.failed:
+            self.fail(failed.request_id, Failed(message=failed.message))
+
+    def _on_token(self, event: TokenEvent) -> None:
+        entry = self._requests.get(event.request_id)
+        if entry is None:
+            return  # withdrawn or already finished by a stop string
+        text, outbox = entry
+        content, reasoning, tool_texts, hit = text.add(event.token, final=event.finish_reason)
+        tool_calls, unparsed = self._parse_tools(tool_texts, text.spec.tools)
+        content += "".join(unparsed)
+        if tool_calls:
+            text.made_tool_call = True
+        logprobs = ()
+        if event.logprob is not None:
+            logprobs = (self._token_logprob(event),)
+        outbox.put_delta(
+            content=content, reasoning=reasoning, tool_calls=tuple(tool_calls), logprobs=logprobs
+        )
+        if hit:
+            self._requests.pop(event.request_id, None)
+            self._withdraw(event.request_id)
+            outbox.put_terminal(self._finished(text, FinishReason.STOP))
+        elif event.finish_reason is not None:
+            self._requests.pop(event.request_id, None)
+            outbox.put_terminal(self._finished(text, event.finish_reason))
+
+    def _finished(self, text: RequestText, reason: str) -> Finished:
+        if reason == FinishReason.STOP and text.made_tool_call:
+            reason = FinishReason.TOOL_CALLS
+        return Finished(
+            finish_reason=str(reason),
+            usage=Usage(
+                prompt_tokens=text.spec.prompt_tokens,
+                completion_tokens=text.completion_tokens,
+                cached_tokens=text.cached_tokens,
+            ),
+        )
+
+    def _parse_tools(self, tool_texts: list[str], tools) -> tuple[list[ToolCall], list[str]]:
+        """Parsed calls, and the texts the parser rejected (returned to the client as text)."""
+        calls: list[ToolCall] = []
+        unparsed: list[str] = []
+        for tool_text in tool_texts:
+            try:
+                if self._tool_parser is None:
+                    raise ValueError("this model has no tool-call parser")
+                parsed = self._tool_parser(tool_text, tools)
+                parsed = parsed if isinstance(parsed, list) else [parsed]
+                batch = [_tool_call(p) for p in parsed]
+            except Exception as exc:  # a bad call is returned as text, never a crash
+                log.warning(
+                    "tool call not parsed (%s: %s); returning it as text", type(exc).__name__, exc
+                )
+                unparsed.append(tool_text)
+                continue
+            calls.extend(batch)
+        return calls, unparsed
+
+    def _token_logprob(self, event: TokenEvent) -> TokenLogprob:
+        decode = self._tokenizer.decode
+        return TokenLogprob(
+            token=event.token,
+            text=decode([event.token]),
+            logprob=float(event.logprob),
+            top=tuple((i, decode([i]), float(lp)) for i, lp in event.top_logprobs),
+        )
+
+
+def _tool_call(parsed: Any) -> ToolCall:
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        raise ValueError(f"not a tool call: {parsed!r}")
+    arguments = parsed.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(
+        name=parsed["name"],
+        arguments=arguments,
+        id=str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
+    )
+
+
+def _make_state_machine(tokenizer) -> TextStateMachine:
+    from mlx_lm.generate import make_text_state_machine
+
+    return make_text_state_machine(tokenizer)
+
+
+class Detokenizer:
+    """The trio shell: one ``on_outputs`` per engine step received."""
+
+    def __init__(self, core: DetokenizerCore):
+        self.core = core
+
+    async def run(
+        self,
+        outputs: trio.MemoryReceiveChannel[StepOutputs],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        async with outputs:
+            async for step in outputs:
+                self.core.on_outputs(step)

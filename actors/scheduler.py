@@ -1,0 +1,157 @@
+"""Scheduler: admission, request ids, and what enters the engine when.
+
+``SchedulerCore`` (sans-IO) holds a bounded FIFO of waiting requests and the
+set of requests inside the engine. At most ``max_in_engine`` sequences are in
+the engine at once (mlx-lm's ``BatchGenerator`` batches them: decode
+concurrency plus prompt concurrency, so a finished slot is refilled without a
+round trip); at most ``max_waiting`` wait behind them, and beyond that
+``admit`` raises ``Overloaded`` (429) before a byte is sent. Requests wait here,
+not in the engine, so a client that leaves while queued costs the engine
+nothing, and the prompt-cache lookup happens when the request is started.
+
+The ``Scheduler`` shell receives each engine step's ``StepOutputs``, updates
+the core, refills the engine, and forwards the step to the Detokenizer and
+its statistics to the PromptCacheActor. Submissions and withdrawals are
+synchronous calls (``submit``/``withdraw``) so that a Session can withdraw in
+cleanup without awaiting; the commands they produce go straight into the
+engine's thread-safe inbox.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+
+import trio
+
+from runtime.errors import Overloaded, Unavailable
+from runtime.messages import Abort, EngineStats, StepOutputs, Submit
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerCore:
+    def __init__(self, *, max_in_engine: int, max_waiting: int):
+        if max_in_engine <= 0 or max_waiting < 0:
+            raise ValueError("max_in_engine must be > 0 and max_waiting >= 0")
+        self.max_in_engine = max_in_engine
+        self.max_waiting = max_waiting
+        self.waiting: collections.OrderedDict[int, Submit] = collections.OrderedDict()
+        self.in_engine: set[int] = set()
+        self._next_id = 1
+
+    def allocate_id(self) -> int:
+        request_id = self._next_id
+        self._next_id += 1
+        return request_id
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.in_engine)
+
+    def can_admit(self) -> bool:
+        return len(self.waiting) < self.max_waiting or len(self.in_engine) < self.max_in_engine
+
+    def admit(self, submit: Submit) -> None:
+        if not self.can_admit():
+            raise Overloaded(
+                f"the server is at capacity ({self.load} requests in flight); retry shortly",
+                retry_after=1,
+            )
+        self.waiting[submit.request_id] = submit
+
+    def to_start(self, *, engine_attached: bool = True) -> list[Submit]:
+        """Move waiting requests into the engine while it has room."""
+        started: list[Submit] = []
+        while engine_attached and self.waiting and len(self.in_engine) < self.max_in_engine:
+            _, submit = self.waiting.popitem(last=False)
+            self.in_engine.add(submit.request_id)
+            started.append(submit)
+        return started
+
+    def withdraw(self, request_id: int) -> Abort | None:
+        """Forget a request; returns the ``Abort`` the engine needs, if any."""
+        if self.waiting.pop(request_id, None) is not None:
+            return None
+        if request_id in self.in_engine:
+            self.in_engine.discard(request_id)
+            return Abort(request_id=request_id)
+        return None
+
+    def on_outputs(self, outputs: StepOutputs) -> None:
+        self.in_engine.difference_update(outputs.terminal_ids())
+
+    def engine_lost(self) -> list[int]:
+        """The engine died: everything inside it is gone. Returns those ids."""
+        lost = sorted(self.in_engine)
+        self.in_engine.clear()
+        return lost
+
+
+class Scheduler:
+    """The trio shell around ``SchedulerCore``."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        *,
+        to_detokenizer: trio.MemorySendChannel[StepOutputs],
+        to_prompt_cache: trio.MemorySendChannel[EngineStats],
+    ):
+        self.core = core
+        self._to_detokenizer = to_detokenizer
+        self._to_prompt_cache = to_prompt_cache
+        self._engine_inbox: queue.SimpleQueue | None = None
+        self.last_stats = EngineStats()
+
+    # ------------------------------------------------ synchronous entry points
+
+    @property
+    def engine_attached(self) -> bool:
+        return self._engine_inbox is not None
+
+    def submit(self, submit: Submit) -> None:
+        """Admit (or raise ``Overloaded``) and start it if the engine has room."""
+        if not self.engine_attached:
+            raise Unavailable("the model is not loaded", retry_after=5)
+        self.core.admit(submit)
+        self._start_waiting()
+
+    def withdraw(self, request_id: int) -> None:
+        """Synchronous and idempotent: safe in cleanup under cancellation."""
+        abort = self.core.withdraw(request_id)
+        if abort is not None and self._engine_inbox is not None:
+            self._engine_inbox.put(abort)
+
+    def attach_engine(self, inbox: queue.SimpleQueue) -> None:
+        self._engine_inbox = inbox
+        self._start_waiting()
+
+    def detach_engine(self) -> list[int]:
+        self._engine_inbox = None
+        return self.core.engine_lost()
+
+    def _start_waiting(self) -> None:
+        for submit in self.core.to_start(engine_attached=self.engine_attached):
+            self._engine_inbox.put(submit)
+
+    # ------------------------------------------------------------ the actor
+
+    async def run(
+        self,
+        engine_outputs: trio.MemoryReceiveChannel[StepOutputs],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        async with engine_outputs, self._to_detokenizer:
+            async for outputs in engine_outputs:
+                self.core.on_outputs(outputs)
+                self._start_waiting()
+                self.last_stats = outputs.stats
+                try:
+                    self._to_prompt_cache.send_nowait(outputs.stats)
+                except trio.WouldBlock:
+                    pass  # statistics are snapshots: a newer one follows
+                await self._to_detokenizer.send(outputs)

@@ -1,0 +1,114 @@
+"""Session: one HTTP request's view of the runtime.
+
+An async context manager. Entering it prepares the prompt (chat template and
+tokenizer in a worker thread), registers the request with the Detokenizer and
+submits it to the Scheduler, which may refuse with ``Overloaded`` (429) or
+``Unavailable`` (503) before any byte of the response is sent. Inside, the
+route calls ``receive()`` for the request's events: ``Progress``, ``Delta``,
+then exactly one ``Finished`` or ``Failed``.
+
+Exiting, for any reason (normal end, error, the client disconnecting and
+trio cancelling the handler), withdraws the request: synchronously, with no
+``await``, because under trio's level-triggered cancellation an ``await`` in
+cleanup would raise again. The withdrawal puts an ``Abort`` into the engine's
+inbox, and the sequence leaves the batch at the next engine step.
+
+Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
+is a checkpoint; exiting is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.detokenizer import TextSpec
+from runtime.errors import ClientError
+from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, Submit
+from runtime.outbox import Outbox
+from runtime.prompts import PreparedPrompt
+
+if TYPE_CHECKING:
+    from runtime.supervisor import Runtime
+
+
+class Session:
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        prepare: Callable[[object], PreparedPrompt],
+        sampling: SamplingParams,
+        max_tokens: int,
+        stop: tuple[str, ...] = (),
+        tools=None,
+        markup: bool = True,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+    ):
+        self._runtime = runtime
+        self._prepare = prepare
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self._stop = stop
+        self._tools = tools
+        self._markup = markup
+        self._logprobs = logprobs
+        self._top_logprobs = top_logprobs
+        self.outbox = Outbox()
+        self.request_id: int | None = None
+        self.prompt: PreparedPrompt | None = None
+
+    async def __aenter__(self) -> Session:
+        handle = self._runtime.require_ready()
+        _check_vocabulary(self.sampling, handle.vocab_size)
+        self.prompt = await trio.to_thread.run_sync(
+            self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
+        )
+        prompt = self.prompt
+        spec = TextSpec(
+            stop=self._stop,
+            tools=self._tools,
+            markup=self._markup,
+            initial_state=prompt.initial_state,
+            prompt_tokens=len(prompt.tokens),
+        )
+        submit = Submit(
+            request_id=self._runtime.scheduler.core.allocate_id(),
+            prompt=prompt.tokens,
+            segments=prompt.plan.segments,
+            segment_types=prompt.plan.segment_types,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+            logprobs=self._logprobs or self._top_logprobs > 0,
+            top_logprobs=self._top_logprobs,
+        )
+        self._runtime.open_request(submit, spec, self.outbox)
+        self.request_id = submit.request_id
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        # Synchronous on purpose: see the module docstring.
+        if self.request_id is not None:
+            self._runtime.close_request(self.request_id)
+        self.outbox.close()
+
+    async def receive(self) -> tuple[Progress | Delta | Finished | Failed, ...]:
+        """The next events; raises ``trio.EndOfChannel`` after the terminal one."""
+        return await self.outbox.get()
+
+
+def _check_vocabulary(sampling: SamplingParams, vocab_size: int) -> None:
+    """Values that are only wrong for this model: 400 before they reach the engine."""
+    if sampling.top_k >= vocab_size and sampling.top_k > 0:
+        raise ClientError(
+            f"top_k must be smaller than the vocabulary size ({vocab_size})", param="top_k"
+        )
+    for token, _ in sampling.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise ClientError(
+                f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
+                param="logit_bias",
+            )

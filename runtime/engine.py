@@ -1,0 +1,370 @@
+"""The engine: everything that touches MLX, run on one dedicated thread.
+
+``EngineCore`` is a synchronous state machine around mlx-lm's
+``BatchGenerator`` and ``LRUPromptCache``. It receives ``Submit`` / ``Abort``
+commands and produces one ``StepOutputs`` per step; it never blocks and knows
+nothing of trio, so tests drive it directly (with a fake batch generator where
+determinism matters).
+
+``run_engine_loop`` is the thread body: it loads the model, then alternates
+draining the inbox (a ``queue.SimpleQueue``: thread-safe, sync ``put``, so even
+a cancelled trio task can post an ``Abort``) and stepping. It blocks on the
+inbox only when there is no work, and hands each step's outputs to ``emit``,
+which blocks while the trio side is more than a step or two behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from runtime.messages import (
+    Abort,
+    EngineCommand,
+    EngineStats,
+    PromptProgress,
+    SequenceAborted,
+    SequenceFailed,
+    SequenceStarted,
+    Shutdown,
+    StepOutputs,
+    Submit,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_SECONDS = 0.05
+
+
+@attrs.define
+class ModelHandle:
+    """A loaded model: the engine thread owns ``model``; ``tokenizer`` is shared."""
+
+    model: Any
+    tokenizer: Any
+    model_key: str
+    vocab_size: int
+    batchable: bool = True
+
+
+@attrs.define
+class _Sequence:
+    request_id: int
+    logprobs: bool
+    top_logprobs: int
+    segment_types: list[str]  # reversed: pop() gives the next segment's type
+
+
+class EngineCore:
+    """Sans-IO engine: commands in, one ``StepOutputs`` per ``step()`` out."""
+
+    def __init__(
+        self,
+        handle: ModelHandle,
+        *,
+        batch_generator_factory: Callable[[], Any],
+        prompt_cache: Any,
+        prompt_cache_bytes: int | None = None,
+        sampler_factory: Callable[[Any], Any] | None = None,
+        logits_processors_factory: Callable[[Any], list] | None = None,
+        stop_sequences: Any = None,
+    ):
+        self.handle = handle
+        self._new_batch_generator = batch_generator_factory
+        self._batch = batch_generator_factory()
+        self.prompt_cache = prompt_cache
+        self._prompt_cache_bytes = prompt_cache_bytes
+        self._sampler_factory = sampler_factory or (lambda params: None)
+        self._logits_processors_factory = logits_processors_factory or (lambda params: [])
+        self._stop_sequences = stop_sequences
+        self._by_uid: dict[int, _Sequence] = {}
+        self._uid_of: dict[int, int] = {}
+        self._started: list[SequenceStarted] = []
+        self._aborted: list[SequenceAborted] = []
+        self._failed: list[SequenceFailed] = []
+        self._steps = 0
+        self._cache_hits = 0
+        self._cached_tokens = 0
+
+    # ------------------------------------------------------------ commands
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._by_uid)
+
+    @property
+    def active_request_ids(self) -> set[int]:
+        return set(self._uid_of)
+
+    def handle_command(self, command: EngineCommand) -> None:
+        if isinstance(command, Submit):
+            self._submit(command)
+        elif isinstance(command, Abort):
+            self._abort(command.request_id)
+        else:
+            raise TypeError(f"unexpected engine command {command!r}")
+
+    def _submit(self, sub: Submit) -> None:
+        if sub.request_id in self._uid_of:
+            return  # duplicate submit: the first one stands
+        try:
+            uid, cached, segment_types = self._insert(sub)
+        except Exception as exc:  # one bad request must not take the engine down
+            log.exception("request %s could not be admitted", sub.request_id)
+            self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+            return
+        self._by_uid[uid] = _Sequence(
+            request_id=sub.request_id,
+            logprobs=sub.logprobs,
+            top_logprobs=sub.top_logprobs,
+            segment_types=segment_types[::-1],
+        )
+        self._uid_of[sub.request_id] = uid
+        self._started.append(
+            SequenceStarted(
+                request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
+            )
+        )
+
+    def _insert(self, sub: Submit) -> tuple[int, int, list[str]]:
+        prompt = list(sub.prompt)
+        key = self.handle.model_key
+        cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt)
+        if cache is not None and not rest:
+            # An exact hit leaves nothing to feed the model: give back one token.
+            cache, rest = self._back_off_one_token(cache, prompt)
+        cached = len(prompt) - len(rest)
+        if cached:
+            self._cache_hits += 1
+            self._cached_tokens += cached
+
+        segments = [list(s) for s in sub.segments]
+        types = list(sub.segment_types)
+        skip = cached
+        while skip > 0 and segments:
+            if skip >= len(segments[0]):
+                skip -= len(segments.pop(0))
+                types.pop(0)
+            else:
+                segments[0] = segments[0][skip:]
+                skip = 0
+
+        sampler = self._sampler_factory(sub.sampling)
+        processors = self._logits_processors_factory(sub.sampling)
+        (uid,) = self._batch.insert_segments(
+            segments=[segments],
+            max_tokens=[sub.max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[:cached]],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
+        )
+        if self._prompt_cache_bytes is not None:
+            active = self._batch.prompt_cache_nbytes
+            self.prompt_cache.trim_to(n_bytes=self._prompt_cache_bytes - active)
+        return uid, cached, types
+
+    def _back_off_one_token(self, cache, prompt):
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if len(prompt) > 1 and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            return cache, prompt[-1:]
+        return None, prompt
+
+    def _abort(self, request_id: int) -> None:
+        uid = self._uid_of.pop(request_id, None)
+        if uid is None:
+            return  # already finished: its terminal event has been emitted
+        self._by_uid.pop(uid, None)
+        self._batch.remove([uid])
+        self._aborted.append(SequenceAborted(request_id=request_id))
+
+    # ---------------------------------------------------------------- steps
+
+    def step(self) -> StepOutputs:
+        """Run one engine step (if there is work) and collect everything since the last."""
+        progress: list[PromptProgress] = []
+        tokens: list[TokenEvent] = []
+        if self._by_uid:
+            try:
+                self._run_step(progress, tokens)
+            except Exception as exc:
+                log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
+                self._fail_all(f"engine step failed: {exc}")
+        self._steps += 1
+        outputs = StepOutputs(
+            started=tuple(self._started),
+            progress=tuple(progress),
+            tokens=tuple(tokens),
+            aborted=tuple(self._aborted),
+            failed=tuple(self._failed),
+            stats=self.stats(),
+        )
+        self._started.clear()
+        self._aborted.clear()
+        self._failed.clear()
+        return outputs
+
+    def _run_step(self, progress: list, tokens: list) -> None:
+        prompt_responses, generation_responses = self._batch.next()
+        key = self.handle.model_key
+
+        save = []
+        for r in prompt_responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue
+            done, total = r.progress
+            progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
+            if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
+                save.append(r.uid)
+        if save:
+            for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
+                self.prompt_cache.insert_cache(
+                    key,
+                    list(cache_tokens),
+                    cache,
+                    cache_type=self._by_uid[uid].segment_types.pop(),
+                )
+
+        want_logprobs = [r for r in generation_responses if self._wants_logprobs(r.uid)]
+        logprob_info = self._logprobs(want_logprobs)
+
+        for r in generation_responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue
+            logprob, top = logprob_info.get(r.uid, (None, ()))
+            tokens.append(
+                TokenEvent(
+                    request_id=seq.request_id,
+                    token=int(r.token),
+                    finish_reason=r.finish_reason,
+                    logprob=logprob,
+                    top_logprobs=top,
+                )
+            )
+            if r.finish_reason is not None:
+                del self._by_uid[r.uid]
+                self._uid_of.pop(seq.request_id, None)
+                if r.prompt_cache is not None and r.all_tokens is not None:
+                    self.prompt_cache.insert_cache(
+                        key, list(r.all_tokens), r.prompt_cache, cache_type="assistant"
+                    )
+
+    def _wants_logprobs(self, uid: int) -> bool:
+        seq = self._by_uid.get(uid)
+        return seq is not None and (seq.logprobs or seq.top_logprobs > 0)
+
+    def _logprobs(self, responses: list) -> dict[int, tuple[float, tuple]]:
+        """The sampled token's logprob and the top-n, sorted, for the responses that ask."""
+        if not responses:
+            return {}
+        import mlx.core as mx
+
+        out = {}
+        for r in responses:
+            seq = self._by_uid[r.uid]
+            lp = r.logprobs
+            chosen = lp[r.token]
+            n = seq.top_logprobs
+            if n > 0:
+                n = min(n, lp.shape[-1])
+                idx = mx.argpartition(-lp, kth=n - 1)[:n]
+                vals = lp[idx]
+                order = mx.argsort(-vals)
+                idx, vals = idx[order], vals[order]
+                mx.eval(chosen, idx, vals)
+                top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
+            else:
+                top = ()
+            out[r.uid] = (chosen.item(), top)
+        return out
+
+    def _fail_all(self, message: str) -> None:
+        for seq in self._by_uid.values():
+            self._failed.append(SequenceFailed(request_id=seq.request_id, message=message))
+        self._by_uid.clear()
+        self._uid_of.clear()
+        self._close_batch()
+        self._batch = self._new_batch_generator()
+
+    def _close_batch(self) -> None:
+        close = getattr(self._batch, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the batch generator failed")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            active_sequences=len(self._by_uid),
+            steps=self._steps,
+            prompt_cache_entries=len(self.prompt_cache),
+            prompt_cache_bytes=int(self.prompt_cache.nbytes),
+            prompt_cache_hits=self._cache_hits,
+            prompt_cache_cached_tokens=self._cached_tokens,
+        )
+
+    def close(self) -> StepOutputs:
+        """Fail whatever is still running and release the batch generator."""
+        self._fail_all("the engine is shutting down")
+        self._close_batch()
+        return self.step()
+
+
+# ---------------------------------------------------------------- the thread
+
+
+def run_engine_loop(
+    make_core: Callable[[], EngineCore],
+    inbox: queue.SimpleQueue,
+    emit: Callable[[StepOutputs], None],
+    check_cancelled: Callable[[], None],
+    *,
+    on_ready: Callable[[EngineCore], None] = lambda core: None,
+    idle_wait: float = IDLE_WAIT_SECONDS,
+) -> None:
+    """The engine thread's body. Returns on ``Shutdown``; raises on cancellation."""
+    core = make_core()
+    try:
+        on_ready(core)
+        while True:
+            check_cancelled()
+            commands = _drain(inbox, block=not core.has_work, timeout=idle_wait)
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    return
+                core.handle_command(command)
+            outputs = core.step()
+            if outputs:
+                emit(outputs)
+    finally:
+        leftover = core.close()
+        if leftover:
+            try:
+                emit(leftover)
+            except BaseException:  # the trio side is gone: nobody to tell
+                log.debug("could not deliver the engine's final outputs")
+        del core
+        gc.collect()
+
+
+def _drain(inbox: queue.SimpleQueue, *, block: bool, timeout: float) -> list:
+    commands = []
+    try:
+        commands.append(inbox.get(timeout=timeout) if block else inbox.get_nowait())
+        while True:
+            commands.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return commands

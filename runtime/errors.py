@@ -1,0 +1,68 @@
+"""Errors that become HTTP answers.
+
+Each carries the status code and the OpenAI error ``type``/``param``/``code``
+the API edge turns into ``{"error": {...}}``. Raised by the actors and the
+API; rendered only by ``api.errors``.
+"""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class ClientError(ServerError):
+    """Bad input: 400, naming the field in ``param``."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(ServerError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(ServerError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class Overloaded(ServerError):
+    """The admission queue is full: 429 with Retry-After."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
+class Unavailable(ServerError):
+    """The engine is loading, dead or shutting down: 503 with Retry-After."""
+
+    status = 503
+    type = "service_unavailable"

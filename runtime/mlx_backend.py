@@ -1,0 +1,90 @@
+"""Building a real ``EngineCore`` from mlx-lm parts, on the engine thread.
+
+``make_engine_core(config, model_path)`` must be called on the thread that
+will step the engine: it creates that thread's MLX stream, loads model and
+tokenizer with ``mlx_lm.load`` and wires ``BatchGenerator``, ``LRUPromptCache``,
+samplers and the EOS stop automaton into an ``EngineCore``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+from runtime.config import ServerConfig
+from runtime.engine import EngineCore, ModelHandle
+from runtime.sampling import build_logits_processors, build_sampler
+
+log = logging.getLogger(__name__)
+
+
+def load_model(config: ServerConfig, model_path: str) -> ModelHandle:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    gc.collect()
+    mx.clear_cache()
+    tokenizer_config = {"trust_remote_code": config.trust_remote_code}
+    if config.chat_template:
+        tokenizer_config["chat_template"] = config.chat_template
+    log.info("loading model %s", model_path)
+    model, tokenizer = load(
+        model_path,
+        adapter_path=config.adapter_path,
+        tokenizer_config=tokenizer_config,
+    )
+    if config.use_default_chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+    batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    vocab_size = _vocab_size(model, tokenizer)
+    return ModelHandle(
+        model=model,
+        tokenizer=tokenizer,
+        model_key=model_path,
+        vocab_size=vocab_size,
+        batchable=batchable,
+    )
+
+
+def _vocab_size(model, tokenizer) -> int:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    return int(size) if size else len(tokenizer)
+
+
+def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, make_stop_sequences
+    from mlx_lm.models.cache import LRUPromptCache
+
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        handle = load_model(config, model_path)
+    if not handle.batchable:
+        raise RuntimeError(
+            f"{model_path}: its KV cache cannot be batched; serving such models "
+            "one at a time is not supported yet"
+        )
+    tokenizer = handle.tokenizer
+    xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
+
+    def new_batch_generator():
+        return BatchGenerator(
+            handle.model,
+            completion_batch_size=config.decode_concurrency,
+            prefill_batch_size=config.prompt_concurrency,
+            prefill_step_size=config.prefill_step_size,
+            stream=stream,
+        )
+
+    max_bytes = config.prompt_cache_bytes if config.prompt_cache_bytes is not None else 1 << 63
+    return EngineCore(
+        handle,
+        batch_generator_factory=new_batch_generator,
+        prompt_cache=LRUPromptCache(max_size=config.prompt_cache_size, max_bytes=max_bytes),
+        prompt_cache_bytes=config.prompt_cache_bytes,
+        sampler_factory=lambda params: build_sampler(params, xtc_special),
+        logits_processors_factory=build_logits_processors,
+        stop_sequences=make_stop_sequences(tokenizer),
+    )

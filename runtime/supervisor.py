@@ -1,0 +1,190 @@
+"""The runtime: five actors under one nursery, wired with bounded channels.
+
+::
+
+    Session --submit/withdraw--> Scheduler --Submit/Abort (SimpleQueue)--> engine thread
+                                     ^                                         |
+                                     +------ StepOutputs (channel, 2) ---------+
+    Scheduler --StepOutputs (4)--> Detokenizer --Outbox (merging)--> Session
+    Scheduler --EngineStats (1)--> PromptCacheActor
+    ModelLoader: runs the engine thread, reports ready / lost
+
+``Runtime.run`` opens the nursery and starts every actor with
+``nursery.start``; cancelling it stops them all, the engine thread included
+(it sees the cancellation at its next step or idle wait). An actor that
+crashes marks the runtime dead, so ``/health`` answers 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from actors.detokenizer import Detokenizer, DetokenizerCore, TextSpec
+from actors.model_loader import ModelLoader, ModelState
+from actors.prompt_cache import PromptCacheActor
+from actors.scheduler import Scheduler, SchedulerCore
+from actors.session import Session
+from runtime.config import ServerConfig
+from runtime.engine import EngineCore, ModelHandle
+from runtime.errors import Unavailable
+from runtime.messages import EngineStats, Failed, StepOutputs, Submit
+from runtime.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+TINY_MODEL_ID = "mlx-trio-tiny-random"
+
+
+def default_model_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx-trio-server" / TINY_MODEL_ID
+
+
+def resolve_model(config: ServerConfig) -> tuple[str, str]:
+    """(model id served, path or repo to load). Builds the tiny model if none is set."""
+    if config.model:
+        return config.model, config.model
+    return TINY_MODEL_ID, str(default_model_dir())
+
+
+def make_real_core(config: ServerConfig) -> Callable[[], EngineCore]:
+    def make() -> EngineCore:
+        from runtime.mlx_backend import make_engine_core
+
+        model_id, path = resolve_model(config)
+        if not config.model:
+            from runtime.tiny_model import build_tiny_model
+
+            log.warning(
+                "no --model given: serving a tiny model with RANDOM weights (%s); "
+                "its answers are noise. Pass --model PATH for a real model.",
+                path,
+            )
+            if not (Path(path) / "model.safetensors").exists():
+                build_tiny_model(path)
+        return make_engine_core(config, path)
+
+    return make
+
+
+class Runtime:
+    def __init__(self, config: ServerConfig, *, make_core: Callable[[], EngineCore] | None = None):
+        self.config = config
+        self.model_id, _ = resolve_model(config)
+        self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
+        self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[StepOutputs](2)
+        self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
+        self._stats_send, self._stats_recv = trio.open_memory_channel[EngineStats](1)
+        self.scheduler = Scheduler(
+            SchedulerCore(
+                max_in_engine=config.decode_concurrency + config.prompt_concurrency,
+                max_waiting=config.max_queued_requests,
+            ),
+            to_detokenizer=self._detok_send,
+            to_prompt_cache=self._stats_send,
+        )
+        self.detokenizer = Detokenizer(core=None)
+        self.prompt_cache = PromptCacheActor()
+        self.model_loader = ModelLoader(
+            make_core or make_real_core(config),
+            outputs=self._engine_out_send,
+            on_ready=self._engine_ready,
+            on_lost=self._engine_lost,
+        )
+        self.dead: str | None = None
+        self.accepting = True
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED):
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.scheduler.run, self._engine_out_recv)
+                await nursery.start(self.detokenizer.run, self._detok_recv)
+                await nursery.start(self.prompt_cache.run, self._stats_recv)
+                await nursery.start(self.model_loader.run)
+                task_status.started(self)
+        except Exception as exc:
+            self.dead = f"runtime crashed: {type(exc).__name__}: {exc}"
+            log.exception("the runtime crashed; /health now answers 503")
+
+    def _engine_ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
+        self.detokenizer.core = DetokenizerCore(handle.tokenizer, withdraw=self.scheduler.withdraw)
+        self.scheduler.attach_engine(inbox)
+
+    def _engine_lost(self, reason: str, permanent: bool) -> None:
+        lost = self.scheduler.detach_engine()
+        if permanent:
+            lost += list(self.scheduler.core.waiting)
+            self.scheduler.core.waiting.clear()
+        core = self.detokenizer.core
+        if core is not None:
+            for request_id in lost:
+                core.fail(
+                    request_id,
+                    Failed(message=f"the engine stopped: {reason}", status=503, type="service_unavailable"),
+                )
+
+    # ------------------------------------------------------------- requests
+
+    def require_ready(self) -> ModelHandle:
+        if self.dead:
+            raise Unavailable(self.dead, retry_after=30)
+        if not self.accepting:
+            raise Unavailable("the server is shutting down", retry_after=5)
+        loader = self.model_loader.core
+        if loader.state is not ModelState.READY or loader.handle is None:
+            if loader.state is ModelState.FAILED:
+                raise Unavailable(f"the model failed to load: {loader.reason}", retry_after=30)
+            raise Unavailable(f"the model is {loader.state.value}", retry_after=5)
+        return loader.handle
+
+    def open_request(self, submit: Submit, spec: TextSpec, outbox: Outbox) -> None:
+        core = self.detokenizer.core
+        if core is None:
+            raise Unavailable("the model is not loaded", retry_after=5)
+        core.open(submit.request_id, spec, outbox)
+        try:
+            self.scheduler.submit(submit)
+        except BaseException:
+            core.close(submit.request_id)
+            raise
+
+    def close_request(self, request_id: int) -> None:
+        """Synchronous: called from cleanup, possibly while cancelled."""
+        core = self.detokenizer.core
+        if core is not None:
+            core.close(request_id)
+        self.scheduler.withdraw(request_id)
+
+    def session(self, **kwargs) -> Session:
+        return Session(self, **kwargs)
+
+    # ---------------------------------------------------------------- health
+
+    def health(self) -> tuple[int, dict]:
+        loader = self.model_loader.core
+        stats = self.scheduler.last_stats
+        body = {
+            "status": "ok",
+            "model": self.model_id,
+            "model_state": loader.state.value,
+            "active_sequences": stats.active_sequences,
+            "requests_in_flight": self.scheduler.core.load,
+            "waiting": len(self.scheduler.core.waiting),
+            "engine_restarts": loader.restarts,
+            "prompt_cache": self.prompt_cache.stats.as_dict(),
+        }
+        if self.dead or loader.state is not ModelState.READY or not self.accepting:
+            body["status"] = "unavailable"
+            body["reason"] = self.dead or loader.reason or f"the model is {loader.state.value}"
+            if not self.accepting:
+                body["reason"] = "shutting down"
+            return 503, body
+        return 200, body
