@@ -67,14 +67,18 @@ class StopMatcher:
         if not self._stops:
             return text, False
         buf = self._held + text
-        first = -1
+        # The stop that completes first wins (ties: the longer one), which is
+        # what a token-by-token stream sees, however the text was chunked.
+        best = None
         for stop in self._stops:
             i = buf.find(stop)
-            if i != -1 and (first == -1 or i < first):
-                first = i
-        if first != -1:
+            if i != -1:
+                key = (i + len(stop), i)
+                if best is None or key < best:
+                    best = key
+        if best is not None:
             self._held = ""
-            return buf[:first], True
+            return buf[: best[1]], True
         keep = 0
         for stop in self._stops:
             for n in range(min(len(stop) - 1, len(buf)), keep, -1):
@@ -104,8 +108,12 @@ class RequestText:
         self.completion_tokens = 0
         self.cached_tokens = 0
 
-    def add(self, token: int, *, final: str | None) -> tuple[str, str, list[str], bool]:
-        """Feed one token. Returns (content, reasoning, tool texts, stop string hit)."""
+    def add(self, token: int, *, final: str | None) -> tuple[list[tuple[str, str]], bool]:
+        """Feed one token. Returns (pieces in text order, stop string hit).
+
+        Each piece is ("content" | "reasoning" | "tool", text); a "tool" piece is
+        one whole tool-call block.
+        """
         self.completion_tokens += 1
         if final == FinishReason.STOP:
             self._detok.finalize()  # the end-of-sequence token is not text
@@ -117,31 +125,30 @@ class RequestText:
         safe, hit = self._stops.feed(raw)
         if final is not None and not hit:
             safe += self._stops.flush()
-        return (*self._segment(safe, end=final is not None or hit), hit)
+        return self._segment(safe, end=final is not None or hit), hit
 
-    def _segment(self, text: str, *, end: bool) -> tuple[str, str, list[str]]:
+    def _segment(self, text: str, *, end: bool) -> list[tuple[str, str]]:
         if self._sm is None:
-            return text, "", []
+            return [("content", text)] if text else []
         self._sm_state, segments = TextStateMachine.split(self._sm_state, text)
         if end:
             self._sm_state, flushed, state = TextStateMachine.flush(self._sm_state)
             segments.append((state, flushed))
-        content, reasoning, tools = [], [], []
+        pieces: list[tuple[str, str]] = []
         for state, piece in segments:
-            if state == "reasoning":
-                reasoning.append(piece)
-            elif state == "tool":
+            if state == "tool":
                 self._tool_text += piece
             else:
                 if self._prev_state == "tool":
-                    tools.append(self._tool_text)
+                    pieces.append(("tool", self._tool_text))
                     self._tool_text = ""
-                content.append(piece)
+                if piece:
+                    pieces.append(("reasoning" if state == "reasoning" else "content", piece))
             self._prev_state = state
         if end and self._prev_state == "tool" and self._tool_text:
-            tools.append(self._tool_text)
+            pieces.append(("tool", self._tool_text))
             self._tool_text = ""
-        return "".join(content), "".join(reasoning), tools
+        return pieces
 
 
 class DetokenizerCore:
@@ -194,16 +201,31 @@ class DetokenizerCore:
         if entry is None:
             return  # withdrawn or already finished by a stop string
         text, outbox = entry
-        content, reasoning, tool_texts, hit = text.add(event.token, final=event.finish_reason)
-        tool_calls, unparsed = self._parse_tools(tool_texts, text.spec.tools)
-        content += "".join(unparsed)
+        pieces, hit = text.add(event.token, final=event.finish_reason)
+        content: list[str] = []
+        reasoning: list[str] = []
+        tool_calls: list[ToolCall] = []
+        for kind, piece in pieces:
+            if kind == "tool":
+                calls = self._parse_tool(piece, text.spec.tools)
+                if calls is None:
+                    content.append(piece)  # rejected by the parser: returned as text
+                else:
+                    tool_calls.extend(calls)
+            elif kind == "reasoning":
+                reasoning.append(piece)
+            else:
+                content.append(piece)
         if tool_calls:
             text.made_tool_call = True
         logprobs = ()
         if event.logprob is not None:
             logprobs = (self._token_logprob(event),)
         outbox.put_delta(
-            content=content, reasoning=reasoning, tool_calls=tuple(tool_calls), logprobs=logprobs
+            content="".join(content),
+            reasoning="".join(reasoning),
+            tool_calls=tuple(tool_calls),
+            logprobs=logprobs,
         )
         if hit:
             self._requests.pop(event.request_id, None)
@@ -225,25 +247,19 @@ class DetokenizerCore:
             ),
         )
 
-    def _parse_tools(self, tool_texts: list[str], tools) -> tuple[list[ToolCall], list[str]]:
-        """Parsed calls, and the texts the parser rejected (returned to the client as text)."""
-        calls: list[ToolCall] = []
-        unparsed: list[str] = []
-        for tool_text in tool_texts:
-            try:
-                if self._tool_parser is None:
-                    raise ValueError("this model has no tool-call parser")
-                parsed = self._tool_parser(tool_text, tools)
-                parsed = parsed if isinstance(parsed, list) else [parsed]
-                batch = [_tool_call(p) for p in parsed]
-            except Exception as exc:  # a bad call is returned as text, never a crash
-                log.warning(
-                    "tool call not parsed (%s: %s); returning it as text", type(exc).__name__, exc
-                )
-                unparsed.append(tool_text)
-                continue
-            calls.extend(batch)
-        return calls, unparsed
+    def _parse_tool(self, tool_text: str, tools) -> list[ToolCall] | None:
+        """The calls in one tool block, or None if the parser rejects it."""
+        try:
+            if self._tool_parser is None:
+                raise ValueError("this model has no tool-call parser")
+            parsed = self._tool_parser(tool_text, tools)
+            parsed = parsed if isinstance(parsed, list) else [parsed]
+            return [_tool_call(p) for p in parsed]
+        except Exception as exc:  # a bad call is returned as text, never a crash
+            log.warning(
+                "tool call not parsed (%s: %s); returning it as text", type(exc).__name__, exc
+            )
+            return None
 
     def _token_logprob(self, event: TokenEvent) -> TokenLogprob:
         decode = self._tokenizer.decode
@@ -277,8 +293,8 @@ def _make_state_machine(tokenizer) -> TextStateMachine:
 class Detokenizer:
     """The trio shell: one ``on_outputs`` per engine step received."""
 
-    def __init__(self, core: DetokenizerCore):
-        self.core = core
+    def __init__(self, core: DetokenizerCore | None):
+        self.core = core  # set when a model is ready (it needs the tokenizer)
 
     async def run(
         self,
@@ -289,4 +305,5 @@ class Detokenizer:
         task_status.started()
         async with outputs:
             async for step in outputs:
-                self.core.on_outputs(step)
+                if self.core is not None:
+                    self.core.on_outputs(step)

@@ -71,7 +71,7 @@ def plan_segments(
     if think_start_at is not None:
         found = think_start_at(prompt, tail_start - THINKING_TAIL_TOKENS)
         if found >= 0:
-            tail_start = found
+            tail_start = max(found, sys_end)  # never overlap the system segment
 
     if sys_end < tail_start:
         segments.append(prompt[sys_end:tail_start])

@@ -171,6 +171,7 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     vocab_target: int = 512,
+    weight_scale: float = 4.0,
 ) -> pathlib.Path:
     """Write a tiny random model that ``mlx_lm.load`` accepts into ``path``.
 
@@ -192,7 +193,13 @@ def build_tiny_model(
     args = arch_module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = arch_module.Model(args)
-    weights = dict(tree_flatten(model.parameters()))
+    # Default initialisation makes a tiny model repeat one token forever;
+    # scaled-up projections give varied (still meaningless) text, which the
+    # batching and caching tests need to tell sequences apart.
+    weights = {
+        k: v * weight_scale if ("proj" in k or "embed" in k) else v
+        for k, v in tree_flatten(model.parameters())
+    }
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 

@@ -1,0 +1,415 @@
+"""Response types of the OpenAI endpoints, and the renderers that fill them.
+
+attrs classes unstructured by ``api.convert.unstructure``: a field with a
+``None`` default is left out while ``None``; a field without a default is
+always sent (``content: null``, ``finish_reason: null``, ``logprobs: null``).
+
+``ChatRenderer`` and ``TextRenderer`` turn a Session's events (``Delta``,
+``Progress``, ``Finished``, ``Failed``) into SSE frames or one JSON body, the
+same way for streaming and non-streaming requests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import attrs
+
+from api.convert import unstructure
+from runtime.messages import Delta, Failed, Finished, Progress, TokenLogprob, ToolCall, Usage
+
+# ------------------------------------------------------------------ types
+
+
+@attrs.frozen(kw_only=True)
+class PromptTokensDetails:
+    cached_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class UsageOut:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, usage: Usage) -> UsageOut:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        )
+
+
+@attrs.frozen(kw_only=True)
+class FunctionOut:
+    name: str
+    arguments: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCallOut:
+    id: str
+    type: str
+    function: FunctionOut
+    index: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@attrs.frozen(kw_only=True)
+class ChatTokenLogprob:
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+@attrs.frozen(kw_only=True)
+class ChatLogprobs:
+    content: list[ChatTokenLogprob]
+
+
+@attrs.frozen(kw_only=True)
+class ChatMessageOut:
+    role: str
+    content: str | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatDelta:
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatChoice:
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+
+
+@attrs.frozen(kw_only=True)
+class ChatChunkChoice:
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletion:
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionChunk:
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TextLogprobs:
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+@attrs.frozen(kw_only=True)
+class TextChoice:
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: TextLogprobs | None
+
+
+@attrs.frozen(kw_only=True)
+class TextCompletion:
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[TextChoice]
+    usage: UsageOut | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ModelCard:
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+@attrs.frozen(kw_only=True)
+class ModelList:
+    object: str
+    data: list[ModelCard]
+
+
+# ----------------------------------------------------------------- framing
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + dumps(payload).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def dumps(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+def keepalive(progress: Progress) -> bytes:
+    return f": keepalive {progress.done}/{progress.total}\n\n".encode()
+
+
+def error_body(failed: Failed) -> dict:
+    return {"error": {"message": failed.message, "type": failed.type, "param": None, "code": None}}
+
+
+# --------------------------------------------------------------- renderers
+
+
+class _Renderer:
+    """Accumulates a request's events; renders chunks (streaming) or one body."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, *, model: str, fingerprint: str, logprobs: bool, include_usage: bool):
+        self.id = f"{self.id_prefix}-{uuid.uuid4()}"
+        self.created = int(time.time())
+        self.model = model
+        self.fingerprint = fingerprint
+        self.want_logprobs = logprobs
+        self.include_usage = include_usage
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.terminal: Finished | Failed | None = None
+
+    def add(self, item) -> None:
+        if isinstance(item, Delta):
+            self.content.append(item.content)
+            self.reasoning.append(item.reasoning)
+            self.tool_calls.extend(item.tool_calls)
+            self.logprobs.extend(item.logprobs)
+        elif isinstance(item, Finished | Failed):
+            self.terminal = item
+
+    def stream_frames(self, items) -> bytes:
+        out = []
+        for item in items:
+            if isinstance(item, Progress):
+                out.append(keepalive(item))
+            elif isinstance(item, Delta):
+                frame = self.delta_chunk(item)
+                if frame is not None:
+                    out.append(sse(unstructure(frame)))
+            elif isinstance(item, Finished):
+                out.append(sse(unstructure(self.final_chunk(item))))
+                if self.include_usage:
+                    out.append(sse(unstructure(self.usage_chunk(item))))
+                out.append(SSE_DONE)
+            elif isinstance(item, Failed):
+                out.append(sse(error_body(item)))
+                out.append(SSE_DONE)
+        return b"".join(out)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+class ChatRenderer(_Renderer):
+    id_prefix = "chatcmpl"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._tool_index = 0
+
+    def _tool_out(self, calls, *, streaming: bool) -> list[ToolCallOut] | None:
+        if not calls:
+            return None
+        out = []
+        for call in calls:
+            out.append(
+                ToolCallOut(
+                    id=call.id,
+                    type="function",
+                    function=FunctionOut(name=call.name, arguments=call.arguments),
+                    index=self._tool_index if streaming else None,
+                )
+            )
+            self._tool_index += 1
+        return out
+
+    def _logprobs_out(self, entries) -> ChatLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    token=e.text,
+                    logprob=e.logprob,
+                    bytes=_bytes(e.text),
+                    top_logprobs=[
+                        TopLogprob(token=text, logprob=lp, bytes=_bytes(text)) for _, text, lp in e.top
+                    ],
+                )
+                for e in entries
+            ]
+        )
+
+    def _chunk(self, delta: ChatDelta, finish_reason, logprobs=None, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id,
+            object="chat.completion.chunk",
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)]
+            if usage is None
+            else [],
+            usage=usage,
+        )
+
+    def delta_chunk(self, item: Delta) -> ChatCompletionChunk | None:
+        tool_calls = self._tool_out(item.tool_calls, streaming=True)
+        if not (item.content or item.reasoning or tool_calls or (self.want_logprobs and item.logprobs)):
+            return None
+        delta = ChatDelta(
+            role="assistant",
+            content=item.content or None,
+            reasoning=item.reasoning or None,
+            reasoning_content=item.reasoning or None,
+            tool_calls=tool_calls,
+        )
+        logprobs = self._logprobs_out(item.logprobs) if item.logprobs else None
+        return self._chunk(delta, None, logprobs)
+
+    def final_chunk(self, finished: Finished) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(), finished.finish_reason)
+
+    def usage_chunk(self, finished: Finished) -> ChatCompletionChunk:
+        return self._chunk(ChatDelta(), None, usage=UsageOut.of(finished.usage))
+
+    def body(self) -> dict:
+        assert isinstance(self.terminal, Finished)
+        content = "".join(self.content)
+        reasoning = "".join(self.reasoning)
+        message = ChatMessageOut(
+            role="assistant",
+            content=content or None,
+            reasoning=reasoning or None,
+            reasoning_content=reasoning or None,
+            tool_calls=self._tool_out(self.tool_calls, streaming=False),
+        )
+        return unstructure(
+            ChatCompletion(
+                id=self.id,
+                object="chat.completion",
+                created=self.created,
+                model=self.model,
+                system_fingerprint=self.fingerprint,
+                choices=[
+                    ChatChoice(
+                        index=0,
+                        message=message,
+                        finish_reason=self.terminal.finish_reason,
+                        logprobs=self._logprobs_out(self.logprobs),
+                    )
+                ],
+                usage=UsageOut.of(self.terminal.usage),
+            )
+        )
+
+
+class TextRenderer(_Renderer):
+    id_prefix = "cmpl"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._offset = 0
+
+    def _logprobs_out(self, entries) -> TextLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(self._offset)
+            self._offset += len(e.text)
+        return TextLogprobs(
+            tokens=[e.text for e in entries],
+            token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{text: lp for _, text, lp in e.top} for e in entries],
+            text_offset=offsets,
+        )
+
+    def _completion(self, text: str, finish_reason, logprobs=None, usage=None) -> TextCompletion:
+        return TextCompletion(
+            id=self.id,
+            object="text_completion",
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=[TextChoice(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)]
+            if usage is None or finish_reason is not None
+            else [],
+            usage=usage,
+        )
+
+    def delta_chunk(self, item: Delta) -> TextCompletion | None:
+        if not item.content and not (self.want_logprobs and item.logprobs):
+            return None
+        logprobs = self._logprobs_out(item.logprobs) if item.logprobs else None
+        return self._completion(item.content, None, logprobs)
+
+    def final_chunk(self, finished: Finished) -> TextCompletion:
+        return self._completion("", finished.finish_reason)
+
+    def usage_chunk(self, finished: Finished) -> TextCompletion:
+        return self._completion("", None, usage=UsageOut.of(finished.usage))
+
+    def body(self) -> dict:
+        assert isinstance(self.terminal, Finished)
+        return unstructure(
+            self._completion(
+                "".join(self.content),
+                self.terminal.finish_reason,
+                self._logprobs_out(self.logprobs),
+                UsageOut.of(self.terminal.usage),
+            )
+        )

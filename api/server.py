@@ -1,0 +1,406 @@
+"""The Quart-Trio application: OpenAI endpoints over the actor runtime.
+
+``create_app(config)`` builds the app; its serving lifecycle starts the
+``Runtime`` (all actors, the engine thread) in the app's nursery and cancels
+it on shutdown. Routes parse and validate at the edge (cattrs), open a
+``Session``, and render its events as one JSON body or an SSE stream. Every
+error is an OpenAI-style JSON body (``{"error": {message, type, param,
+code}}``); 429 and 503 carry ``Retry-After``.
+
+A streaming response's body is a ``SessionStream``: the Session is entered in
+the route (so a refusal is a proper status code before any byte is sent) and
+left by the stream's ``aclose()``, which Quart calls when the body ends or the
+client disconnects, or, if the response is dropped before its body starts,
+by a ``weakref.finalize`` safety net. Leaving is synchronous and withdraws
+the sequence from the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import platform
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from actors.session import Session
+from api.convert import structure_or_400, unstructure
+from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
+from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from runtime.config import ServerConfig
+from runtime.errors import ClientError, PayloadTooLarge, ServerError
+from runtime.messages import Failed, Finished, SamplingParams
+from runtime.prompts import prepare_chat, prepare_text
+from runtime.supervisor import Runtime
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def _fingerprint() -> str:
+    try:
+        import mlx.core as mx
+        import mlx_lm
+
+        return f"mlx-trio-server-{mlx_lm.__version__}-{mx.__version__}-{platform.machine()}"
+    except Exception:  # pragma: no cover - mlx missing is caught at load
+        return "mlx-trio-server"
+
+
+def json_response(payload: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(dumps(payload), status=status, headers=headers, content_type="application/json")
+
+
+def error_response(error: ServerError) -> Response:
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return json_response(error.body(), status=error.status, headers=headers)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json() -> Any:
+    raw = await request.get_data(cache=False, as_text=False)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ClientError("the request body is not valid UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise ClientError(f"the request body is not valid JSON: {exc}") from None
+
+
+def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=float(pick(req.temperature, config.temp)),
+        top_p=float(pick(req.top_p, config.top_p)),
+        top_k=int(pick(req.top_k, config.top_k)),
+        min_p=float(pick(req.min_p, config.min_p)),
+        xtc_probability=req.xtc_probability,
+        xtc_threshold=req.xtc_threshold,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty,
+        presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty,
+        frequency_context_size=req.frequency_context_size,
+        logit_bias=req.logit_bias_pairs,
+        seed=req.seed,
+    )
+
+
+def plain_message(message: ChatMessage) -> dict[str, Any]:
+    """A validated message as the chat template expects it."""
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    raise ClientError(
+                        "tool call arguments must be a JSON object",
+                        param="messages.tool_calls.function.arguments",
+                    ) from None
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+class SessionStream:
+    """The body of a streaming response: frames from an entered Session."""
+
+    def __init__(self, session: Session, renderer):
+        self._session = session
+        self._renderer = renderer
+        self._done = False
+        self._close = weakref.finalize(self, _leave_session, session)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._done:
+            try:
+                items = await self._session.receive()
+            except trio.EndOfChannel:
+                self._finish()
+                break
+            if any(isinstance(i, Finished | Failed) for i in items):
+                self._finish()
+            frames = self._renderer.stream_frames(items)
+            if frames:  # an empty body chunk would read as the end of the stream
+                return frames
+        raise StopAsyncIteration
+
+    def _finish(self) -> None:
+        self._done = True
+        self._close()
+
+    async def aclose(self) -> None:
+        self._close()
+
+
+def _leave_session(session: Session) -> None:
+    if session.request_id is not None:
+        session._runtime.close_request(session.request_id)
+    session.outbox.close()
+
+
+def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> QuartTrio:
+    problems = config.unsupported()
+    if problems:
+        raise SystemExit("mlx-trio-server: " + "; ".join(problems))
+
+    app = QuartTrio("mlx_trio_server")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
+    rt = runtime or Runtime(config)
+    app.extensions["runtime"] = rt
+    fingerprint = _fingerprint()
+    cancel_runtime: list[trio.CancelScope] = []
+
+    async def run_runtime(*, task_status=trio.TASK_STATUS_IGNORED):
+        with trio.CancelScope() as scope:
+            cancel_runtime.append(scope)
+            await rt.run(task_status=task_status)
+
+    @app.before_serving
+    async def start_runtime():
+        await app.nursery.start(run_runtime)
+
+    @app.after_serving
+    async def stop_runtime():
+        rt.accepting = False
+        for scope in cancel_runtime:
+            scope.cancel()
+
+    # ------------------------------------------------------------ errors
+
+    @app.errorhandler(ServerError)
+    async def on_server_error(error: ServerError):
+        return error_response(error)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    async def on_too_large(error):
+        return error_response(
+            PayloadTooLarge(f"the request body is larger than {config.max_request_bytes} bytes")
+        )
+
+    @app.errorhandler(HTTPException)
+    async def on_http_error(error: HTTPException):
+        kind = "not_found_error" if error.code == 404 else "invalid_request_error"
+        body = {"error": {"message": error.description, "type": kind, "param": None, "code": None}}
+        return json_response(body, status=error.code or 500)
+
+    @app.errorhandler(Exception)
+    async def on_unexpected(error: Exception):
+        log.exception("unexpected error while serving %s %s", request.method, request.path)
+        return error_response(ServerError(f"internal error: {type(error).__name__}"))
+
+    # -------------------------------------------------------------- CORS
+
+    @app.after_request
+    async def add_cors(response: Response):
+        origins = config.allowed_origins
+        origin = request.headers.get("Origin")
+        if "*" in origins:
+            response.headers["Access-Control-Allow-Origin"] = "*"
+        elif origin in origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+        response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        response.headers["Access-Control-Allow-Headers"] = "*"
+        return response
+
+    @app.before_request
+    async def preflight():
+        # Any path answers a CORS preflight, as mlx_lm.server does.
+        if request.method == "OPTIONS":
+            return Response("", status=204)
+        return None
+
+    # ------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health():
+        status, body = rt.health()
+        return json_response(body, status=status)
+
+    @app.get("/v1/models")
+    async def models():
+        return json_response(unstructure(_model_list(rt)))
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str):
+        for card in _model_list(rt).data:
+            if card.id == model_id:
+                return json_response(unstructure(card))
+        raise _not_found(model_id)
+
+    async def generate(session: Session, renderer, stream: bool):
+        await session.__aenter__()
+        if stream:
+            try:
+                body = SessionStream(session, renderer)
+            except BaseException:
+                await session.__aexit__(None, None, None)
+                raise
+            response = Response(body, status=200, headers=SSE_HEADERS)
+            response.timeout = None
+            return response
+        try:
+            while renderer.terminal is None:
+                try:
+                    items = await session.receive()
+                except trio.EndOfChannel:
+                    break
+                for item in items:
+                    renderer.add(item)
+        finally:
+            await session.__aexit__(None, None, None)
+        terminal = renderer.terminal
+        if isinstance(terminal, Failed):
+            return json_response(
+                {"error": {"message": terminal.message, "type": terminal.type, "param": None, "code": None}},
+                status=terminal.status,
+            )
+        return json_response(renderer.body())
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions():
+        req = structure_or_400(await read_json(), ChatCompletionRequest)
+        messages = [plain_message(m) for m in req.messages]
+        template_args = {**config.chat_template_args, **(req.chat_template_kwargs or {})}
+        prepare = functools.partial(
+            _prepare_chat,
+            messages=messages,
+            tools=req.tools,
+            template_args=template_args,
+            role_mapping=req.role_mapping,
+        )
+        want_logprobs = req.logprobs or bool(req.top_logprobs)
+        session = rt.session(
+            prepare=prepare,
+            sampling=sampling_params(req, config),
+            max_tokens=req.token_limit or config.max_tokens,
+            stop=req.stop_strings,
+            tools=req.tools,
+            markup=True,
+            logprobs=want_logprobs,
+            top_logprobs=req.top_logprobs or 0,
+        )
+        renderer = ChatRenderer(
+            model=req.model,
+            fingerprint=fingerprint,
+            logprobs=want_logprobs,
+            include_usage=req.include_usage,
+        )
+        return await generate(session, renderer, req.stream)
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions():
+        req = structure_or_400(await read_json(), CompletionRequest)
+        want_logprobs = req.logprobs is not None
+        session = rt.session(
+            prepare=functools.partial(_prepare_text, prompt=req.prompt),
+            sampling=sampling_params(req, config),
+            max_tokens=req.token_limit or config.max_tokens,
+            stop=req.stop_strings,
+            markup=False,
+            logprobs=want_logprobs,
+            top_logprobs=req.logprobs or 0,
+        )
+        renderer = TextRenderer(
+            model=req.model,
+            fingerprint=fingerprint,
+            logprobs=want_logprobs,
+            include_usage=req.include_usage,
+        )
+        return await generate(session, renderer, req.stream)
+
+    return app
+
+
+def _prepare_chat(tokenizer, *, messages, tools, template_args, role_mapping):
+    return prepare_chat(
+        tokenizer, messages, tools=tools, template_args=template_args, role_mapping=role_mapping
+    )
+
+
+def _prepare_text(tokenizer, *, prompt):
+    return prepare_text(tokenizer, prompt)
+
+
+def _not_found(model_id: str) -> ServerError:
+    from runtime.errors import NotFound
+
+    return NotFound(f"model {model_id!r} not found", param="model")
+
+
+def _model_list(rt: Runtime) -> ModelList:
+    created = int(time.time())
+    cards = [ModelCard(id=rt.model_id, object="model", created=created, owned_by="mlx-trio-server")]
+    seen = {rt.model_id}
+    for repo_id in _cached_mlx_models():
+        if repo_id not in seen:
+            seen.add(repo_id)
+            cards.append(ModelCard(id=repo_id, object="model", created=created, owned_by="huggingface"))
+    return ModelList(object="list", data=cards)
+
+
+def _cached_mlx_models() -> list[str]:
+    """MLX models in the local Hugging Face cache, as mlx_lm.server lists them."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # no cache folder (or an unreadable one): nothing to list
+        return []
+    wanted = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+    found = []
+    for repo in info.repos:
+        if repo.repo_type != "model" or "main" not in repo.refs:
+            continue
+        names = {Path(f.file_path).name for f in repo.refs["main"].files}
+        if wanted <= names:
+            found.append(repo.repo_id)
+    return sorted(found)

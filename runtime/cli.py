@@ -1,0 +1,105 @@
+"""The ``mlx-trio-server`` command: mlx_lm.server's flags, Hypercorn in-process.
+
+Parses the same flags with the same names and defaults as ``mlx_lm.server``
+(plus a few of ours), structures them into ``ServerConfig`` through the same
+cattrs converter as the environment variables, and serves the app with
+Hypercorn's trio worker in this process. SIGINT/SIGTERM trigger a graceful
+shutdown: the app stops admitting, then the runtime is cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+import trio
+
+from runtime.config import DEFAULT_QUANTIZED_KV_START, LOG_LEVELS, ConfigError, config_from_mapping
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-trio-server", description="OpenAI-compatible server for MLX models, on trio."
+    )
+    p.add_argument("--model", type=str, help="Path or Hugging Face repo of the MLX model")
+    p.add_argument("--adapter-path", type=str, help="Optional path to trained adapter weights")
+    p.add_argument("--host", type=str, default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--allowed-origins", type=lambda x: x.split(","), default="*")
+    p.add_argument("--draft-model", type=str, default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", type=str, default="INFO", choices=list(LOG_LEVELS))
+    p.add_argument("--chat-template", type=str, default="")
+    p.add_argument("--use-default-chat-template", action="store_true")
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--chat-template-args", type=json.loads, default="{}")
+    p.add_argument("--decode-concurrency", type=int, default=32)
+    p.add_argument("--prompt-concurrency", type=int, default=8)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prompt-cache-size", type=int, default=10)
+    p.add_argument("--prompt-cache-bytes", type=str, default=None)
+    p.add_argument("--kv-bits", type=int, default=None)
+    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START)
+    p.add_argument("--pipeline", action="store_true")
+    # ours
+    p.add_argument("--max-queued-requests", type=int, default=256)
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20)
+    return p
+
+
+def parse_config(argv: list[str] | None = None):
+    args = vars(build_parser().parse_args(argv))
+    if isinstance(args["chat_template_args"], str):
+        args["chat_template_args"] = json.loads(args["chat_template_args"])
+    if isinstance(args["allowed_origins"], str):
+        args["allowed_origins"] = args["allowed_origins"].split(",")
+    return config_from_mapping(args)
+
+
+async def _serve(app, config) -> None:
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve
+
+    hyper = HypercornConfig()
+    hyper.bind = [f"{config.host}:{config.port}"]
+    hyper.backlog = 1024
+    hyper.graceful_timeout = 10
+    hyper.startup_timeout = 600
+    hyper.accesslog = None
+
+    async def shutdown_trigger() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                logging.getLogger(__name__).info(
+                    "received %s: shutting down", signal.Signals(signum).name
+                )
+                return
+
+    await serve(app, hyper, shutdown_trigger=shutdown_trigger)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        sys.exit(f"mlx-trio-server: {exc}")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from api.server import create_app
+
+    app = create_app(config)
+    trio.run(_serve, app, config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The app end to end through Quart's test client, on a real tiny mlx model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from api.server import create_app
+from runtime.config import ServerConfig
+from tests.conftest import wait_ready
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+async def client(tiny_model_path):
+    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=32))
+    async with app.test_app() as test_app:
+        c = test_app.test_client()
+        await wait_ready(c)
+        c.app = app
+        yield c
+
+
+def chat_body(content="hello there", **extra):
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def parse_sse(raw: bytes) -> tuple[list[dict], list[str], bool]:
+    """(data payloads, comment lines, saw [DONE])."""
+    payloads, comments, done = [], [], False
+    for block in raw.decode().split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        if block.startswith(":"):
+            comments.append(block)
+        elif block == "data: [DONE]":
+            done = True
+        else:
+            assert block.startswith("data: "), block
+            assert not done, "data after [DONE]"
+            payloads.append(json.loads(block[len("data: ") :]))
+    return payloads, comments, done
+
+
+async def stream_post(client, path, body) -> tuple[int, dict, bytes]:
+    """POST and read the body as it streams (the test client buffers only 10 chunks)."""
+    headers = {"Content-Type": "application/json"}
+    async with client.request(path, method="POST", headers=headers) as conn:
+        await conn.send(json.dumps(body).encode())
+        await conn.send_complete()
+        data = b""
+        try:
+            while True:
+                data += await conn.receive()
+        except trio.EndOfChannel:
+            pass
+    return conn.status_code, conn.headers, data
+
+
+async def post(client, path, body):
+    response = await client.post(path, json=body)
+    return response.status_code, await response.get_json(), response
+
+
+async def test_health_and_models(client):
+    response = await client.get("/health")
+    body = await response.get_json()
+    assert response.status_code == 200
+    assert body["status"] == "ok" and body["model_state"] == "ready"
+    response = await client.get("/v1/models")
+    models = await response.get_json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == client.app.extensions["runtime"].model_id
+
+
+async def test_chat_completion_shape(client):
+    status, body, _ = await post(client, CHAT, chat_body(max_tokens=6))
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert "content" in choice["message"]
+    assert choice["finish_reason"] in ("length", "stop")
+    usage = body["usage"]
+    assert usage["completion_tokens"] <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+
+
+async def test_greedy_is_deterministic_and_stream_matches(client):
+    body = chat_body("what is the weather in Paris", max_tokens=12)
+    _, first, _ = await post(client, CHAT, body)
+    _, second, _ = await post(client, CHAT, body)
+    text = first["choices"][0]["message"]["content"]
+    assert text == second["choices"][0]["message"]["content"]
+
+    status, headers, raw = await stream_post(
+        client, CHAT, {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/event-stream")
+    payloads, _, done = parse_sse(raw)
+    assert done
+    streamed = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"])
+    assert streamed == (text or "")
+    assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+    finals = [p for p in payloads if p["choices"] and p["choices"][0]["finish_reason"]]
+    assert len(finals) == 1
+    usage_chunks = [p for p in payloads if p.get("usage")]
+    assert len(usage_chunks) == 1 and usage_chunks[0]["choices"] == []
+    assert usage_chunks[0]["usage"]["completion_tokens"] == first["usage"]["completion_tokens"]
+
+
+async def test_stream_options_without_usage_still_ends_with_done(client):
+    _, _, raw = await stream_post(client, CHAT, chat_body(max_tokens=3, stream=True, stream_options={}))
+    payloads, _, done = parse_sse(raw)
+    assert done
+    assert not any(p.get("usage") for p in payloads)
+
+
+async def test_text_completion_stream_and_not(client):
+    body = {"prompt": "the weather in Rome is", "max_tokens": 8}
+    status, full, _ = await post(client, "/v1/completions", body)
+    assert status == 200 and full["object"] == "text_completion"
+    text = full["choices"][0]["text"]
+    _, _, raw = await stream_post(client, "/v1/completions", {**body, "stream": True})
+    payloads, _, done = parse_sse(raw)
+    assert done
+    assert "".join(p["choices"][0]["text"] for p in payloads if p["choices"]) == text
+
+
+async def test_stop_string_cuts_text_across_tokens(client):
+    body = chat_body("tell me about the time in Tokyo", max_tokens=24)
+    _, full, _ = await post(client, CHAT, body)
+    text = full["choices"][0]["message"]["content"] or ""
+    if len(text) < 6:
+        pytest.skip("the random model produced too little text to cut")
+    stop = text[3:6]
+    expected = text[: text.find(stop)]
+    for stream in (False, True):
+        if stream:
+            _, _, raw = await stream_post(client, CHAT, {**body, "stop": [stop], "stream": True})
+            payloads, _, done = parse_sse(raw)
+            assert done
+            got = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"])
+            reason = [p["choices"][0]["finish_reason"] for p in payloads if p["choices"]][-1]
+        else:
+            _, data, _ = await post(client, CHAT, {**body, "stop": [stop]})
+            got = data["choices"][0]["message"]["content"] or ""
+            reason = data["choices"][0]["finish_reason"]
+        assert got == expected
+        assert reason == "stop"
+
+
+async def test_concurrent_greedy_requests_match_solo(client):
+    prompts = [f"request number {i}: say something about {w}" for i, w in enumerate(
+        ["cats", "dogs", "Paris", "rain", "seven", "time", "Rome", "snow"] * 2
+    )]
+    solo = []
+    for p in prompts:
+        _, body, _ = await post(client, CHAT, chat_body(p, max_tokens=10))
+        solo.append(body["choices"][0]["message"]["content"])
+    assert len(set(solo)) > 1, "the model should say different things to different prompts"
+
+    together: dict[int, str] = {}
+
+    async def one(i, p):
+        _, body, _ = await post(client, CHAT, chat_body(p, max_tokens=10))
+        together[i] = body["choices"][0]["message"]["content"]
+
+    async with trio.open_nursery() as nursery:
+        for i, p in enumerate(prompts):
+            nursery.start_soon(one, i, p)
+    assert [together[i] for i in range(len(prompts))] == solo
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": 123}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": 100000}, "top_k"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ],
+)
+async def test_bad_input_is_a_400_naming_the_field(client, body, param):
+    status, data, _ = await post(client, CHAT, body)
+    assert status == 400, data
+    assert data["error"]["param"] == param
+    assert data["error"]["type"] == "invalid_request_error"
+    assert data["error"]["message"]
+    status, _, _ = await post(client, CHAT, chat_body(max_tokens=2))
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    "raw, content_type",
+    [
+        (b"{not json", "application/json"),
+        (b"[1, 2]", "application/json"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "application/json"),
+        (b"\xff\xfe\x00", "application/json"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "text/plain"),
+    ],
+)
+async def test_bad_bodies(client, raw, content_type):
+    response = await client.post(CHAT, data=raw, headers={"Content-Type": content_type})
+    data = await response.get_json()
+    if content_type == "text/plain":
+        assert response.status_code == 200  # a missing or odd Content-Type is tolerated
+        return
+    assert response.status_code == 400
+    assert set(data["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_unknown_path_and_cors(client):
+    response = await client.get("/nope")
+    assert response.status_code == 404
+    assert (await response.get_json())["error"]["type"] == "not_found_error"
+    response = await client.options(CHAT, headers={"Origin": "http://example.com"})
+    assert response.status_code == 204
+    assert response.headers["Access-Control-Allow-Origin"] == "*"
