@@ -15,16 +15,26 @@ def tiny_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_path):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
     from pathlib import Path
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return load_tokenizer(Path(tiny_model_path))
 
 
-async def wait_ready(client, timeout: float = 60.0) -> None:
-    with trio.fail_after(timeout):
+async def wait_ready(client) -> None:
+    with trio.fail_after(60):
         while True:
             response = await client.get("/health")
             if response.status_code == 200:
                 return
             await trio.sleep(0.05)
+
+
+async def poll_until(predicate, seconds: float = 10.0) -> None:
+    """Wait (bounded) for a condition another thread or task will make true."""
+    with trio.fail_after(seconds):
+        while True:
+            if predicate():
+                return
+            await trio.sleep(0.01)

@@ -1,0 +1,53 @@
+"""One configuration type behind the CLI flags and the environment variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.server import create_app
+from runtime.cli import parse_config
+from runtime.config import ConfigError, ServerConfig, config_from_env
+
+
+def test_cli_defaults_match_mlx_lm_server():
+    config = parse_config([])
+    assert config == ServerConfig()
+    assert (config.port, config.max_tokens, config.decode_concurrency) == (8080, 512, 32)
+    assert (config.prompt_concurrency, config.prefill_step_size, config.prompt_cache_size) == (8, 2048, 10)
+
+
+def test_cli_and_env_give_the_same_config():
+    cli = parse_config([
+        "--model", "/m", "--max-tokens", "256", "--allowed-origins", "a,b",
+        "--chat-template-args", '{"enable_thinking": false}', "--prompt-cache-bytes", "4GB",
+        "--trust-remote-code",
+    ])
+    env = config_from_env({
+        "MLX_TRIO_MODEL": "/m", "MLX_TRIO_MAX_TOKENS": "256", "MLX_TRIO_ALLOWED_ORIGINS": "a,b",
+        "MLX_TRIO_CHAT_TEMPLATE_ARGS": '{"enable_thinking": false}',
+        "MLX_TRIO_PROMPT_CACHE_BYTES": "4GB", "MLX_TRIO_TRUST_REMOTE_CODE": "1",
+    })
+    assert cli == env
+    assert env.prompt_cache_bytes == 4 * 10**9
+    assert env.allowed_origins == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "environ, fragment",
+    [
+        ({"MLX_TRIO_MAX_TOKENS": "many"}, "max_tokens"),
+        ({"MLX_TRIO_MAX_TOKENS": "-1"}, "max_tokens"),
+        ({"MLX_TRIO_LOG_LEVEL": "loud"}, "log_level"),
+        ({"MLX_TRIO_NO_SUCH_SETTING": "1"}, "MLX_TRIO_NO_SUCH_SETTING"),
+        ({"MLX_TRIO_TRUST_REMOTE_CODE": "perhaps"}, "boolean"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_setting(environ, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        config_from_env(environ)
+
+
+@pytest.mark.parametrize("flags", [["--draft-model", "/d"], ["--kv-bits", "4"], ["--pipeline"]])
+def test_unsupported_flags_fail_loudly_at_start(flags):
+    with pytest.raises(SystemExit, match="not supported yet"):
+        create_app(parse_config(flags))
