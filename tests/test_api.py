@@ -135,11 +135,13 @@ async def test_text_completion_stream_and_not(client):
 
 
 async def test_stop_string_cuts_text_across_tokens(client):
-    body = chat_body("tell me about the time in Tokyo", max_tokens=24)
-    _, full, _ = await post(client, CHAT, body)
-    text = full["choices"][0]["message"]["content"] or ""
-    if len(text) < 6:
-        pytest.skip("the random model produced too little text to cut")
+    for prompt in ["tell me about the time in Tokyo", "weather in Paris", "hello", "3 + 4", "cats"]:
+        body = chat_body(prompt, max_tokens=24)
+        _, full, _ = await post(client, CHAT, body)
+        text = full["choices"][0]["message"]["content"] or ""
+        if len(text) >= 6:
+            break
+    assert len(text) >= 6, "the random model should produce some text for one of these"
     stop = text[3:6]
     expected = text[: text.find(stop)]
     for stream in (False, True):
