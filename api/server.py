@@ -263,6 +263,12 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         status, body = rt.health()
         return json_response(body, status=status)
 
+    @app.get("/openapi.json")
+    async def openapi():
+        from api.openapi import openapi_document
+
+        return json_response(openapi_document())
+
     @app.get("/v1/models")
     async def models():
         return json_response(unstructure(_model_list(rt)))
