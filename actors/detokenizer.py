@@ -127,6 +127,10 @@ class RequestText:
             safe += self._stops.flush()
         return self._segment(safe, end=final is not None or hit), hit
 
+    def flush(self) -> list[tuple[str, str]]:
+        """Everything held back (a possible stop-string or marker prefix), as pieces."""
+        return self._segment(self._stops.flush(), end=True)
+
     def _segment(self, text: str, *, end: bool) -> list[tuple[str, str]]:
         if self._sm is None:
             return [("content", text)] if text else []
@@ -194,7 +198,11 @@ class DetokenizerCore:
             if entry is not None:
                 entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
         for failed in outputs.failed:
-            self.fail(failed.request_id, Failed(message=failed.message))
+            if failed.retryable:
+                failure = Failed(message=failed.message, status=503, type="service_unavailable")
+            else:
+                failure = Failed(message=failed.message)
+            self.fail(failed.request_id, failure)
 
     def _on_token(self, event: TokenEvent) -> None:
         entry = self._requests.get(event.request_id)
@@ -202,6 +210,27 @@ class DetokenizerCore:
             return  # withdrawn or already finished by a stop string
         text, outbox = entry
         pieces, hit = text.add(event.token, final=event.finish_reason)
+        logprobs = (self._token_logprob(event),) if event.logprob is not None else ()
+        self._deliver(text, outbox, pieces, logprobs)
+        if hit:
+            self._requests.pop(event.request_id, None)
+            self._withdraw(event.request_id)
+            outbox.put_terminal(self._finished(text, FinishReason.STOP))
+        elif event.finish_reason is not None:
+            self._requests.pop(event.request_id, None)
+            outbox.put_terminal(self._finished(text, event.finish_reason))
+
+    def expire(self, request_id: int) -> None:
+        """The request's deadline passed: release held-back text, finish with "length"."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        text, outbox = entry
+        self._withdraw(request_id)
+        self._deliver(text, outbox, text.flush(), ())
+        outbox.put_terminal(self._finished(text, FinishReason.LENGTH))
+
+    def _deliver(self, text: RequestText, outbox: Outbox, pieces, logprobs) -> None:
         content: list[str] = []
         reasoning: list[str] = []
         tool_calls: list[ToolCall] = []
@@ -218,22 +247,12 @@ class DetokenizerCore:
                 content.append(piece)
         if tool_calls:
             text.made_tool_call = True
-        logprobs = ()
-        if event.logprob is not None:
-            logprobs = (self._token_logprob(event),)
         outbox.put_delta(
             content="".join(content),
             reasoning="".join(reasoning),
             tool_calls=tuple(tool_calls),
             logprobs=logprobs,
         )
-        if hit:
-            self._requests.pop(event.request_id, None)
-            self._withdraw(event.request_id)
-            outbox.put_terminal(self._finished(text, FinishReason.STOP))
-        elif event.finish_reason is not None:
-            self._requests.pop(event.request_id, None)
-            outbox.put_terminal(self._finished(text, event.finish_reason))
 
     def _finished(self, text: RequestText, reason: str) -> Finished:
         if reason == FinishReason.STOP and text.made_tool_call:

@@ -49,6 +49,11 @@ class ModelLoaderCore:
         self.reason = None
         self.handle = handle
 
+    def crashing(self, reason: str) -> None:
+        """The engine thread is going down with an error: stop reporting ready."""
+        self.state = ModelState.RESTARTING
+        self.reason = reason
+
     def engine_exited(self, error: BaseException | None) -> bool:
         """Record how the engine thread ended; returns whether to start it again."""
         if error is None:
@@ -117,8 +122,16 @@ class ModelLoader:
         def emit(outputs: StepOutputs) -> None:
             trio.from_thread.run(self._outputs.send, outputs)
 
+        def crashed(reason: str) -> None:
+            trio.from_thread.run_sync(self.core.crashing, reason)
+
         run_engine_loop(
-            self._make_core, inbox, emit, trio.from_thread.check_cancelled, on_ready=ready
+            self._make_core,
+            inbox,
+            emit,
+            trio.from_thread.check_cancelled,
+            on_ready=ready,
+            on_crash=crashed,
         )
 
     def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:

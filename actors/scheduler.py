@@ -5,7 +5,13 @@ set of requests inside the engine. At most ``max_in_engine`` sequences are in
 the engine at once (mlx-lm's ``BatchGenerator`` batches them: decode
 concurrency plus prompt concurrency, so a finished slot is refilled without a
 round trip); at most ``max_waiting`` wait behind them, and beyond that
-``admit`` raises ``Overloaded`` (429) before a byte is sent. Requests wait here,
+``admit`` raises ``Overloaded`` (429) before a byte is sent.
+
+Memory: each request carries an estimate of its KV cache at its longest
+(prompt + max_tokens). With a ``kv_budget``, a request larger than the whole
+budget is refused (413), and a waiting request starts only when the estimates
+of the sequences in the engine plus its own fit the budget, so the engine is
+never asked to hold more KV cache than the budget allows. Requests wait here,
 not in the engine, so a client that leaves while queued costs the engine
 nothing, and the prompt-cache lookup happens when the request is started.
 
@@ -25,21 +31,27 @@ import queue
 
 import trio
 
-from runtime.errors import Overloaded, Unavailable
+from runtime.errors import Overloaded, PayloadTooLarge, Unavailable
 from runtime.messages import Abort, EngineStats, StepOutputs, Submit
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerCore:
-    def __init__(self, *, max_in_engine: int, max_waiting: int):
+    def __init__(self, *, max_in_engine: int, max_waiting: int, kv_budget: int | None = None):
         if max_in_engine <= 0 or max_waiting < 0:
             raise ValueError("max_in_engine must be > 0 and max_waiting >= 0")
         self.max_in_engine = max_in_engine
         self.max_waiting = max_waiting
+        self.kv_budget = kv_budget
         self.waiting: collections.OrderedDict[int, Submit] = collections.OrderedDict()
         self.in_engine: set[int] = set()
+        self._reserved: dict[int, int] = {}
         self._next_id = 1
+
+    @property
+    def kv_reserved(self) -> int:
+        return sum(self._reserved.values())
 
     def allocate_id(self) -> int:
         request_id = self._next_id
@@ -54,6 +66,13 @@ class SchedulerCore:
         return len(self.waiting) < self.max_waiting or len(self.in_engine) < self.max_in_engine
 
     def admit(self, submit: Submit) -> None:
+        if self.kv_budget is not None and submit.kv_bytes > self.kv_budget:
+            raise PayloadTooLarge(
+                f"this request needs about {submit.kv_bytes / 1e6:.1f} MB of KV cache "
+                f"(prompt + max_tokens), more than the server's budget of "
+                f"{self.kv_budget / 1e6:.1f} MB; send a shorter prompt or a lower max_tokens",
+                param="max_tokens",
+            )
         if not self.can_admit():
             raise Overloaded(
                 f"the server is at capacity ({self.load} requests in flight); retry shortly",
@@ -65,10 +84,19 @@ class SchedulerCore:
         """Move waiting requests into the engine while it has room."""
         started: list[Submit] = []
         while engine_attached and self.waiting and len(self.in_engine) < self.max_in_engine:
-            _, submit = self.waiting.popitem(last=False)
-            self.in_engine.add(submit.request_id)
-            started.append(submit)
+            head = next(iter(self.waiting.values()))
+            if not self._fits(head):
+                break  # FIFO: the head waits for memory, and so do those behind it
+            self.waiting.popitem(last=False)
+            self.in_engine.add(head.request_id)
+            self._reserved[head.request_id] = head.kv_bytes
+            started.append(head)
         return started
+
+    def _fits(self, submit: Submit) -> bool:
+        if self.kv_budget is None or not self.in_engine:
+            return True
+        return self.kv_reserved + submit.kv_bytes <= self.kv_budget
 
     def withdraw(self, request_id: int) -> Abort | None:
         """Forget a request; returns the ``Abort`` the engine needs, if any."""
@@ -76,16 +104,20 @@ class SchedulerCore:
             return None
         if request_id in self.in_engine:
             self.in_engine.discard(request_id)
+            self._reserved.pop(request_id, None)
             return Abort(request_id=request_id)
         return None
 
     def on_outputs(self, outputs: StepOutputs) -> None:
-        self.in_engine.difference_update(outputs.terminal_ids())
+        for request_id in outputs.terminal_ids():
+            self.in_engine.discard(request_id)
+            self._reserved.pop(request_id, None)
 
     def engine_lost(self) -> list[int]:
         """The engine died: everything inside it is gone. Returns those ids."""
         lost = sorted(self.in_engine)
         self.in_engine.clear()
+        self._reserved.clear()
         return lost
 
 

@@ -13,6 +13,9 @@ trio cancelling the handler), withdraws the request: synchronously, with no
 cleanup would raise again. The withdrawal puts an ``Abort`` into the engine's
 inbox, and the sequence leaves the batch at the next engine step.
 
+A deadline (the request's ``timeout`` or the server's ``request_timeout``)
+finishes the request with ``finish_reason: "length"`` and withdraws it.
+
 Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
 is a checkpoint; exiting is not.
 """
@@ -47,6 +50,7 @@ class Session:
         markup: bool = True,
         logprobs: bool = False,
         top_logprobs: int = 0,
+        timeout: float | None = None,
     ):
         self._runtime = runtime
         self._prepare = prepare
@@ -57,6 +61,8 @@ class Session:
         self._markup = markup
         self._logprobs = logprobs
         self._top_logprobs = top_logprobs
+        self._timeout = timeout
+        self._deadline = float("inf")
         self.outbox = Outbox()
         self.request_id: int | None = None
         self.prompt: PreparedPrompt | None = None
@@ -84,9 +90,12 @@ class Session:
             max_tokens=self.max_tokens,
             logprobs=self._logprobs or self._top_logprobs > 0,
             top_logprobs=self._top_logprobs,
+            kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
         )
         self._runtime.open_request(submit, spec, self.outbox)
         self.request_id = submit.request_id
+        if self._timeout is not None:
+            self._deadline = trio.current_time() + self._timeout
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -96,7 +105,15 @@ class Session:
         self.outbox.close()
 
     async def receive(self) -> tuple[Progress | Delta | Finished | Failed, ...]:
-        """The next events; raises ``trio.EndOfChannel`` after the terminal one."""
+        """The next events; raises ``trio.EndOfChannel`` after the terminal one.
+
+        Past the request's deadline the request is finished with "length" (its
+        text so far, then the terminal): a deadline never truncates a stream.
+        """
+        with trio.move_on_at(self._deadline):
+            return await self.outbox.get()
+        self._deadline = float("inf")
+        self._runtime.expire_request(self.request_id)
         return await self.outbox.get()
 
 

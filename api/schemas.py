@@ -74,9 +74,11 @@ class GenerationFields:
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
     logit_bias: dict[str, float] | None = None
+    timeout: float | None = None  # seconds; ours: ends the request with "length"
 
     def validate(self) -> None:
         _range("max_tokens", self.max_tokens, low=1)
+        _range("timeout", self.timeout, low=0.001)
         _range("temperature", self.temperature, low=0)
         _range("top_p", self.top_p, low=0, high=1)
         _range("top_k", self.top_k, low=0)

@@ -238,6 +238,8 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
 
     @app.after_request
     async def add_cors(response: Response):
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        rt.count_response(rule, response.status_code)
         origins = config.allowed_origins
         origin = request.headers.get("Origin")
         if "*" in origins:
@@ -262,6 +264,12 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     async def health():
         status, body = rt.health()
         return json_response(body, status=status)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(
+            rt.metrics_text(), content_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.get("/openapi.json")
     async def openapi():
@@ -332,6 +340,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             markup=True,
             logprobs=want_logprobs,
             top_logprobs=req.top_logprobs or 0,
+            timeout=_timeout(req, config),
         )
         renderer = ChatRenderer(
             model=req.model,
@@ -354,6 +363,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             markup=False,
             logprobs=want_logprobs,
             top_logprobs=req.logprobs or 0,
+            timeout=_timeout(req, config),
         )
         renderer = TextRenderer(
             model=req.model,
@@ -364,6 +374,11 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         return await generate(session, renderer, req.stream)
 
     return app
+
+
+def _timeout(req: GenerationFields, config: ServerConfig) -> float | None:
+    limits = [t for t in (req.timeout, config.request_timeout) if t is not None]
+    return min(limits) if limits else None
 
 
 def _prepare_chat(tokenizer, *, messages, tools, template_args, role_mapping):

@@ -84,6 +84,8 @@ class ServerConfig:
     max_queued_requests: int = attrs.field(default=256, validator=_positive)
     max_request_bytes: int = attrs.field(default=8 * 2**20, validator=_positive)
     tokenizer_threads: int = attrs.field(default=2, validator=_positive)
+    request_timeout: float | None = attrs.field(default=None, validator=_positive)
+    kv_cache_budget_bytes: int | None = attrs.field(default=None, validator=_positive)
 
     @log_level.validator
     def _check_log_level(self, attribute, value):
@@ -147,6 +149,13 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(int, number_hook(int))
     conv.register_structure_hook(float, number_hook(float))
     conv.register_structure_hook(int | None, optional_int_hook)
+
+    def optional_float_hook(value, _):
+        if value is None or (isinstance(value, str) and value.strip() == ""):
+            return None
+        return number_hook(float)(value, float)
+
+    conv.register_structure_hook(float | None, optional_float_hook)
     conv.register_structure_hook_func(lambda t: t == tuple[str, ...], origins_hook)
     conv.register_structure_hook_func(lambda t: t == dict[str, Any], json_dict_hook)
     return conv

@@ -51,6 +51,7 @@ class ModelHandle:
     model_key: str
     vocab_size: int
     batchable: bool = True
+    kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
 
 
 @attrs.define
@@ -289,9 +290,11 @@ class EngineCore:
             out[r.uid] = (chosen.item(), top)
         return out
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, *, retryable: bool = False) -> None:
         for seq in self._by_uid.values():
-            self._failed.append(SequenceFailed(request_id=seq.request_id, message=message))
+            self._failed.append(
+                SequenceFailed(request_id=seq.request_id, message=message, retryable=retryable)
+            )
         self._by_uid.clear()
         self._uid_of.clear()
         self._close_batch()
@@ -315,9 +318,9 @@ class EngineCore:
             prompt_cache_cached_tokens=self._cached_tokens,
         )
 
-    def close(self) -> StepOutputs:
+    def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
         """Fail whatever is still running and release the batch generator."""
-        self._fail_all("the engine is shutting down")
+        self._fail_all(reason, retryable=True)
         self._close_batch()
         return self.step()
 
@@ -332,10 +335,12 @@ def run_engine_loop(
     check_cancelled: Callable[[], None],
     *,
     on_ready: Callable[[EngineCore], None] = lambda core: None,
+    on_crash: Callable[[str], None] = lambda reason: None,
     idle_wait: float = IDLE_WAIT_SECONDS,
 ) -> None:
     """The engine thread's body. Returns on ``Shutdown``; raises on cancellation."""
     core = make_core()
+    reason = "the engine is shutting down"
     try:
         on_ready(core)
         while True:
@@ -348,8 +353,15 @@ def run_engine_loop(
             outputs = core.step()
             if outputs:
                 emit(outputs)
+    except Exception as exc:
+        reason = f"the engine crashed ({type(exc).__name__}: {exc}); it is restarting"
+        try:
+            on_crash(reason)  # /health turns 503 before the failures go out
+        except BaseException:
+            log.debug("could not report the crash")
+        raise
     finally:
-        leftover = core.close()
+        leftover = core.close(reason)
         if leftover:
             try:
                 emit(leftover)

@@ -71,6 +71,7 @@ class Submit:
     max_tokens: int
     logprobs: bool = False
     top_logprobs: int = 0
+    kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
 
 
 @attrs.frozen(kw_only=True)
@@ -134,6 +135,7 @@ class SequenceFailed:
 
     request_id: int
     message: str
+    retryable: bool = False  # the engine stopped, not the request: 503, try again
 
 
 @attrs.frozen(kw_only=True)

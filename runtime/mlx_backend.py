@@ -44,7 +44,45 @@ def load_model(config: ServerConfig, model_path: str) -> ModelHandle:
         model_key=model_path,
         vocab_size=vocab_size,
         batchable=batchable,
+        kv_bytes_per_token=kv_bytes_per_token(model),
     )
+
+
+def kv_bytes_per_token(model) -> int:
+    """layers x kv heads x head dim x 2 (K and V) x dtype bytes, from the model's config."""
+    from mlx.utils import tree_flatten
+
+    args = getattr(model, "args", None)
+    layers = getattr(args, "num_hidden_layers", None) or len(getattr(model, "layers", []))
+    heads = getattr(args, "num_attention_heads", None) or 1
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    hidden = getattr(args, "hidden_size", None) or 0
+    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
+    sizes = _float_types()
+    leaves = tree_flatten(model.parameters())
+    itemsize = next((sizes[v.dtype] for _, v in leaves if v.dtype in sizes), 2)
+    return int(layers * kv_heads * head_dim * 2 * itemsize)
+
+
+def _float_types() -> dict:
+    import mlx.core as mx
+
+    return {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
+
+
+def default_kv_budget() -> int:
+    """Half of the accelerator's memory, or of the machine's RAM on the CPU."""
+    import os
+
+    import mlx.core as mx
+
+    try:
+        memory = int(mx.device_info().get("memory_size", 0))
+    except Exception:
+        memory = 0
+    if not memory:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return memory // 2
 
 
 def _vocab_size(model, tokenizer) -> int:

@@ -17,6 +17,7 @@ crashes marks the runtime dead, so ``/health`` answers 503.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -99,6 +100,7 @@ class Runtime:
         )
         self.dead: str | None = None
         self.accepting = True
+        self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -116,6 +118,12 @@ class Runtime:
 
     def _engine_ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
         self.detokenizer.core = DetokenizerCore(handle.tokenizer, withdraw=self.scheduler.withdraw)
+        if self.config.kv_cache_budget_bytes is not None:
+            self.scheduler.core.kv_budget = self.config.kv_cache_budget_bytes
+        elif handle.kv_bytes_per_token:
+            from runtime.mlx_backend import default_kv_budget
+
+            self.scheduler.core.kv_budget = default_kv_budget()
         self.scheduler.attach_engine(inbox)
 
     def _engine_lost(self, reason: str, permanent: bool) -> None:
@@ -163,10 +171,49 @@ class Runtime:
             core.close(request_id)
         self.scheduler.withdraw(request_id)
 
+    def expire_request(self, request_id: int) -> None:
+        core = self.detokenizer.core
+        if core is not None:
+            core.expire(request_id)
+
     def session(self, **kwargs) -> Session:
         return Session(self, **kwargs)
 
     # ---------------------------------------------------------------- health
+
+    def count_response(self, route: str, status: int) -> None:
+        self.responses[(route, status)] += 1
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the runtime's state."""
+        stats = self.scheduler.last_stats
+        core = self.scheduler.core
+        loader = self.model_loader.core
+        gauges = {
+            "mlx_trio_model_ready": int(loader.state is ModelState.READY and not self.dead),
+            "mlx_trio_requests_in_flight": core.load,
+            "mlx_trio_requests_waiting": len(core.waiting),
+            "mlx_trio_active_sequences": stats.active_sequences,
+            "mlx_trio_kv_reserved_bytes": core.kv_reserved,
+            "mlx_trio_kv_budget_bytes": core.kv_budget or 0,
+            "mlx_trio_prompt_cache_entries": stats.prompt_cache_entries,
+            "mlx_trio_prompt_cache_bytes": stats.prompt_cache_bytes,
+        }
+        counters = {
+            "mlx_trio_engine_steps_total": stats.steps,
+            "mlx_trio_engine_restarts_total": loader.restarts,
+            "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,
+            "mlx_trio_prompt_cache_cached_tokens_total": stats.prompt_cache_cached_tokens,
+        }
+        lines = []
+        for name, value in gauges.items():
+            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
+        for name, value in counters.items():
+            lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        lines.append("# TYPE mlx_trio_http_responses_total counter")
+        for (route, status), n in sorted(self.responses.items()):
+            lines.append(f'mlx_trio_http_responses_total{{route="{route}",status="{status}"}} {n}')
+        return "\n".join(lines) + "\n"
 
     def health(self) -> tuple[int, dict]:
         loader = self.model_loader.core

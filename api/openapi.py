@@ -1,0 +1,459 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at ``GET /openapi.json``.
+
+``openapi_document()`` builds (once, cached) the document from the same attrs
+types the server structures requests into (``api.schemas``) and renders
+responses from (``api.responses``): each class becomes a JSON Schema under
+``components/schemas`` (fields from ``attrs.fields`` with resolved type
+hints; a field without a default is ``required``), referenced by ``$ref``.
+
+What the types cannot say, ``validate()`` enforces; it is restated here in two
+small explicit tables: ``RANGES`` (``minimum``/``maximum`` by field name, kept
+in sync with ``validate()`` by ``tests/test_fuzz.py``) and ``CONSTRAINTS``
+(enums, lengths, patterns by class and field). The error body every non-2xx
+answer carries is ``ErrorResponse``; ``/health`` answers with ``Health``
+(200 or 503).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any, Union
+
+import attrs
+
+from api import responses, schemas
+
+OPENAPI_VERSION = "3.1.0"
+COMPONENTS = "#/components/schemas/"
+
+# Numeric bounds that ``validate()`` checks, by field name (api/schemas.py).
+# ``(minimum, maximum)``, ``None`` for no bound. They apply where the field is
+# a number (``logprobs`` is a number only in ``CompletionRequest``) and to the
+# values of an object field (``logit_bias``).
+RANGES: dict[str, tuple[int | float | None, int | float | None]] = {
+    "max_tokens": (1, None),
+    "max_completion_tokens": (1, None),
+    "timeout": (0.001, None),
+    "temperature": (0, None),
+    "top_p": (0, 1),
+    "top_k": (0, None),
+    "min_p": (0, 1),
+    "seed": (0, 2**63 - 1),
+    "n": (1, 1),
+    "xtc_probability": (0, 1),
+    "xtc_threshold": (0, 0.5),
+    "repetition_penalty": (0, None),
+    "repetition_context_size": (0, None),
+    "presence_context_size": (0, None),
+    "frequency_context_size": (0, None),
+    "presence_penalty": (-2, 2),
+    "frequency_penalty": (-2, 2),
+    "top_logprobs": (0, schemas.MAX_TOP_LOGPROBS),
+    "logprobs": (0, schemas.MAX_TOP_LOGPROBS),
+    "logit_bias": (-100, 100),
+}
+
+_ROLES = ["system", "user", "assistant", "tool", "developer"]
+
+# The rest of ``validate()``: keywords merged into a field's schema, applied
+# to the union member of the named JSON type ("*" for the field as a whole).
+CONSTRAINTS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
+    ("ChatMessage", "role"): {"string": {"enum": _ROLES}},
+    ("ContentPart", "type"): {"string": {"enum": ["text"]}},
+    ("ChatCompletionRequest", "messages"): {"array": {"minItems": 1}},
+    (
+        "ChatCompletionRequest",
+        "tools",
+    ): {
+        "array": {
+            "items": {
+                "type": "object",
+                "properties": {"type": {"const": "function"}},
+                "description": "a function tool, as OpenAI defines it",
+            }
+        }
+    },
+    ("GenerationFields", "stop"): {"array": {"maxItems": 16}},
+    ("GenerationFields", "logit_bias"): {
+        "object": {"propertyNames": {"pattern": "^-?[0-9]+$"}},
+    },
+    ("CompletionRequest", "prompt"): {
+        "string": {"minLength": 1},
+        "array": {"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    },
+    ("CompletionRequest", "echo"): {"boolean": {"const": False}},
+}
+
+_DESCRIPTIONS = {
+    "ChatCompletionRequest": "POST /v1/chat/completions. Unknown fields are ignored. "
+    "max_completion_tokens wins over max_tokens; without either, the server's default applies.",
+    "CompletionRequest": "POST /v1/completions. Unknown fields are ignored. "
+    "prompt is a string or a list of token ids.",
+    "ErrorResponse": "The body of every error answer (OpenAI's shape).",
+    "ChatCompletionChunk": "One `data:` frame of a streamed chat completion.",
+    "TextCompletion": "A text completion, or one `data:` frame of a streamed one.",
+}
+
+
+# ------------------------------------------------------------ error types
+
+
+@attrs.frozen(kw_only=True)
+class ErrorDetail:
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+@attrs.frozen(kw_only=True)
+class ErrorResponse:
+    error: ErrorDetail
+
+
+_HEALTH = {
+    "type": "object",
+    "description": "The runtime's state; 503 (status 'unavailable', with a reason) while the "
+    "model is loading, after the engine died, or while shutting down.",
+    "required": ["status"],
+    "properties": {
+        "status": {"type": "string", "enum": ["ok", "unavailable"]},
+        "reason": {"type": "string"},
+        "model": {"type": "string"},
+        "model_state": {"type": "string"},
+        "active_sequences": {"type": "integer"},
+        "requests_in_flight": {"type": "integer"},
+        "waiting": {"type": "integer"},
+        "engine_restarts": {"type": "integer"},
+        "prompt_cache": {"type": "object"},
+    },
+}
+
+
+# ------------------------------------------------------ attrs -> JSON Schema
+
+
+_JSON_TYPES: dict[Any, str] = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    type(None): "null",
+}
+
+
+def _json_type(schema: dict[str, Any]) -> str | None:
+    """The single JSON type a member schema stands for ("object" for a $ref)."""
+    if "$ref" in schema:
+        return "object"
+    kind = schema.get("type")
+    return kind if isinstance(kind, str) else None
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.components: dict[str, dict[str, Any]] = {}
+
+    def ref(self, cls: type) -> dict[str, Any]:
+        name = cls.__name__
+        if name not in self.components:
+            self.components[name] = {}  # placeholder: recursion stops here
+            self.components[name] = self.class_schema(cls)
+        return {"$ref": COMPONENTS + name}
+
+    def class_schema(self, cls: type) -> dict[str, Any]:
+        attrs.resolve_types(cls)
+        hints = typing.get_type_hints(cls)
+        properties: dict[str, Any] = {}
+        required: list[str] = []
+        for field in attrs.fields(cls):
+            schema = self.type_schema(hints.get(field.name, field.type))
+            owner = _declaring_class(cls, field.name)
+            schema = _constrained(schema, owner, field.name)
+            if field.default is attrs.NOTHING:
+                required.append(field.name)
+            elif _is_json_value(field.default):
+                schema = {**schema, "default": field.default}
+            properties[field.name] = schema
+        out: dict[str, Any] = {"type": "object", "properties": properties}
+        if required:
+            out["required"] = required
+        description = _DESCRIPTIONS.get(cls.__name__) or (cls.__doc__ or "").strip()
+        if description:
+            out["description"] = description
+        return out
+
+    def type_schema(self, tp: Any) -> dict[str, Any]:
+        if tp is Any:
+            return {}
+        if tp in _JSON_TYPES:
+            return {"type": _JSON_TYPES[tp]}
+        if attrs.has(tp):
+            return self.ref(tp)
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin is Union or origin is types.UnionType:
+            members = [self.type_schema(arg) for arg in args]
+            kinds = [_json_type(m) for m in members]
+            if all(k is not None and set(m) == {"type"} for k, m in zip(kinds, members, strict=True)):
+                return {"type": kinds}  # only plain types: ["integer", "null"]
+            return {"anyOf": members}
+        if origin is list:
+            item = args[0] if args else Any
+            return {"type": "array", "items": self.type_schema(item)}
+        if origin is dict:
+            value = args[1] if args else Any
+            return {"type": "object", "additionalProperties": self.type_schema(value)}
+        raise TypeError(f"no JSON Schema for {tp!r}")
+
+
+def _declaring_class(cls: type, name: str) -> str:
+    """The class in ``cls``'s MRO whose own annotations declare ``name``."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__.get("__annotations__", {}):
+            return klass.__name__
+    return cls.__name__
+
+
+def _is_json_value(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _merge(schema: dict[str, Any], kind: str, keywords: dict[str, Any]) -> dict[str, Any]:
+    """``keywords`` added where ``schema`` (maybe a union) admits JSON ``kind``."""
+    if kind == "*" or schema.get("type") == kind:
+        return {**schema, **keywords}
+    if isinstance(schema.get("type"), list) and kind in schema["type"]:
+        # Split the member out so its keywords cannot apply to the others.
+        others = [t for t in schema["type"] if t != kind]
+        rest = {k: v for k, v in schema.items() if k != "type"}
+        member = {"type": kind, **keywords}
+        return {**rest, "anyOf": [member, {"type": others if len(others) > 1 else others[0]}]}
+    if "anyOf" in schema:
+        members = [
+            {**m, **keywords} if _json_type(m) == kind and "$ref" not in m else m
+            for m in schema["anyOf"]
+        ]
+        return {**schema, "anyOf": members}
+    return schema
+
+
+def _bounds(low, high) -> dict[str, Any]:
+    out = {}
+    if low is not None:
+        out["minimum"] = low
+    if high is not None:
+        out["maximum"] = high
+    return out
+
+
+def _constrained(schema: dict[str, Any], owner: str, name: str) -> dict[str, Any]:
+    if name in RANGES:
+        bounds = _bounds(*RANGES[name])
+        kinds = schema.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if "integer" in kinds or "number" in kinds:
+            # minimum/maximum only constrain numbers: a nullable field keeps null.
+            schema = {**schema, **bounds}
+        elif _json_type(schema) == "object" and "additionalProperties" in schema:
+            schema = {**schema, "additionalProperties": {**schema["additionalProperties"], **bounds}}
+        elif isinstance(schema.get("anyOf"), list):
+            schema = _merge(
+                schema, "object", {"additionalProperties": {"type": "number", **bounds}}
+            )
+    for kind, keywords in CONSTRAINTS.get((owner, name), {}).items():
+        schema = _merge(schema, kind, keywords)
+    return schema
+
+
+# ------------------------------------------------------------- the paths
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _error(description: str, *, retry_after: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": _json(_ERROR_REF)}
+    if retry_after:
+        out["headers"] = {
+            "Retry-After": {
+                "description": "seconds to wait before retrying",
+                "schema": {"type": "integer"},
+            }
+        }
+    return out
+
+
+_ERROR_REF = {"$ref": COMPONENTS + "ErrorResponse"}
+
+_GENERATION_ERRORS = {
+    "400": _error("invalid request: bad JSON, a wrong type or a value out of range (param names it)"),
+    "413": _error("the request body is larger than the server's limit"),
+    "429": _error("the admission queue is full", retry_after=True),
+    "503": _error("the model is loading, the engine died, or the server is shutting down", retry_after=True),
+    "default": _error("any other error"),
+}
+
+
+def _sse_event(chunk_name: str) -> dict[str, Any]:
+    """One server-sent event (before OpenAPI 3.2, a stream's schema is its events')."""
+    return {
+        "type": "object",
+        "description": f"One event: `data: <{chunk_name} JSON>`; after an error, "
+        "`data: <ErrorResponse JSON>`; last, `data: [DONE]`.",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "type": "string",
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [{"$ref": COMPONENTS + chunk_name}, _ERROR_REF]
+                        },
+                    },
+                ],
+            },
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+
+
+def _generation(
+    *, operation_id: str, summary: str, alias: str, request: type, body: type, chunk: type
+) -> dict[str, Any]:
+    chunk_name = chunk.__name__
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": summary,
+            "description": f"Also served at `{alias}`. With `stream: true` the answer is an SSE "
+            f"stream of `data: <{chunk_name}>` frames (and `: keepalive` comments while a long "
+            "prompt is processed), ending with `data: [DONE]`; an error after the stream started "
+            "is a `data: <ErrorResponse>` frame before `[DONE]`.",
+            "requestBody": {"required": True, "content": _json({"$ref": COMPONENTS + request.__name__})},
+            "responses": {
+                "200": {
+                    "description": f"the completion; an SSE stream of {chunk_name} when stream is true",
+                    "content": {
+                        "application/json": {"schema": {"$ref": COMPONENTS + body.__name__}},
+                        "text/event-stream": {"schema": _sse_event(chunk_name)},
+                    },
+                },
+                **_GENERATION_ERRORS,
+            },
+        }
+    }
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (cached: callers must not mutate it)."""
+    builder = _Builder()
+    for cls in (
+        schemas.ChatCompletionRequest,
+        schemas.CompletionRequest,
+        responses.ChatCompletion,
+        responses.ChatCompletionChunk,
+        responses.TextCompletion,
+        responses.ModelList,
+        responses.ModelCard,
+        ErrorResponse,
+    ):
+        builder.ref(cls)
+    components = dict(sorted(builder.components.items()))
+    components["Health"] = _HEALTH
+
+    paths = {
+        "/v1/chat/completions": _generation(
+            operation_id="createChatCompletion",
+            summary="Chat completion",
+            alias="/chat/completions",
+            request=schemas.ChatCompletionRequest,
+            body=responses.ChatCompletion,
+            chunk=responses.ChatCompletionChunk,
+        ),
+        "/v1/completions": _generation(
+            operation_id="createCompletion",
+            summary="Text completion",
+            alias="/completions",
+            request=schemas.CompletionRequest,
+            body=responses.TextCompletion,
+            chunk=responses.TextCompletion,
+        ),
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The served model, then MLX models in the local Hugging Face cache",
+                "responses": {
+                    "200": {"description": "the models", "content": _json({"$ref": COMPONENTS + "ModelList"})},
+                    "default": _error("any other error"),
+                },
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "operationId": "retrieveModel",
+                "summary": "One model of the list",
+                "parameters": [
+                    {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {
+                    "200": {"description": "the model", "content": _json({"$ref": COMPONENTS + "ModelCard"})},
+                    "404": _error("no such model"),
+                    "default": _error("any other error"),
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "operationId": "health",
+                "summary": "Liveness and readiness",
+                "responses": {
+                    "200": {"description": "ready", "content": _json({"$ref": COMPONENTS + "Health"})},
+                    "503": {
+                        "description": "not ready (see reason)",
+                        "content": _json({"$ref": COMPONENTS + "Health"}),
+                    },
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "the OpenAPI 3.1 document",
+                        "content": _json({"type": "object"}),
+                    }
+                },
+            }
+        },
+    }
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "mlx-trio-server",
+            "version": _version(),
+            "description": "An OpenAI-compatible server for MLX models. Every error answer is "
+            '`{"error": {"message", "type", "param", "code"}}`; 429 and 503 carry Retry-After.',
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mlx-trio-server")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0.0.0"

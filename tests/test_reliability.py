@@ -1,0 +1,172 @@
+"""Overload, memory admission, deadlines, engine crashes and failed loads, through the app."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.lowlevel
+
+from api.server import create_app
+from runtime.config import ServerConfig
+from runtime.mlx_backend import make_engine_core
+from tests.conftest import poll_until, wait_ready
+from tests.test_api import CHAT, chat_body, parse_sse, post, stream_post
+
+
+async def test_deadline_finishes_with_length_and_a_complete_stream(tiny_model_path):
+    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=100000))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        with trio.fail_after(30):
+            status, body, _ = await post(client, CHAT, chat_body("go on", timeout=0.3))
+        assert status == 200
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert 0 < body["usage"]["completion_tokens"] < 100000
+        with trio.fail_after(30):
+            _, _, raw = await stream_post(client, CHAT, chat_body("go on", timeout=0.3, stream=True))
+        payloads, _, done = parse_sse(raw)
+        assert done
+        assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+        runtime = app.extensions["runtime"]
+        await poll_until(lambda: runtime.scheduler.core.load == 0, 5)
+
+
+async def test_overload_is_answered_with_429_and_retry_after(tiny_model_path):
+    config = ServerConfig(
+        model=tiny_model_path, decode_concurrency=1, prompt_concurrency=1, max_queued_requests=1
+    )
+    app = create_app(config)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        results = []
+
+        async def one(i):
+            response = await client.post(CHAT, json=chat_body(f"story {i}", max_tokens=200))
+            results.append((response.status_code, response.headers.get("Retry-After"),
+                            await response.get_json()))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+        statuses = sorted(status for status, _, _ in results)
+        assert statuses.count(200) == 3, statuses  # 2 in the engine + 1 waiting
+        assert statuses.count(429) == 5
+        for status, retry_after, body in results:
+            if status == 429:
+                assert retry_after is not None and int(retry_after) >= 1
+                assert body["error"]["type"] == "rate_limit_error"
+
+
+async def test_memory_admission_refuses_what_cannot_fit(tiny_model_path):
+    # The tiny model: 2 layers x 2 kv heads x 16 dims x (K, V) x 4 bytes = 512 bytes a token.
+    app = create_app(ServerConfig(model=tiny_model_path, kv_cache_budget_bytes=40_000))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        status, body, _ = await post(client, CHAT, chat_body(max_tokens=1000))
+        assert status == 413
+        assert body["error"]["param"] == "max_tokens"
+        status, _, _ = await post(client, CHAT, chat_body(max_tokens=8))
+        assert status == 200
+        # Requests that fit alone but not together wait for room instead of overcommitting.
+        runtime = app.extensions["runtime"]
+        peak = []
+
+        async def watch():
+            while True:
+                peak.append(runtime.scheduler.core.kv_reserved)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as inner:
+                for i in range(4):
+                    inner.start_soon(post, client, CHAT, chat_body(f"q{i}", max_tokens=40))
+            nursery.cancel_scope.cancel()
+        assert max(peak) <= 40_000
+
+
+class CrashingCore:
+    """A real engine core whose ``step`` raises once, outside the core's own guard."""
+
+    def __init__(self, core, crash_on_step: int):
+        self._core = core
+        self._steps = 0
+        self._crash_on = crash_on_step
+
+    def step(self):
+        self._steps += 1
+        if self._steps == self._crash_on:
+            raise RuntimeError("injected engine crash")
+        return self._core.step()
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
+async def test_engine_crash_fails_inflight_requests_and_restarts(tiny_model_path):
+    config = ServerConfig(model=tiny_model_path)
+    cores = []
+
+    def make_core():
+        core = make_engine_core(config, tiny_model_path)
+        cores.append(core)
+        return CrashingCore(core, crash_on_step=5) if len(cores) == 1 else core
+
+    from runtime.supervisor import Runtime
+
+    runtime = Runtime(config, make_core=make_core)
+    app = create_app(config, runtime=runtime)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        status, body, _ = await post(client, CHAT, chat_body("crash me", max_tokens=200))
+        assert status == 503, body
+        assert "engine crashed" in body["error"]["message"]
+        response = await client.get("/health")  # down until the new engine is ready
+        assert response.status_code == 503
+        await wait_ready(client)
+        health = await (await client.get("/health")).get_json()
+        assert health["engine_restarts"] == 1
+        status, body, _ = await post(client, CHAT, chat_body("and again", max_tokens=4))
+        assert status == 200
+        metrics = await (await client.get("/metrics")).get_data(as_text=True)
+        assert "mlx_trio_engine_restarts_total 1" in metrics
+        assert len(cores) == 2
+
+
+async def test_a_model_that_fails_to_load_leaves_the_server_answering_503():
+    def make_core():
+        raise FileNotFoundError("no model at /nowhere")
+
+    from runtime.supervisor import Runtime
+
+    config = ServerConfig(model="/nowhere")
+    app = create_app(config, runtime=Runtime(config, make_core=make_core))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        runtime = app.extensions["runtime"]
+        await poll_until(lambda: runtime.model_loader.core.state.value == "failed", 10)
+        response = await client.get("/health")
+        body = await response.get_json()
+        assert response.status_code == 503
+        assert "no model at /nowhere" in body["reason"]
+        status, body, response = await post(client, CHAT, chat_body())
+        assert status == 503
+        assert "no model at /nowhere" in body["error"]["message"]
+        assert response.headers["Retry-After"]
+
+
+@pytest.mark.parametrize("path", ["/metrics"])
+async def test_metrics_report_the_runtime(tiny_model_path, path):
+    app = create_app(ServerConfig(model=tiny_model_path))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        await post(client, CHAT, chat_body(max_tokens=3))
+        text = await (await client.get(path)).get_data(as_text=True)
+        assert "mlx_trio_model_ready 1" in text
+        assert "mlx_trio_active_sequences 0" in text
+        assert 'mlx_trio_http_responses_total{route="/v1/chat/completions",status="200"} 1' in text
