@@ -233,3 +233,25 @@ async def test_unknown_path_and_cors(client):
     response = await client.options(CHAT, headers={"Origin": "http://example.com"})
     assert response.status_code == 204
     assert response.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_seeded_sampling_is_reproducible_inside_the_batch(client):
+    body = chat_body("pick a word", max_tokens=12, temperature=1.0, seed=1234)
+    _, alone, _ = await post(client, CHAT, body)
+    text = alone["choices"][0]["message"]["content"]
+    results = {}
+
+    async def one(key, b):
+        _, data, _ = await post(client, CHAT, b)
+        results[key] = data["choices"][0]["message"]["content"]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "seeded", body)
+        for i in range(4):
+            nursery.start_soon(one, i, chat_body(f"noise {i}", max_tokens=12, temperature=1.0))
+    assert results["seeded"] == text
+    others = set()
+    for seed in (1, 2, 3):
+        _, data, _ = await post(client, CHAT, {**body, "seed": seed})
+        others.add(data["choices"][0]["message"]["content"])
+    assert others != {text}
