@@ -76,8 +76,8 @@ class ServerConfig:
     prefill_step_size: int = attrs.field(default=2048, validator=_positive)
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
-    kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_bits: int | None = attrs.field(default=None)
+    kv_group_size: int = attrs.field(default=64)
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     pipeline: bool = False
     # --- ours
@@ -87,6 +87,16 @@ class ServerConfig:
     request_timeout: float | None = attrs.field(default=None, validator=_positive)
     kv_cache_budget_bytes: int | None = attrs.field(default=None, validator=_positive)
 
+    @kv_bits.validator
+    def _check_kv_bits(self, attribute, value):
+        if value is not None and value not in (2, 3, 4, 5, 6, 8):
+            raise ValueError("kv_bits must be one of 2, 3, 4, 5, 6, 8")
+
+    @kv_group_size.validator
+    def _check_kv_group_size(self, attribute, value):
+        if value not in (32, 64, 128):
+            raise ValueError("kv_group_size must be 32, 64 or 128")
+
     @log_level.validator
     def _check_log_level(self, attribute, value):
         if value.upper() not in LOG_LEVELS:
@@ -95,10 +105,6 @@ class ServerConfig:
     def unsupported(self) -> list[str]:
         """Settings this build accepts but cannot honour yet: start-up refuses them."""
         problems = []
-        if self.draft_model is not None:
-            problems.append("--draft-model (speculative decoding) is not supported yet")
-        if self.kv_bits is not None:
-            problems.append("--kv-bits (quantized KV cache) is not supported yet")
         if self.pipeline:
             problems.append("--pipeline (distributed serving) is not supported yet")
         return problems

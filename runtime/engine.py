@@ -15,10 +15,11 @@ which blocks while the trio side is more than a step or two behind.
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -55,6 +56,16 @@ class ModelHandle:
 
 
 @attrs.define
+class _SerialRun:
+    """A request served alone (speculative decoding, quantized KV cache)."""
+
+    submit: Submit
+    responses: Iterator[Any]
+    cache: list
+    tokens: list[int]
+
+
+@attrs.define
 class _Sequence:
     request_id: int
     logprobs: bool
@@ -75,8 +86,17 @@ class EngineCore:
         sampler_factory: Callable[[Any], Any] | None = None,
         logits_processors_factory: Callable[[Any], list] | None = None,
         stop_sequences: Any = None,
+        serial_generate: Callable[[Submit, list[int], Any, Callable], tuple[Iterator, list]]
+        | None = None,
     ):
+        """``serial_generate(submit, prompt_rest, cache, progress) -> (responses, cache)``,
+        when given, serves every request alone through mlx-lm's ``stream_generate``
+        (one token per engine step, so aborts still land between tokens)."""
         self.handle = handle
+        self._serial_generate = serial_generate
+        self._serial_waiting: collections.deque[Submit] = collections.deque()
+        self._serial: _SerialRun | None = None
+        self._serial_progress: list[PromptProgress] = []
         self._new_batch_generator = batch_generator_factory
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
@@ -97,11 +117,15 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_uid)
+        return bool(self._by_uid or self._serial or self._serial_waiting)
 
     @property
     def active_request_ids(self) -> set[int]:
-        return set(self._uid_of)
+        ids = set(self._uid_of)
+        ids.update(s.request_id for s in self._serial_waiting)
+        if self._serial is not None:
+            ids.add(self._serial.submit.request_id)
+        return ids
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
@@ -112,8 +136,11 @@ class EngineCore:
             raise TypeError(f"unexpected engine command {command!r}")
 
     def _submit(self, sub: Submit) -> None:
-        if sub.request_id in self._uid_of:
+        if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
+        if self._serial_generate is not None:
+            self._serial_waiting.append(sub)
+            return
         try:
             uid, cached, segment_types = self._insert(sub)
         except Exception as exc:  # one bad request must not take the engine down
@@ -181,12 +208,103 @@ class EngineCore:
         return None, prompt
 
     def _abort(self, request_id: int) -> None:
+        if self._serial_generate is not None and self._abort_serial(request_id):
+            self._aborted.append(SequenceAborted(request_id=request_id))
+            return
         uid = self._uid_of.pop(request_id, None)
         if uid is None:
             return  # already finished: its terminal event has been emitted
         self._by_uid.pop(uid, None)
         self._batch.remove([uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
+
+    def _abort_serial(self, request_id: int) -> bool:
+        for sub in self._serial_waiting:
+            if sub.request_id == request_id:
+                self._serial_waiting.remove(sub)
+                return True
+        run = self._serial
+        if run is not None and run.submit.request_id == request_id:
+            self._serial = None
+            close = getattr(run.responses, "close", None)
+            if close is not None:
+                close()
+            return True
+        return False
+
+    def _serial_step(self, progress: list, tokens: list) -> None:
+        if self._serial is None:
+            if not self._serial_waiting:
+                return
+            sub = self._serial_waiting.popleft()
+            try:
+                prompt = list(sub.prompt)
+                cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+                if cache is not None and not rest:
+                    cache, rest = self._back_off_one_token(cache, prompt)
+                cached = len(prompt) - len(rest)
+
+                def report(done, total, request_id=sub.request_id, cached=cached):
+                    self._serial_progress.append(
+                        PromptProgress(request_id=request_id, done=cached + done, total=cached + total)
+                    )
+
+                responses, cache = self._serial_generate(sub, rest, cache, report)
+            except Exception as exc:
+                log.exception("request %s could not be started", sub.request_id)
+                self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+                return
+            self._serial = _SerialRun(submit=sub, responses=responses, cache=cache, tokens=prompt)
+            if cached:
+                self._cache_hits += 1
+                self._cached_tokens += cached
+            self._started.append(
+                SequenceStarted(request_id=sub.request_id, prompt_tokens=len(prompt), cached_tokens=cached)
+            )
+        run = self._serial
+        sub = run.submit
+        try:
+            r = next(run.responses)
+        except Exception as exc:
+            log.exception("request %s failed", sub.request_id)
+            self._serial = None
+            self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+            return
+        run.tokens.append(int(r.token))
+        logprob, top = None, ()
+        if sub.logprobs or sub.top_logprobs > 0:
+            logprob, top = self._token_logprobs(r.logprobs, int(r.token), sub.top_logprobs)
+        tokens.append(
+            TokenEvent(
+                request_id=sub.request_id,
+                token=int(r.token),
+                finish_reason=r.finish_reason,
+                logprob=logprob,
+                top_logprobs=top,
+            )
+        )
+        if r.finish_reason is not None:
+            self._serial = None
+            self._store_serial_cache(run)
+
+    def _store_serial_cache(self, run: _SerialRun) -> None:
+        """Save a finished serial run's cache under exactly the tokens it holds.
+
+        ``stream_generate`` may or may not have fed the last token, and with a
+        draft model the draft's cache can be a token apart from the model's: cut
+        every layer to the shortest, and key the entry by that many tokens.
+        """
+        offsets = [getattr(c, "offset", None) for c in run.cache]
+        if not run.cache or any(o is None for o in offsets):
+            return
+        held = min(min(offsets), len(run.tokens))
+        for c, offset in zip(run.cache, offsets, strict=True):
+            if offset > held:
+                if not (hasattr(c, "is_trimmable") and c.is_trimmable()):
+                    return
+                c.trim(offset - held)
+        if held > 0:
+            self.prompt_cache.insert_cache(self.handle.model_key, run.tokens[:held], run.cache)
 
     # ---------------------------------------------------------------- steps
 
@@ -200,6 +318,10 @@ class EngineCore:
             except Exception as exc:
                 log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
                 self._fail_all(f"engine step failed: {exc}")
+        if self._serial_generate is not None:
+            self._serial_step(progress, tokens)
+            progress.extend(self._serial_progress)
+            self._serial_progress.clear()
         self._steps += 1
         outputs = StepOutputs(
             started=tuple(self._started),
@@ -269,31 +391,37 @@ class EngineCore:
         """The sampled token's logprob and the top-n, sorted, for the responses that ask."""
         if not responses:
             return {}
+        return {
+            r.uid: self._token_logprobs(r.logprobs, r.token, self._by_uid[r.uid].top_logprobs)
+            for r in responses
+        }
+
+    @staticmethod
+    def _token_logprobs(lp, token: int, n: int) -> tuple[float, tuple]:
         import mlx.core as mx
 
-        out = {}
-        for r in responses:
-            seq = self._by_uid[r.uid]
-            lp = r.logprobs
-            chosen = lp[r.token]
-            n = seq.top_logprobs
-            if n > 0:
-                n = min(n, lp.shape[-1])
-                idx = mx.argpartition(-lp, kth=n - 1)[:n]
-                vals = lp[idx]
-                order = mx.argsort(-vals)
-                idx, vals = idx[order], vals[order]
-                mx.eval(chosen, idx, vals)
-                top = tuple(zip(idx.tolist(), vals.tolist(), strict=True))
-            else:
-                top = ()
-            out[r.uid] = (chosen.item(), top)
-        return out
+        lp = lp.reshape(-1)
+        chosen = lp[token]
+        if n <= 0:
+            return chosen.item(), ()
+        n = min(n, lp.shape[-1])
+        idx = mx.argpartition(-lp, kth=n - 1)[:n]
+        vals = lp[idx]
+        order = mx.argsort(-vals)
+        idx, vals = idx[order], vals[order]
+        mx.eval(chosen, idx, vals)
+        return chosen.item(), tuple(zip(idx.tolist(), vals.tolist(), strict=True))
 
     def _fail_all(self, message: str, *, retryable: bool = False) -> None:
-        for seq in self._by_uid.values():
+        ids = [seq.request_id for seq in self._by_uid.values()]
+        ids += [sub.request_id for sub in self._serial_waiting]
+        if self._serial is not None:
+            ids.append(self._serial.submit.request_id)
+        self._serial_waiting.clear()
+        self._serial = None
+        for request_id in ids:
             self._failed.append(
-                SequenceFailed(request_id=seq.request_id, message=message, retryable=retryable)
+                SequenceFailed(request_id=request_id, message=message, retryable=retryable)
             )
         self._by_uid.clear()
         self._uid_of.clear()
@@ -310,7 +438,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            active_sequences=len(self._by_uid),
+            active_sequences=len(self._by_uid) + len(self._serial_waiting) + (self._serial is not None),
             steps=self._steps,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),

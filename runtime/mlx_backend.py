@@ -117,6 +117,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         )
 
     max_bytes = config.prompt_cache_bytes if config.prompt_cache_bytes is not None else 1 << 63
+    serial = None
+    if config.draft_model is not None or config.kv_bits is not None:
+        serial = _serial_generator(config, handle, stream, xtc_special)
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
@@ -125,4 +128,57 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
         stop_sequences=make_stop_sequences(tokenizer),
+        serial_generate=serial,
     )
+
+
+def _serial_generator(config: ServerConfig, handle: ModelHandle, stream, xtc_special):
+    """Requests that cannot share a batch: speculative decoding, quantized KV cache.
+
+    Served one at a time through mlx-lm's ``stream_generate`` on the engine thread.
+    """
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    draft_model = None
+    if config.draft_model is not None:
+        with mx.stream(stream):
+            draft_model, draft_tokenizer = load(config.draft_model)
+        if draft_tokenizer.vocab_size != handle.tokenizer.vocab_size:
+            log.warning("the draft model's vocabulary differs from the model's")
+
+    def generate(sub, rest, cache, progress):
+        if cache is None:
+            cache = make_prompt_cache(handle.model)
+            if draft_model is not None:
+                cache += make_prompt_cache(draft_model)
+        kwargs = dict(
+            sampler=build_sampler(sub.sampling, xtc_special),
+            logits_processors=build_logits_processors(sub.sampling),
+            prompt_cache=cache,
+            prefill_step_size=config.prefill_step_size,
+        )
+        if draft_model is not None:
+            kwargs["num_draft_tokens"] = config.num_draft_tokens
+        else:
+            kwargs["prompt_progress_callback"] = progress
+        if config.kv_bits is not None:
+            kwargs.update(
+                kv_bits=config.kv_bits,
+                kv_group_size=config.kv_group_size,
+                quantized_kv_start=config.quantized_kv_start,
+            )
+        responses = stream_generate(
+            handle.model,
+            handle.tokenizer,
+            rest,
+            max_tokens=sub.max_tokens,
+            draft_model=draft_model,
+            stream=stream,
+            **kwargs,
+        )
+        return responses, cache
+
+    return generate

@@ -47,7 +47,7 @@ def test_bad_settings_are_refused_naming_the_setting(environ, fragment):
         config_from_env(environ)
 
 
-@pytest.mark.parametrize("flags", [["--draft-model", "/d"], ["--kv-bits", "4"], ["--pipeline"]])
+@pytest.mark.parametrize("flags", [["--pipeline"]])
 def test_unsupported_flags_fail_loudly_at_start(flags):
     with pytest.raises(SystemExit, match="not supported yet"):
         create_app(parse_config(flags))

@@ -228,10 +228,11 @@ def test_streamed_text_equals_full_decode(tokenizer, data):
     for rid, seq in ((1, ids), (2, other)):
         ref = full_detokenize(tokenizer, seq)
         decoded = tokenizer.decode(seq)
-        # mlx-lm's BPE streaming detokenizer drops the text's one leading space.
+        # mlx-lm's BPE streaming detokenizer drops the text's one leading space;
+        # a text completion keeps it (it continues the prompt): exactly the full decode.
         assert ref == (decoded[1:] if decoded.startswith(" ") else decoded)
         got = received[rid]
-        assert got.content == ref
+        assert got.content == decoded
         assert got.reasoning == "" and got.tool_calls == []
         fin = got.finished()
         assert fin.finish_reason == "length"
@@ -278,7 +279,8 @@ def test_fake_tokenizer_streams_partial_utf8(data):
 def test_stop_strings_cut_the_stream(tokenizer, data):
     vocab = len(tokenizer)
     ids = data.draw(st.lists(st.integers(N_SPECIAL, vocab - 1), min_size=1, max_size=30), "ids")
-    text = full_detokenize(tokenizer, ids)
+    assume("\x00" not in tokenizer.decode(ids))
+    text = tokenizer.decode(ids)  # a text completion keeps its leading space
 
     def substring():
         if not text:
@@ -289,7 +291,6 @@ def test_stop_strings_cut_the_stream(tokenizer, data):
 
     stop = st.one_of(substring(), st.text(alphabet="etoa ns\n", min_size=1, max_size=3))
     stops = data.draw(st.lists(stop, min_size=1, max_size=3), "stops")
-    assume(not has_infix(stops))
 
     withdrawn: list[int] = []
     core = DetokenizerCore(tokenizer, withdraw=withdrawn.append)
