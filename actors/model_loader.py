@@ -1,19 +1,27 @@
-"""ModelLoader: owns the engine thread, from model load to exit, and restarts it.
+"""ModelLoader: owns the engine thread, from model load to exit; swaps and restarts it.
 
 The engine thread lives exactly as long as one loaded model: it is started by
 ``trio.to_thread.run_sync`` (one call for the model's lifetime, never one per
 step, with ``abandon_on_cancel=False`` so trio waits for it and no orphan thread
-keeps the model in memory). Its first act is loading the model on itself,
-since MLX streams and RNG state belong to the thread that made them.
+keeps a model in memory). Its first act is loading the model on itself, since
+MLX streams and RNG state belong to the thread that made them.
 
-``ModelLoaderCore`` is the sans-IO state machine (loading -> ready -> restarting
--> ready ... | failed | stopped) that ``/health`` reads. Emits to the runtime:
-``on_ready(handle, inbox)`` when the engine can take requests, and
-``on_lost(reason, permanent)`` when it stopped taking them.
+Sessions ``acquire`` the model they need (a ``ModelKey``) and hold a lease on
+it until they end. A request for another model marks a swap as pending: new
+requests for the current model then wait, and once the last lease is released
+the engine is shut down (freeing its model) and a new engine thread loads the
+wanted one. A model that fails to load fails the requests waiting for it and
+the server goes back to its default model; the default model failing to load
+leaves the server up, answering 503 with the reason.
+
+``ModelLoaderCore`` is the sans-IO state machine that ``/health`` reads.
+Emits to the runtime: ``on_ready(handle, inbox)`` when an engine can take
+requests, and ``on_lost(reason, permanent)`` when it stopped taking them.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import logging
@@ -23,7 +31,9 @@ from collections.abc import Callable
 import trio
 
 from runtime.engine import EngineCore, ModelHandle, run_engine_loop
-from runtime.messages import StepOutputs
+from runtime.errors import NotFound, Unavailable
+from runtime.messages import Shutdown, StepOutputs
+from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +47,51 @@ class ModelState(enum.StrEnum):
 
 
 class ModelLoaderCore:
-    def __init__(self, *, max_restarts: int = 5):
+    def __init__(self, default: ModelKey | None = None, *, max_restarts: int = 5):
+        self.default = default or ModelKey("default")
+        self.key = self.default  # the model loaded or loading now
+        self.pending: ModelKey | None = None  # the model to load once leases reach 0
+        self.leases = 0
         self.state = ModelState.LOADING
         self.reason: str | None = None
         self.handle: ModelHandle | None = None
         self.restarts = 0
         self.max_restarts = max_restarts
+        self.failed_loads: dict[ModelKey, str] = {}
+        self.waiting: collections.Counter[ModelKey] = collections.Counter()
 
     def ready(self, handle: ModelHandle) -> None:
         self.state = ModelState.READY
         self.reason = None
         self.handle = handle
+        self.failed_loads.pop(self.key, None)
+
+    def try_lease(self, key: ModelKey) -> bool:
+        """Take a lease if ``key`` is loaded and not about to be swapped out.
+
+        A request for another model asks for a swap only once nobody is waiting
+        for the current one, so every swap serves the requests that caused it
+        (no ping-pong between two models with neither making progress).
+        """
+        if key == self.key and self.state is ModelState.READY and self.pending is None:
+            self.leases += 1
+            return True
+        if (
+            self.pending is None
+            and key != self.key
+            and self.state is not ModelState.STOPPED
+            and not self.waiting[self.key]
+        ):
+            self.pending = key
+        return False
+
+    def release(self) -> bool:
+        """Drop a lease; returns whether the engine should now shut down for a swap."""
+        self.leases = max(0, self.leases - 1)
+        return self.swap_due()
+
+    def swap_due(self) -> bool:
+        return self.pending is not None and self.leases == 0 and self.state is ModelState.READY
 
     def crashing(self, reason: str) -> None:
         """The engine thread is going down with an error: stop reporting ready."""
@@ -55,16 +99,30 @@ class ModelLoaderCore:
         self.reason = reason
 
     def engine_exited(self, error: BaseException | None) -> bool:
-        """Record how the engine thread ended; returns whether to start it again."""
+        """Record how the engine thread ended; returns whether to start one again."""
         if error is None:
-            self.state = ModelState.STOPPED
-            return False
+            if self.pending is None:
+                self.state = ModelState.STOPPED
+                return False
+            self.key, self.pending = self.pending, None  # a swap
+            self.handle = None
+            self.state = ModelState.LOADING
+            return True
         self.reason = f"{type(error).__name__}: {error}"
-        if self.handle is None or self.restarts >= self.max_restarts:
+        if self.handle is None:  # it never loaded
+            if self.key != self.default:
+                self.failed_loads[self.key] = self.reason
+                self.key, self.pending = self.default, None
+                self.state = ModelState.LOADING
+                return True
+            self.state = ModelState.FAILED
+            return False
+        if self.restarts >= self.max_restarts:
             self.state = ModelState.FAILED
             return False
         self.restarts += 1
         self.state = ModelState.RESTARTING
+        self.handle = None
         return True
 
     def backoff(self) -> float:
@@ -74,7 +132,7 @@ class ModelLoaderCore:
 class ModelLoader:
     def __init__(
         self,
-        make_core: Callable[[], EngineCore],
+        make_core: Callable[[ModelKey], EngineCore],
         *,
         outputs: trio.MemorySendChannel[StepOutputs],
         on_ready: Callable[[ModelHandle, queue.SimpleQueue], None],
@@ -87,33 +145,94 @@ class ModelLoader:
         self._on_ready = on_ready
         self._on_lost = on_lost
         self.inbox: queue.SimpleQueue | None = None
+        self._changed = trio.Event()
+
+    # ----------------------------------------------------- leases (Sessions)
+
+    async def acquire(self, key: ModelKey, *, wait: float = 600.0) -> ModelHandle:
+        """Wait (bounded) until ``key`` is loaded, and lease it. Raises 404 / 503."""
+        self.core.waiting[key] += 1
+        try:
+            with trio.move_on_after(wait):
+                return await self._wait_for_lease(key)
+        finally:
+            self.core.waiting[key] -= 1
+            if not self.core.waiting[key]:
+                del self.core.waiting[key]
+            self._notify()  # a waiter leaving can unblock a swap
+        raise Unavailable(f"model {key.model!r} is still loading", retry_after=5)
+
+    async def _wait_for_lease(self, key: ModelKey) -> ModelHandle:
+        while True:
+            if self.core.try_lease(key):
+                return self.core.handle
+            if key in self.core.failed_loads:
+                # Reported once to those waiting now; a later request tries again.
+                raise NotFound(
+                    f"model {key.model!r} could not be loaded: {self.core.failed_loads.pop(key)}",
+                    param="model",
+                )
+            if self.core.state is ModelState.FAILED:
+                raise Unavailable(f"the model failed to load: {self.core.reason}", retry_after=30)
+            if self.core.state is ModelState.STOPPED:
+                raise Unavailable("the server is shutting down", retry_after=5)
+            self._maybe_swap()
+            await self._changed.wait()
+
+    def release(self) -> None:
+        """Synchronous: called from Session cleanup, possibly while cancelled."""
+        self.core.release()
+        self._maybe_swap()
+
+    def _maybe_swap(self) -> None:
+        if self.core.swap_due() and self.inbox is not None:
+            log.info("swapping model %s -> %s", self.core.key.model, self.core.pending.model)
+            self.inbox.put(Shutdown())
+            self.inbox = None
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ------------------------------------------------------------ the actor
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async with self._outputs:
-            while True:
-                inbox: queue.SimpleQueue = queue.SimpleQueue()
-                error: BaseException | None = None
-                try:
-                    await trio.to_thread.run_sync(
-                        functools.partial(self._engine_thread, inbox),
-                        thread_name="mlx-engine",
-                        abandon_on_cancel=False,
-                    )
-                except Exception as exc:
-                    error = exc
-                    log.error("engine thread ended with %s: %s", type(exc).__name__, exc)
-                finally:
-                    self.inbox = None
-                again = self.core.engine_exited(error)
-                self._on_lost(self.core.reason or "the engine stopped", not again)
-                if not again:
-                    return
-                log.warning("restarting the engine (%d) in %.1fs", self.core.restarts, self.core.backoff())
-                await trio.sleep(self.core.backoff())
-                self.core.state = ModelState.LOADING
+        try:
+            async with self._outputs:
+                while True:
+                    inbox: queue.SimpleQueue = queue.SimpleQueue()
+                    error: BaseException | None = None
+                    try:
+                        await trio.to_thread.run_sync(
+                            functools.partial(self._engine_thread, inbox, self.core.key),
+                            thread_name="mlx-engine",
+                            abandon_on_cancel=False,
+                        )
+                    except Exception as exc:
+                        error = exc
+                        log.error("engine thread ended with %s: %s", type(exc).__name__, exc)
+                    finally:
+                        self.inbox = None
+                    again = self.core.engine_exited(error)
+                    self._on_lost(self.core.reason or "the engine stopped", not again)
+                    self._notify()
+                    if not again:
+                        return
+                    if self.core.state is ModelState.RESTARTING:
+                        log.warning(
+                            "restarting the engine (%d) in %.1fs",
+                            self.core.restarts,
+                            self.core.backoff(),
+                        )
+                        await trio.sleep(self.core.backoff())
+                        self.core.state = ModelState.LOADING
+        finally:
+            if self.core.state is not ModelState.FAILED:
+                self.core.state = ModelState.STOPPED
+            self._notify()
 
-    def _engine_thread(self, inbox: queue.SimpleQueue) -> None:
+    def _engine_thread(self, inbox: queue.SimpleQueue, key: ModelKey) -> None:
         """Runs on the engine thread."""
 
         def ready(core: EngineCore) -> None:
@@ -126,7 +245,7 @@ class ModelLoader:
             trio.from_thread.run_sync(self.core.crashing, reason)
 
         run_engine_loop(
-            self._make_core,
+            functools.partial(self._make_core, key),
             inbox,
             emit,
             trio.from_thread.check_cancelled,
@@ -139,3 +258,5 @@ class ModelLoader:
         self.core.ready(handle)
         log.info("model ready: %s", handle.model_key)
         self._on_ready(handle, inbox)
+        self._notify()
+        self._maybe_swap()

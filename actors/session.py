@@ -30,6 +30,7 @@ import trio
 from actors.detokenizer import TextSpec
 from runtime.errors import ClientError
 from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, Submit
+from runtime.models import ModelKey
 from runtime.outbox import Outbox
 from runtime.prompts import PreparedPrompt
 
@@ -51,6 +52,7 @@ class Session:
         logprobs: bool = False,
         top_logprobs: int = 0,
         timeout: float | None = None,
+        model: ModelKey | None = None,
     ):
         self._runtime = runtime
         self._prepare = prepare
@@ -62,13 +64,25 @@ class Session:
         self._logprobs = logprobs
         self._top_logprobs = top_logprobs
         self._timeout = timeout
+        self._model = model
+        self._leased = False
         self._deadline = float("inf")
         self.outbox = Outbox()
         self.request_id: int | None = None
         self.prompt: PreparedPrompt | None = None
 
     async def __aenter__(self) -> Session:
-        handle = self._runtime.require_ready()
+        key = self._model or self._runtime.model_loader.core.default
+        handle = await self._runtime.acquire(key)
+        self._leased = True
+        try:
+            return await self._enter(handle)
+        except BaseException:
+            self._leased = False
+            self._runtime.release()
+            raise
+
+    async def _enter(self, handle) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
         self.prompt = await trio.to_thread.run_sync(
             self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
@@ -99,10 +113,18 @@ class Session:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        self.leave()
+
+    def leave(self) -> None:
+        """Withdraw the request and release the model; idempotent and synchronous."""
         # Synchronous on purpose: see the module docstring.
         if self.request_id is not None:
             self._runtime.close_request(self.request_id)
+            self.request_id = None
         self.outbox.close()
+        if self._leased:
+            self._leased = False
+            self._runtime.release()
 
     async def receive(self) -> tuple[Progress | Delta | Finished | Failed, ...]:
         """The next events; raises ``trio.EndOfChannel`` after the terminal one.

@@ -6,12 +6,15 @@ responses from (``api.responses``): each class becomes a JSON Schema under
 ``components/schemas`` (fields from ``attrs.fields`` with resolved type
 hints; a field without a default is ``required``), referenced by ``$ref``.
 
-What the types cannot say, ``validate()`` enforces; it is restated here in two
+What the types cannot say, ``validate()`` enforces; it is restated here in
 small explicit tables: ``RANGES`` (``minimum``/``maximum`` by field name, kept
-in sync with ``validate()`` by ``tests/test_fuzz.py``) and ``CONSTRAINTS``
-(enums, lengths, patterns by class and field). The error body every non-2xx
-answer carries is ``ErrorResponse``; ``/health`` answers with ``Health``
-(200 or 503).
+in sync with ``validate()`` by ``tests/test_fuzz.py``), ``CONSTRAINTS``
+(enums, lengths, patterns by class and field) and ``REQUIRED``. The error
+body every non-2xx answer carries is ``ErrorResponse``; ``/health`` answers
+with ``Health`` (200 or 503). Streams (``stream: true``) are documented as
+``text/event-stream`` whose schema describes one event, as OpenAPI before
+3.2 does. Nothing here is imported by the server until ``/openapi.json`` is
+first asked for.
 """
 
 from __future__ import annotations
@@ -63,10 +66,7 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     ("ChatMessage", "role"): {"string": {"enum": _ROLES}},
     ("ContentPart", "type"): {"string": {"enum": ["text"]}},
     ("ChatCompletionRequest", "messages"): {"array": {"minItems": 1}},
-    (
-        "ChatCompletionRequest",
-        "tools",
-    ): {
+    ("ChatCompletionRequest", "tools"): {
         "array": {
             "items": {
                 "type": "object",
@@ -85,6 +85,9 @@ CONSTRAINTS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
     },
     ("CompletionRequest", "echo"): {"boolean": {"const": False}},
 }
+
+# Fields that ``validate()`` requires although their type has a default.
+REQUIRED: set[tuple[str, str]] = {("ContentPart", "text")}
 
 _DESCRIPTIONS = {
     "ChatCompletionRequest": "POST /v1/chat/completions. Unknown fields are ignored. "
@@ -172,7 +175,10 @@ class _Builder:
             schema = self.type_schema(hints.get(field.name, field.type))
             owner = _declaring_class(cls, field.name)
             schema = _constrained(schema, owner, field.name)
-            if field.default is attrs.NOTHING:
+            if (owner, field.name) in REQUIRED:
+                schema = _without_null(schema)
+                required.append(field.name)
+            elif field.default is attrs.NOTHING:
                 required.append(field.name)
             elif _is_json_value(field.default):
                 schema = {**schema, "default": field.default}
@@ -215,6 +221,16 @@ def _declaring_class(cls: type, name: str) -> str:
         if name in klass.__dict__.get("__annotations__", {}):
             return klass.__name__
     return cls.__name__
+
+
+def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
+    kinds = schema.get("type")
+    if isinstance(kinds, list):
+        rest = [k for k in kinds if k != "null"]
+        return {**schema, "type": rest[0] if len(rest) == 1 else rest}
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [m for m in schema["anyOf"] if m.get("type") != "null"]}
+    return schema
 
 
 def _is_json_value(value: Any) -> bool:
@@ -291,7 +307,10 @@ _ERROR_REF = {"$ref": COMPONENTS + "ErrorResponse"}
 
 _GENERATION_ERRORS = {
     "400": _error("invalid request: bad JSON, a wrong type or a value out of range (param names it)"),
-    "413": _error("the request body is larger than the server's limit"),
+    "413": _error(
+        "the request body is larger than the server's limit, or the request's KV cache "
+        "(prompt + max_tokens) would exceed the server's budget"
+    ),
     "429": _error("the admission queue is full", retry_after=True),
     "503": _error("the model is loading, the engine died, or the server is shutting down", retry_after=True),
     "default": _error("any other error"),
@@ -421,6 +440,18 @@ def openapi_document() -> dict[str, Any]:
                         "description": "not ready (see reason)",
                         "content": _json({"$ref": COMPONENTS + "Health"}),
                     },
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "the Prometheus text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
                 },
             }
         },

@@ -75,10 +75,14 @@ class GenerationFields:
     frequency_context_size: int = 20
     logit_bias: dict[str, float] | None = None
     timeout: float | None = None  # seconds; ours: ends the request with "length"
+    adapters: str | None = None  # a LoRA adapter directory
+    draft_model: str | None = None  # a draft model for speculative decoding
+    num_draft_tokens: int | None = None
 
     def validate(self) -> None:
         _range("max_tokens", self.max_tokens, low=1)
         _range("timeout", self.timeout, low=0.001)
+        _range("num_draft_tokens", self.num_draft_tokens, low=1, high=64)
         _range("temperature", self.temperature, low=0)
         _range("top_p", self.top_p, low=0, high=1)
         _range("top_k", self.top_k, low=0)

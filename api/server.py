@@ -177,9 +177,7 @@ class SessionStream:
 
 
 def _leave_session(session: Session) -> None:
-    if session.request_id is not None:
-        session._runtime.close_request(session.request_id)
-    session.outbox.close()
+    session.leave()
 
 
 def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> QuartTrio:
@@ -341,6 +339,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             logprobs=want_logprobs,
             top_logprobs=req.top_logprobs or 0,
             timeout=_timeout(req, config),
+            model=rt.resolve(req.model, req.adapters, req.draft_model),
         )
         renderer = ChatRenderer(
             model=req.model,
@@ -364,6 +363,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             logprobs=want_logprobs,
             top_logprobs=req.logprobs or 0,
             timeout=_timeout(req, config),
+            model=rt.resolve(req.model, req.adapters, req.draft_model),
         )
         renderer = TextRenderer(
             model=req.model,

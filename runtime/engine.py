@@ -495,6 +495,9 @@ def run_engine_loop(
                 emit(leftover)
             except BaseException:  # the trio side is gone: nobody to tell
                 log.debug("could not deliver the engine's final outputs")
+        # Free the model's arrays here, on the thread that made them: the trio
+        # side keeps the handle (for its tokenizer) but must not keep the model.
+        core.handle.model = None
         del core
         gc.collect()
 

@@ -24,17 +24,19 @@ import queue
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore, TextSpec
-from actors.model_loader import ModelLoader, ModelState
+from actors.model_loader import ModelLoader, ModelLoaderCore, ModelState
 from actors.prompt_cache import PromptCacheActor
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
 from runtime.engine import EngineCore, ModelHandle
-from runtime.errors import Unavailable
+from runtime.errors import NotFound, Unavailable
 from runtime.messages import EngineStats, Failed, StepOutputs, Submit
+from runtime.models import ModelKey, default_key, resolve_key
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -54,30 +56,41 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
     return TINY_MODEL_ID, str(default_model_dir())
 
 
-def make_real_core(config: ServerConfig) -> Callable[[], EngineCore]:
-    def make() -> EngineCore:
+def make_real_core(config: ServerConfig) -> Callable[[ModelKey], EngineCore]:
+    def make(key: ModelKey) -> EngineCore:
         from runtime.mlx_backend import make_engine_core
 
-        model_id, path = resolve_model(config)
-        if not config.model:
+        _, default_path = resolve_model(config)
+        if not config.model and key.model == default_path:
             from runtime.tiny_model import build_tiny_model
 
             log.warning(
                 "no --model given: serving a tiny model with RANDOM weights (%s); "
                 "its answers are noise. Pass --model PATH for a real model.",
-                path,
+                key.model,
             )
-            if not (Path(path) / "model.safetensors").exists():
-                build_tiny_model(path)
-        return make_engine_core(config, path)
+            if not (Path(key.model) / "model.safetensors").exists():
+                build_tiny_model(key.model)
+        return make_engine_core(
+            attrs.evolve(config, adapter_path=key.adapter, draft_model=key.draft), key.model
+        )
 
     return make
 
 
 class Runtime:
     def __init__(self, config: ServerConfig, *, make_core: Callable[[], EngineCore] | None = None):
+        """``make_core`` (tests) builds one fixed engine core; without it the real
+        mlx-lm engine is built for whichever model a request asks for."""
         self.config = config
-        self.model_id, _ = resolve_model(config)
+        self.model_id, self.model_path = resolve_model(config)
+        self.switchable = make_core is None
+        if make_core is None:
+            make_core_for = make_real_core(config)
+        else:
+
+            def make_core_for(key: ModelKey) -> EngineCore:
+                return make_core()
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[StepOutputs](2)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
@@ -93,10 +106,11 @@ class Runtime:
         self.detokenizer = Detokenizer(core=None)
         self.prompt_cache = PromptCacheActor()
         self.model_loader = ModelLoader(
-            make_core or make_real_core(config),
+            make_core_for,
             outputs=self._engine_out_send,
             on_ready=self._engine_ready,
             on_lost=self._engine_lost,
+            core=ModelLoaderCore(default_key(config, self.model_path)),
         )
         self.dead: str | None = None
         self.accepting = True
@@ -141,17 +155,32 @@ class Runtime:
 
     # ------------------------------------------------------------- requests
 
-    def require_ready(self) -> ModelHandle:
+    def resolve(
+        self, model: str | None, adapters: str | None = None, draft_model: str | None = None
+    ) -> ModelKey:
+        """The model a request names (404 if it is not on this machine)."""
+        key = resolve_key(
+            self.config,
+            self.model_id,
+            self.model_path,
+            model=model,
+            adapters=adapters,
+            draft_model=draft_model,
+        )
+        if not self.switchable and key != self.model_loader.core.default:
+            raise NotFound(f"model {model!r} is not served here", param="model")
+        return key
+
+    async def acquire(self, key: ModelKey) -> ModelHandle:
+        """Wait until ``key`` is loaded and lease it; ``release`` when done."""
         if self.dead:
             raise Unavailable(self.dead, retry_after=30)
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=5)
-        loader = self.model_loader.core
-        if loader.state is not ModelState.READY or loader.handle is None:
-            if loader.state is ModelState.FAILED:
-                raise Unavailable(f"the model failed to load: {loader.reason}", retry_after=30)
-            raise Unavailable(f"the model is {loader.state.value}", retry_after=5)
-        return loader.handle
+        return await self.model_loader.acquire(key)
+
+    def release(self) -> None:
+        self.model_loader.release()
 
     def open_request(self, submit: Submit, spec: TextSpec, outbox: Outbox) -> None:
         core = self.detokenizer.core
@@ -220,7 +249,7 @@ class Runtime:
         stats = self.scheduler.last_stats
         body = {
             "status": "ok",
-            "model": self.model_id,
+            "model": self.model_id if loader.key == loader.default else loader.key.model,
             "model_state": loader.state.value,
             "active_sequences": stats.active_sequences,
             "requests_in_flight": self.scheduler.core.load,

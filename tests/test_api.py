@@ -25,7 +25,7 @@ async def client(tiny_model_path):
 
 
 def chat_body(content="hello there", **extra):
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
+    return {"model": "default_model", "messages": [{"role": "user", "content": content}], **extra}
 
 
 def parse_sse(raw: bytes) -> tuple[list[dict], list[str], bool]:

@@ -12,7 +12,10 @@ afterwards, with nothing left running.
 
 Bounded for CI: ``MLX_TRIO_MAX_TOKENS=4``, generated ``max_tokens`` /
 ``max_completion_tokens`` above 8 lowered to 8 (invalid values are sent as
-generated), ``max_examples=30`` per operation, a fixed seed.
+generated), ``max_examples=30`` per operation in the fuzzing phase, a fixed
+seed (``FUZZ_SEED=<n>`` explores others). Known server bugs are pinned by
+strict xfails at the end; the fuzzing steps around the two that would
+otherwise end it (see ``shorten``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import requests
@@ -38,6 +42,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from api import responses, schemas
 from api.convert import structure_or_400
 from api.openapi import RANGES, openapi_document
 from api.schemas import ChatCompletionRequest, CompletionRequest
@@ -45,7 +50,9 @@ from runtime.errors import ClientError
 from tests.test_server_process import free_port
 
 MAX_EXAMPLES = 30
+SEED = int(os.environ.get("FUZZ_SEED", "20240611"))  # another seed explores other inputs
 TOKEN_CAP = 8
+CONTEXT_SIZES = ("repetition_context_size", "presence_context_size", "frequency_context_size")
 FUZZED = ["createChatCompletion", "createCompletion", "listModels", "health"]
 JSON_CHECKS = [
     not_a_server_error,
@@ -87,6 +94,33 @@ def test_document_is_valid_openapi_31():
     assert "text/event-stream" in (
         doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     )
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        ChatCompletionRequest,
+        CompletionRequest,
+        schemas.ChatMessage,
+        schemas.ContentPart,
+        schemas.ToolCallIn,
+        schemas.FunctionCallIn,
+        schemas.StreamOptions,
+        responses.ChatCompletion,
+        responses.ChatCompletionChunk,
+        responses.TextCompletion,
+        responses.ModelList,
+        responses.ModelCard,
+        responses.UsageOut,
+    ],
+    ids=lambda cls: cls.__name__,
+)
+def test_components_follow_the_attrs_types(cls):
+    component = openapi_document()["components"]["schemas"][cls.__name__]
+    fields = attrs.fields(cls)
+    assert list(component["properties"]) == [f.name for f in fields]
+    without_default = {f.name for f in fields if f.default is attrs.NOTHING}
+    assert without_default <= set(component.get("required", []))
 
 
 def _range_cases():
@@ -205,7 +239,7 @@ schema = schemathesis.openapi.from_dict(
     json.loads(json.dumps(openapi_document())),
     config=schemathesis.Config.from_dict(
         {
-            "seed": 20240611,
+            "seed": SEED,
             "request-timeout": 30,
             "max-stream-events": 1000,
             "generation": {"database": "none"},
@@ -229,16 +263,20 @@ def shorten(body, vocab_size: int) -> None:
     """Make a generated body cheap to serve, and keep it off the known crash.
 
     Token limits above TOKEN_CAP become TOKEN_CAP (anything else, invalid
-    values included, is sent as generated). Token ids in a ``prompt`` list are
-    folded into the vocabulary: an id outside it can crash the server
-    (``test_out_of_vocabulary_prompt_token_is_a_400``); drop the folding when
-    that passes.
+    values included, is sent as generated). Two known bugs are stepped
+    around, each pinned by a strict xfail below (drop the step when it
+    passes): token ids in a ``prompt`` list are folded into the vocabulary
+    (``test_huge_prompt_token_id_does_not_kill_the_server``), and context
+    sizes of 2**32 and more are lowered (``test_context_size_beyond_int32_is_a_400``).
     """
     if not isinstance(body, dict):
         return
     for key in ("max_tokens", "max_completion_tokens"):
         if _integral(body.get(key)) and body[key] > TOKEN_CAP:
             body[key] = TOKEN_CAP
+    for key in CONTEXT_SIZES:
+        if _integral(body.get(key)) and body[key] >= 2**32:
+            body[key] = 2**31 - 1
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         body["prompt"] = [
@@ -271,23 +309,30 @@ def assert_error_shape(response) -> None:
 )
 def test_fuzz_server(case, fuzz_server, vocab_size):
     shorten(case.body, vocab_size)
-    import collections; STATS.setdefault(case.operation.label, collections.Counter())
     try:
         response = case.call(base_url=fuzz_server.base)
     except requests.ConnectionError as exc:
         exc.add_note(f"server alive: {fuzz_server.alive()}; its log:\n{fuzz_server.log_tail()}")
         raise
-    STATS[case.operation.label][str((response.status_code, (case.body or {}).get("stream") if isinstance(case.body, dict) else None, case.meta.phase.name.value if case.meta else None, case.meta.generation.mode.value if case.meta else None))] += 1
-    if response.status_code == 400 and case.meta and case.meta.generation.mode.value == "positive": print("POS400", json.dumps(case.body)[:300], response.text[:200])
-    if content_type(response).startswith("text/event-stream"):
-        # Not JSON: an SSE stream is only ever a 200, and it must end.
-        case.validate_response(response, checks=[not_a_server_error])
-        assert response.status_code == 200, response.text
-        assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
-        return
-    case.validate_response(response, checks=JSON_CHECKS)
-    if not 200 <= response.status_code < 300:
-        assert_error_shape(response)
+    try:
+        if content_type(response).startswith("text/event-stream"):
+            # Not JSON: an SSE stream is only ever a 200, and it must end.
+            case.validate_response(response, checks=[not_a_server_error])
+            assert response.status_code == 200, response.text
+            assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+            return
+        case.validate_response(response, checks=JSON_CHECKS)
+        if not 200 <= response.status_code < 300:
+            assert_error_shape(response)
+    except Exception as exc:
+        exc.add_note(f"server log:\n{fuzz_server.log_tail()}")
+        raise
+
+
+def test_served_document_is_the_document(fuzz_server):
+    response = httpx.get(f"{fuzz_server.base}/openapi.json", timeout=10)
+    assert response.status_code == 200
+    assert response.json() == json.loads(json.dumps(openapi_document()))
 
 
 def test_health_after_fuzzing(fuzz_server):
@@ -301,8 +346,106 @@ def test_health_after_fuzzing(fuzz_server):
         assert time.monotonic() < deadline, f"requests still running after the fuzzing: {health}"
         time.sleep(0.05)
     assert health["status"] == "ok" and health["engine_restarts"] == 0, health
-STATS = {}
-def test_zz_print():
-    for k, v in STATS.items():
-        print(k, sum(v.values()))
-        for kk, n in sorted(v.items(), key=str): print("   ", kk, n)
+
+
+# ------------------------------------------------------- known server bugs
+#
+# Found by fuzzing and by probing what the fuzzing hinted at; each asserts
+# the right answer and is a strict xfail until the server is fixed. They run
+# after the fuzzing (a failed engine step fails every sequence in the batch).
+
+CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def post(server: Server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base}{path}", json=body, timeout=30)
+
+
+def assert_400(response: httpx.Response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    assert_error_shape_httpx(response)
+    assert response.json()["error"]["param"] == param, response.text
+
+
+def assert_error_shape_httpx(response: httpx.Response) -> None:
+    assert response.headers.get("Content-Type", "").startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=(AssertionError, httpx.HTTPError),
+    reason="server bug: a prompt token id >= 2**31 (or <= -2**31) reaches the model's embedding "
+    "and the server process dies with a segmentation fault (no response at all)",
+)
+def test_huge_prompt_token_id_does_not_kill_the_server(tiny_model_path, tmp_path):
+    server = Server(tiny_model_path, tmp_path / "server.log")
+    try:
+        response = post(server, "/v1/completions", {"prompt": [2**31], "max_tokens": 1})
+        assert_400(response, "prompt")
+    finally:
+        time.sleep(0.2)
+        alive = server.alive()
+        server.stop()
+    assert alive, server.log_tail()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="server bug: prompt token ids are not checked against the vocabulary; "
+    "[-1] or [vocab_size] is served (200) from an out-of-bounds embedding read",
+)
+@pytest.mark.parametrize("token", [-1, "vocab_size"])
+def test_prompt_token_id_outside_the_vocabulary_is_a_400(fuzz_server, vocab_size, token):
+    token = vocab_size if token == "vocab_size" else token
+    response = post(fuzz_server, "/v1/completions", {"prompt": [token], "max_tokens": 1})
+    assert_400(response, "prompt")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason='server bug: validate() takes "--1" and "²" as token ids (str.isdigit after '
+    "lstrip('-')), then int() raises: 500 internal error: ValueError",
+)
+@pytest.mark.parametrize("key", ["--1", "\u00b2"])
+def test_logit_bias_key_that_is_no_integer_is_a_400(fuzz_server, key):
+    response = post(fuzz_server, "/v1/chat/completions", {**CHAT_HI, "logit_bias": {key: 1}})
+    assert_400(response, "logit_bias")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="server bug: a context size >= 2**32 with its penalty on fails the engine step "
+    "('Slice indices must be 32-bit integers'): 500, and every sequence in that step fails",
+)
+@pytest.mark.parametrize(
+    ("penalty", "size"),
+    [
+        ("repetition_penalty", "repetition_context_size"),
+        ("presence_penalty", "presence_context_size"),
+        ("frequency_penalty", "frequency_context_size"),
+    ],
+)
+def test_context_size_beyond_int32_is_a_400(fuzz_server, penalty, size):
+    body = {**CHAT_HI, penalty: 1.5, size: 2**32}
+    response = post(fuzz_server, "/v1/chat/completions", body)
+    assert_400(response, size)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="server bug: chat_template_kwargs can set tokenize=false, so the prompt is a string; "
+    "the engine step fails ('Invalid type str received in array initialization'): 500, "
+    "and every sequence in that step fails",
+)
+def test_chat_template_kwargs_cannot_untokenize_the_prompt(fuzz_server):
+    body = {**CHAT_HI, "chat_template_kwargs": {"tokenize": False}}
+    response = post(fuzz_server, "/v1/chat/completions", body)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert_error_shape_httpx(response)

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import trio
 import trio.lowlevel
@@ -69,6 +71,7 @@ class Outcome:
     end_of_channel: bool = False
     again_end_of_channel: bool = False  # receive() after EndOfChannel raises it again
     cancelled: bool = False
+    left_at: object = None  # the engine's position when the Session exited (withdrew)
 
     @property
     def events(self) -> list:
@@ -99,7 +102,11 @@ async def cancel_after(scope: trio.CancelScope, checkpoints: int) -> None:
 
 
 async def client(
-    runtime: Runtime, plan: Plan, out: Outcome, nursery: trio.Nursery | None = None
+    runtime: Runtime,
+    plan: Plan,
+    out: Outcome,
+    nursery: trio.Nursery | None = None,
+    engine_position: Callable[[], object] = lambda: None,
 ) -> None:
     """What an HTTP handler does with a Session; a disconnect cancels ``scope``."""
     await arrive(plan.arrival)
@@ -118,7 +125,10 @@ async def client(
                 out.request_id = session.request_id
                 receives = 0
                 while True:
-                    if plan.behaviour == "disconnect" and receives == plan.receives_before_disconnect:
+                    if (
+                        plan.behaviour == "disconnect"
+                        and receives == plan.receives_before_disconnect
+                    ):
                         assert nursery is not None
                         nursery.start_soon(cancel_after, scope, plan.cancel_lag)
                     try:
@@ -135,6 +145,9 @@ async def client(
                     out.again_end_of_channel = True
         except Overloaded as exc:
             out.refused = exc
+        finally:
+            # No checkpoint since the Session's (synchronous) exit: where the engine was then.
+            out.left_at = engine_position()
     out.cancelled = scope.cancelled_caught
 
 
@@ -172,6 +185,7 @@ async def wait_idle(runtime: Runtime, seconds: float = 10.0) -> None:
     assert runtime.scheduler.core.kv_reserved == 0
     assert len(runtime.detokenizer.core) == 0
     assert runtime.scheduler.last_stats.active_sequences == 0
+    assert getattr(runtime.model_loader.core, "leases", 0) == 0, "a Session kept its model lease"
 
 
 # ------------------------------------------------------- 1. the fake engine
@@ -248,6 +262,9 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
         handle = ModelHandle(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
         return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
 
+    def engine_position() -> tuple[int, int]:
+        return len(factory.instances) - 1, factory.current.next_calls
+
     runtime = Runtime(config, make_core=make_core)
     outcomes = [Outcome() for _ in plans]
     with trio.fail_after(20):
@@ -256,7 +273,7 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
             await poll_until(lambda: runtime.model_loader.core.handle is not None)
             async with trio.open_nursery() as clients:
                 for plan, out in zip(plans, outcomes, strict=True):
-                    clients.start_soon(client, runtime, plan, out, clients)
+                    clients.start_soon(client, runtime, plan, out, clients, engine_position)
             await wait_idle(runtime)
             assert not factory.current.active_uids, "sequences left in the batch"
             # Generators closed while serving were replaced after a failed step
@@ -276,23 +293,19 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
         assert out.request_id is not None
         check_stream_shape(plan, out)
 
-        # Where the request's sequence went in the fake (at most one, matched by prompt).
-        placed = [
-            (gen, uid)
-            for gen in factory.instances
-            for uid, seq in gen.sequences.items()
-            if tuple(seq.prompt) == plan.prompt
-        ]
-        assert len(placed) <= 1, f"request {out.request_id} entered the batch {len(placed)} times"
-        for gen, uid in placed:
-            # Finished, withdrawn, or failed with its generator: never left behind.
-            assert uid in gen.finished or uid in gen.removed or gen in failed, (plan, out)
-
         expected = script(plan.prompt, plan.max_tokens)
+        (terminal,) = out.terminals or (None,)
+        deadline_hit = (
+            plan.behaviour == "deadline"
+            and isinstance(terminal, Finished)
+            and terminal.finish_reason == "length"
+            and terminal.usage.completion_tokens < len(expected)
+        )
+        check_left_the_batch(factory, failed, plan, out, withdrawn=out.cancelled or deadline_hit)
+
         text = TOKENIZER.decode([t for t in expected if t not in EOS_IDS])
         if not plan.markup:
             assert text.startswith(out.content), (out.content, text)
-        (terminal,) = out.terminals or (None,)
         if isinstance(terminal, Failed):
             event("failed by the engine step")
             assert fail_on_step is not None, terminal
@@ -305,11 +318,6 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
         usage = terminal.usage
         assert usage.prompt_tokens == len(plan.prompt)
         assert usage.completion_tokens <= plan.max_tokens
-        deadline_hit = (
-            plan.behaviour == "deadline"
-            and terminal.finish_reason == "length"
-            and usage.completion_tokens < len(expected)
-        )
         if deadline_hit:
             event("deadline hit")
             continue
@@ -326,9 +334,49 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
             assert usage.completion_tokens == plan.max_tokens
         if not plan.markup:
             assert out.content == text
-        if placed:
-            gen, uid = placed[0]
-            assert gen.finished.get(uid) == ("stop" if reason != "length" else "length")
+        ((gen, uid),) = placements(factory, plan)
+        assert gen.finished.get(uid) == ("stop" if reason != "length" else "length")
+
+
+def placements(factory: FakeBatchGeneratorFactory, plan: Plan) -> list[tuple[object, int]]:
+    """Where the request's sequence went in the fake: (generator, uid), matched by prompt."""
+    return [
+        (gen, uid)
+        for gen in factory.instances
+        for uid, seq in gen.sequences.items()
+        if tuple(seq.prompt) == plan.prompt
+    ]
+
+
+def finish_step(gen, uid: int) -> int:
+    return next(
+        record.index
+        for record in gen.steps
+        for u, _, reason in record.generated
+        if u == uid and reason is not None
+    )
+
+
+def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, withdrawn: bool) -> None:
+    """The sequence entered the batch at most once and was never left behind in it.
+
+    A withdrawn request (disconnected, or past its deadline) was removed from the
+    batch, failed with its generator, or had already finished: at the latest in
+    the step the engine was in (or about to start) when the Session withdrew it.
+    """
+    placed = placements(factory, plan)
+    assert len(placed) <= 1, f"request {out.request_id} entered the batch {len(placed)} times"
+    for gen, uid in placed:
+        assert uid in gen.finished or uid in gen.removed or gen in failed, (plan, out)
+        if not withdrawn or uid in gen.removed or gen in failed:
+            continue
+        generation, steps = out.left_at
+        index = factory.instances.index(gen)
+        assert index < generation or (index == generation and finish_step(gen, uid) <= steps + 1), (
+            f"request {out.request_id} was withdrawn when the engine was at step {steps}, "
+            f"but its sequence was never removed and ran to its end at step "
+            f"{finish_step(gen, uid)}: {plan}"
+        )
 
 
 # ------------------------------------------------ 2. the real tiny model

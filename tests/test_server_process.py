@@ -66,12 +66,12 @@ def test_openai_sdk_chat_and_completions(server):
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        model="default_model", messages=[{"role": "user", "content": "hello"}], max_tokens=8
     )
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens <= 8
     stream = client.chat.completions.create(
-        model="tiny",
+        model="default_model",
         messages=[{"role": "user", "content": "hello"}],
         max_tokens=8,
         stream=True,
@@ -85,7 +85,7 @@ def test_openai_sdk_chat_and_completions(server):
             usage = chunk.usage
     assert text == (chat.choices[0].message.content or "")
     assert usage.completion_tokens == chat.usage.completion_tokens
-    completion = client.completions.create(model="tiny", prompt="the time in Rome", max_tokens=6)
+    completion = client.completions.create(model="default_model", prompt="the time in Rome", max_tokens=6)
     assert completion.choices[0].finish_reason in ("length", "stop")
     models = client.models.list()
     assert len(models.data) >= 1

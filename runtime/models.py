@@ -1,0 +1,90 @@
+"""Which model a request asks for, and whether it can be had without a download.
+
+A ``ModelKey`` names a loadable combination: model path, LoRA adapter path,
+draft model path. ``resolve_key`` maps a request's ``model`` / ``adapters`` /
+``draft_model`` fields to one, the way mlx_lm.server does (``default_model``
+and the served id or path mean the configured model), except that a request
+can only name models that are already on this machine: a local directory, or
+a repository in the local Hugging Face cache. A request never starts a
+download; anything else is a 404 that names the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from runtime.config import ServerConfig
+from runtime.errors import NotFound
+
+DEFAULT_ALIASES = ("default_model", "")
+
+
+@attrs.frozen
+class ModelKey:
+    model: str
+    adapter: str | None = None
+    draft: str | None = None
+
+
+def default_key(config: ServerConfig, served_path: str) -> ModelKey:
+    return ModelKey(served_path, config.adapter_path, config.draft_model)
+
+
+def resolve_key(
+    config: ServerConfig,
+    served_id: str,
+    served_path: str,
+    *,
+    model: str | None,
+    adapters: str | None = None,
+    draft_model: str | None = None,
+) -> ModelKey:
+    default = default_key(config, served_path)
+    aliases = {*DEFAULT_ALIASES, served_id, served_path}
+    if config.model:
+        aliases.add(config.model)
+    if model is None or model in aliases or _same_path(model, served_path):
+        path = served_path
+        adapter = adapters if adapters is not None else default.adapter
+    else:
+        path = locate(model, param="model")
+        adapter = adapters
+    if adapter is not None and adapter != default.adapter:
+        adapter = str(locate(adapter, param="adapters", want="adapter_config.json"))
+    draft = default.draft
+    if draft_model is not None and draft_model not in DEFAULT_ALIASES:
+        draft = locate(draft_model, param="draft_model")
+    return ModelKey(path, adapter, draft)
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.exists(a) and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def locate(name: str, *, param: str, want: str = "config.json") -> str:
+    """A local directory holding ``want``, or the local HF cache's snapshot of repo ``name``."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / want).exists():
+            return str(path)
+        raise NotFound(f"{param} {name!r}: the directory has no {want}", param=param)
+    if "/" in name and not name.startswith(("/", ".")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            snapshot = snapshot_download(name, local_files_only=True)
+        except Exception:
+            snapshot = None
+        if snapshot and (Path(snapshot) / want).exists():
+            return snapshot
+    raise NotFound(
+        f"{param} {name!r} is not available on this server (not a local model directory "
+        "nor in the local Hugging Face cache; requests never download models)",
+        param=param,
+    )
