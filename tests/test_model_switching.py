@@ -77,3 +77,54 @@ async def test_unknown_and_unloadable_models_are_404s_and_the_default_keeps_serv
     assert "could not be loaded" in body["error"]["message"]
     await wait_ready(client)
     assert await answer(client, "default_model")  is not None
+
+
+def build_lora_adapter(model_path: str, out_dir) -> str:
+    """A random LoRA adapter for the tiny model, in mlx-lm's adapter format."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(model_path)
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0}
+    linear_to_lora_layers(model, 2, params)
+    mx.random.seed(7)
+    weights = {
+        name: mx.random.normal(value.shape) * 0.5
+        for name, value in tree_flatten(model.parameters())
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    return str(out_dir)
+
+
+async def test_a_request_can_name_a_lora_adapter(client, tiny_model_path, tmp_path):
+    adapter = build_lora_adapter(tiny_model_path, tmp_path / "adapter")
+    plain = await answer(client, "default_model")
+    status, body, _ = await post(
+        client, CHAT, {**chat_body("hello there", max_tokens=10), "adapters": adapter}
+    )
+    assert status == 200, body
+    adapted = body["choices"][0]["message"]["content"]
+    assert adapted != plain
+    assert await answer(client, "default_model") == plain
+    status, body, _ = await post(client, CHAT, {**chat_body(), "adapters": str(tmp_path / "nope")})
+    assert status == 404 and body["error"]["param"] == "adapters"
+
+
+async def test_a_request_can_name_a_draft_model(client, tiny_model_path):
+    plain = await answer(client, "default_model")
+    status, body, _ = await post(
+        client,
+        CHAT,
+        {**chat_body("hello there", max_tokens=10), "draft_model": tiny_model_path},
+    )
+    assert status == 200, body
+    # Greedy speculative decoding is exact: the model as its own draft changes nothing.
+    assert body["choices"][0]["message"]["content"] == plain
+    status, body, _ = await post(client, CHAT, {**chat_body(), "draft_model": "no/such-draft"})
+    assert status == 404 and body["error"]["param"] == "draft_model"
