@@ -53,6 +53,7 @@ class Session:
         top_logprobs: int = 0,
         timeout: float | None = None,
         model: ModelKey | None = None,
+        num_draft_tokens: int | None = None,
     ):
         self._runtime = runtime
         self._prepare = prepare
@@ -65,6 +66,7 @@ class Session:
         self._top_logprobs = top_logprobs
         self._timeout = timeout
         self._model = model
+        self._num_draft_tokens = num_draft_tokens
         self._leased = False
         self._deadline = float("inf")
         self.outbox = Outbox()
@@ -105,6 +107,7 @@ class Session:
             logprobs=self._logprobs or self._top_logprobs > 0,
             top_logprobs=self._top_logprobs,
             kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
+            num_draft_tokens=self._num_draft_tokens,
         )
         self._runtime.open_request(submit, spec, self.outbox)
         self.request_id = submit.request_id

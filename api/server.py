@@ -340,6 +340,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             top_logprobs=req.top_logprobs or 0,
             timeout=_timeout(req, config),
             model=rt.resolve(req.model, req.adapters, req.draft_model),
+            num_draft_tokens=req.num_draft_tokens,
         )
         renderer = ChatRenderer(
             model=req.model,
@@ -364,6 +365,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             top_logprobs=req.logprobs or 0,
             timeout=_timeout(req, config),
             model=rt.resolve(req.model, req.adapters, req.draft_model),
+            num_draft_tokens=req.num_draft_tokens,
         )
         renderer = TextRenderer(
             model=req.model,

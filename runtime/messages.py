@@ -72,6 +72,7 @@ class Submit:
     logprobs: bool = False
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
+    num_draft_tokens: int | None = None  # speculative decoding: None means the server's
 
 
 @attrs.frozen(kw_only=True)

@@ -161,7 +161,7 @@ def _serial_generator(config: ServerConfig, handle: ModelHandle, stream, xtc_spe
             prefill_step_size=config.prefill_step_size,
         )
         if draft_model is not None:
-            kwargs["num_draft_tokens"] = config.num_draft_tokens
+            kwargs["num_draft_tokens"] = sub.num_draft_tokens or config.num_draft_tokens
         else:
             kwargs["prompt_progress_callback"] = progress
         if config.kv_bits is not None:

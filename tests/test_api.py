@@ -255,3 +255,37 @@ async def test_seeded_sampling_is_reproducible_inside_the_batch(client):
         _, data, _ = await post(client, CHAT, {**body, "seed": seed})
         others.add(data["choices"][0]["message"]["content"])
     assert others != {text}
+
+
+async def test_second_turn_reuses_the_first_turns_cache_and_matches_a_cold_server(
+    client, tiny_model_path
+):
+    system = {"role": "system", "content": "You are a terse assistant who knows the weather."}
+    turn1 = [system, {"role": "user", "content": "what is the weather in Paris"}]
+    _, first, _ = await post(client, CHAT, {"messages": turn1, "max_tokens": 8})
+    reply = first["choices"][0]["message"]["content"] or ""
+    turn2 = turn1 + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and in Rome"},
+    ]
+    _, second, _ = await post(client, CHAT, {"messages": turn2, "max_tokens": 8})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 1  # at least the whole first prompt
+    assert cached < second["usage"]["prompt_tokens"]
+
+    cold = create_app(ServerConfig(model=tiny_model_path))
+    async with cold.test_app() as test_app:
+        cold_client = test_app.test_client()
+        await wait_ready(cold_client)
+        _, fresh, _ = await post(cold_client, CHAT, {"messages": turn2, "max_tokens": 8})
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+
+
+async def test_a_new_conversation_reuses_the_system_prompt(client):
+    system = {"role": "system", "content": "You answer questions about cats and dogs only."}
+    a = [system, {"role": "user", "content": "tell me about cats"}]
+    b = [system, {"role": "user", "content": "tell me about dogs please"}]
+    await post(client, CHAT, {"messages": a, "max_tokens": 2})
+    _, second, _ = await post(client, CHAT, {"messages": b, "max_tokens": 2})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
