@@ -160,7 +160,8 @@ class RequestText:
 class DetokenizerCore:
     """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step."""
 
-    def __init__(self, tokenizer, *, withdraw: Callable[[int], None]):
+    def __init__(self, tokenizer, *, withdraw: Callable[[int], None], model_key: str | None = None):
+        self.model_key = model_key
         self._tokenizer = tokenizer
         self._withdraw = withdraw
         self._sm = _make_state_machine(tokenizer)

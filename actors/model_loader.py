@@ -37,6 +37,8 @@ from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
 
+FAILED_LOAD_MEMORY = 10.0  # seconds a failed load is answered from memory
+
 
 class ModelState(enum.StrEnum):
     LOADING = "loading"
@@ -57,7 +59,7 @@ class ModelLoaderCore:
         self.handle: ModelHandle | None = None
         self.restarts = 0
         self.max_restarts = max_restarts
-        self.failed_loads: dict[ModelKey, str] = {}
+        self.failed_loads: dict[ModelKey, tuple[str, float]] = {}
         self.waiting: collections.Counter[ModelKey] = collections.Counter()
 
     def ready(self, handle: ModelHandle) -> None:
@@ -111,7 +113,7 @@ class ModelLoaderCore:
         self.reason = f"{type(error).__name__}: {error}"
         if self.handle is None:  # it never loaded
             if self.key != self.default:
-                self.failed_loads[self.key] = self.reason
+                self.failed_loads[self.key] = (self.reason, trio.current_time())
                 self.key, self.pending = self.default, None
                 self.state = ModelState.LOADING
                 return True
@@ -166,12 +168,14 @@ class ModelLoader:
         while True:
             if self.core.try_lease(key):
                 return self.core.handle
-            if key in self.core.failed_loads:
-                # Reported once to those waiting now; a later request tries again.
-                raise NotFound(
-                    f"model {key.model!r} could not be loaded: {self.core.failed_loads.pop(key)}",
-                    param="model",
-                )
+            failure = self.core.failed_loads.get(key)
+            if failure is not None:
+                reason, when = failure
+                if trio.current_time() - when < FAILED_LOAD_MEMORY:
+                    raise NotFound(
+                        f"model {key.model!r} could not be loaded: {reason}", param="model"
+                    )
+                del self.core.failed_loads[key]  # long ago: try again
             if self.core.state is ModelState.FAILED:
                 raise Unavailable(f"the model failed to load: {self.core.reason}", retry_after=30)
             if self.core.state is ModelState.STOPPED:

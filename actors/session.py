@@ -90,6 +90,10 @@ class Session:
             self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
         )
         prompt = self.prompt
+        if prompt.tokens and not 0 <= min(prompt.tokens) <= max(prompt.tokens) < handle.vocab_size:
+            raise ClientError(
+                f"prompt token ids must be in 0..{handle.vocab_size - 1}", param="prompt"
+            )
         spec = TextSpec(
             stop=self._stop,
             tools=self._tools,

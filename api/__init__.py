@@ -29,7 +29,16 @@ class _AppFromEnvironment:
         return self._app
 
     async def __call__(self, scope, receive, send) -> None:
-        await self.build()(scope, receive, send)
+        try:
+            app = self.build()
+        except (SystemExit, ValueError) as exc:  # ConfigError, unsupported settings
+            message = f"mlx-trio-server cannot start: {exc}"
+            if scope["type"] == "lifespan":
+                await receive()  # lifespan.startup
+                await send({"type": "lifespan.startup.failed", "message": message})
+                return
+            raise RuntimeError(message) from None
+        await app(scope, receive, send)
 
 
 app = _AppFromEnvironment()

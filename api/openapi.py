@@ -39,6 +39,7 @@ RANGES: dict[str, tuple[int | float | None, int | float | None]] = {
     "max_tokens": (1, None),
     "max_completion_tokens": (1, None),
     "timeout": (0.001, None),
+    "num_draft_tokens": (1, 64),
     "temperature": (0, None),
     "top_p": (0, 1),
     "top_k": (0, None),
@@ -307,6 +308,7 @@ _ERROR_REF = {"$ref": COMPONENTS + "ErrorResponse"}
 
 _GENERATION_ERRORS = {
     "400": _error("invalid request: bad JSON, a wrong type or a value out of range (param names it)"),
+    "404": _error("the model, adapters or draft_model named is not on this machine"),
     "413": _error(
         "the request body is larger than the server's limit, or the request's KV cache "
         "(prompt + max_tokens) would exceed the server's budget"

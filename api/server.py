@@ -309,9 +309,11 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             await session.__aexit__(None, None, None)
         terminal = renderer.terminal
         if isinstance(terminal, Failed):
+            headers = {"Retry-After": "5"} if terminal.status == 503 else None
             return json_response(
                 {"error": {"message": terminal.message, "type": terminal.type, "param": None, "code": None}},
                 status=terminal.status,
+                headers=headers,
             )
         return json_response(renderer.body())
 

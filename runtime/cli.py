@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     # ours
     p.add_argument("--max-queued-requests", type=int, default=256)
     p.add_argument("--max-request-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--request-timeout", type=float, default=None)
+    p.add_argument("--kv-cache-budget-bytes", type=str, default=None)
+    p.add_argument("--tokenizer-threads", type=int, default=2)
     return p
 
 

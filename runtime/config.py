@@ -181,7 +181,8 @@ def config_from_mapping(values: Mapping[str, Any]) -> ServerConfig:
     try:
         return converter.structure(dict(values), ServerConfig)
     except ClassValidationError as exc:
-        raise ConfigError("; ".join(cattrs.transform_error(exc, format_exception=_describe))) from None
+        messages = cattrs.transform_error(exc, format_exception=_describe)
+        raise ConfigError("; ".join(m.removesuffix(" @ $") for m in messages)) from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from None
 

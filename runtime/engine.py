@@ -412,7 +412,7 @@ class EngineCore:
         mx.eval(chosen, idx, vals)
         return chosen.item(), tuple(zip(idx.tolist(), vals.tolist(), strict=True))
 
-    def _fail_all(self, message: str, *, retryable: bool = False) -> None:
+    def _fail_all(self, message: str, *, retryable: bool = False, rebuild: bool = True) -> None:
         ids = [seq.request_id for seq in self._by_uid.values()]
         ids += [sub.request_id for sub in self._serial_waiting]
         if self._serial is not None:
@@ -426,7 +426,8 @@ class EngineCore:
         self._by_uid.clear()
         self._uid_of.clear()
         self._close_batch()
-        self._batch = self._new_batch_generator()
+        if rebuild:
+            self._batch = self._new_batch_generator()
 
     def _close_batch(self) -> None:
         close = getattr(self._batch, "close", None)
@@ -448,8 +449,7 @@ class EngineCore:
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
         """Fail whatever is still running and release the batch generator."""
-        self._fail_all(reason, retryable=True)
-        self._close_batch()
+        self._fail_all(reason, retryable=True, rebuild=False)
         return self.step()
 
 

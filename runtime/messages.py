@@ -5,7 +5,8 @@ from here and nothing else travels between them. All messages are frozen attrs
 classes carrying a ``request_id`` where they concern one request.
 
 Directions:
-  * Session/Scheduler -> engine thread: ``Submit``, ``Abort``, ``Shutdown``.
+  * Scheduler -> engine thread: ``Submit``, ``Abort``; ModelLoader -> engine
+    thread: ``Shutdown`` (to swap models).
   * engine thread -> Scheduler: ``StepOutputs`` (one per engine step) holding
     ``SequenceStarted``, ``PromptProgress``, ``TokenEvent``, ``SequenceAborted``
     and ``SequenceFailed`` events plus ``EngineStats``.

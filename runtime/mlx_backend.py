@@ -99,11 +99,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
         handle = load_model(config, model_path)
-    if not handle.batchable:
-        raise RuntimeError(
-            f"{model_path}: its KV cache cannot be batched; serving such models "
-            "one at a time is not supported yet"
-        )
     tokenizer = handle.tokenizer
     xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
 
@@ -118,7 +113,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
 
     max_bytes = config.prompt_cache_bytes if config.prompt_cache_bytes is not None else 1 << 63
     serial = None
-    if config.draft_model is not None or config.kv_bits is not None:
+    if config.draft_model is not None or config.kv_bits is not None or not handle.batchable:
+        if not handle.batchable:
+            log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
         serial = _serial_generator(config, handle, stream, xtc_special)
     return EngineCore(
         handle,

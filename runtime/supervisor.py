@@ -131,7 +131,13 @@ class Runtime:
             log.exception("the runtime crashed; /health now answers 503")
 
     def _engine_ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
-        self.detokenizer.core = DetokenizerCore(handle.tokenizer, withdraw=self.scheduler.withdraw)
+        core = self.detokenizer.core
+        if core is None or core.model_key != handle.model_key:
+            # A new model (no request is open across a swap); after a restart of
+            # the same model, the requests waiting in the Scheduler keep theirs.
+            self.detokenizer.core = DetokenizerCore(
+                handle.tokenizer, withdraw=self.scheduler.withdraw, model_key=handle.model_key
+            )
         if self.config.kv_cache_budget_bytes is not None:
             self.scheduler.core.kv_budget = self.config.kv_cache_budget_bytes
         elif handle.kv_bytes_per_token:
