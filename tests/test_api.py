@@ -289,3 +289,30 @@ async def test_a_new_conversation_reuses_the_system_prompt(client):
     await post(client, CHAT, {"messages": a, "max_tokens": 2})
     _, second, _ = await post(client, CHAT, {"messages": b, "max_tokens": 2})
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
+
+
+async def test_models_list_survives_a_missing_hugging_face_cache(client, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "does-not-exist"))
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    body = await response.get_json()
+    assert [m["id"] for m in body["data"]] == [client.app.extensions["runtime"].model_id]
+
+
+async def test_content_parts_and_tool_messages_render(client):
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    status, body, _ = await post(client, CHAT, {"messages": messages, "tools": tools, "max_tokens": 4})
+    assert status == 200, body
+    status, body, _ = await post(client, CHAT, {"messages": [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "user", "content": "x"}]})
+    assert status == 400 and "arguments" in body["error"]["param"]
