@@ -165,6 +165,8 @@ def _matches(value: Any, t: Any) -> bool:
     if origin is bool:
         return isinstance(value, bool)
     if origin is int:
+        if isinstance(value, float):
+            return value.is_integer()
         return isinstance(value, int) and not isinstance(value, bool)
     if origin is float:
         return isinstance(value, int | float) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ naming the field. Unknown fields are ignored: real clients send many.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import attrs
@@ -15,6 +16,7 @@ import attrs
 from runtime.errors import ClientError
 
 MAX_TOP_LOGPROBS = 20
+MAX_CONTEXT_SIZE = 2**31 - 1  # penalty windows are sliced with 32-bit indices
 
 
 @attrs.frozen(kw_only=True)
@@ -91,9 +93,9 @@ class GenerationFields:
         _range("xtc_probability", self.xtc_probability, low=0, high=1)
         _range("xtc_threshold", self.xtc_threshold, low=0, high=0.5)
         _range("repetition_penalty", self.repetition_penalty, low=0)
-        _range("repetition_context_size", self.repetition_context_size, low=0)
-        _range("presence_context_size", self.presence_context_size, low=0)
-        _range("frequency_context_size", self.frequency_context_size, low=0)
+        _range("repetition_context_size", self.repetition_context_size, low=0, high=MAX_CONTEXT_SIZE)
+        _range("presence_context_size", self.presence_context_size, low=0, high=MAX_CONTEXT_SIZE)
+        _range("frequency_context_size", self.frequency_context_size, low=0, high=MAX_CONTEXT_SIZE)
         _range("presence_penalty", self.presence_penalty, low=-2, high=2)
         _range("frequency_penalty", self.frequency_penalty, low=-2, high=2)
         if self.n != 1:
@@ -102,7 +104,7 @@ class GenerationFields:
             raise ClientError("stop takes at most 16 strings", param="stop")
         if self.logit_bias:
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
+                if not re.fullmatch(r"-?[0-9]+", key):
                     raise ClientError(
                         f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
                     )

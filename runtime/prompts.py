@@ -17,6 +17,11 @@ import attrs
 from actors.prompt_cache import SegmentPlan, plan_segments
 from runtime.errors import ClientError
 
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation",
+     "messages", "tools", "continue_final_message"}
+)
+
 
 @attrs.frozen(kw_only=True)
 class PreparedPrompt:
@@ -50,7 +55,8 @@ def prepare_chat(
             tokens=tokens, plan=SegmentPlan(segments=(tokens,), segment_types=("assistant",))
         )
 
-    kwargs = dict(template_args)
+    # A client's chat_template_kwargs shape the rendering, never the call itself.
+    kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
     try:
         tokens = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
