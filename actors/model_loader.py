@@ -26,8 +26,10 @@ import enum
 import functools
 import logging
 import queue
+import threading
 from collections.abc import Callable
 
+import attrs
 import trio
 
 from runtime.engine import EngineCore, ModelHandle, run_engine_loop
@@ -38,6 +40,19 @@ from runtime.models import ModelKey
 log = logging.getLogger(__name__)
 
 FAILED_LOAD_MEMORY = 10.0  # seconds a failed load is answered from memory
+STEPS_AHEAD = 4  # engine steps handed over but not yet taken by the Scheduler
+
+
+@attrs.frozen
+class EngineStep:
+    """One step's outputs, with the credit its consumer gives back on receipt."""
+
+    outputs: StepOutputs
+    credits: threading.Semaphore = attrs.field(eq=False, repr=False)
+
+    def consumed(self) -> StepOutputs:
+        self.credits.release()
+        return self.outputs
 
 
 class ModelState(enum.StrEnum):
@@ -136,7 +151,7 @@ class ModelLoader:
         self,
         make_core: Callable[[ModelKey], EngineCore],
         *,
-        outputs: trio.MemorySendChannel[StepOutputs],
+        outputs: trio.MemorySendChannel[EngineStep],
         on_ready: Callable[[ModelHandle, queue.SimpleQueue], None],
         on_lost: Callable[[str, bool], None],
         core: ModelLoaderCore | None = None,
@@ -201,6 +216,7 @@ class ModelLoader:
     # ------------------------------------------------------------ the actor
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
         task_status.started()
         try:
             async with self._outputs:
@@ -242,8 +258,15 @@ class ModelLoader:
         def ready(core: EngineCore) -> None:
             trio.from_thread.run_sync(self._ready, core.handle, inbox)
 
+        credits = threading.Semaphore(STEPS_AHEAD)
+
         def emit(outputs: StepOutputs) -> None:
-            trio.from_thread.run(self._outputs.send, outputs)
+            # At most STEPS_AHEAD steps in flight, handed over without waiting
+            # for the event loop: the engine never stalls on a busy trio thread,
+            # and never runs more than a few steps ahead of its consumers.
+            while not credits.acquire(timeout=0.05):
+                trio.from_thread.check_cancelled()
+            self._token.run_sync_soon(self._deliver, outputs, credits)
 
         def crashed(reason: str) -> None:
             trio.from_thread.run_sync(self.core.crashing, reason)
@@ -256,6 +279,14 @@ class ModelLoader:
             on_ready=ready,
             on_crash=crashed,
         )
+
+    def _deliver(self, outputs: StepOutputs, credits: threading.Semaphore) -> None:
+        """In the trio thread. The channel holds more than STEPS_AHEAD: never full."""
+        try:
+            self._outputs.send_nowait(EngineStep(outputs=outputs, credits=credits))
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            credits.release()
+            log.warning("engine outputs dropped: the runtime is stopping")
 
     def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
         self.inbox = inbox

@@ -172,13 +172,14 @@ class Scheduler:
 
     async def run(
         self,
-        engine_outputs: trio.MemoryReceiveChannel[StepOutputs],
+        engine_outputs: trio.MemoryReceiveChannel,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
         async with engine_outputs, self._to_detokenizer:
-            async for outputs in engine_outputs:
+            async for step in engine_outputs:
+                outputs = step.consumed()  # the engine may run one more step ahead
                 self.core.on_outputs(outputs)
                 self._start_waiting()
                 self.last_stats = outputs.stats

@@ -17,7 +17,8 @@ A deadline (the request's ``timeout`` or the server's ``request_timeout``)
 finishes the request with ``finish_reason: "length"`` and withdraws it.
 
 Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
-is a checkpoint; exiting is not.
+raises ``Cancelled`` if the task is cancelled, and waits only when nothing is
+pending; exiting is not a checkpoint.
 """
 
 from __future__ import annotations
@@ -139,8 +140,11 @@ class Session:
         Past the request's deadline the request is finished with "length" (its
         text so far, then the terminal): a deadline never truncates a stream.
         """
-        with trio.move_on_at(self._deadline):
-            return await self.outbox.get()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if trio.current_time() < self._deadline:
+            with trio.move_on_at(self._deadline):
+                return await self.outbox.get()
+        # Past the deadline, even if events are pending (a slow reader): finish now.
         self._deadline = float("inf")
         self._runtime.expire_request(self.request_id)
         return await self.outbox.get()

@@ -219,6 +219,7 @@ class _Renderer:
         self.tool_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] = []
         self.terminal: Finished | Failed | None = None
+        self._content_template: list[str] | None = None
 
     def add(self, item) -> None:
         if isinstance(item, Delta):
@@ -229,12 +230,28 @@ class _Renderer:
         elif isinstance(item, Finished | Failed):
             self.terminal = item
 
+    _CONTENT = "\x00content\x00"  # a marker no generated text contains
+
+    def content_frame(self, content: str) -> bytes:
+        """The common frame, text only: the chunk type unstructured once per request,
+        then the text spliced in (most frames of a stream are these)."""
+        if self._content_template is None:
+            frame = self.delta_chunk(Delta(content=self._CONTENT))
+            text = "data: " + dumps(unstructure(frame)) + "\n\n"
+            marker = dumps(self._CONTENT)
+            self._content_template = text.split(marker)
+        before, after = self._content_template
+        return (before + dumps(content) + after).encode()
+
     def stream_frames(self, items) -> bytes:
         out = []
         for item in items:
             if isinstance(item, Progress):
                 out.append(keepalive(item))
             elif isinstance(item, Delta):
+                if item.content and not (item.reasoning or item.tool_calls or self.want_logprobs):
+                    out.append(self.content_frame(item.content))
+                    continue
                 frame = self.delta_chunk(item)
                 if frame is not None:
                     out.append(sse(unstructure(frame)))

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore, TextSpec
-from actors.model_loader import ModelLoader, ModelLoaderCore, ModelState
+from actors.model_loader import STEPS_AHEAD, EngineStep, ModelLoader, ModelLoaderCore, ModelState
 from actors.prompt_cache import PromptCacheActor
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
@@ -92,7 +92,9 @@ class Runtime:
             def make_core_for(key: ModelKey) -> EngineCore:
                 return make_core()
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
-        self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[StepOutputs](2)
+        self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[EngineStep](
+            STEPS_AHEAD + 2
+        )
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
         self._stats_send, self._stats_recv = trio.open_memory_channel[EngineStats](1)
         self.scheduler = Scheduler(

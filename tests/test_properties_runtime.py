@@ -12,6 +12,9 @@
    mix gets exactly the text and finish reason it gets when served alone on
    the same runtime (answers never leak between concurrent prompts: the class
    of bug of mlx-lm #965).
+
+Also a regression test for a bug found on the way: a reader slower than the
+engine was not held to its deadline.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Plan:
     max_tokens: int
     arrival: tuple[str, float]  # ("checkpoints", n) or ("sleep", seconds)
     behaviour: str = "read"  # "read" | "disconnect" | "deadline"
-    receives_before_disconnect: int = 0
+    receives_before_disconnect: int = 0  # -1: while the Session is being entered
     cancel_lag: int = 0  # checkpoints between the disconnect and the cancel landing
     timeout: float | None = None
     markup: bool = False
@@ -112,6 +115,9 @@ async def client(
     await arrive(plan.arrival)
     prompt = plan.prompt if isinstance(plan.prompt, str) else list(plan.prompt)
     with trio.CancelScope() as scope:
+        if plan.behaviour == "disconnect" and plan.receives_before_disconnect < 0:
+            assert nursery is not None
+            nursery.start_soon(cancel_after, scope, plan.cancel_lag)
         session = runtime.session(
             prepare=lambda tokenizer: prepare_text(tokenizer, prompt),
             sampling=SamplingParams(),
@@ -123,6 +129,7 @@ async def client(
         try:
             async with session:
                 out.request_id = session.request_id
+                assert out.request_id is not None
                 receives = 0
                 while True:
                     if (
@@ -216,7 +223,7 @@ def fake_plans(draw) -> Plan:
         max_tokens=draw(st.integers(1, 20)),
         arrival=draw(arrivals),
         behaviour=behaviour,
-        receives_before_disconnect=draw(st.integers(0, 4)) if behaviour == "disconnect" else 0,
+        receives_before_disconnect=draw(st.integers(-1, 4)) if behaviour == "disconnect" else 0,
         cancel_lag=draw(st.integers(0, 2)),
         timeout=(
             draw(st.sampled_from([0.0, 0.0005, 0.002, 0.01, 0.05]))
@@ -250,6 +257,14 @@ def fake_examples(draw):
     return plans, config, batch_size, fail_on_step
 
 
+def fake_runtime(config: ServerConfig, factory: FakeBatchGeneratorFactory) -> Runtime:
+    def make_core() -> EngineCore:
+        handle = ModelHandle(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
+        return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
+
+    return Runtime(config, make_core=make_core)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(example=fake_examples())
 async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns_to_idle(example):
@@ -258,14 +273,10 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
         fail_on_step=fail_on_step, vocab=VOCAB, eos_ids=EOS_IDS, completion_batch_size=batch_size
     )
 
-    def make_core() -> EngineCore:
-        handle = ModelHandle(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
-        return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
-
     def engine_position() -> tuple[int, int]:
         return len(factory.instances) - 1, factory.current.next_calls
 
-    runtime = Runtime(config, make_core=make_core)
+    runtime = fake_runtime(config, factory)
     outcomes = [Outcome() for _ in plans]
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -290,7 +301,11 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
             continue
         if out.cancelled:
             event("disconnected")
-        assert out.request_id is not None
+        if out.request_id is None:  # disconnected while the Session was being entered
+            event("disconnected while entering")
+            assert out.cancelled and not out.batches
+            assert not placements(factory, plan)
+            continue
         check_stream_shape(plan, out)
 
         expected = script(plan.prompt, plan.max_tokens)
@@ -379,6 +394,38 @@ def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, withdrawn
         )
 
 
+async def test_a_receive_after_the_deadline_finishes_the_request_even_if_events_are_pending():
+    """A slow reader (a client slower than the engine) is still held to its deadline.
+
+    "Past the request's deadline the request is finished with 'length' (its
+    text so far, then the terminal)": the first receive() after the deadline
+    must return the terminal. Today it returns only the pending text whenever
+    there is some, and the sequence keeps generating (until a receive happens to
+    find the mailbox empty, or max_tokens).
+    """
+    runtime = fake_runtime(ServerConfig(model="fake"), FakeBatchGeneratorFactory(vocab=VOCAB))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.run)
+            await poll_until(lambda: runtime.model_loader.core.handle is not None)
+            session = runtime.session(
+                prepare=lambda tokenizer: prepare_text(tokenizer, [5, 6]),
+                sampling=SamplingParams(),
+                max_tokens=100_000,
+                markup=False,
+                timeout=0.05,
+            )
+            try:
+                async with session:
+                    await session.receive()
+                    await trio.sleep(0.2)  # the client is slow: the deadline passes meanwhile
+                    batch = await session.receive()
+                    assert isinstance(batch[-1], Finished), batch
+                    assert batch[-1].finish_reason == "length"
+            finally:
+                nursery.cancel_scope.cancel()
+
+
 # ------------------------------------------------ 2. the real tiny model
 
 
@@ -430,10 +477,13 @@ async def test_concurrent_greedy_requests_get_the_answer_they_get_alone(
             await nursery.start(runtime.run)
             await poll_until(lambda: runtime.model_loader.core.handle is not None, 30)
             alone = [await serve_alone(runtime, plan) for plan in plans]
+            hits = runtime.scheduler.last_stats.prompt_cache_hits
             async with trio.open_nursery() as clients:
                 for plan, out in zip(plans, outcomes, strict=True):
                     clients.start_soon(client, runtime, plan, out, clients)
             await wait_idle(runtime)
+            if runtime.scheduler.last_stats.prompt_cache_hits > hits:
+                event("prompt cache hits while concurrent")
             nursery.cancel_scope.cancel()
     assert runtime.dead is None
 
