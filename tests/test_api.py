@@ -316,3 +316,34 @@ async def test_content_parts_and_tool_messages_render(client):
         {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]},
         {"role": "user", "content": "x"}]})
     assert status == 400 and "arguments" in body["error"]["param"]
+
+
+async def test_xtc_sampling_is_accepted_and_checked(client):
+    body = chat_body("pick", max_tokens=6, temperature=1.0, xtc_probability=1.0, xtc_threshold=0.1)
+    status, data, _ = await post(client, CHAT, body)
+    assert status == 200, data
+    status, data, _ = await post(client, CHAT, {**body, "xtc_probability": 1.5})
+    assert status == 400 and data["error"]["param"] == "xtc_probability"
+
+
+async def test_role_mapping_for_a_model_without_a_chat_template(tmp_path):
+    from runtime.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "plain")
+    config_file = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    del tokenizer_config["chat_template"]
+    config_file.write_text(json.dumps(tokenizer_config))
+    app = create_app(ServerConfig(model=str(path)))
+    async with app.test_app() as test_app:
+        c = test_app.test_client()
+        await wait_ready(c)
+        messages = [{"role": "user", "content": "hello"}]
+        _, default, _ = await post(c, CHAT, {"messages": messages, "max_tokens": 2})
+        mapping = {"system_prompt": "", "user": "Q: ", "assistant": "A: ", "stop": "\n"}
+        _, mapped, _ = await post(
+            c, CHAT, {"messages": messages, "max_tokens": 2, "role_mapping": mapping}
+        )
+    # mlx_lm.server's default mapping adds a long system preamble; "Q: hello\nA:" is short.
+    assert mapped["usage"]["prompt_tokens"] < default["usage"]["prompt_tokens"]
+    assert mapped["usage"]["prompt_tokens"] <= 8
