@@ -1,0 +1,78 @@
+"""Random-weight models with the shapes of real ones, for GPU benchmarks.
+
+``python bench/make_shaped_model.py SHAPE OUT_DIR`` writes a model directory
+that ``mlx_lm.load`` reads: the tiny test model's tokenizer and chat template
+(ids past its small vocabulary decode as "!"), and bf16 random weights with
+the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, or ``test`` for a
+smoke run). Compute per token matches the real model; the text is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+SHAPES = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    "test": dict(
+        model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def make_shaped_model(shape: str, out: Path, seed: int = 0) -> Path:
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    from runtime.tiny_model import build_tiny_model
+
+    config = dict(SHAPES[shape])
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = build_tiny_model(Path(tmp) / "tok")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(tiny / name, out / name)
+        eos = json.loads((tiny / "config.json").read_text())["eos_token_id"]
+    config["eos_token_id"] = eos
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: (p * 1.0).astype(mx.bfloat16), model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    print(make_shaped_model(args.shape, args.out))
+
+
+if __name__ == "__main__":
+    main()
