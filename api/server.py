@@ -331,48 +331,40 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             role_mapping=req.role_mapping,
         )
         want_logprobs = req.logprobs or bool(req.top_logprobs)
-        session = rt.session(
-            prepare=prepare,
-            sampling=sampling_params(req, config),
-            max_tokens=req.token_limit or config.max_tokens,
-            stop=req.stop_strings,
-            tools=req.tools,
-            markup=True,
-            logprobs=want_logprobs,
-            top_logprobs=req.top_logprobs or 0,
-            timeout=_timeout(req, config),
-            model=rt.resolve(req.model, req.adapters, req.draft_model),
-            num_draft_tokens=req.num_draft_tokens,
+        return await serve(
+            req, ChatRenderer, prepare, markup=True, tools=req.tools,
+            logprobs=want_logprobs, top_logprobs=req.top_logprobs or 0,
         )
-        renderer = ChatRenderer(
-            model=req.model,
-            fingerprint=fingerprint,
-            logprobs=want_logprobs,
-            include_usage=req.include_usage,
-        )
-        return await generate(session, renderer, req.stream)
 
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions():
         req = structure_or_400(await read_json(), CompletionRequest)
-        want_logprobs = req.logprobs is not None
+        return await serve(
+            req, TextRenderer, functools.partial(_prepare_text, prompt=req.prompt), markup=False,
+            logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
+        )
+
+    async def serve(req: GenerationFields, renderer_class, prepare, *, markup, logprobs,
+                    top_logprobs, tools=None):
+        """The part of a chat or text completion that does not depend on which."""
         session = rt.session(
-            prepare=functools.partial(_prepare_text, prompt=req.prompt),
+            prepare=prepare,
             sampling=sampling_params(req, config),
             max_tokens=req.token_limit or config.max_tokens,
             stop=req.stop_strings,
-            markup=False,
-            logprobs=want_logprobs,
-            top_logprobs=req.logprobs or 0,
+            tools=tools,
+            markup=markup,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
             timeout=_timeout(req, config),
             model=rt.resolve(req.model, req.adapters, req.draft_model),
             num_draft_tokens=req.num_draft_tokens,
         )
-        renderer = TextRenderer(
+        renderer = renderer_class(
             model=req.model,
             fingerprint=fingerprint,
-            logprobs=want_logprobs,
+            logprobs=logprobs,
             include_usage=req.include_usage,
         )
         return await generate(session, renderer, req.stream)

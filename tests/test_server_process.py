@@ -24,15 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_path):
+def spawn_server(args, env: dict | None = None, *, log=subprocess.DEVNULL):
+    """Start ``python ARGS(port)`` on a free port; wait (bounded) for /health 200."""
     port = free_port()
-    env = {**os.environ, "MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_MAX_TOKENS": "64"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "api:app", "--worker-class", "trio",
-         "--bind", f"127.0.0.1:{port}", "--backlog", "1024"],
-        env=env,
-        stdout=subprocess.PIPE,
+        [sys.executable, *args(port)],
+        env={**os.environ, **(env or {})},
+        stdout=log,
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
@@ -40,21 +38,35 @@ def server(tiny_model_path):
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
+                return proc, base
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            out = proc.stdout.read().decode(errors="replace")
-            pytest.fail(f"server did not start:\n{out[-3000:]}")
+            pytest.fail("server did not start")
         time.sleep(0.1)
-    yield base
+
+
+def hypercorn_args(port: int) -> list[str]:
+    return ["-m", "hypercorn", "api:app", "--worker-class", "trio",
+            "--bind", f"127.0.0.1:{port}", "--backlog", "1024"]
+
+
+def stop_server(proc) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("server did not stop on SIGTERM")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    env = {"MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_MAX_TOKENS": "64"}
+    proc, base = spawn_server(hypercorn_args, env)
+    yield base
+    stop_server(proc)
 
 
 def health(base) -> dict:
@@ -180,23 +192,10 @@ def test_a_burst_of_128_connections_is_all_answered(server):
 
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_zero(tiny_model_path):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    proc, base = spawn_server(
+        lambda port: ["-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)]
     )
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.1)
         body = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 300,
                 "stream": True}
         raw = b""
@@ -215,26 +214,10 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_zero(tiny_model_path):
 @pytest.fixture(scope="module")
 def small_prefill_server(tiny_model_path):
     """A server that processes prompts 16 tokens at a time, so a prefill spans many steps."""
-    port = free_port()
-    env = {**os.environ, "MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_PREFILL_STEP_SIZE": "16"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "api:app", "--worker-class", "trio",
-         "--bind", f"127.0.0.1:{port}", "--backlog", "1024"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.1)
+    env = {"MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_PREFILL_STEP_SIZE": "16"}
+    proc, base = spawn_server(hypercorn_args, env)
     yield base
-    proc.terminate()
-    proc.wait(timeout=20)
+    stop_server(proc)
 
 
 def _raw_stream_request(host: str, body: dict) -> bytes:
