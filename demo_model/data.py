@@ -96,73 +96,91 @@ CONDITIONS = [
     "partly cloudy", "humid",
 ]  # fmt: skip
 
-# Phrasings. Each list is split into training and held-out phrasings.
-WEATHER_PHRASINGS = [
-    "What's the weather in {city}?",
-    "What is the weather like in {city}?",
-    "How is the weather in {city} today?",
-    "Weather in {city}?",
-    "Is it raining in {city}?",
-    "Tell me the weather in {city}.",
-    "What's it like outside in {city}?",
-    "Can you check the weather in {city}?",
-    "How warm is it in {city}?",
-    "Give me the current weather for {city}.",
-    "Do I need an umbrella in {city} today?",
-    "I'm flying to {city} tomorrow, how's the weather there?",
-    "Check the forecast for {city}, please.",
-    "How cold is it in {city} right now?",
-    "weather {city}",
-    "What's the temperature in {city}?",
-    "Please get me the weather in {city}.",
-    "Is it sunny in {city}?",
-    "Could you look up the weather in {city}?",
-    "What are the weather conditions in {city}?",
-    "How's the weather over in {city}?",
-    "I wonder what the weather is in {city}.",
-]
-TIME_PHRASINGS = [
-    "What time is it in {place}?",
-    "What's the time in {place}?",
-    "Tell me the current time in {place}.",
-    "time in {place}?",
-    "Can you check the time in {place}?",
-    "What is the local time in {place}?",
-    "Is it late in {place} right now?",
-    "What's the clock showing in {place}?",
-    "Please get me the time in {place}.",
-    "Current time in {place}?",
-    "Could you tell me the time in {place}?",
-    "Do you know what time it is in {place}?",
-    "What hour is it in {place}?",
-]
+# Phrasings, as disjoint training and held-out sets. The held-out ones are
+# new framings around words the training phrasings use ("weather", "time",
+# "add", "minus", ...), so the evaluation measures generalisation over
+# wording, not vocabulary the model never saw.
+WEATHER_PHRASINGS = {
+    "train": [
+        "What's the weather in {city}?",
+        "What is the weather like in {city}?",
+        "How is the weather in {city} today?",
+        "Weather in {city}?",
+        "Is it raining in {city}?",
+        "Tell me the weather in {city}.",
+        "Can you check the weather in {city}?",
+        "How warm is it in {city}?",
+        "Give me the current weather for {city}.",
+        "Do I need an umbrella in {city} today?",
+        "I'm flying to {city} tomorrow, how's the weather there?",
+        "Check the forecast for {city}, please.",
+        "How cold is it in {city} right now?",
+        "weather {city}",
+        "What's the temperature in {city}?",
+        "Please get me the weather in {city}.",
+        "Is it sunny in {city}?",
+        "What's it like outside in {city}?",
+        "What's the forecast for {city}?",
+        "Weather report for {city}, please.",
+    ],
+    "heldout": [
+        "Could you look up the weather in {city}?",
+        "What are the weather conditions in {city}?",
+        "How's the weather over in {city}?",
+        "I wonder what the temperature is in {city}.",
+        "Any idea what the weather is doing in {city}?",
+    ],
+}
+TIME_PHRASINGS = {
+    "train": [
+        "What time is it in {place}?",
+        "What's the time in {place}?",
+        "Tell me the current time in {place}.",
+        "time in {place}?",
+        "Can you check the time in {place}?",
+        "What is the local time in {place}?",
+        "Is it late in {place} right now?",
+        "What's the clock showing in {place}?",
+        "Please get me the time in {place}.",
+        "Current time in {place}?",
+    ],
+    "heldout": [
+        "Could you tell me the time in {place}?",
+        "Do you know what time it is in {place}?",
+        "What's the local time over in {place}?",
+    ],
+}
 # "{x}" is an operator symbol (+ or -), "{w}" an operator word (plus/minus);
 # "+:" / "-:" prefixes restrict a phrasing to one operation.
-ARITH_PHRASINGS = [
-    "What is {a} {x} {b}?",
-    "{a} {x} {b}",
-    "{a}{x}{b}=?",
-    "Compute {a} {x} {b}.",
-    "What's {a} {w} {b}?",
-    "+:Add {a} and {b}.",
-    "-:Subtract {b} from {a}.",
-    "How much is {a} {x} {b}?",
-    "Calculate {a} {w} {b}",
-    "{a} {w} {b}?",
-    "what is {a}{x}{b}",
-    "Please work out {a} {x} {b}.",
-    "+:What do you get if you add {a} and {b}?",
-    "-:Take {b} away from {a}.",
-    "Solve {a} {x} {b}.",
-    "{a} {x} {b} = ?",
-    "+:Can you add {a} and {b} for me?",
-    "Quick question: what is {a} {x} {b}?",
-    "I need {a} {w} {b}.",
-    "-:What is {b} subtracted from {a}?",
-]
+ARITH_PHRASINGS = {
+    "train": [
+        "What is {a} {x} {b}?",
+        "{a} {x} {b}",
+        "{a}{x}{b}=?",
+        "Compute {a} {x} {b}.",
+        "What's {a} {w} {b}?",
+        "+:Add {a} and {b}.",
+        "-:Subtract {b} from {a}.",
+        "How much is {a} {x} {b}?",
+        "Calculate {a} {w} {b}",
+        "{a} {w} {b}?",
+        "what is {a}{x}{b}",
+        "+:What do you get if you add {a} and {b}?",
+        "-:Take {b} away from {a}.",
+        "Solve {a} {x} {b}.",
+        "{a} {x} {b} = ?",
+        "How much is {a} {w} {b}?",
+    ],
+    "heldout": [
+        "Please work out {a} {x} {b}.",
+        "+:Can you add {a} and {b} for me?",
+        "Quick question: what is {a} {w} {b}?",
+        "-:Could you subtract {b} from {a}?",
+        "I need {a} {x} {b}.",
+    ],
+}
 
-# Fixed-answer intents: (phrasings, answer). The last phrasings of each list
-# are held out.
+# Fixed-answer intents: training phrasings, held-out phrasings, the answer.
 SKILLS_ANSWER = (
     "I can greet you, answer a few questions about myself, add and subtract "
     "whole numbers from 0 to 99, and call the get_weather and get_time tools "
@@ -172,38 +190,38 @@ FALLBACK_ANSWER = (
     "Sorry, I can't help with that. I can only chat a little, add and subtract "
     "numbers from 0 to 99, and use the weather and time tools."
 )
-INTENTS: dict[str, tuple[list[str], str]] = {
+INTENTS: dict[str, tuple[list[str], list[str], str]] = {
     "greet": (
-        ["Hello", "Hi", "Hey", "Hello there", "Hi there", "Good morning",
-         "Good afternoon", "Good evening", "Hey there", "Greetings", "Howdy",
-         "Hello!", "Hiya", "Hello again", "Hey, hello"],
+        ["Hello", "Hi", "Hey", "Hello there", "Hi there", "Good morning", "Good evening",
+         "Hey there", "Greetings", "Hello!", "Hi!", "Howdy"],
+        ["Good afternoon", "Hiya", "Hello, assistant"],
         "Hello! How can I help you today?",
     ),
     "how": (
-        ["How are you?", "How are you doing?", "How's it going?", "How do you do?",
-         "How are you today?", "How are things?"],
+        ["How are you?", "How are you doing?", "How's it going?", "How do you do?"],
+        ["How are you today?", "How are things?"],
         "I'm doing well, thank you! How can I help you today?",
     ),
     "who": (
         ["Who are you?", "What are you?", "What is your name?", "What's your name?",
-         "Introduce yourself.", "Tell me about yourself.", "Are you a bot?",
-         "Who am I talking to?", "What should I call you?"],
+         "Introduce yourself.", "Tell me about yourself.", "Are you a bot?"],
+        ["Who am I talking to?", "What should I call you?", "Who are you exactly?"],
         "I am mlx-trio-demo, a tiny language model trained to demo mlx-trio-server.",
     ),
     "skills": (
         ["What can you do?", "What are your skills?", "Help", "How can you help me?",
-         "What do you know how to do?", "What are you able to do?",
-         "What can you help me with?", "Which tasks can you do?"],
+         "What do you know how to do?", "What are you able to do?"],
+        ["What can you help me with?", "Which tasks can you do?", "What can you do for me?"],
         SKILLS_ANSWER,
     ),
     "thanks": (
-        ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!",
-         "Cheers", "Many thanks", "Thank you so much"],
+        ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!", "Cheers"],
+        ["Many thanks", "Thank you so much"],
         "You're welcome!",
     ),
     "bye": (
-        ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell",
-         "Bye for now", "Talk to you later"],
+        ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell"],
+        ["Bye for now", "Talk to you later"],
         "Goodbye! Have a nice day.",
     ),
     "offtopic": (
@@ -211,8 +229,8 @@ INTENTS: dict[str, tuple[list[str], str]] = {
          "Who won the World Cup?", "Translate hello into Spanish.",
          "What is the meaning of life?", "Can you write some Python code?",
          "Recommend a good book.", "What is {a} times {b}?", "Divide {a} by {b}.",
-         "What is the square root of {a}?", "Sing me a song.",
-         "What is {a} multiplied by {b}?", "Who painted the Mona Lisa?"],
+         "What is the square root of {a}?"],
+        ["Sing me a song.", "What is {a} multiplied by {b}?", "Who painted the Mona Lisa?"],
         FALLBACK_ANSWER,
     ),
 }  # fmt: skip
@@ -224,7 +242,6 @@ SYSTEM_PROMPTS = [
     "You are a friendly assistant. Answer briefly.",
 ]
 
-HELDOUT_FRACTION = 0.2
 HELDOUT_PAIR_FRACTION = 0.1
 
 # Syllables for made-up place names: weather questions about them teach the
@@ -322,7 +339,11 @@ def _split_list(rng: random.Random, items: Sequence, n_held: int) -> tuple[list,
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Disjoint training / held-out cities, number pairs and phrasings."""
+    """Disjoint training / held-out cities, number pairs and phrasings.
+
+    Cities and number pairs are drawn from ``seed``; phrasings are the fixed
+    lists above.
+    """
 
     cities: dict[str, list[str]]
     weather: dict[str, list[str]]
@@ -341,17 +362,15 @@ class Split:
             "heldout": held_cities,
         }
 
-        def phr(items: list[str]) -> dict[str, list[str]]:
-            n_held = max(1, round(len(items) * HELDOUT_FRACTION))
-            train, held = _split_list(rng, items, n_held)
-            return {"train": train, "heldout": held}
-
-        weather = phr(WEATHER_PHRASINGS)
-        time = phr(TIME_PHRASINGS)
-        arith = phr(ARITH_PHRASINGS)
-        # both operations must keep a training phrasing and a held-out one
-        intents = {name: phr(phrasings) for name, (phrasings, _) in INTENTS.items()}
-        pairs = [(op, a, b) for op in "+-" for a in range(MAX_NUMBER + 1) for b in range(MAX_NUMBER + 1)]
+        weather = WEATHER_PHRASINGS
+        time = TIME_PHRASINGS
+        arith = ARITH_PHRASINGS
+        intents = {
+            name: {"train": train, "heldout": held} for name, (train, held, _) in INTENTS.items()
+        }
+        pairs = [
+            (op, a, b) for op in "+-" for a in range(MAX_NUMBER + 1) for b in range(MAX_NUMBER + 1)
+        ]
         held_pairs = frozenset(rng.sample(pairs, round(len(pairs) * HELDOUT_PAIR_FRACTION)))
         return cls(cities, weather, time, arith, intents, held_pairs)
 
@@ -434,8 +453,7 @@ class Generator:
         rng = self.rng
         n = rng.choice([1, 2, 2, 3])
         name = "".join(
-            rng.choice(_ONSETS).lower() + rng.choice(_NUCLEI) + rng.choice(_CODAS)
-            for _ in range(n)
+            rng.choice(_ONSETS).lower() + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(n)
         )
         if rng.random() < 0.4:
             name += rng.choice(_SUFFIXES)
@@ -499,13 +517,11 @@ class Generator:
     def _intent(self, name: str | None = None) -> tuple[str, str]:
         rng = self.rng
         if name is None:
-            name = rng.choices(
-                list(INTENTS), weights=[3, 1, 2, 2, 1, 1, 3], k=1
-            )[0]
+            name = rng.choices(list(INTENTS), weights=[3, 1, 2, 2, 1, 1, 3], k=1)[0]
         phrasing = rng.choice(self.s.intents[name][self.split])
         phrasing = self._casing(phrasing)
         question = phrasing.format(a=rng.randint(0, 99), b=rng.randint(1, 99))
-        return question, INTENTS[name][1]
+        return question, INTENTS[name][2]
 
     def _weather_result(self) -> dict[str, Any]:
         rng = self.rng
@@ -555,9 +571,7 @@ class Generator:
         city = self._city()
         question = self._casing(rng.choice(self.s.weather[self.split])).format(city=city)
         result = self._weather_result()
-        answer = (
-            f"It is {result['temperature']} degrees and {result['condition']} in {city}."
-        )
+        answer = f"It is {result['temperature']} degrees and {result['condition']} in {city}."
         messages = [
             {"role": "user", "content": question},
             _assistant_call(rng, "get_weather", {"city": city}),
@@ -607,7 +621,10 @@ class Generator:
                 target = tool_call_text(**call)
                 return Example(kind, messages, tools, thinking, target, {"call": call})
             messages = [*system, *history, *exchange]
-            expect = {"answer": answer, "mentions": [str(result["temperature"]), result["condition"]]}
+            expect = {
+                "answer": answer,
+                "mentions": [str(result["temperature"]), result["condition"]],
+            }
             return Example(kind, messages, tools, thinking, answer, expect)
 
         if kind in ("time_call", "time_answer"):
@@ -617,7 +634,9 @@ class Generator:
             call = {"name": "get_time", "arguments": {"timezone": tz}}
             if kind == "time_call":
                 messages = [*system, *history, {"role": "user", "content": question}]
-                return Example(kind, messages, tools, thinking, tool_call_text(**call), {"call": call})
+                return Example(
+                    kind, messages, tools, thinking, tool_call_text(**call), {"call": call}
+                )
             hh, mm = rng.randint(0, 23), rng.randint(0, 59)
             clock = f"{hh:02d}:{mm:02d}"
             result = {"timezone": tz, "time": clock}
@@ -631,14 +650,18 @@ class Generator:
                 _assistant_call(rng, "get_time", {"timezone": tz}),
                 {"role": "tool", "content": json.dumps(result)},
             ]
-            return Example(kind, messages, tools, thinking, answer, {"answer": answer, "mentions": [clock]})
+            return Example(
+                kind, messages, tools, thinking, answer, {"answer": answer, "mentions": [clock]}
+            )
 
         if kind == "no_tool":
             # asked for weather or time without the tool for it
             if rng.random() < 0.6:
                 city = self._city()
                 question = self._casing(rng.choice(self.s.weather[self.split])).format(city=city)
-                answer = f"I can't check the weather in {city} because no weather tool is available."
+                answer = (
+                    f"I can't check the weather in {city} because no weather tool is available."
+                )
                 tools = self._tools(p_any=0.4)
                 tools = [t for t in tools or [] if t["function"]["name"] != "get_weather"] or None
             else:
@@ -721,7 +744,9 @@ def render_prompt(hf_tokenizer, example: Example) -> str:
 def build_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE, n_corpus: int = 4000) -> Tokenizer:
     """Byte-level BPE trained on rendered training conversations."""
     bootstrap = _hf_wrapper(_new_tokenizer())
-    corpus = [render_prompt(bootstrap, ex) + ex.target + EOS for ex in generate(n_corpus, seed=seed)]
+    corpus = [
+        render_prompt(bootstrap, ex) + ex.target + EOS for ex in generate(n_corpus, seed=seed)
+    ]
     tokenizer = _new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -772,4 +797,44 @@ def encode(hf_tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], l
     out = []
     for p, r in zip(p_enc, r_enc, strict=True):
         out.append((p.ids + r.ids, [0] * len(p.ids) + [1] * len(r.ids)))
+    return out
+
+
+_WORKER_TOKENIZER = None
+
+
+def _worker_init(tokenizer_dir: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = load_hf_tokenizer(tokenizer_dir)
+
+
+def _worker_encode(examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+    return encode(_WORKER_TOKENIZER, examples)
+
+
+def encode_parallel(
+    tokenizer_dir: str | os.PathLike, examples: Sequence[Example], workers: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """``encode`` with the tokenizer in ``tokenizer_dir``, over worker processes.
+
+    The result is the same as ``encode``'s, in the same order; rendering the
+    chat template is pure Python, so this is what makes big pools quick.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    workers = workers or min(os.cpu_count() or 1, 16)
+    if workers <= 1 or len(examples) < 4000:
+        return encode(load_hf_tokenizer(tokenizer_dir), examples)
+    size = -(-len(examples) // (workers * 4))
+    chunks = [list(examples[i : i + size]) for i in range(0, len(examples), size)]
+    with concurrent.futures.ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_worker_init,
+        initargs=(str(tokenizer_dir),),
+    ) as pool:
+        out: list[tuple[list[int], list[int]]] = []
+        for part in pool.map(_worker_encode, chunks):
+            out.extend(part)
     return out

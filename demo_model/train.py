@@ -43,22 +43,32 @@ KV_HEADS = 2
 DEFAULT_STEPS = 3000
 DEFAULT_BATCH = 64
 DEFAULT_POOL = 96_000
-QUICK_STEPS = 40
-QUICK_BATCH = 16
-LENGTH_MULTIPLE = 32  # pad batches to a multiple of this: few distinct shapes to compile
+# --quick: a pipeline smoke test that finishes in a minute or two even on
+# mlx-cpu's reference BLAS (the real shape runs ~10 s/step there).
+QUICK_STEPS = 30
+QUICK_BATCH = 8
+QUICK_SHAPE = {"hidden": 64, "layers": 2, "intermediate": 128}
+LENGTH_MULTIPLE = 64  # pad batches to a multiple of this: few distinct shapes to compile
 SORT_GROUP = 8  # sort this many batches' worth of examples by length, then split
 
 
-def model_config(vocab_size: int, eos_id: int, dtype: str) -> dict:
+def model_config(
+    vocab_size: int,
+    eos_id: int,
+    dtype: str,
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    intermediate: int = INTERMEDIATE,
+) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "intermediate_size": INTERMEDIATE,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
-        "head_dim": HIDDEN // HEADS,
+        "head_dim": hidden // HEADS,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
@@ -182,6 +192,9 @@ def train(
     log_every: int = 50,
     dtype: str = "bfloat16",
     compile: bool = True,
+    hidden: int = HIDDEN,
+    layers: int = LAYERS,
+    intermediate: int = INTERMEDIATE,
 ) -> dict:
     t_start = time.perf_counter()
     out = pathlib.Path(out_dir)
@@ -192,7 +205,6 @@ def train(
     # tokenizer (and chat template) that mlx_lm.load will build.
     tokenizer = data.build_tokenizer(seed=seed)
     data.write_tokenizer(tokenizer, out)
-    hf_tokenizer = data.load_hf_tokenizer(out)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eos_id = tokenizer.token_to_id(data.EOS)
     pad_id = tokenizer.token_to_id(data.PAD)
@@ -200,7 +212,7 @@ def train(
     n_examples = min(steps * batch, pool)
     t0 = time.perf_counter()
     examples = data.generate(n_examples, seed=seed)
-    encoded = data.encode(hf_tokenizer, examples)
+    encoded = data.encode_parallel(out, examples)
     lengths = np.array([len(ids) for ids, _ in encoded])
     supervised = np.array([sum(m) for _, m in encoded])
     logger.info(
@@ -215,7 +227,7 @@ def train(
     )
 
     mx.random.seed(seed)
-    config = model_config(vocab_size, eos_id, dtype)
+    config = model_config(vocab_size, eos_id, dtype, hidden, layers, intermediate)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     n_params = count_params(model)
@@ -251,8 +263,8 @@ def train(
     logger.info(
         "model: qwen3 %d layers, hidden %d, %d heads / %d kv, vocab %d: %d parameters "
         "(%.1f MB in %s)",
-        LAYERS,
-        HIDDEN,
+        layers,
+        hidden,
         HEADS,
         KV_HEADS,
         vocab_size,
@@ -349,15 +361,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where to write the MLX model directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
-    parser.add_argument("--batch", type=int, default=None, help=f"sequences per step, default {DEFAULT_BATCH}")
-    parser.add_argument("--pool", type=int, default=DEFAULT_POOL, help="distinct examples at most (reused by epochs)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help=f"sequences per step, default {DEFAULT_BATCH}"
+    )
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=DEFAULT_POOL,
+        help="distinct examples at most (reused by epochs)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, default 100 (quick: 5)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps, default 100 (quick: 5)"
+    )
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--log-every", type=int, default=None, help="default 50 (quick: 5)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="exported weights")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default="bfloat16",
+        help="exported weights",
+    )
+    parser.add_argument("--hidden", type=int, default=None, help=f"default {HIDDEN}")
+    parser.add_argument("--layers", type=int, default=None, help=f"default {LAYERS}")
+    parser.add_argument(
+        "--intermediate", type=int, default=None, help=f"MLP width, default {INTERMEDIATE}"
+    )
     parser.add_argument("--no-compile", action="store_true", help="do not mx.compile the step")
-    parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK_STEPS} steps of {QUICK_BATCH}")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"smoke test: {QUICK_STEPS} steps of {QUICK_BATCH}"
+    )
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -365,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     batch = ns.batch or (QUICK_BATCH if ns.quick else DEFAULT_BATCH)
     warmup = ns.warmup if ns.warmup is not None else (5 if ns.quick else 100)
     log_every = ns.log_every or (5 if ns.quick else 50)
+    shape = (
+        QUICK_SHAPE
+        if ns.quick
+        else {"hidden": HIDDEN, "layers": LAYERS, "intermediate": INTERMEDIATE}
+    )
     train(
         ns.out_dir,
         seed=ns.seed,
@@ -377,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         log_every=log_every,
         dtype=ns.dtype,
         compile=not ns.no_compile,
+        hidden=ns.hidden or shape["hidden"],
+        layers=ns.layers or shape["layers"],
+        intermediate=ns.intermediate or shape["intermediate"],
     )
     return 0
 
