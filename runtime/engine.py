@@ -154,6 +154,20 @@ class EngineCore:
             segment_types=segment_types[::-1],
         )
         self._uid_of[sub.request_id] = uid
+        self._started_event(sub, cached)
+
+    def _fetch_cache(self, prompt: list[int]) -> tuple[Any, list[int], int]:
+        """(cache or None, tokens still to process, tokens the cache covers)."""
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+        if cache is not None and not rest:
+            # An exact hit leaves nothing to feed the model: give back one token.
+            cache, rest = self._back_off_one_token(cache, prompt)
+        return cache, rest, len(prompt) - len(rest)
+
+    def _started_event(self, sub: Submit, cached: int) -> None:
+        if cached:
+            self._cache_hits += 1
+            self._cached_tokens += cached
         self._started.append(
             SequenceStarted(
                 request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
@@ -162,15 +176,7 @@ class EngineCore:
 
     def _insert(self, sub: Submit) -> tuple[int, int, list[str]]:
         prompt = list(sub.prompt)
-        key = self.handle.model_key
-        cache, rest = self.prompt_cache.fetch_nearest_cache(key, prompt)
-        if cache is not None and not rest:
-            # An exact hit leaves nothing to feed the model: give back one token.
-            cache, rest = self._back_off_one_token(cache, prompt)
-        cached = len(prompt) - len(rest)
-        if cached:
-            self._cache_hits += 1
-            self._cached_tokens += cached
+        cache, rest, cached = self._fetch_cache(prompt)
 
         segments = [list(s) for s in sub.segments]
         types = list(sub.segment_types)
@@ -239,10 +245,7 @@ class EngineCore:
             sub = self._serial_waiting.popleft()
             try:
                 prompt = list(sub.prompt)
-                cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
-                if cache is not None and not rest:
-                    cache, rest = self._back_off_one_token(cache, prompt)
-                cached = len(prompt) - len(rest)
+                cache, rest, cached = self._fetch_cache(prompt)
 
                 def report(done, total, request_id=sub.request_id, cached=cached):
                     self._serial_progress.append(
@@ -255,12 +258,7 @@ class EngineCore:
                 self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
                 return
             self._serial = _SerialRun(submit=sub, responses=responses, cache=cache, tokens=prompt)
-            if cached:
-                self._cache_hits += 1
-                self._cached_tokens += cached
-            self._started.append(
-                SequenceStarted(request_id=sub.request_id, prompt_tokens=len(prompt), cached_tokens=cached)
-            )
+            self._started_event(sub, cached)
         run = self._serial
         sub = run.submit
         try:
