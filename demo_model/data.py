@@ -21,12 +21,15 @@ Everything here is a pure function of its seeds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import random
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -253,6 +256,7 @@ _CODAS = ["", "", "", "n", "r", "l", "s", "m", "th", "nd", "rk", "st", "g", "b",
 _SUFFIXES = ["ton", "ville", "burg", "ford", "polis", "stad", "holm", "ia", "ora", "ano",
              "grad", "mouth", "field", "ore", "is", "ey"]  # fmt: skip
 _PREFIXES = ["Port", "San", "New", "Lake", "Mount", "Saint", "Fort", "El", "La"]
+_SUFFIX_WORDS = ["City", "Bay", "Falls", "Springs", "Heights", "Beach", "Town"]
 
 
 # ---------------------------------------------------------------------------
@@ -375,6 +379,11 @@ class Split:
         return cls(cities, weather, time, arith, intents, held_pairs)
 
 
+@functools.cache
+def _default_split() -> Split:
+    return Split.make()
+
+
 # ---------------------------------------------------------------------------
 # Examples
 # ---------------------------------------------------------------------------
@@ -395,15 +404,20 @@ class Example:
         return dataclasses.asdict(self)
 
 
+# Share of each kind among training examples. Arithmetic examples are short
+# (no tool block most of the time) and need the most repetitions, so they
+# are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "chat": 0.12,
-    "arith": 0.42,
-    "weather_call": 0.14,
-    "weather_answer": 0.12,
-    "time_call": 0.08,
-    "time_answer": 0.07,
-    "no_tool": 0.05,
+    "arith": 0.75,
+    "chat": 0.05,
+    "weather_call": 0.065,
+    "weather_answer": 0.045,
+    "time_call": 0.035,
+    "time_answer": 0.035,
+    "no_tool": 0.02,
 }
+THINKING_SHARE = 0.5  # thinking on (the template default) vs off
+ARITH_THINKING_SHARE = 0.4  # the bare answer is the harder skill: more of it
 EVAL_KINDS = (
     "weather_call",
     "time_call",
@@ -418,12 +432,12 @@ EVAL_KINDS = (
 class Generator:
     """Draws examples of one split ("train" or "heldout") from ``seed``."""
 
-    def __init__(self, split: str = "train", seed: int = 0, splits: Split | None = None):
+    def __init__(self, split: str = "train", seed: int | str = 0, splits: Split | None = None):
         if split not in ("train", "heldout"):
             raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
         self.split = split
         self.rng = random.Random(f"{split}-{seed}")
-        self.s = splits or Split.make()
+        self.s = splits or _default_split()
         self._train_pairs: list[tuple[str, int, int]] | None = None
         if split == "train":
             pairs = [
@@ -458,17 +472,20 @@ class Generator:
         if rng.random() < 0.4:
             name += rng.choice(_SUFFIXES)
         name = name[:1].upper() + name[1:]
-        if rng.random() < 0.15:
+        r = rng.random()
+        if r < 0.15:
             name = f"{rng.choice(_PREFIXES)} {name}"
+        elif r < 0.25:
+            name = f"{name} {rng.choice(_SUFFIX_WORDS)}"
         return name
 
     def _city(self) -> str:
-        if self.split == "train" and self.rng.random() < 0.3:
+        if self.split == "train" and self.rng.random() < 0.4:
             return self._made_up_place()
         return self.rng.choice(self.s.cities[self.split])
 
-    def _system(self) -> list[dict]:
-        if self.rng.random() < 0.3:
+    def _system(self, p: float = 0.3) -> list[dict]:
+        if self.rng.random() < p:
             return [{"role": "system", "content": self.rng.choice(SYSTEM_PROMPTS)}]
         return []
 
@@ -545,11 +562,13 @@ class Generator:
             place = tz  # the user names the timezone itself
         return place, tz
 
-    def _history(self) -> list[dict]:
-        """Zero to two earlier exchanges, rendered as a client sends them back."""
+    def _history(self, p: float) -> list[dict]:
+        """With probability ``p``, one or two earlier exchanges, as a client sends them back."""
         rng = self.rng
         history: list[dict] = []
-        for _ in range(rng.choice([0, 0, 0, 1, 1, 2])):
+        if self.split != "train" or rng.random() >= p:
+            return history
+        for _ in range(rng.choice([1, 1, 2])):
             kind = rng.choice(["chat", "arith", "weather"])
             if kind == "chat":
                 q, a = self._intent()
@@ -585,13 +604,17 @@ class Generator:
         rng = self.rng
         if kind is None:
             kind = rng.choices(list(TRAIN_MIX), weights=list(TRAIN_MIX.values()), k=1)[0]
-        thinking = rng.random() < 0.5
-        if kind == "arith_think":
+        thinking = rng.random() < THINKING_SHARE
+        if kind == "arith":
+            thinking = rng.random() < ARITH_THINKING_SHARE
+        elif kind == "arith_think":
             kind, thinking = "arith", True
         elif kind == "arith_nothink":
             kind, thinking = "arith", False
-        system = self._system()
-        history = self._history() if self.split == "train" else []
+        if kind == "arith":
+            system, history = self._system(0.15), self._history(0.15)
+        else:
+            system, history = self._system(), self._history(0.4)
 
         if kind == "chat":
             question, answer = self._intent()
@@ -602,13 +625,13 @@ class Generator:
         if kind == "arith":
             op, a, b = self._pair()
             r = self._result(op, a, b)
-            tools = self._tools(p_any=0.25)
+            tools = self._tools(p_any=0.1)
             messages = [
                 *system,
                 *history,
                 {"role": "user", "content": self._arith_question(op, a, b)},
             ]
-            target = f"<think>\n{a} {op} {b} = {r}\n</think>\n\n{r}" if thinking else str(r)
+            target = f"<think>\n{arith_trace(op, a, b)}\n</think>\n\n{r}" if thinking else str(r)
             name = "arith_think" if thinking else "arith_nothink"
             return Example(name, messages, tools, thinking, target, {"answer": r})
 
@@ -674,6 +697,31 @@ class Generator:
             return Example(kind, messages, tools, thinking, answer, {"answer": answer})
 
         raise ValueError(f"unknown example kind {kind!r}")
+
+
+def arith_trace(op: str, a: int, b: int) -> str:
+    """The reasoning for ``a op b``: digit by digit, units first, then the result.
+
+    ``47 + 85: 7 + 5 = 12, 4 + 8 + 1 = 13, so 132``;
+    ``85 - 47: 15 - 7 = 8, 8 - 4 - 1 = 3, so 38``;
+    ``47 - 85 = -(85 - 47): 15 - 7 = 8, 8 - 4 - 1 = 3, so -38``.
+    Every step reads a digit or two and a carry, which a small model learns
+    far sooner than the whole sum at once.
+    """
+    if op == "+":
+        a1, a0 = divmod(a, 10)
+        b1, b0 = divmod(b, 10)
+        carry = (a0 + b0) // 10
+        steps = f"{a0} + {b0} = {a0 + b0}, {a1} + {b1} + {carry} = {a1 + b1 + carry}"
+        return f"{a} + {b}: {steps}, so {a + b}"
+    hi, lo = (a, b) if a >= b else (b, a)
+    h1, h0 = divmod(hi, 10)
+    l1, l0 = divmod(lo, 10)
+    borrow = int(h0 < l0)
+    top = h0 + 10 * borrow
+    steps = f"{top} - {l0} = {top - l0}, {h1} - {l1} - {borrow} = {h1 - l1 - borrow}"
+    head = f"{a} - {b}" if a >= b else f"{a} - {b} = -({b} - {a})"
+    return f"{head}: {steps}, so {a - b}"
 
 
 def _assistant_call(rng: random.Random, name: str, arguments: dict) -> dict:
@@ -800,6 +848,8 @@ def encode(hf_tokenizer, examples: Sequence[Example]) -> list[tuple[list[int], l
     return out
 
 
+POOL_CHUNK = 2048  # examples per generation chunk; each chunk has its own seed
+
 _WORKER_TOKENIZER = None
 
 
@@ -808,33 +858,52 @@ def _worker_init(tokenizer_dir: str) -> None:
     _WORKER_TOKENIZER = load_hf_tokenizer(tokenizer_dir)
 
 
-def _worker_encode(examples: list[Example]) -> list[tuple[list[int], list[int]]]:
-    return encode(_WORKER_TOKENIZER, examples)
+def _pool_chunk(job: tuple[int, int, int]) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    seed, index, size = job
+    gen = Generator("train", f"{seed}-{index}")
+    examples = [gen.example() for _ in range(size)]
+    encoded = encode(_WORKER_TOKENIZER, examples)
+    ids = [np.asarray(i, dtype=np.int32) for i, _ in encoded]
+    masks = [np.asarray(m, dtype=np.uint8) for _, m in encoded]
+    return ids, masks, [ex.kind for ex in examples]
 
 
-def encode_parallel(
-    tokenizer_dir: str | os.PathLike, examples: Sequence[Example], workers: int | None = None
-) -> list[tuple[list[int], list[int]]]:
-    """``encode`` with the tokenizer in ``tokenizer_dir``, over worker processes.
+def build_pool(
+    tokenizer_dir: str | os.PathLike, n: int, seed: int = 0, workers: int | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """``n`` encoded training examples: token ids, loss masks and kinds.
 
-    The result is the same as ``encode``'s, in the same order; rendering the
-    chat template is pure Python, so this is what makes big pools quick.
+    Chunk ``i`` of ``POOL_CHUNK`` examples is drawn from seed ``f"{seed}-{i}"``
+    and rendered with the tokenizer in ``tokenizer_dir``, in worker processes
+    when there are many (rendering the chat template is pure Python); the
+    result depends on ``n`` and ``seed`` only, not on the number of workers.
     """
     import concurrent.futures
     import multiprocessing
 
-    workers = workers or min(os.cpu_count() or 1, 16)
-    if workers <= 1 or len(examples) < 4000:
-        return encode(load_hf_tokenizer(tokenizer_dir), examples)
-    size = -(-len(examples) // (workers * 4))
-    chunks = [list(examples[i : i + size]) for i in range(0, len(examples), size)]
+    jobs = [
+        (seed, i, min(POOL_CHUNK, n - start)) for i, start in enumerate(range(0, n, POOL_CHUNK))
+    ]
+    workers = min(workers or os.cpu_count() or 1, 16, len(jobs))
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    kinds: list[str] = []
+    if workers <= 1:
+        _worker_init(str(tokenizer_dir))
+        parts = map(_pool_chunk, jobs)
+        for part in parts:
+            ids += part[0]
+            masks += part[1]
+            kinds += part[2]
+        return ids, masks, kinds
     with concurrent.futures.ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_worker_init,
         initargs=(str(tokenizer_dir),),
     ) as pool:
-        out: list[tuple[list[int], list[int]]] = []
-        for part in pool.map(_worker_encode, chunks):
-            out.extend(part)
-    return out
+        for part in pool.map(_pool_chunk, jobs):
+            ids += part[0]
+            masks += part[1]
+            kinds += part[2]
+    return ids, masks, kinds

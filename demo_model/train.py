@@ -1,6 +1,6 @@
 """Train the mlx-trio-demo model from a seed and export an MLX model directory.
 
-    python -m demo_model.train OUT_DIR [--seed 0] [--steps N] [--batch B] [--quick]
+    python -m demo_model.train OUT_DIR [--seed 0] [--steps N] [--batch TOKENS] [--quick]
 
 Builds the tokenizer and the synthetic conversations (``demo_model.data``),
 trains a small Qwen3 (``mlx_lm.models.qwen3``) with a masked cross-entropy on
@@ -20,6 +20,7 @@ import pathlib
 import random
 import sys
 import time
+from collections import Counter, defaultdict
 from functools import partial
 
 import mlx.core as mx
@@ -33,23 +34,33 @@ from demo_model import MODEL_ID, data
 
 logger = logging.getLogger("demo_model.train")
 
-# Model shape: ~4.9 M parameters, 9.8 MB in bfloat16.
+# Model shape: ~5.0 M parameters, 10 MB in bfloat16.
 HIDDEN = 256
 LAYERS = 6
 INTERMEDIATE = 768
 HEADS = 4
 KV_HEADS = 2
 
-DEFAULT_STEPS = 3000
-DEFAULT_BATCH = 64
-DEFAULT_POOL = 96_000
+DEFAULT_STEPS = 4000
+DEFAULT_BATCH = 16384  # padded tokens per step
+DEFAULT_POOL = 400_000  # distinct examples, reused by epochs
 # --quick: a pipeline smoke test that finishes in a minute or two even on
-# mlx-cpu's reference BLAS (the real shape runs ~10 s/step there).
-QUICK_STEPS = 30
-QUICK_BATCH = 8
-QUICK_SHAPE = {"hidden": 64, "layers": 2, "intermediate": 128}
-LENGTH_MULTIPLE = 64  # pad batches to a multiple of this: few distinct shapes to compile
-SORT_GROUP = 8  # sort this many batches' worth of examples by length, then split
+# mlx-cpu's stock reference BLAS (the real shape takes ~1 min a step there).
+QUICK = {
+    "steps": 30,
+    "batch": 2048,
+    "pool": 2048,
+    "warmup": 5,
+    "log_every": 5,
+    "val_every": 15,
+    "val_n": 4,
+    "shape": {"hidden": 64, "layers": 2, "intermediate": 128},
+}
+DEFAULT_VAL_EVERY = 500
+DEFAULT_VAL_N = 48  # held-out examples per kind in each validation
+VAL_SEED = 1  # validation draws held-out examples with this seed; evaluate.py uses 0
+
+LENGTH_MULTIPLE = 64  # pad to a multiple of this: few distinct shapes to compile
 
 
 def model_config(
@@ -85,54 +96,70 @@ def count_params(model: nn.Module) -> int:
 
 
 def flops_per_token(config: dict, n_params: int, context: float) -> float:
-    """Training FLOPs per token: 6 per weight (embedding included, as the
-    tied output layer), plus attention scores and values (12 * layers * d * context)."""
+    """Training FLOPs per token: 6 per weight (the embedding too, as it is
+    also the tied output layer) plus attention, 12 * layers * hidden * context."""
     attn = 12 * config["num_hidden_layers"] * config["hidden_size"] * context
     return 6 * n_params + attn
 
 
 class Batches:
-    """Length-bucketed, padded batches over a pool of encoded examples.
+    """Padded batches of about ``tokens`` tokens over a pool of encoded examples.
 
-    Each epoch shuffles the pool with ``rng``, sorts groups of
-    ``SORT_GROUP * batch`` examples by length, cuts them into batches and
-    shuffles the batches, so padding stays small and the order depends only
-    on the seed.
+    Examples are bucketed by their length rounded up to ``LENGTH_MULTIPLE``;
+    a batch of width ``w`` holds ``tokens // w`` examples of that bucket, so
+    short examples (arithmetic) come many to a step and the few distinct
+    shapes compile once each. Each epoch reshuffles with ``rng``: the order
+    depends only on the seed.
     """
 
-    def __init__(self, encoded: list[tuple[list[int], list[int]]], batch: int, pad_id: int, rng):
-        if len(encoded) < batch:
-            raise ValueError(f"pool of {len(encoded)} examples is smaller than a batch ({batch})")
-        self.encoded = encoded
-        self.batch = batch
+    def __init__(
+        self, ids: list[np.ndarray], masks: list[np.ndarray], tokens: int, pad_id: int, rng
+    ):
+        self.ids = ids
+        self.masks = masks
         self.pad_id = pad_id
         self.rng = rng
+        lengths = np.array([len(x) - 1 for x in ids])  # inputs drop the last token
+        self.widths = -(-lengths // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+        self.rows = {int(w): max(1, tokens // int(w)) for w in np.unique(self.widths)}
         self._queue: list[list[int]] = []
         self.epoch = 0
+        if not self._epoch_batches():
+            raise ValueError(f"a pool of {len(ids)} examples fills no batch of {tokens} tokens")
 
-    def _refill(self) -> None:
-        idx = list(range(len(self.encoded)))
-        self.rng.shuffle(idx)
-        group = SORT_GROUP * self.batch
+    def _epoch_batches(self) -> list[list[int]]:
+        order = list(range(len(self.ids)))
+        self.rng.shuffle(order)
+        by_width: dict[int, list[int]] = defaultdict(list)
+        for i in order:
+            by_width[int(self.widths[i])].append(i)
         batches = []
-        for g in range(0, len(idx) - self.batch + 1, group):
-            chunk = sorted(idx[g : g + group], key=lambda i: len(self.encoded[i][0]))
-            for b in range(0, len(chunk) - self.batch + 1, self.batch):
-                batches.append(chunk[b : b + self.batch])
+        for w in sorted(by_width):
+            idx, k = by_width[w], self.rows[w]
+            batches += [idx[j : j + k] for j in range(0, len(idx) - k + 1, k)]
         self.rng.shuffle(batches)
-        self._queue = batches
-        self.epoch += 1
+        return batches
+
+    def stats(self) -> tuple[float, float, int]:
+        """Mean padded tokens and sequences per step, and steps per epoch."""
+        probe = random.Random(0)
+        saved, self.rng = self.rng, probe
+        batches = self._epoch_batches()
+        self.rng = saved
+        tokens = [len(b) * int(self.widths[b[0]]) for b in batches]
+        return float(np.mean(tokens)), float(np.mean([len(b) for b in batches])), len(batches)
 
     def next(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self._queue:
-            self._refill()
-        rows = [self.encoded[i] for i in self._queue.pop()]
-        longest = max(len(ids) for ids, _ in rows) - 1  # inputs drop the last token
-        width = -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+            self._queue = self._epoch_batches()
+            self.epoch += 1
+        rows = self._queue.pop()
+        width = int(self.widths[rows[0]])
         inputs = np.full((len(rows), width), self.pad_id, dtype=np.int32)
         targets = np.full((len(rows), width), self.pad_id, dtype=np.int32)
         mask = np.zeros((len(rows), width), dtype=np.float32)
-        for r, (ids, m) in enumerate(rows):
+        for r, i in enumerate(rows):
+            ids, m = self.ids[i], self.masks[i]
             n = len(ids) - 1
             inputs[r, :n] = ids[:-1]
             targets[r, :n] = ids[1:]
@@ -144,6 +171,59 @@ def loss_fn(model: nn.Module, inputs: mx.array, targets: mx.array, mask: mx.arra
     logits = model(inputs).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, targets, reduction="none")
     return (ce * mask).sum() / mx.maximum(mask.sum(), 1.0)
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, end: float = 0.05) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then a cosine decay to ``end * lr``.
+
+    Computed on the host and handed to the compiled step, so that the number
+    of steps may still be decided after the warm-up has started (``--time-budget``).
+    """
+    if step <= warmup:
+        return lr * step / warmup
+    t = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * (end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * t)))
+
+
+class Validator:
+    """Teacher-forced exact match on held-out examples, per kind.
+
+    An example counts as right when the argmax at every reply position
+    (the reply and its end token) is the reference token, which is exactly
+    when greedy decoding would reproduce the reference reply and stop; one
+    forward pass per batch instead of a generation loop.
+    """
+
+    def __init__(self, hf_tokenizer, n_per_kind: int, pad_id: int, seed: int = VAL_SEED):
+        examples = data.heldout_set(n_per_kind, seed=seed)
+        encoded = data.encode(hf_tokenizer, examples)
+        by_kind: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
+        for ex, enc in zip(examples, encoded, strict=True):
+            by_kind[ex.kind].append(enc)
+        self.batches: list[tuple[str, mx.array, mx.array, mx.array]] = []
+        for kind, items in by_kind.items():
+            for j in range(0, len(items), 64):
+                chunk = items[j : j + 64]
+                width = max(len(ids) for ids, _ in chunk) - 1
+                inputs = np.full((len(chunk), width), pad_id, dtype=np.int32)
+                targets = np.full((len(chunk), width), pad_id, dtype=np.int32)
+                mask = np.zeros((len(chunk), width), dtype=bool)
+                for r, (ids, m) in enumerate(chunk):
+                    n = len(ids) - 1
+                    inputs[r, :n] = ids[:-1]
+                    targets[r, :n] = ids[1:]
+                    mask[r, :n] = np.asarray(m[1:], dtype=bool)
+                self.batches.append((kind, mx.array(inputs), mx.array(targets), mx.array(mask)))
+
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        right: dict[str, int] = Counter()
+        total: dict[str, int] = Counter()
+        for kind, inputs, targets, mask in self.batches:
+            pred = mx.argmax(model(inputs), axis=-1)
+            ok = mx.all((pred == targets) | ~mask, axis=1)
+            right[kind] += int(ok.sum().item())
+            total[kind] += inputs.shape[0]
+        return {k: round(100.0 * right[k] / total[k], 1) for k in data.EVAL_KINDS if total[k]}
 
 
 class Progress:
@@ -158,9 +238,8 @@ class Progress:
             return
         width = 30
         done = int(width * step / self.total)
-        sys.stderr.write(
-            f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} loss {loss:.4f}"
-        )
+        bar = "#" * done + "." * (width - done)
+        sys.stderr.write(f"\r[{bar}] {step}/{self.total} loss {loss:.4f}")
         sys.stderr.flush()
 
     def close(self) -> None:
@@ -184,63 +263,104 @@ def train(
     *,
     seed: int = 0,
     steps: int = DEFAULT_STEPS,
+    time_budget: float | None = None,
     batch: int = DEFAULT_BATCH,
     pool: int = DEFAULT_POOL,
     lr: float = 2e-3,
-    warmup: int = 100,
-    weight_decay: float = 0.05,
-    log_every: int = 50,
+    warmup: int = 200,
+    weight_decay: float = 0.1,
+    log_every: int = 100,
+    val_every: int = DEFAULT_VAL_EVERY,
+    val_n: int = DEFAULT_VAL_N,
     dtype: str = "bfloat16",
     compile: bool = True,
     hidden: int = HIDDEN,
     layers: int = LAYERS,
     intermediate: int = INTERMEDIATE,
+    workers: int | None = None,
 ) -> dict:
+    """Train, validate every ``val_every`` steps, export the best validated weights.
+
+    With ``time_budget`` (seconds of training loop), the number of steps is
+    set at the end of the warm-up, from the step time measured during it
+    (the warm-up's learning rates do not depend on the number of steps); the
+    run logs that number, and ``steps=`` it reproduces the run.
+    """
     t_start = time.perf_counter()
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    logger.info("device: %s", mx.default_device())
+    logger.info("device: %s, mlx %s", mx.default_device(), mx.__version__)
 
-    # Tokenizer, written first: the training text is rendered by the very
-    # tokenizer (and chat template) that mlx_lm.load will build.
+    # The tokenizer is written first: the training text is rendered by the
+    # very tokenizer (and chat template) that mlx_lm.load will build.
     tokenizer = data.build_tokenizer(seed=seed)
     data.write_tokenizer(tokenizer, out)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     eos_id = tokenizer.token_to_id(data.EOS)
     pad_id = tokenizer.token_to_id(data.PAD)
 
-    n_examples = min(steps * batch, pool)
     t0 = time.perf_counter()
-    examples = data.generate(n_examples, seed=seed)
-    encoded = data.encode_parallel(out, examples)
-    lengths = np.array([len(ids) for ids, _ in encoded])
-    supervised = np.array([sum(m) for _, m in encoded])
+    ids, masks, kinds = data.build_pool(out, pool, seed=seed, workers=workers)
+    lengths = np.array([len(x) for x in ids])
+    supervised = np.array([int(m.sum()) for m in masks])
+    share = Counter(kinds)
     logger.info(
-        "data: %d examples (%.1f epochs) in %.1fs; %.0f tokens/example (max %d), "
-        "%.1f supervised tokens/example",
-        n_examples,
-        steps * batch / n_examples,
+        "data: %d examples in %.1fs; %.0f tokens/example (max %d), %.1f supervised; %s",
+        len(ids),
         time.perf_counter() - t0,
         lengths.mean(),
         lengths.max(),
         supervised.mean(),
+        ", ".join(f"{k} {100 * v / len(kinds):.0f}%" for k, v in sorted(share.items())),
     )
+    batches = Batches(ids, masks, batch, pad_id, random.Random(f"batches-{seed}"))
+    tokens_per_step, seqs_per_step, epoch_steps = batches.stats()
+    validator = Validator(data.load_hf_tokenizer(out), val_n, pad_id)
 
     mx.random.seed(seed)
     config = model_config(vocab_size, eos_id, dtype, hidden, layers, intermediate)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     n_params = count_params(model)
-
-    schedule = optim.join_schedules(
-        [
-            optim.linear_schedule(lr / warmup, lr, warmup),
-            optim.cosine_decay(lr, max(1, steps - warmup), end=lr * 0.05),
-        ],
-        [warmup],
+    fpt = flops_per_token(config, n_params, context=lengths.mean() / 2)
+    logger.info(
+        "model: qwen3, %d layers, hidden %d, MLP %d, %d heads / %d kv, vocab %d: "
+        "%d parameters (%.1f MB in %s)",
+        layers,
+        hidden,
+        intermediate,
+        HEADS,
+        KV_HEADS,
+        vocab_size,
+        n_params,
+        n_params * (4 if dtype == "float32" else 2) / 1e6,
+        dtype,
     )
+
+    def log_plan() -> None:
+        logger.info(
+            "training: %d steps of ~%.0f padded tokens (~%.0f sequences); %.1f epochs of the "
+            "pool; %.1fM tokens, ~%.2e FLOPs (%.2e per step)",
+            steps,
+            tokens_per_step,
+            seqs_per_step,
+            steps / epoch_steps,
+            tokens_per_step * steps / 1e6,
+            fpt * tokens_per_step * steps,
+            fpt * tokens_per_step,
+        )
+
+    if time_budget is None:
+        warmup = max(1, min(warmup, steps // 2))
+        log_plan()
+    else:
+        warmup = max(4, warmup)
+        steps = max(steps, warmup + 1)  # provisional: set at the end of the warm-up
+        logger.info("training: for about %.0f s; steps set at step %d", time_budget, warmup)
+    probe = (warmup // 4, warmup)  # --time-budget: the step time is measured in between
+
     optimizer = optim.AdamW(
-        learning_rate=schedule, betas=[0.9, 0.98], eps=1e-8, weight_decay=weight_decay
+        learning_rate=0.0, betas=[0.9, 0.98], eps=1e-8, weight_decay=weight_decay
     )
     loss_and_grad = nn.value_and_grad(model, loss_fn)
 
@@ -254,88 +374,118 @@ def train(
         state = [model.state, optimizer.state]
         step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
 
-    batches = Batches(encoded, batch, pad_id, random.Random(f"batches-{seed}"))
-    # tokens per step, padding included, estimated from the pool's lengths
-    padded_len = math.ceil((lengths.mean() - 1) / LENGTH_MULTIPLE + 0.5) * LENGTH_MULTIPLE
-    tokens_per_step = batch * padded_len
-    fpt = flops_per_token(config, n_params, context=lengths.mean() / 2)
-    total_flops = fpt * tokens_per_step * steps
-    logger.info(
-        "model: qwen3 %d layers, hidden %d, %d heads / %d kv, vocab %d: %d parameters "
-        "(%.1f MB in %s)",
-        layers,
-        hidden,
-        HEADS,
-        KV_HEADS,
-        vocab_size,
-        n_params,
-        n_params * (4 if dtype == "float32" else 2) / 1e6,
-        dtype,
-    )
-    logger.info(
-        "training: %d steps x %d sequences, ~%d tokens/step (padded), ~%.2fM tokens; "
-        "~%.2e FLOPs (%.2e per step)",
-        steps,
-        batch,
-        tokens_per_step,
-        tokens_per_step * steps / 1e6,
-        total_flops,
-        fpt * tokens_per_step,
-    )
+    best: dict = {"score": -1.0, "step": 0, "val": {}}
+    history: list[dict] = []
+
+    def validate(step: int) -> float:
+        t = time.perf_counter()
+        model.eval()
+        val = validator(model)
+        model.train()
+        score = float(np.mean(list(val.values())))
+        history.append({"step": step, "score": round(score, 2), **val})
+        logger.info(
+            "validation @%d (teacher-forced exact match, %%): %s; mean %.1f (%.1fs)",
+            step,
+            ", ".join(f"{k} {v:.0f}" for k, v in val.items()),
+            score,
+            time.perf_counter() - t,
+        )
+        if score >= best["score"]:
+            # mlx arrays are immutable: holding the current ones is a snapshot.
+            best.update(score=score, step=step, val=val, params=model.parameters())
+            export(model, config, out, dtype)
+        return time.perf_counter() - t
 
     model.train()
     progress = Progress(steps)
     losses: list[float] = []
-    window_loss, window_tokens, window_t = 0.0, 0, time.perf_counter()
+    window_n, window_tokens, window_t = 0, 0, time.perf_counter()
     t_train = time.perf_counter()
-    first_loss = None
-    for step in range(1, steps + 1):
+    t_probe = t_train
+    pending = None
+    step = 0
+    while step < steps:
+        step += 1
+        optimizer.state["learning_rate"] = mx.array(lr_at(step, steps, lr, warmup), mx.float32)
         inputs, targets, mask = batches.next()
         loss, grad_norm = step_fn(mx.array(inputs), mx.array(targets), mx.array(mask))
-        mx.eval(loss, grad_norm, model.parameters(), optimizer.state)
-        loss_v = loss.item()
-        if first_loss is None:
-            first_loss = loss_v
-        losses.append(loss_v)
-        window_loss += loss_v
+        # Queue this step and read the previous one's loss meanwhile: the
+        # host builds the next batch while the device computes.
+        mx.async_eval(loss, grad_norm, model.parameters(), optimizer.state)
+        if pending is not None:
+            losses.append(pending[0].item())
+        pending = (loss, grad_norm)
         window_tokens += inputs.size
-        progress.update(step, loss_v)
+        if step == probe[0] + 1:
+            mx.eval(loss)
+            t_probe = time.perf_counter()
+        if time_budget is not None and step == probe[1]:
+            mx.eval(loss)
+            per_step = (time.perf_counter() - t_probe) / (probe[1] - probe[0] - 1)
+            t_val = validate(step)
+            left = time_budget - (time.perf_counter() - t_train)
+            steps = probe[1] + max(1, int(left / (per_step + t_val / val_every)))
+            progress.total = steps
+            logger.info(
+                "measured %.4f s/step and %.1f s/validation: %d steps", per_step, t_val, steps
+            )
+            log_plan()
         if step % log_every == 0 or step == steps:
-            n = step % log_every or log_every
+            mx.eval(loss)
+            losses.append(loss.item())
+            pending = None
+            n = len(losses) - window_n
             dt = time.perf_counter() - window_t
             logger.info(
                 "step %d/%d loss %.4f lr %.2e grad %.2f | %.0f tok/s, %.3f s/step, epoch %d",
                 step,
                 steps,
-                window_loss / n,
-                float(schedule(mx.array(step))),
+                float(np.mean(losses[window_n:])),
+                lr_at(step, steps, lr, warmup),
                 grad_norm.item(),
                 window_tokens / dt,
-                dt / n,
+                dt / max(n, 1),
                 batches.epoch,
             )
-            window_loss, window_tokens, window_t = 0.0, 0, time.perf_counter()
+            progress.update(step, losses[-1])
+            window_n, window_tokens, window_t = len(losses), 0, time.perf_counter()
+        if step % val_every == 0 or step == steps:
+            validate(step)
     progress.close()
     train_seconds = time.perf_counter() - t_train
 
+    if best["step"] != steps:
+        logger.info("keeping the weights of step %d (best validation)", best["step"])
+    model.update(best["params"])
     model.eval()
     size = export(model, config, out, dtype)
     summary = {
         "model_id": MODEL_ID,
+        "command": "python -m demo_model.train OUT_DIR "
+        f"--seed {seed} --steps {steps} --warmup {warmup} --batch {batch} --pool {pool} "
+        f"--lr {lr:g} --weight-decay {weight_decay:g} --val-every {val_every} --val-n {val_n} "
+        f"--hidden {hidden} --layers {layers} --intermediate {intermediate}",
         "seed": seed,
         "steps": steps,
-        "batch": batch,
-        "pool": n_examples,
+        "time_budget": time_budget,
+        "selected_step": best["step"],
+        "batch_tokens": batch,
+        "pool": len(ids),
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
         "dtype": dtype,
+        "shape": {"hidden": hidden, "layers": layers, "intermediate": intermediate},
         "parameters": n_params,
         "weights_bytes": size,
-        "tokens_per_step_estimate": tokens_per_step,
-        "flops_estimate": total_flops,
-        "first_loss": first_loss,
+        "tokens_per_step": round(tokens_per_step),
+        "sequences_per_step": round(seqs_per_step, 1),
+        "epochs": round(steps / epoch_steps, 2),
+        "flops_estimate": fpt * tokens_per_step * steps,
+        "first_loss": losses[0],
         "final_loss": float(np.mean(losses[-min(len(losses), log_every) :])),
+        "validation": history,
         "train_seconds": round(train_seconds, 1),
         "seconds_per_step": round(train_seconds / steps, 4),
         "total_seconds": round(time.perf_counter() - t_start, 1),
@@ -344,9 +494,10 @@ def train(
     }
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     logger.info(
-        "wrote %s (%.1f MB weights) in %.0fs (%.3f s/step); final loss %.4f",
+        "wrote %s (%.1f MB weights, step %d) in %.0fs (%.3f s/step); final loss %.4f",
         out,
         size / 1e6,
+        best["step"],
         summary["total_seconds"],
         summary["seconds_per_step"],
         summary["final_loss"],
@@ -362,62 +513,82 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
     parser.add_argument(
-        "--batch", type=int, default=None, help=f"sequences per step, default {DEFAULT_BATCH}"
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead of --steps: as many steps as fit in this many seconds of training, "
+        "measured during the warm-up (the log and training.json give the --steps that reproduce it)",
     )
     parser.add_argument(
-        "--pool",
+        "--batch",
         type=int,
-        default=DEFAULT_POOL,
-        help="distinct examples at most (reused by epochs)",
+        default=None,
+        metavar="TOKENS",
+        help=f"padded tokens per step (sequences per step vary with length), default {DEFAULT_BATCH}",
+    )
+    parser.add_argument(
+        "--pool", type=int, default=None, help=f"distinct examples, default {DEFAULT_POOL}"
     )
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, default 200")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--log-every", type=int, default=None, help="default 100")
     parser.add_argument(
-        "--warmup", type=int, default=None, help="warm-up steps, default 100 (quick: 5)"
+        "--val-every",
+        type=int,
+        default=None,
+        help=f"validate every this many steps, default {DEFAULT_VAL_EVERY}; the best "
+        "validated weights are exported",
     )
-    parser.add_argument("--weight-decay", type=float, default=0.05)
-    parser.add_argument("--log-every", type=int, default=None, help="default 50 (quick: 5)")
+    parser.add_argument(
+        "--val-n",
+        type=int,
+        default=None,
+        help=f"held-out examples per kind, default {DEFAULT_VAL_N}",
+    )
     parser.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32"),
         default="bfloat16",
-        help="exported weights",
+        help="of the exported weights (training is in float32)",
     )
     parser.add_argument("--hidden", type=int, default=None, help=f"default {HIDDEN}")
     parser.add_argument("--layers", type=int, default=None, help=f"default {LAYERS}")
     parser.add_argument(
         "--intermediate", type=int, default=None, help=f"MLP width, default {INTERMEDIATE}"
     )
+    parser.add_argument("--workers", type=int, default=None, help="data processes (all CPUs)")
     parser.add_argument("--no-compile", action="store_true", help="do not mx.compile the step")
     parser.add_argument(
-        "--quick", action="store_true", help=f"smoke test: {QUICK_STEPS} steps of {QUICK_BATCH}"
+        "--quick",
+        action="store_true",
+        help="smoke test: a tiny model, 30 steps of 2048 tokens",
     )
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    steps = ns.steps or (QUICK_STEPS if ns.quick else DEFAULT_STEPS)
-    batch = ns.batch or (QUICK_BATCH if ns.quick else DEFAULT_BATCH)
-    warmup = ns.warmup if ns.warmup is not None else (5 if ns.quick else 100)
-    log_every = ns.log_every or (5 if ns.quick else 50)
-    shape = (
-        QUICK_SHAPE
-        if ns.quick
-        else {"hidden": HIDDEN, "layers": LAYERS, "intermediate": INTERMEDIATE}
-    )
+    q = QUICK if ns.quick else {}
+    shape = q.get("shape", {"hidden": HIDDEN, "layers": LAYERS, "intermediate": INTERMEDIATE})
     train(
         ns.out_dir,
         seed=ns.seed,
-        steps=steps,
-        batch=batch,
-        pool=ns.pool,
+        steps=ns.steps or q.get("steps", DEFAULT_STEPS),
+        time_budget=ns.time_budget,
+        batch=ns.batch or q.get("batch", DEFAULT_BATCH),
+        pool=ns.pool or q.get("pool", DEFAULT_POOL),
         lr=ns.lr,
-        warmup=min(warmup, max(1, steps // 2)),
+        warmup=ns.warmup if ns.warmup is not None else q.get("warmup", 200),
         weight_decay=ns.weight_decay,
-        log_every=log_every,
+        log_every=ns.log_every or q.get("log_every", 100),
+        val_every=ns.val_every or q.get("val_every", DEFAULT_VAL_EVERY),
+        val_n=ns.val_n or q.get("val_n", DEFAULT_VAL_N),
         dtype=ns.dtype,
         compile=not ns.no_compile,
         hidden=ns.hidden or shape["hidden"],
         layers=ns.layers or shape["layers"],
         intermediate=ns.intermediate or shape["intermediate"],
+        workers=ns.workers,
     )
     return 0
 
