@@ -51,10 +51,13 @@ EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
 MAX_NUMBER = 99
 
-# Qwen2's pre-tokenizer split: single digits, words with one leading
-# non-letter, punctuation runs, newlines.
+# Qwen2's pre-tokenizer split (single digits, words with one leading
+# non-letter, punctuation runs, newlines), except that a capitalised word
+# never takes the space or quote before it: a name is the same tokens in
+# ``in Athens`` and in ``{"city": "Athens"}``, so putting it into a tool call
+# is plain copying, also for names the model has never seen.
 PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|\p{Lu}\p{L}*|[^\r\n\p{L}\p{N}]?\p{Ll}\p{L}*|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
@@ -125,6 +128,12 @@ WEATHER_PHRASINGS = {
         "What's it like outside in {city}?",
         "What's the forecast for {city}?",
         "Weather report for {city}, please.",
+        "Show me the weather in {city}.",
+        "Current weather in {city}",
+        "Is it cold in {city}?",
+        "How hot is it in {city}?",
+        "Should I bring a jacket in {city}?",
+        "Get the weather for {city}.",
     ],
     "heldout": [
         "Could you look up the weather in {city}?",
@@ -146,6 +155,10 @@ TIME_PHRASINGS = {
         "What's the clock showing in {place}?",
         "Please get me the time in {place}.",
         "Current time in {place}?",
+        "Show me the time in {place}.",
+        "What hour is it in {place}?",
+        "Give me the time for {place}.",
+        "Check the clock in {place}.",
     ],
     "heldout": [
         "Could you tell me the time in {place}?",
@@ -173,6 +186,18 @@ ARITH_PHRASINGS = {
         "Solve {a} {x} {b}.",
         "{a} {x} {b} = ?",
         "How much is {a} {w} {b}?",
+        "Evaluate {a} {x} {b}.",
+        "Find {a} {x} {b}.",
+        "What does {a} {w} {b} make?",
+        "Result of {a} {x} {b}?",
+        "Tell me {a} {w} {b}.",
+        "{a} {w} {b} equals?",
+        "What's {a}{x}{b}?",
+        "Figure out {a} {x} {b}.",
+        "+:Sum of {a} and {b}?",
+        "+:Add {b} to {a}.",
+        "-:What do you get if you subtract {b} from {a}?",
+        "-:{a} take away {b}?",
     ],
     "heldout": [
         "Please work out {a} {x} {b}.",
@@ -257,6 +282,29 @@ _SUFFIXES = ["ton", "ville", "burg", "ford", "polis", "stad", "holm", "ia", "ora
              "grad", "mouth", "field", "ore", "is", "ey"]  # fmt: skip
 _PREFIXES = ["Port", "San", "New", "Lake", "Mount", "Saint", "Fort", "El", "La"]
 _SUFFIX_WORDS = ["City", "Bay", "Falls", "Springs", "Heights", "Beach", "Town"]
+# Random-letter words (``Generator._made_up_word``): place names to copy, fillers.
+_LETTER_ONSETS = [
+    *"bcdfghjklmnpqrstvwxyz",
+    "th", "sh", "ch", "ph", "wh", "st", "sp", "sk", "sl", "sm", "sn", "sw", "str", "spr",
+    "bl", "br", "cl", "cr", "dr", "fl", "fr", "gl", "gr", "kr", "pl", "pr", "tr", "tw",
+    "qu", "kn", "wr", "sch", "ts", "zh", "kh", "dj",
+]  # fmt: skip
+_LETTER_VOWELS = [*"aeiouy", "aa", "ae", "ai", "au", "ea", "ee", "ei", "eu", "ia", "ie", "io",
+                  "oa", "oe", "oi", "oo", "ou", "ua", "ue", "ui", "y"]  # fmt: skip
+_LETTER_CODAS = ["", "", "", *"bcdfgklmnprstvxz", "ck", "ng", "nk", "nd", "nt", "rd", "rk",
+                 "rn", "rt", "ll", "ss", "st", "sk", "th", "sh", "ch", "gh", "lm", "lt",
+                 "mb", "mp", "ft", "x", "tz", "rg", "lk"]  # fmt: skip
+# Fillers around training questions (None: a made-up word). None of them,
+# with a training phrasing, makes a held-out phrasing.
+_FILLER_PREFIXES = [
+    "Hey, ", "Hi, ", "Hello! ", "OK, ", "Ok so ", "So, ", "Well, ", "Um, ", "Hmm, ",
+    "Right, ", "Now, ", "Also, ", "And ", "Next: ", "One more: ", "Excuse me, ", "Sorry, ",
+    "Yo, ", "Alright, ", "Hey there, ", "Good morning! ", "Another one: ", "Hi assistant, ",
+    "Question: ", "Assistant, ", "Friend, ", "Dear bot, ", "Okay. ", "Then ", "Hm. ",
+    None, None, None, None,
+]  # fmt: skip
+_FILLER_SUFFIXES = [" please", ", please", " thanks", ", thanks!", " thx", " :)", " ?", "!!",
+                    " now", " ok?", " asap", ", mate", None, None]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -408,12 +456,12 @@ class Example:
 # (no tool block most of the time) and need the most repetitions, so they
 # are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "arith": 0.75,
-    "chat": 0.05,
-    "weather_call": 0.065,
+    "arith": 0.72,
+    "chat": 0.065,
+    "weather_call": 0.085,
     "weather_answer": 0.045,
     "time_call": 0.035,
-    "time_answer": 0.035,
+    "time_answer": 0.03,
     "no_tool": 0.02,
 }
 THINKING_SHARE = 0.5  # thinking on (the template default) vs off
@@ -463,12 +511,56 @@ class Generator:
             template = template[:-1]
         return template
 
+    def _question(self, templates: Sequence[str], **fields: str) -> str:
+        return self._wrap(self._casing(self.rng.choice(templates)).format(**fields))
+
+    def _wrap(self, question: str) -> str:
+        """Training only: maybe a filler before and after the question.
+
+        Fillers are generic (``Hey,``, ``Right,``, a made-up word, ...) and
+        never form a held-out phrasing; they teach the model to find the
+        request inside text it has not seen, which is what held-out
+        phrasings need.
+        """
+        rng = self.rng
+        if self.split != "train":
+            return question
+        if rng.random() < 0.4:
+            prefix = rng.choice(_FILLER_PREFIXES)
+            if prefix is None:
+                prefix = self._made_up_word() + rng.choice([", ", ": ", " ", "! "])
+            if rng.random() < 0.5:
+                prefix = prefix.lower()
+            if rng.random() < 0.6:
+                question = question[:1].lower() + question[1:]
+            question = prefix + question
+        if rng.random() < 0.2:
+            if rng.random() < 0.5:
+                question = question.rstrip("?.!")
+            suffix = rng.choice(_FILLER_SUFFIXES)
+            question += suffix if suffix is not None else " " + self._made_up_word().lower()
+        return question
+
+    def _made_up_word(self) -> str:
+        """Random letters with common English clusters: any token piece can turn up."""
+        rng = self.rng
+        parts = []
+        for _ in range(rng.choice([1, 1, 2, 2, 2, 3])):
+            onset = rng.choice(_LETTER_ONSETS) if rng.random() < 0.8 else ""
+            parts.append(onset + rng.choice(_LETTER_VOWELS) + rng.choice(_LETTER_CODAS))
+        word = "".join(parts)
+        return word[:1].upper() + word[1:]
+
     def _made_up_place(self) -> str:
         rng = self.rng
-        n = rng.choice([1, 2, 2, 3])
-        name = "".join(
-            rng.choice(_ONSETS).lower() + rng.choice(_NUCLEI) + rng.choice(_CODAS) for _ in range(n)
-        )
+        if rng.random() < 0.5:
+            name = self._made_up_word()
+        else:
+            n = rng.choice([1, 2, 2, 3])
+            name = "".join(
+                rng.choice(_ONSETS).lower() + rng.choice(_NUCLEI) + rng.choice(_CODAS)
+                for _ in range(n)
+            )
         if rng.random() < 0.4:
             name += rng.choice(_SUFFIXES)
         name = name[:1].upper() + name[1:]
@@ -480,7 +572,7 @@ class Generator:
         return name
 
     def _city(self) -> str:
-        if self.split == "train" and self.rng.random() < 0.4:
+        if self.split == "train" and self.rng.random() < 0.5:
             return self._made_up_place()
         return self.rng.choice(self.s.cities[self.split])
 
@@ -529,7 +621,7 @@ class Generator:
             break
         template = self._casing(template)
         word = "plus" if op == "+" else "minus"
-        return template.format(a=a, b=b, x=op, w=word)
+        return self._wrap(template.format(a=a, b=b, x=op, w=word))
 
     def _intent(self, name: str | None = None) -> tuple[str, str]:
         rng = self.rng
@@ -538,7 +630,7 @@ class Generator:
         phrasing = rng.choice(self.s.intents[name][self.split])
         phrasing = self._casing(phrasing)
         question = phrasing.format(a=rng.randint(0, 99), b=rng.randint(1, 99))
-        return question, INTENTS[name][2]
+        return self._wrap(question), INTENTS[name][2]
 
     def _weather_result(self) -> dict[str, Any]:
         rng = self.rng
@@ -588,7 +680,7 @@ class Generator:
         """user ask, assistant tool call, tool result; and the final answer."""
         rng = self.rng
         city = self._city()
-        question = self._casing(rng.choice(self.s.weather[self.split])).format(city=city)
+        question = self._question(self.s.weather[self.split], city=city)
         result = self._weather_result()
         answer = f"It is {result['temperature']} degrees and {result['condition']} in {city}."
         messages = [
@@ -652,7 +744,7 @@ class Generator:
 
         if kind in ("time_call", "time_answer"):
             place, tz = self._time_place()
-            question = self._casing(rng.choice(self.s.time[self.split])).format(place=place)
+            question = self._question(self.s.time[self.split], place=place)
             tools = self._tools(need=["get_time"])
             call = {"name": "get_time", "arguments": {"timezone": tz}}
             if kind == "time_call":
@@ -681,7 +773,7 @@ class Generator:
             # asked for weather or time without the tool for it
             if rng.random() < 0.6:
                 city = self._city()
-                question = self._casing(rng.choice(self.s.weather[self.split])).format(city=city)
+                question = self._question(self.s.weather[self.split], city=city)
                 answer = (
                     f"I can't check the weather in {city} because no weather tool is available."
                 )
@@ -689,7 +781,7 @@ class Generator:
                 tools = [t for t in tools or [] if t["function"]["name"] != "get_weather"] or None
             else:
                 place, _ = self._time_place()
-                question = self._casing(rng.choice(self.s.time[self.split])).format(place=place)
+                question = self._question(self.s.time[self.split], place=place)
                 answer = f"I can't check the time in {place} because no time tool is available."
                 tools = self._tools(p_any=0.4)
                 tools = [t for t in tools or [] if t["function"]["name"] != "get_time"] or None

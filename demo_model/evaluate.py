@@ -18,7 +18,8 @@ tokenizer's tool parser (``json_tools``) and prints a table of:
   the result (temperature and condition, or the time);
 * fixed answers exact: greetings and questions about the model;
 * ends with EOS within budget: the reply stops on ``<|im_end|>`` within twice
-  the reference reply's length plus 8 tokens.
+  the reference reply's length plus 8 tokens (for a fixed-answer prompt, the
+  longest fixed answer's: any of them is a whole reply).
 
 The figures and up to five failures per kind go to a JSON file
 (``MODEL_DIR/eval.json`` unless ``--json`` says otherwise).
@@ -145,8 +146,10 @@ def evaluate(model_dir: str, n: int = 200, seed: int = 0, batch: int = 64) -> di
                 )
             )
         )
-        reference = tokenizer.encode(ex.target, add_special_tokens=False)
-        budgets.append(2 * (len(reference) + 1) + 8)
+        references = [answer for _, _, answer in data.INTENTS.values()]
+        reference = max(references, key=len) if ex.kind == "chat" else ex.target
+        n_reference = len(tokenizer.encode(reference, add_special_tokens=False))
+        budgets.append(2 * (n_reference + 1) + 8)
     t0 = time.perf_counter()
     replies = generate(model, tokenizer, prompts, budgets, batch)
     seconds = time.perf_counter() - t0
