@@ -27,11 +27,13 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import attrs
 import trio
 
+from runtime.distributed import HEARTBEAT_SECONDS
 from runtime.engine import EngineCore, ModelHandle, run_engine_loop
 from runtime.errors import NotFound, Unavailable
 from runtime.messages import Shutdown, StepOutputs
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FAILED_LOAD_MEMORY = 10.0  # seconds a failed load is answered from memory
 STEPS_AHEAD = 4  # engine steps handed over but not yet taken by the Scheduler
+SHUTDOWN_GRACE = 10.0  # distributed: seconds to wait for the engine thread at shutdown
 
 
 @attrs.frozen
@@ -155,7 +158,14 @@ class ModelLoader:
         on_ready: Callable[[ModelHandle, queue.SimpleQueue], None],
         on_lost: Callable[[str, bool], None],
         core: ModelLoaderCore | None = None,
+        distributed: bool = False,
+        step_timeout: float = 60.0,
     ):
+        """``distributed``: this is rank 0 of a group (``runtime.distributed``):
+        no engine restarts (the group cannot be rebuilt in-process), a watchdog
+        that declares the group lost when no step or heartbeat has come for
+        ``step_timeout`` seconds, and a bounded wait for the engine thread at
+        shutdown (a hung peer can block it in a collective for ever)."""
         self.core = core or ModelLoaderCore()
         self._make_core = make_core
         self._outputs = outputs
@@ -163,6 +173,11 @@ class ModelLoader:
         self._on_lost = on_lost
         self.inbox: queue.SimpleQueue | None = None
         self._changed = trio.Event()
+        self.distributed = distributed
+        self.step_timeout = step_timeout
+        self.last_tick = time.monotonic()  # written by the engine thread
+        if distributed:
+            self.core.max_restarts = 0
 
     # ----------------------------------------------------- leases (Sessions)
 
@@ -217,6 +232,17 @@ class ModelLoader:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        if self.distributed:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_group)
+                try:
+                    await self._run_engines(task_status)
+                finally:
+                    nursery.cancel_scope.cancel()
+        else:
+            await self._run_engines(task_status)
+
+    async def _run_engines(self, task_status: trio.TaskStatus[None]) -> None:
         task_status.started()
         try:
             async with self._outputs:
@@ -224,17 +250,18 @@ class ModelLoader:
                     inbox: queue.SimpleQueue = queue.SimpleQueue()
                     error: BaseException | None = None
                     try:
-                        await trio.to_thread.run_sync(
-                            functools.partial(self._engine_thread, inbox, self.core.key),
-                            thread_name="mlx-engine",
-                            abandon_on_cancel=False,
-                        )
+                        await self._run_engine_thread(inbox)
                     except Exception as exc:
                         error = exc
                         log.error("engine thread ended with %s: %s", type(exc).__name__, exc)
                     finally:
                         self.inbox = None
                     again = self.core.engine_exited(error)
+                    if self.distributed and error is not None:
+                        self.core.reason = (
+                            f"the distributed group failed ({self.core.reason}); "
+                            "restart the whole launch"
+                        )
                     self._on_lost(self.core.reason or "the engine stopped", not again)
                     self._notify()
                     if not again:
@@ -252,8 +279,67 @@ class ModelLoader:
                 self.core.state = ModelState.STOPPED
             self._notify()
 
-    def _engine_thread(self, inbox: queue.SimpleQueue, key: ModelKey) -> None:
+    async def _run_engine_thread(self, inbox: queue.SimpleQueue) -> None:
+        if not self.distributed:
+            # trio waits for the thread: no orphan keeps a model in memory.
+            await trio.to_thread.run_sync(
+                functools.partial(self._engine_thread, inbox, self.core.key),
+                thread_name="mlx-engine",
+                abandon_on_cancel=False,
+            )
+            return
+        # Distributed: a hung peer can hold the thread in a collective for ever,
+        # so on cancellation wait for it (it tells the other ranks to stop on
+        # its way out) only for a bounded time.
+        finished = threading.Event()
+        try:
+            await trio.to_thread.run_sync(
+                functools.partial(self._engine_thread, inbox, self.core.key, finished),
+                thread_name="mlx-engine",
+                abandon_on_cancel=True,
+            )
+        except trio.Cancelled:
+            grace = 0.0 if self.core.state is ModelState.FAILED else SHUTDOWN_GRACE
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(finished.wait, grace, abandon_on_cancel=True)
+            raise
+
+    async def _watch_group(self) -> None:
+        """Rank 0: no step or heartbeat for ``step_timeout`` means a peer died or hung."""
+        interval = min(1.0, self.step_timeout / 4)
+        while True:
+            await trio.sleep(interval)
+            if self.core.state is not ModelState.READY:
+                continue
+            silent = time.monotonic() - self.last_tick
+            if silent > self.step_timeout:
+                self._group_lost(
+                    f"the distributed group stopped responding: no engine step for "
+                    f"{silent:.0f} s (a rank died or hung); restart the whole launch"
+                )
+
+    def _group_lost(self, reason: str) -> None:
+        log.error("%s", reason)
+        self.core.state = ModelState.FAILED
+        self.core.reason = reason
+        self.inbox = None
+        self._on_lost(reason, True)
+        self._notify()
+
+    def _engine_thread(
+        self, inbox: queue.SimpleQueue, key: ModelKey, finished: threading.Event | None = None
+    ) -> None:
         """Runs on the engine thread."""
+        try:
+            self._engine_thread_body(inbox, key)
+        finally:
+            if finished is not None:
+                finished.set()
+
+    def _tick(self) -> None:
+        self.last_tick = time.monotonic()
+
+    def _engine_thread_body(self, inbox: queue.SimpleQueue, key: ModelKey) -> None:
 
         def ready(core: EngineCore) -> None:
             trio.from_thread.run_sync(self._ready, core.handle, inbox)
@@ -278,6 +364,8 @@ class ModelLoader:
             trio.from_thread.check_cancelled,
             on_ready=ready,
             on_crash=crashed,
+            on_tick=self._tick,
+            heartbeat=HEARTBEAT_SECONDS,
         )
 
     def _deliver(self, outputs: StepOutputs, credits: threading.Semaphore) -> None:
@@ -289,6 +377,7 @@ class ModelLoader:
             log.warning("engine outputs dropped: the runtime is stopping")
 
     def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
+        self.last_tick = time.monotonic()
         self.inbox = inbox
         self.core.ready(handle)
         log.info("model ready: %s", handle.model_key)

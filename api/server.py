@@ -36,6 +36,7 @@ from api.convert import structure_or_400, unstructure
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from runtime.config import ServerConfig
+from runtime.distributed import is_follower
 from runtime.errors import ClientError, PayloadTooLarge, ServerError
 from runtime.messages import Failed, Finished, SamplingParams
 from runtime.prompts import prepare_chat, prepare_text
@@ -182,6 +183,11 @@ def _leave_session(session: Session) -> None:
 
 def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> QuartTrio:
     problems = config.unsupported()
+    if is_follower():
+        problems.append(
+            "this process is a distributed rank other than 0, which serves no HTTP: "
+            "launch the `mlx-trio-server` command with mlx.launch (see docs/distributed.md)"
+        )
     if problems:
         raise SystemExit("mlx-trio-server: " + "; ".join(problems))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -56,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None)
     p.add_argument("--kv-cache-budget-bytes", type=str, default=None)
     p.add_argument("--tokenizer-threads", type=int, default=2)
+    p.add_argument(
+        "--distributed-backend",
+        type=str,
+        default="any",
+        help="mx.distributed backend when started by mlx.launch (any, ring, jaccl, nccl, mpi)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without an engine step or heartbeat before rank 0 reports the group lost",
+    )
     return p
 
 
@@ -95,13 +108,38 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except ConfigError as exc:
         sys.exit(f"mlx-trio-server: {exc}")
+    from runtime.distributed import is_follower, launched_rank
+
+    rank = launched_rank()
+    prefix = f"[rank {rank}] " if rank is not None else ""
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
+    problems = config.unsupported()
+    if problems:
+        sys.exit("mlx-trio-server: " + "; ".join(problems))
+    if is_follower():
+        # Ranks other than 0 serve no HTTP: they step the engine in lockstep with rank 0.
+        from runtime.distributed import run_follower
+
+        _exit_distributed(run_follower(config))
     from api.server import create_app
 
     app = create_app(config)
     trio.run(_serve, app, config)
+    if rank is not None:
+        _exit_distributed(0)
+
+
+def _exit_distributed(code: int) -> None:
+    """Leave without running C++ static destructors: mx.distributed's ring group
+    aborts the process ("terminate called without an active exception") when it
+    is destroyed at interpreter exit after being used from a non-main thread."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

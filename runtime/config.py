@@ -86,6 +86,8 @@ class ServerConfig:
     tokenizer_threads: int = attrs.field(default=2, validator=_positive)
     request_timeout: float | None = attrs.field(default=None, validator=_positive)
     kv_cache_budget_bytes: int | None = attrs.field(default=None, validator=_positive)
+    distributed_backend: str = attrs.field(default="any")
+    distributed_timeout: float = attrs.field(default=60.0, validator=_positive)
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute, value):
@@ -102,11 +104,39 @@ class ServerConfig:
         if value.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
 
-    def unsupported(self) -> list[str]:
-        """Settings this build accepts but cannot honour yet: start-up refuses them."""
+    @distributed_backend.validator
+    def _check_backend(self, attribute, value):
+        from runtime.distributed import BACKENDS
+
+        if value not in BACKENDS:
+            raise ValueError(f"distributed_backend must be one of {', '.join(BACKENDS)}")
+
+    def unsupported(self, *, distributed: bool | None = None) -> list[str]:
+        """Settings this process cannot honour: start-up refuses them.
+
+        ``distributed``: whether a launcher started this process as one rank
+        of several (read from the environment when not given).
+        """
+        from runtime.distributed import launched_rank
+
+        if distributed is None:
+            distributed = launched_rank() is not None
         problems = []
-        if self.pipeline:
-            problems.append("--pipeline (distributed serving) is not supported yet")
+        if self.pipeline and not distributed:
+            problems.append(
+                "--pipeline splits the model's layers across the ranks of a distributed "
+                "launch: start the server with mlx.launch (see docs/distributed.md)"
+            )
+        if distributed:
+            if not self.model:
+                problems.append("distributed serving needs --model (a model that can be sharded)")
+            for name, flag in (
+                ("adapter_path", "--adapter-path"),
+                ("draft_model", "--draft-model"),
+                ("kv_bits", "--kv-bits"),
+            ):
+                if getattr(self, name) is not None:
+                    problems.append(f"{flag} is not supported in distributed serving")
         return problems
 
 

@@ -19,6 +19,7 @@ import collections
 import gc
 import logging
 import queue
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +54,8 @@ class ModelHandle:
     vocab_size: int
     batchable: bool = True
     kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
+    ranks: int = 1  # distributed: how many processes share the model
+    parallel: str | None = None  # distributed: "tensor" or "pipeline"
 
 
 @attrs.define
@@ -88,11 +91,16 @@ class EngineCore:
         stop_sequences: Any = None,
         serial_generate: Callable[[Submit, list[int], Any, Callable], tuple[Iterator, list]]
         | None = None,
+        share_commands: Callable[[list | None], list] | None = None,
     ):
         """``serial_generate(submit, prompt_rest, cache, progress) -> (responses, cache)``,
         when given, serves every request alone through mlx-lm's ``stream_generate``
-        (one token per engine step, so aborts still land between tokens)."""
+        (one token per engine step, so aborts still land between tokens).
+
+        ``share_commands`` (distributed serving) is the per-step collective that
+        gives every rank rank 0's commands; the engine loops call it."""
         self.handle = handle
+        self.share_commands = share_commands
         self._serial_generate = serial_generate
         self._serial_waiting: collections.deque[Submit] = collections.deque()
         self._serial: _SerialRun | None = None
@@ -462,31 +470,64 @@ def run_engine_loop(
     *,
     on_ready: Callable[[EngineCore], None] = lambda core: None,
     on_crash: Callable[[str], None] = lambda reason: None,
+    on_tick: Callable[[], None] = lambda: None,
     idle_wait: float = IDLE_WAIT_SECONDS,
+    heartbeat: float = 1.0,
 ) -> None:
-    """The engine thread's body. Returns on ``Shutdown``; raises on cancellation."""
+    """The engine thread's body. Returns on ``Shutdown``; raises on cancellation.
+
+    Distributed (``core.share_commands`` set), this is rank 0's loop: every
+    step is preceded by one command exchange, which every other rank matches
+    in ``run_follower_loop``; while idle an empty exchange goes out every
+    ``heartbeat`` seconds, so a lost rank shows even without traffic.
+    ``on_tick`` is called after every step or heartbeat (liveness).
+    """
     core = make_core()
+    share = core.share_commands
     reason = "the engine is shutting down"
+    last_shared = time.monotonic()
+    crashed = stopped = False
     try:
         on_ready(core)
         while True:
             check_cancelled()
             commands = _drain(inbox, block=not core.has_work, timeout=idle_wait)
+            if share is not None:
+                now = time.monotonic()
+                if not (commands or core.has_work or now - last_shared >= heartbeat):
+                    on_tick()
+                    continue
+                # Rank 0 never steps without an exchange, nor exchanges without
+                # a step: every rank runs exactly the same sequence of steps.
+                commands = share(commands)
+                last_shared = now
             for command in commands:
                 if isinstance(command, Shutdown):
+                    stopped = True
                     return
                 core.handle_command(command)
             outputs = core.step()
+            on_tick()
             if outputs:
                 emit(outputs)
     except Exception as exc:
+        crashed = True
         reason = f"the engine crashed ({type(exc).__name__}: {exc}); it is restarting"
+        if share is not None:
+            reason = f"the distributed engine failed ({type(exc).__name__}: {exc})"
         try:
             on_crash(reason)  # /health turns 503 before the failures go out
         except BaseException:
             log.debug("could not report the crash")
         raise
     finally:
+        if share is not None and not crashed and not stopped:
+            try:  # leaving without a Shutdown (cancelled): stop the other ranks too
+                share([Shutdown()])
+            except Exception:
+                log.debug("could not tell the other ranks to stop")
+        if share is not None:
+            log.info("stopping after %d engine steps", core.stats().steps)
         leftover = core.close(reason)
         if leftover:
             try:
@@ -497,6 +538,25 @@ def run_engine_loop(
         # side keeps the handle (for its tokenizer) but must not keep the model.
         core.handle.model = None
         del core
+        gc.collect()
+
+
+def run_follower_loop(core: EngineCore) -> None:
+    """A distributed rank other than 0: rank 0's commands in, identical steps, outputs dropped.
+
+    Returns on ``Shutdown``; a lost peer raises from the collective.
+    """
+    try:
+        while True:
+            for command in core.share_commands(None):
+                if isinstance(command, Shutdown):
+                    return
+                core.handle_command(command)
+            core.step()
+    finally:
+        log.info("stopping after %d engine steps", core.stats().steps)
+        core.close("this rank is stopping")
+        core.handle.model = None
         gc.collect()
 
 

@@ -12,13 +12,14 @@ import gc
 import logging
 
 from runtime.config import ServerConfig
+from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine import EngineCore, ModelHandle
 from runtime.sampling import build_logits_processors, build_sampler
 
 log = logging.getLogger(__name__)
 
 
-def load_model(config: ServerConfig, model_path: str) -> ModelHandle:
+def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = None) -> ModelHandle:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -28,12 +29,24 @@ def load_model(config: ServerConfig, model_path: str) -> ModelHandle:
     tokenizer_config = {"trust_remote_code": config.trust_remote_code}
     if config.chat_template:
         tokenizer_config["chat_template"] = config.chat_template
-    log.info("loading model %s", model_path)
-    model, tokenizer = load(
-        model_path,
-        adapter_path=config.adapter_path,
-        tokenizer_config=tokenizer_config,
-    )
+    if group is not None:
+        from mlx_lm.utils import sharded_load
+
+        log.info("loading model %s, %s parallel over %d ranks", model_path, group.mode, group.size)
+        model, tokenizer = sharded_load(
+            model_path,
+            pipeline_group=group.group if group.pipeline else None,
+            tensor_group=None if group.pipeline else group.group,
+            tokenizer_config=tokenizer_config,
+            trust_remote_code=config.trust_remote_code,
+        )
+    else:
+        log.info("loading model %s", model_path)
+        model, tokenizer = load(
+            model_path,
+            adapter_path=config.adapter_path,
+            tokenizer_config=tokenizer_config,
+        )
     if config.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
     batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
@@ -44,7 +57,10 @@ def load_model(config: ServerConfig, model_path: str) -> ModelHandle:
         model_key=model_path,
         vocab_size=vocab_size,
         batchable=batchable,
-        kv_bytes_per_token=kv_bytes_per_token(model),
+        # Each rank holds 1/size of the KV cache (heads or layers split).
+        kv_bytes_per_token=kv_bytes_per_token(model) // (group.size if group else 1),
+        ranks=group.size if group else 1,
+        parallel=group.mode if group else None,
     )
 
 
@@ -96,10 +112,21 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     from mlx_lm.generate import BatchGenerator, make_stop_sequences
     from mlx_lm.models.cache import LRUPromptCache
 
+    # The group, the load and every step on this thread (see runtime.distributed).
+    group = init_group(config.distributed_backend, pipeline=config.pipeline)
+    if group is None and config.pipeline:
+        log.warning("--pipeline: this process is not part of a distributed group; ignored")
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
-        handle = load_model(config, model_path)
+        handle = load_model(config, model_path, group)
     tokenizer = handle.tokenizer
+    share = None
+    if group is not None:
+        # Collectives on the batch's stream: in order with the model's own
+        # (an all_sum on another stream could interleave with an in-flight step's).
+        with mx.stream(stream):
+            seed_all_ranks(group)
+        share = CommandExchange(group, stream).share
     xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
 
     def new_batch_generator():
@@ -111,7 +138,13 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             stream=stream,
         )
 
-    max_bytes = config.prompt_cache_bytes if config.prompt_cache_bytes is not None else 1 << 63
+    prompt_cache_bytes = config.prompt_cache_bytes
+    if group is not None and prompt_cache_bytes is not None:
+        # Ranks hold different byte counts (pipeline stages), and byte-driven
+        # eviction would let their caches, and so their steps, diverge.
+        log.warning("--prompt-cache-bytes is ignored when distributed: entries are counted")
+        prompt_cache_bytes = None
+    max_bytes = prompt_cache_bytes if prompt_cache_bytes is not None else 1 << 63
     serial = None
     if config.draft_model is not None or config.kv_bits is not None or not handle.batchable:
         if not handle.batchable:
@@ -121,11 +154,12 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         handle,
         batch_generator_factory=new_batch_generator,
         prompt_cache=LRUPromptCache(max_size=config.prompt_cache_size, max_bytes=max_bytes),
-        prompt_cache_bytes=config.prompt_cache_bytes,
+        prompt_cache_bytes=prompt_cache_bytes,
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
         stop_sequences=make_stop_sequences(tokenizer),
         serial_generate=serial,
+        share_commands=share,
     )
 
 

@@ -33,6 +33,7 @@ from actors.prompt_cache import PromptCacheActor
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
+from runtime.distributed import launched_rank
 from runtime.engine import EngineCore, ModelHandle
 from runtime.errors import NotFound, Unavailable
 from runtime.messages import EngineStats, Failed, StepOutputs, Submit
@@ -84,7 +85,9 @@ class Runtime:
         mlx-lm engine is built for whichever model a request asks for."""
         self.config = config
         self.model_id, self.model_path = resolve_model(config)
-        self.switchable = make_core is None
+        # Distributed (started by mlx.launch, rank 0): one model for the launch's life.
+        self.distributed = launched_rank() is not None
+        self.switchable = make_core is None and not self.distributed
         if make_core is None:
             make_core_for = make_real_core(config)
         else:
@@ -113,6 +116,8 @@ class Runtime:
             on_ready=self._engine_ready,
             on_lost=self._engine_lost,
             core=ModelLoaderCore(default_key(config, self.model_path)),
+            distributed=self.distributed,
+            step_timeout=config.distributed_timeout,
         )
         self.dead: str | None = None
         self.accepting = True
@@ -265,6 +270,8 @@ class Runtime:
             "engine_restarts": loader.restarts,
             "prompt_cache": self.prompt_cache.stats.as_dict(),
         }
+        if loader.handle is not None and loader.handle.ranks > 1:
+            body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}
         if self.dead or loader.state is not ModelState.READY or not self.accepting:
             body["status"] = "unavailable"
             body["reason"] = self.dead or loader.reason or f"the model is {loader.state.value}"

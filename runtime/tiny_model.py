@@ -36,7 +36,12 @@ SPECIAL_TOKENS = [
     "</tool_response>",
 ]
 
-ARCHS = ("qwen3", "llama")
+ARCH_CLASSES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+ARCHS = ("qwen3", "llama", "qwen2")  # llama: tensor parallel; qwen2: both modes
 
 CHAT_TEMPLATE = (
     "{%- macro render_content(content) -%}"
@@ -145,7 +150,7 @@ def _build_tokenizer(vocab_target: int) -> Tokenizer:
 def _model_config(arch: str, hidden_size: int, num_layers: int, vocab_size: int, eos_id: int):
     num_heads, num_kv_heads = 4, 2
     return {
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "architectures": [ARCH_CLASSES[arch]],
         "model_type": arch,
         "hidden_size": hidden_size,
         "num_hidden_layers": num_layers,
@@ -202,6 +207,12 @@ def build_tiny_model(
     }
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # The index lets mlx-lm's sharded_load pick each pipeline stage's files.
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": {k: "model.safetensors" for k in sorted(weights)},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer_config = {

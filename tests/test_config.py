@@ -47,7 +47,28 @@ def test_bad_settings_are_refused_naming_the_setting(environ, fragment):
         config_from_env(environ)
 
 
-@pytest.mark.parametrize("flags", [["--pipeline"]])
-def test_unsupported_flags_fail_loudly_at_start(flags):
-    with pytest.raises(SystemExit, match="not supported yet"):
-        create_app(parse_config(flags))
+def test_pipeline_outside_a_distributed_launch_fails_loudly_at_start(monkeypatch):
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    with pytest.raises(SystemExit, match="mlx.launch"):
+        create_app(parse_config(["--pipeline"]))
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        ([], "needs --model"),
+        (["--model", "m", "--draft-model", "d"], "--draft-model is not supported"),
+        (["--model", "m", "--kv-bits", "4"], "--kv-bits is not supported"),
+        (["--model", "m", "--adapter-path", "a"], "--adapter-path is not supported"),
+    ],
+)
+def test_distributed_launch_refuses_what_sharded_load_cannot_do(flags, fragment):
+    problems = parse_config(flags).unsupported(distributed=True)
+    assert any(fragment in p for p in problems), problems
+    assert parse_config(["--model", "m", "--pipeline"]).unsupported(distributed=True) == []
+
+
+def test_a_follower_rank_refuses_to_serve_http(monkeypatch):
+    monkeypatch.setenv("MLX_RANK", "1")
+    with pytest.raises(SystemExit, match="other than 0"):
+        create_app(parse_config(["--model", "m"]))

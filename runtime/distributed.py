@@ -1,0 +1,149 @@
+"""Serving one model across several processes with ``mx.distributed``.
+
+Owns the distributed side of the engine: telling from the environment that
+``mlx.launch`` started this process (``MLX_RANK``), initialising the group on
+the engine thread (MLX streams belong to the thread that made them, so the
+group, the sharded load and every step run on that one thread), seeding the
+random state identically on every rank, and ``CommandExchange``: once per
+engine step, rank 0 shares the engine commands it drained from its inbox
+(``Submit`` / ``Abort`` / ``Shutdown``, pickled) with every other rank through
+two ``all_sum`` collectives, so all ranks apply the same commands in the same
+order and run identical batch steps.
+
+Rank 0 runs Hypercorn and the actors; the other ranks run ``run_follower``:
+the engine loop alone, commands in, outputs dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from typing import Any
+
+import attrs
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("any", "ring", "jaccl", "jaccl-ring", "nccl", "mpi")
+HEARTBEAT_SECONDS = 1.0  # rank 0 shares an empty step this often while idle
+
+
+def launched_rank() -> int | None:
+    """This process's rank if a distributed launcher started it, else ``None``."""
+    value = os.environ.get("MLX_RANK")
+    if value is None or not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def is_follower() -> bool:
+    rank = launched_rank()
+    return rank is not None and rank > 0
+
+
+@attrs.define
+class GroupInfo:
+    """The distributed group as the engine sees it."""
+
+    group: Any
+    rank: int
+    size: int
+    pipeline: bool
+
+    @property
+    def mode(self) -> str:
+        return "pipeline" if self.pipeline else "tensor"
+
+
+def init_group(backend: str, *, pipeline: bool) -> GroupInfo | None:
+    """Initialise the group on the calling thread (the engine thread).
+
+    Returns ``None`` when this process was not started by a distributed
+    launcher or the group has one rank.
+    """
+    if launched_rank() is None:
+        return None
+    import mlx.core as mx
+
+    group = mx.distributed.init(strict=True, backend=backend)
+    if group.size() < 2:
+        return None
+    log.info(
+        "distributed group: rank %d of %d (%s parallel, backend %s)",
+        group.rank(),
+        group.size(),
+        "pipeline" if pipeline else "tensor",
+        backend,
+    )
+    return GroupInfo(group=group, rank=group.rank(), size=group.size(), pipeline=pipeline)
+
+
+def seed_all_ranks(info: GroupInfo) -> None:
+    """One all_sum of the random state: every rank then draws the same numbers."""
+    import mlx.core as mx
+
+    total = mx.distributed.all_sum(mx.random.state[0], group=info.group)
+    mx.random.seed(int(total.view(mx.uint64).item()))
+
+
+class CommandExchange:
+    """Rank 0's engine commands, shared with every rank once per step.
+
+    ``share(commands)`` is a collective: every rank calls it once per step, in
+    the same order; rank 0 passes what it drained, the others pass ``None`` and
+    get rank 0's list back. An empty step costs one scalar ``all_sum``.
+    """
+
+    def __init__(self, info: GroupInfo, stream: Any = None):
+        self.info = info
+        self._stream = stream
+
+    @property
+    def leader(self) -> bool:
+        return self.info.rank == 0
+
+    def share(self, commands: list | None) -> list:
+        import mlx.core as mx
+        import numpy as np
+
+        group = self.info.group
+        payload = pickle.dumps(commands) if self.leader and commands else b""
+        kwargs = {"group": group}
+        if self._stream is not None:
+            kwargs["stream"] = self._stream
+        size = mx.distributed.all_sum(mx.array(len(payload), dtype=mx.int32), **kwargs)
+        n = int(size.item())
+        if n == 0:
+            return []
+        if self.leader:
+            data = mx.array(np.frombuffer(payload, dtype=np.uint8))
+        else:
+            data = mx.zeros((n,), dtype=mx.uint8)
+        data = mx.distributed.all_sum(data, **kwargs)
+        mx.eval(data)
+        if self.leader:
+            return list(commands)
+        return pickle.loads(np.array(data).tobytes())  # noqa: S301 - a peer rank we launched
+
+
+def run_follower(config) -> int:
+    """A rank other than 0: load its shard and step in lockstep with rank 0 until Shutdown."""
+    from runtime.engine import run_follower_loop
+    from runtime.mlx_backend import make_engine_core
+
+    core = make_engine_core(config, config.model)
+    if core.share_commands is None:
+        log.error("this process was launched as rank %s but found no group", launched_rank())
+        return 1
+    log.info("rank %s ready; following rank 0", launched_rank())
+    try:
+        run_follower_loop(core)
+    except Exception:
+        log.exception("rank %s: the engine failed", launched_rank())
+        return 1
+    log.info("rank %s: shutdown from rank 0", launched_rank())
+    return 0

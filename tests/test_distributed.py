@@ -1,0 +1,318 @@
+"""Two ranks on loopback (mx.distributed ring backend, CPU): tensor and pipeline parallel.
+
+Each group is two real ``mlx-trio-server`` processes started the way
+``mlx.launch --backend ring -n 2`` starts them (``MLX_RANK`` and a ring
+hostfile in ``MLX_HOSTFILE``), so a test can stop, kill or freeze one rank.
+The model is a tiny Llama (mlx-lm 0.32's qwen3 cannot be sharded). Every
+output is compared with one process serving the same model alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+PROMPTS = ["hello there", "what is the weather in Paris", "tell me about cats", "the time in Rome"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "runtime.cli", "--model", model, "--port", str(port),
+            "--max-tokens", "24", *extra]
+
+
+def wait_healthy(base: str, procs: list[subprocess.Popen], seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            pytest.fail("the server did not become healthy")
+        time.sleep(0.1)
+
+
+class Group:
+    """Two ranks started by hand, as mlx.launch would (ring backend, loopback)."""
+
+    def __init__(self, model: str, tmp: Path, *extra: str):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        hostfile = tmp / f"hosts-{self.port}.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+        self.logs = [tmp / f"rank{r}-{self.port}.log" for r in range(2)]
+        self.procs = []
+        for rank in range(2):
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+            with open(self.logs[rank], "wb") as log:
+                self.procs.append(subprocess.Popen(
+                    server_command(model, self.port, "--distributed-backend", "ring", *extra),
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                ))
+        wait_healthy(self.base, self.procs)
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def health(base: str) -> tuple[int, dict]:
+    r = httpx.get(f"{base}/health", timeout=5)
+    return r.status_code, r.json()
+
+
+def chat(base: str, prompt: str, **fields) -> dict:
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": prompt}], **fields},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(base: str, prompt: str, **fields) -> dict:
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, **fields}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def answers(base: str) -> list:
+    """Greedy chat and text outputs, a seeded sampled one, and logprobs."""
+    out = [chat(base, p)["choices"][0]["message"]["content"] for p in PROMPTS]
+    out += [complete(base, p, max_tokens=16)["choices"][0]["text"] for p in PROMPTS[:2]]
+    out.append(chat(base, PROMPTS[0], temperature=0.9, seed=7)["choices"][0]["message"]["content"])
+    lp = chat(base, PROMPTS[1], logprobs=True, top_logprobs=3, max_tokens=6)
+    out.append([t["token"] for t in lp["choices"][0]["logprobs"]["content"]])
+    return out
+
+
+def _build(tmp_path_factory, arch: str) -> str:
+    from runtime.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp(arch), arch=arch))
+
+
+@pytest.fixture(scope="module")
+def llama_model_path(tmp_path_factory) -> str:
+    return _build(tmp_path_factory, "llama")
+
+
+# mlx-lm 0.32's llama can be sharded by tensor but not pipelined; qwen2 does both.
+MODE_ARCH = {"tensor": "llama", "pipeline": "qwen2"}
+
+
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def mode_model(request, tmp_path_factory, llama_model_path) -> tuple[str, str]:
+    arch = MODE_ARCH[request.param]
+    path = llama_model_path if arch == "llama" else _build(tmp_path_factory, arch)
+    return request.param, path
+
+
+@pytest.fixture(scope="module")
+def solo_answers(mode_model) -> list:
+    port = free_port()
+    proc = subprocess.Popen(server_command(mode_model[1], port),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, [proc])
+        return answers(base)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def group(mode_model, tmp_path_factory):
+    mode, path = mode_model
+    extra = ("--pipeline",) if mode == "pipeline" else ()
+    g = Group(path, tmp_path_factory.mktemp(mode), *extra)
+    g.mode = mode
+    yield g
+    g.kill()
+
+
+def _raw_stream(base: str, prompt: str) -> None:
+    """Open a streaming request, read three chunks, and drop the connection."""
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": 5000, "stream": True}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(request)
+        received = b""
+        while received.count(b"data: {") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, "the stream ended early"
+            received += chunk
+        assert health(base)[1]["active_sequences"] >= 1
+
+
+def _wait_idle(base: str, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        h = health(base)[1]
+        if h["active_sequences"] == 0 and h["requests_in_flight"] == 0:
+            return
+        assert time.monotonic() < deadline, f"not idle: {h}"
+        time.sleep(0.05)
+
+
+def test_health_reports_the_group(group):
+    status, body = health(group.base)
+    assert status == 200
+    assert body["distributed"] == {"ranks": 2, "parallel": group.mode}
+    assert "rank 1 ready" in group.log(1)
+
+
+def test_greedy_and_seeded_outputs_match_one_rank(group, solo_answers):
+    assert answers(group.base) == solo_answers
+
+
+def test_concurrent_requests_match_one_rank(group, solo_answers):
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: chat(group.base, p)["choices"][0]["message"]["content"],
+                            PROMPTS * 2))
+    assert got == solo_answers[: len(PROMPTS)] * 2
+
+
+def test_disconnect_mid_stream_leaves_every_rank_in_step(group, solo_answers):
+    with ThreadPoolExecutor(2) as pool:  # one request keeps decoding beside the aborted one
+        busy = pool.submit(chat, group.base, PROMPTS[2])
+        _raw_stream(group.base, "a long story please")
+        _raw_stream(group.base, "another long story")
+        assert busy.result()["choices"][0]["message"]["content"] == solo_answers[2]
+    _wait_idle(group.base)
+    # Had rank 1 kept an aborted sequence, the batches would differ and the
+    # collectives (tensor) or the stages (pipeline) would fail or diverge.
+    assert chat(group.base, PROMPTS[0])["choices"][0]["message"]["content"] == solo_answers[0]
+
+
+def test_unknown_model_is_a_404_not_a_swap(group):
+    r = httpx.post(f"{group.base}/v1/chat/completions", timeout=30, json={
+        "model": "/nonexistent/model", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model"
+
+
+def test_sigterm_on_rank0_stops_every_rank_in_step(llama_model_path, tmp_path):
+    g = Group(llama_model_path, tmp_path)
+    try:
+        chat(g.base, PROMPTS[0])
+        g.procs[0].send_signal(signal.SIGTERM)
+        assert g.procs[0].wait(30) == 0
+        assert g.procs[1].wait(30) == 0
+    finally:
+        g.kill()
+    assert "shutdown from rank 0" in g.log(1)
+    steps = [re.findall(r"stopping after (\d+) engine steps", g.log(r)) for r in range(2)]
+    assert steps[0] and steps[0] == steps[1], steps
+
+
+def test_a_dead_rank_turns_health_503_and_requests_fail_fast(llama_model_path, tmp_path):
+    g = Group(llama_model_path, tmp_path)
+    try:
+        g.procs[1].kill()
+        deadline = time.monotonic() + 15
+        while health(g.base)[0] != 503:
+            assert time.monotonic() < deadline, "health still 200 with rank 1 dead"
+            time.sleep(0.1)
+        assert "distributed" in health(g.base)[1]["reason"]
+        t0 = time.monotonic()
+        r = httpx.post(f"{g.base}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503
+        assert time.monotonic() - t0 < 5
+        g.procs[0].send_signal(signal.SIGTERM)
+        assert g.procs[0].wait(30) == 0
+    finally:
+        g.kill()
+
+
+def test_a_hung_rank_fails_the_running_stream_and_health(llama_model_path, tmp_path):
+    g = Group(llama_model_path, tmp_path, "--distributed-timeout", "3")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            def stream() -> tuple[int, str]:
+                with httpx.stream("POST", f"{g.base}/v1/chat/completions", timeout=60, json={
+                    "messages": [{"role": "user", "content": "a long story"}],
+                    "max_tokens": 100000, "stream": True,
+                }) as r:
+                    return r.status_code, "".join(r.iter_text())
+
+            running = pool.submit(stream)
+            deadline = time.monotonic() + 20
+            while health(g.base)[1]["active_sequences"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            g.procs[1].send_signal(signal.SIGSTOP)  # rank 1 freezes mid-generation
+            t0 = time.monotonic()
+            status, text = running.result(timeout=30)
+            assert time.monotonic() - t0 < 15
+        assert status == 200  # the stream had started; its end carries the error
+        assert "stopped responding" in text
+        assert text.rstrip().endswith("data: [DONE]")
+        code, body = health(g.base)
+        assert code == 503 and "stopped responding" in body["reason"]
+        r = httpx.post(f"{g.base}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503
+        g.procs[0].send_signal(signal.SIGTERM)
+        assert g.procs[0].wait(30) == 0  # does not wait for ever on the frozen rank
+    finally:
+        if g.procs[1].poll() is None:
+            g.procs[1].send_signal(signal.SIGCONT)
+        g.kill()
+
+
+def test_mlx_launch_starts_a_serving_group(llama_model_path, tmp_path):
+    """The documented launch: ``mlx.launch --backend ring -n 2 -- mlx-trio-server ...``."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed beside this interpreter")
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "launch.log").open("wb")
+    proc = subprocess.Popen(
+        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+         "--", *server_command(llama_model_path, port, "--distributed-backend", "ring")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        wait_healthy(base, [proc])
+        assert health(base)[1]["distributed"]["ranks"] == 2
+        assert chat(base, PROMPTS[0])["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
