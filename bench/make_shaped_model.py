@@ -3,8 +3,8 @@
 ``python bench/make_shaped_model.py SHAPE OUT_DIR`` writes a model directory
 that ``mlx_lm.load`` reads: the tiny test model's tokenizer and chat template
 (ids past its small vocabulary decode as "!"), and bf16 random weights with
-the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, or ``test`` for a
-smoke run). Compute per token matches the real model; the text is noise.
+the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, ``llama3-8b-qwen2`` for pipeline runs,
+or ``test`` for a smoke run). Compute per token matches the real model; the text is noise.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ SHAPES = {
     ),
     "llama3-8b": dict(
         model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    # mlx-lm 0.32's llama can be tensor-sharded but not pipelined: for pipeline
+    # runs, the same shape as a qwen2 (which also adds q/k/v biases).
+    "llama3-8b-qwen2": dict(
+        model_type="qwen2", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
     ),
@@ -60,6 +67,11 @@ def make_shaped_model(shape: str, out: Path, seed: int = 0) -> Path:
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {  # sharded_load reads it to pick a pipeline stage's files
+        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+        "weight_map": {k: "model.safetensors" for k in sorted(weights)},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
     config["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
