@@ -43,6 +43,12 @@ from runtime.outbox import Outbox
 log = logging.getLogger(__name__)
 
 TINY_MODEL_ID = "mlx-trio-tiny-random"
+DEMO_MODEL_ID = "mlx-trio-demo"
+
+
+def demo_model_dir() -> Path:
+    """The embedded demo model (``demo_model/mlx-trio-demo``, installed with the package)."""
+    return Path(__file__).resolve().parents[1] / "demo_model" / DEMO_MODEL_ID
 
 
 def default_model_dir() -> Path:
@@ -51,9 +57,16 @@ def default_model_dir() -> Path:
 
 
 def resolve_model(config: ServerConfig) -> tuple[str, str]:
-    """(model id served, path or repo to load). Builds the tiny model if none is set."""
+    """(model id served, path or repo to load).
+
+    With no model configured: the embedded demo model, or, if this install
+    lacks its weights, a tiny random model built on first use.
+    """
     if config.model:
         return config.model, config.model
+    demo = demo_model_dir()
+    if (demo / "model.safetensors").exists():
+        return DEMO_MODEL_ID, str(demo)
     return TINY_MODEL_ID, str(default_model_dir())
 
 
@@ -61,13 +74,14 @@ def make_real_core(config: ServerConfig) -> Callable[[ModelKey], EngineCore]:
     def make(key: ModelKey) -> EngineCore:
         from runtime.mlx_backend import make_engine_core
 
-        _, default_path = resolve_model(config)
-        if not config.model and key.model == default_path:
+        served_id, default_path = resolve_model(config)
+        if not config.model and key.model == default_path and served_id == TINY_MODEL_ID:
             from runtime.tiny_model import build_tiny_model
 
             log.warning(
-                "no --model given: serving a tiny model with RANDOM weights (%s); "
-                "its answers are noise. Pass --model PATH for a real model.",
+                "no --model given and the demo model's weights are missing: serving a tiny "
+                "model with RANDOM weights (%s); its answers are noise. Pass --model PATH "
+                "for a real model.",
                 key.model,
             )
             if not (Path(key.model) / "model.safetensors").exists():
