@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,6 +148,8 @@ def run_configuration(name, argv, env, ns, workload, builder, out_dir) -> dict:
         result["log_tail"] = server.log_tail(40)
     finally:
         server.stop()
+        # The launcher does not always take its ranks down with it.
+        subprocess.run(["pkill", "-9", "-f", f"--port {ns.port}"], check=False)
         time.sleep(2)  # ports and GPU memory released
     return result
 
