@@ -8,6 +8,7 @@ samplers and the EOS stop automaton into an ``EngineCore``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 
@@ -33,13 +34,14 @@ def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = 
         from mlx_lm.utils import sharded_load
 
         log.info("loading model %s, %s parallel over %d ranks", model_path, group.mode, group.size)
-        model, tokenizer = sharded_load(
-            model_path,
-            pipeline_group=group.group if group.pipeline else None,
-            tensor_group=None if group.pipeline else group.group,
-            tokenizer_config=tokenizer_config,
-            trust_remote_code=config.trust_remote_code,
-        )
+        with _collectives_off_the_cpu_stream():
+            model, tokenizer = sharded_load(
+                model_path,
+                pipeline_group=group.group if group.pipeline else None,
+                tensor_group=None if group.pipeline else group.group,
+                tokenizer_config=tokenizer_config,
+                trust_remote_code=config.trust_remote_code,
+            )
     else:
         log.info("loading model %s", model_path)
         model, tokenizer = load(
@@ -62,6 +64,35 @@ def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = 
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
     )
+
+
+@contextlib.contextmanager
+def _collectives_off_the_cpu_stream():
+    """On a GPU, run ``all_sum(..., stream=mx.cpu)`` on the thread's default stream.
+
+    mlx-lm's ``sharded_load`` ends with a barrier ``all_sum`` on the CPU stream.
+    The NCCL backend cannot run it: the CPU stream's worker thread looks for the
+    caller's GPU stream and fails with "There is no Stream(gpu, N) in current
+    thread" (what kills mlx_lm.server 0.32.2's NCCL mode at load). On the CPU
+    (ring, MPI) the call is left alone.
+    """
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.gpu:
+        yield
+        return
+    original = mx.distributed.all_sum
+
+    def all_sum(x, *args, stream=None, **kwargs):
+        if stream == mx.cpu:
+            stream = None
+        return original(x, *args, stream=stream, **kwargs)
+
+    mx.distributed.all_sum = all_sum
+    try:
+        yield
+    finally:
+        mx.distributed.all_sum = original
 
 
 def kv_bytes_per_token(model) -> int:
