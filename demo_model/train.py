@@ -1,11 +1,13 @@
 """Train the mlx-trio-demo model from a seed and export an MLX model directory.
 
-    python -m demo_model.train OUT_DIR [--seed 0] [--steps N] [--batch TOKENS] [--quick]
+    python -m demo_model.train OUT_DIR [--seed 0] [--steps N | --time-budget S] [--quick]
 
 Builds the tokenizer and the synthetic conversations (``demo_model.data``),
 trains a small Qwen3 (``mlx_lm.models.qwen3``) with a masked cross-entropy on
-the assistant replies, and writes ``model.safetensors``, ``config.json`` and
-the tokenizer files to OUT_DIR so that ``mlx_lm.load(OUT_DIR)`` loads it.
+the assistant replies, checks teacher-forced exact match on held-out
+examples every few hundred steps, and writes the best-validated weights
+(``model.safetensors``), ``config.json``, the tokenizer files and
+``training.json`` to OUT_DIR so that ``mlx_lm.load(OUT_DIR)`` loads it.
 The same code runs on the CPU and on an NVIDIA GPU (mlx-cuda): mlx uses the
 GPU when there is one. Everything depends only on the seed and the flags.
 """
