@@ -40,7 +40,6 @@ from loadgen import (  # noqa: E402
     PromptBuilder,
     ServerProcess,
     add_workload_args,
-    default_requests,
     format_summary,
     parse_levels,
     run_level,
@@ -73,7 +72,7 @@ def ours(model: str, port: int, *extra: str) -> list[str]:
 def configurations(ns) -> dict[str, tuple[list[str], dict[str, str]]]:
     """name -> (argv, extra environment)."""
     port = ns.port
-    one_gpu = {"CUDA_VISIBLE_DEVICES": "0"}
+    one_gpu = {"CUDA_VISIBLE_DEVICES": str(ns.gpu)}
     pp_model = ns.pipeline_model or ns.model
     backend = ["--distributed-backend", ns.backend]
     return {
@@ -130,13 +129,15 @@ def run_configuration(name, argv, env, ns, workload, builder, out_dir) -> dict:
     try:
         result["load_s"] = round(server.wait_healthy(timeout=900), 1)
         result["health"] = httpx.get(url + "/health", timeout=10).json()
+        if name in ("tp", "pp") and "distributed" not in result["health"]:
+            raise RuntimeError(f"{url} is not a distributed server: {result['health']}")
         result["greedy"] = greedy_answers(url, ns.greedy_tokens)
         if name in ns.no_load:
             return result
         warm_up(url, workload, builder)
         levels, first = {}, 0
         for level in ns.levels:
-            n = ns.requests or default_requests(level)
+            n = ns.requests or max(ns.min_requests, level * ns.requests_per_client)
             s = summarize([run_level(url, workload, level, n, builder, server.pid, first)])
             first += n
             levels[level] = s
@@ -149,8 +150,10 @@ def run_configuration(name, argv, env, ns, workload, builder, out_dir) -> dict:
     finally:
         server.stop()
         # The launcher does not always take its ranks down with it.
-        subprocess.run(["pkill", "-9", "-f", f"--port {ns.port}"], check=False)
-        time.sleep(2)  # ports and GPU memory released
+        subprocess.run(
+            ["pkill", "-9", "-f", f"(runtime.cli|mlx_lm.server).*--port {ns.port}"], check=False
+        )
+        time.sleep(3)  # ports and GPU memory released
     return result
 
 
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="tp,pp,single,single-pp,ref")
     p.add_argument("--no-load", default="single-pp", help="configurations only asked greedily")
     p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--gpu", type=int, default=0, help="the GPU of the one-GPU configurations")
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("bench/results/distributed"))
     add_workload_args(p)
