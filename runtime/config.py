@@ -128,6 +128,10 @@ class ServerConfig:
                 "launch: start the server with mlx.launch (see docs/distributed.md)"
             )
         if distributed:
+            if self.pipeline and self.distributed_backend == "nccl":
+                from runtime.distributed import PIPELINE_ON_GPU
+
+                problems.append(PIPELINE_ON_GPU)
             if not self.model:
                 problems.append("distributed serving needs --model (a model that can be sharded)")
             for name, flag in (

@@ -26,6 +26,11 @@ import attrs
 log = logging.getLogger(__name__)
 
 BACKENDS = ("any", "ring", "jaccl", "jaccl-ring", "nccl", "mpi")
+PIPELINE_ON_GPU = (
+    "pipeline parallel passes activations with send/recv, which MLX's NCCL backend does "
+    "not implement (mlx 0.32: '[nccl] Send not supported in NCCL backend'): on GPUs use "
+    "tensor parallel (drop --pipeline)"
+)
 HEARTBEAT_SECONDS = 1.0  # rank 0 shares an empty step this often while idle
 
 
@@ -68,6 +73,9 @@ def init_group(backend: str, *, pipeline: bool) -> GroupInfo | None:
     if launched_rank() is None:
         return None
     import mlx.core as mx
+
+    if pipeline and mx.default_device().type == mx.DeviceType.gpu:
+        raise RuntimeError(PIPELINE_ON_GPU)
 
     group = mx.distributed.init(strict=True, backend=backend)
     if group.size() < 2:

@@ -66,6 +66,8 @@ def test_distributed_launch_refuses_what_sharded_load_cannot_do(flags, fragment)
     problems = parse_config(flags).unsupported(distributed=True)
     assert any(fragment in p for p in problems), problems
     assert parse_config(["--model", "m", "--pipeline"]).unsupported(distributed=True) == []
+    nccl_pipeline = parse_config(["--model", "m", "--pipeline", "--distributed-backend", "nccl"])
+    assert any("send/recv" in p for p in nccl_pipeline.unsupported(distributed=True))
 
 
 def test_a_follower_rank_refuses_to_serve_http(monkeypatch):
