@@ -19,3 +19,6 @@ date
 timeout 240 python3 bench/distributed.py $M $W --only tp,pp --port 8333 --out "$OUT/two-gpu" > "$OUT/two-gpu.txt" 2>&1
 date
 tail -n 12 "$OUT"/*.txt
+# The device returns at most a few files per call: pack the rest into one.
+tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . 2>/dev/null
+find "$OUT" -mindepth 1 ! -name results.tgz ! -name '*.txt' -delete
