@@ -120,6 +120,11 @@ class EngineCore:
         self._steps = 0
         self._cache_hits = 0
         self._cached_tokens = 0
+        self._recent_step_ends: collections.deque[float] = collections.deque(maxlen=8)
+        self._aborts = 0
+        self._abort_wait_total = 0.0
+        self._abort_wait_max = 0.0
+        self._abort_steps_max = 0
 
     # ------------------------------------------------------------ commands
 
@@ -139,7 +144,8 @@ class EngineCore:
         if isinstance(command, Submit):
             self._submit(command)
         elif isinstance(command, Abort):
-            self._abort(command.request_id)
+            if self._abort(command.request_id):
+                self._record_abort_wait(command.posted_at)
         else:
             raise TypeError(f"unexpected engine command {command!r}")
 
@@ -221,16 +227,28 @@ class EngineCore:
             return cache, prompt[-1:]
         return None, prompt
 
-    def _abort(self, request_id: int) -> None:
+    def _abort(self, request_id: int) -> bool:
+        """Remove a sequence now; returns whether there was one to remove."""
         if self._serial_generate is not None and self._abort_serial(request_id):
             self._aborted.append(SequenceAborted(request_id=request_id))
-            return
+            return True
         uid = self._uid_of.pop(request_id, None)
         if uid is None:
-            return  # already finished: its terminal event has been emitted
+            return False  # already finished: its terminal event has been emitted
         self._by_uid.pop(uid, None)
         self._batch.remove([uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
+        return True
+
+    def _record_abort_wait(self, posted_at: float) -> None:
+        """How long an abort waited to be applied, in ms and in engine steps finished meanwhile."""
+        now = time.monotonic()
+        wait_ms = max(0.0, (now - posted_at) * 1000)
+        steps = sum(1 for finished in self._recent_step_ends if finished > posted_at)
+        self._aborts += 1
+        self._abort_wait_total += wait_ms
+        self._abort_wait_max = max(self._abort_wait_max, wait_ms)
+        self._abort_steps_max = max(self._abort_steps_max, steps)
 
     def _abort_serial(self, request_id: int) -> bool:
         for sub in self._serial_waiting:
@@ -329,6 +347,8 @@ class EngineCore:
             progress.extend(self._serial_progress)
             self._serial_progress.clear()
         self._steps += 1
+        if self._by_uid or tokens or progress:
+            self._recent_step_ends.append(time.monotonic())
         outputs = StepOutputs(
             started=tuple(self._started),
             progress=tuple(progress),
@@ -451,6 +471,10 @@ class EngineCore:
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
             prompt_cache_hits=self._cache_hits,
             prompt_cache_cached_tokens=self._cached_tokens,
+            aborts=self._aborts,
+            abort_wait_ms_total=self._abort_wait_total,
+            abort_wait_ms_max=self._abort_wait_max,
+            abort_wait_steps_max=self._abort_steps_max,
         )
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:

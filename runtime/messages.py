@@ -17,6 +17,7 @@ Directions:
 from __future__ import annotations
 
 import enum
+import time
 
 import attrs
 
@@ -80,6 +81,7 @@ class Submit:
 class Abort:
     request_id: int
     reason: str = "withdrawn"
+    posted_at: float = attrs.field(factory=time.monotonic, eq=False)  # abort-latency figures
 
 
 @attrs.frozen
@@ -148,6 +150,12 @@ class EngineStats:
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0
     prompt_cache_cached_tokens: int = 0
+    # Aborts of running sequences: how long each waited in the inbox, and
+    # whether it waited for a step in progress (the most is one, by design).
+    aborts: int = 0
+    abort_wait_ms_total: float = 0.0
+    abort_wait_ms_max: float = 0.0
+    abort_wait_steps_max: int = 0
 
 
 @attrs.frozen(kw_only=True)

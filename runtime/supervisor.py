@@ -260,7 +260,11 @@ class Runtime:
             "mlx_trio_engine_restarts_total": loader.restarts,
             "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,
             "mlx_trio_prompt_cache_cached_tokens_total": stats.prompt_cache_cached_tokens,
+            "mlx_trio_engine_aborts_total": stats.aborts,
+            "mlx_trio_engine_abort_wait_ms_total": round(stats.abort_wait_ms_total, 3),
         }
+        gauges["mlx_trio_engine_abort_wait_ms_max"] = round(stats.abort_wait_ms_max, 3)
+        gauges["mlx_trio_engine_abort_wait_steps_max"] = stats.abort_wait_steps_max
         lines = []
         for name, value in gauges.items():
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]

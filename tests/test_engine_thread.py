@@ -109,3 +109,36 @@ async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keep
     assert type(first[-1]).__name__ == "Failed"
     assert type(second[-1]).__name__ == "Finished"
     assert second[-1].usage.completion_tokens == 3
+
+
+def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
+    import time
+
+    from runtime.engine import EngineCore, ModelHandle
+    from runtime.messages import Abort, Submit
+
+    factory = FakeBatchGeneratorFactory(completion_batch_size=4)
+    core = EngineCore(
+        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=512),
+        batch_generator_factory=factory,
+        prompt_cache=FakePromptCache(),
+    )
+    for rid in (1, 2):
+        core.handle_command(Submit(request_id=rid, prompt=(5, 6, 7), segments=((5, 6, 7),),
+                                   segment_types=("user",), sampling=SamplingParams(),
+                                   max_tokens=50))
+    core.step()
+    posted = Abort(request_id=1)  # posted while the next step runs
+    core.step()
+    core.handle_command(posted)
+    out = core.step()
+    assert [a.request_id for a in out.aborted] == [1]
+    assert len(factory.current.removed) == 1 and 1 not in core.active_request_ids
+    assert out.stats.aborts == 1
+    assert out.stats.abort_wait_steps_max == 1  # it waited for the one step in progress
+    assert 0 <= out.stats.abort_wait_ms_max < 10_000
+    # An abort posted after the last step ends waits for none; a finished one counts nothing.
+    core.handle_command(Abort(request_id=2, posted_at=time.monotonic() + 1))
+    core.handle_command(Abort(request_id=99))
+    assert core.stats().aborts == 2
+    assert core.stats().abort_wait_steps_max == 1
