@@ -74,3 +74,15 @@ def test_a_follower_rank_refuses_to_serve_http(monkeypatch):
     monkeypatch.setenv("MLX_RANK", "1")
     with pytest.raises(SystemExit, match="other than 0"):
         create_app(parse_config(["--model", "m"]))
+
+
+def test_with_no_model_the_embedded_demo_model_is_served():
+    from pathlib import Path
+
+    from runtime.config import ServerConfig
+    from runtime.supervisor import DEMO_MODEL_ID, resolve_model
+
+    served_id, path = resolve_model(ServerConfig())
+    assert served_id == DEMO_MODEL_ID == "mlx-trio-demo"
+    assert (Path(path) / "model.safetensors").is_file()
+    assert resolve_model(ServerConfig(model="/some/model")) == ("/some/model", "/some/model")
