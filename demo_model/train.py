@@ -63,14 +63,7 @@ DEFAULT_VAL_N = 96  # held-out examples per kind in each validation
 VAL_SEED = 1  # validation draws held-out examples with this seed; evaluate.py uses 0
 # The checkpoint kept is the one with the best mean over these kinds (the
 # fixed answers are left out: their held-out phrasings need world knowledge).
-SELECT_KINDS = (
-    "weather_call",
-    "time_call",
-    "weather_answer",
-    "time_answer",
-    "arith_think",
-    "arith_nothink",
-)
+SELECT_KINDS = tuple(kind for kind in data.EVAL_KINDS if kind != "chat")
 
 LENGTH_MULTIPLE = 64  # pad to a multiple of this: few distinct shapes to compile
 

@@ -38,3 +38,14 @@ async def poll_until(predicate, seconds: float = 10.0) -> None:
             if predicate():
                 return
             await trio.sleep(0.01)
+
+
+def raw_chat_request(host: str, body: dict) -> bytes:
+    """An HTTP/1.1 POST of ``body`` to /v1/chat/completions, for tests that drop the socket."""
+    import json
+
+    data = json.dumps(body).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    ).encode() + data

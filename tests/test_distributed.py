@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import raw_chat_request
+
 PROMPTS = ["hello there", "what is the weather in Paris", "tell me about cats", "the time in Rome"]
 
 
@@ -161,11 +163,8 @@ def group(mode_model, tmp_path_factory):
 def _raw_stream(base: str, prompt: str) -> None:
     """Open a streaming request, read three chunks, and drop the connection."""
     host, port = base.removeprefix("http://").split(":")
-    body = json.dumps({"messages": [{"role": "user", "content": prompt}],
-                       "max_tokens": 5000, "stream": True}).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-               ).encode() + body
+    request = raw_chat_request(host, {"messages": [{"role": "user", "content": prompt}],
+                                      "max_tokens": 5000, "stream": True})
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request)
         received = b""

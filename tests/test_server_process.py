@@ -6,7 +6,6 @@ and bursts). Sync tests: the server runs in its own process.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -16,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from tests.conftest import raw_chat_request
 
 
 def free_port() -> int:
@@ -125,16 +126,12 @@ def test_sixteen_concurrent_clients_get_their_solo_outputs(server):
 
 def test_client_disconnect_mid_stream_frees_the_engine(server):
     host, port = server.removeprefix("http://").split(":")
-    body = json.dumps({
+    # max_tokens beyond the server default is allowed: clients choose
+    request = raw_chat_request(host, {
         "messages": [{"role": "user", "content": "tell me a very long story"}],
         "max_tokens": 100000,
         "stream": True,
-    }).encode()
-    # max_tokens beyond the server default is allowed: clients choose
-    request = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    })
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
@@ -220,14 +217,6 @@ def small_prefill_server(tiny_model_path):
     stop_server(proc)
 
 
-def _raw_stream_request(host: str, body: dict) -> bytes:
-    data = json.dumps(body).encode()
-    return (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    ).encode() + data
-
-
 def _wait_idle(base: str, seconds: float = 5.0) -> dict:
     deadline = time.monotonic() + seconds
     while True:
@@ -242,7 +231,7 @@ def test_disconnect_during_a_long_prefill_stops_it(small_prefill_server):
     base = small_prefill_server
     host, port = base.removeprefix("http://").split(":")
     long_prompt = " ".join(f"word{i}" for i in range(600))
-    request = _raw_stream_request(host, {
+    request = raw_chat_request(host, {
         "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 50, "stream": True,
     })
     with socket.create_connection((host, int(port))) as sock:
@@ -261,7 +250,7 @@ def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):
     host, port = base.removeprefix("http://").split(":")
 
     def streaming_client(i):
-        request = _raw_stream_request(host, {
+        request = raw_chat_request(host, {
             "messages": [{"role": "user", "content": f"storm {i}"}], "max_tokens": 2000,
             "stream": True,
         })
