@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{ns.port}"
     server = ServerProcess("server", [sys.executable, "-m", "runtime.cli", "--model", model,
                                       "--port", str(ns.port), "--log-level", "WARNING"],
-                           url, ns.out.with_suffix(".log"))
+                           url, ns.out.parent / "logs" / (ns.out.stem + ".log"))
     server.start(cwd=str(Path(__file__).resolve().parents[1]))
     try:
         server.wait_healthy()
