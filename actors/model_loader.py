@@ -129,6 +129,8 @@ class ModelLoaderCore:
             self.state = ModelState.LOADING
             return True
         self.reason = f"{type(error).__name__}: {error}"
+        if self.handle is not None:
+            self.reason = f"the engine crashed ({self.reason})"
         if self.handle is None:  # it never loaded
             if self.key != self.default:
                 self.failed_loads[self.key] = (self.reason, trio.current_time())

@@ -525,6 +525,9 @@ def run_engine_loop(
                 # a step: every rank runs exactly the same sequence of steps.
                 commands = share(commands)
                 last_shared = now
+            elif not (commands or core.has_work):
+                on_tick()  # an idle wake-up (to see cancellation): no step
+                continue
             for command in commands:
                 if isinstance(command, Shutdown):
                     stopped = True
