@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -124,13 +123,7 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
 def run_configuration(name, argv, env, ns, workload, builder, out_dir) -> dict:
     url = f"http://127.0.0.1:{ns.port}"
     server = ServerProcess(name, argv, url, out_dir / f"{name}.log")
-    old_env = dict(os.environ)
-    os.environ.update(env)
-    try:
-        server.start(cwd=str(Path(__file__).resolve().parents[1]))
-    finally:
-        os.environ.clear()
-        os.environ.update(old_env)
+    server.start(cwd=str(Path(__file__).resolve().parents[1]), env=env)
     result: dict = {"command": argv, "env": env}
     try:
         result["load_s"] = round(server.wait_healthy(timeout=900), 1)

@@ -556,7 +556,10 @@ class ServerProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def start(self, cwd: str | os.PathLike | None = None) -> None:
+    def start(
+        self, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        """``env``: variables added to this process's environment for the server."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
@@ -565,6 +568,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=cwd,
+                env={**os.environ, **env} if env else None,
             )
         log.info("%s: started pid %d: %s", self.name, self.proc.pid, shlex.join(self.argv))
 

@@ -49,3 +49,13 @@ def raw_chat_request(host: str, body: dict) -> bytes:
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode() + data
+
+
+def read_sse_chunks(sock, n: int) -> bytes:
+    """Read from a raw streaming response until ``n`` data frames have arrived."""
+    received = b""
+    while received.count(b"data: {") < n:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the stream early"
+        received += chunk
+    return received

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import raw_chat_request
+from tests.conftest import raw_chat_request, read_sse_chunks
 
 PROMPTS = ["hello there", "what is the weather in Paris", "tell me about cats", "the time in Rome"]
 
@@ -167,11 +167,7 @@ def _raw_stream(base: str, prompt: str) -> None:
                                       "max_tokens": 5000, "stream": True})
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request)
-        received = b""
-        while received.count(b"data: {") < 3:
-            chunk = sock.recv(65536)
-            assert chunk, "the stream ended early"
-            received += chunk
+        read_sse_chunks(sock, 3)
         assert health(base)[1]["active_sequences"] >= 1
 
 

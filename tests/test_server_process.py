@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import raw_chat_request
+from tests.conftest import raw_chat_request, read_sse_chunks
 
 
 def free_port() -> int:
@@ -135,11 +135,7 @@ def test_client_disconnect_mid_stream_frees_the_engine(server):
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
-            received = b""
-            while received.count(b"data: {") < 3:
-                chunk = sock.recv(65536)
-                assert chunk, "server closed the stream early"
-                received += chunk
+            read_sse_chunks(sock, 3)
             assert health(server)["active_sequences"] >= 1
         deadline = time.monotonic() + 5
         while True:
