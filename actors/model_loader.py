@@ -35,8 +35,9 @@ import trio
 
 from runtime.distributed import HEARTBEAT_SECONDS
 from runtime.engine import EngineCore, ModelHandle, run_engine_loop
+from runtime.engine_process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import Shutdown, StepOutputs
+from runtime.messages import EngineReady, Shutdown, StepOutputs
 from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,15 @@ log = logging.getLogger(__name__)
 FAILED_LOAD_MEMORY = 10.0  # seconds a failed load is answered from memory
 STEPS_AHEAD = 4  # engine steps handed over but not yet taken by the Scheduler
 SHUTDOWN_GRACE = 10.0  # distributed: seconds to wait for the engine thread at shutdown
+
+
+@attrs.frozen
+class EngineProcessSpec:
+    """How to run engines in child processes: the tokenizer for the trio side, logging."""
+
+    load_tokenizer: Callable[[EngineReady], object]
+    log_level: str = "INFO"
+    log_format: str = logging.BASIC_FORMAT
 
 
 @attrs.frozen
@@ -129,6 +139,8 @@ class ModelLoaderCore:
             self.state = ModelState.LOADING
             return True
         self.reason = f"{type(error).__name__}: {error}"
+        if isinstance(error, EngineProcessError):
+            self.reason = str(error)  # already names the error
         if self.handle is not None:
             self.reason = f"the engine crashed ({self.reason})"
         if self.handle is None:  # it never loaded
@@ -162,12 +174,17 @@ class ModelLoader:
         core: ModelLoaderCore | None = None,
         distributed: bool = False,
         step_timeout: float = 60.0,
+        engine_process: EngineProcessSpec | None = None,
     ):
         """``distributed``: this is rank 0 of a group (``runtime.distributed``):
         no engine restarts (the group cannot be rebuilt in-process), a watchdog
         that declares the group lost when no step or heartbeat has come for
         ``step_timeout`` seconds, and a bounded wait for the engine thread at
-        shutdown (a hung peer can block it in a collective for ever)."""
+        shutdown (a hung peer can block it in a collective for ever).
+
+        ``engine_process``: run each engine in a child process
+        (``runtime.engine_process``); the engine thread slot then holds the
+        thread that relays its messages."""
         self.core = core or ModelLoaderCore()
         self._make_core = make_core
         self._outputs = outputs
@@ -178,6 +195,7 @@ class ModelLoader:
         self.distributed = distributed
         self.step_timeout = step_timeout
         self.last_tick = time.monotonic()  # written by the engine thread
+        self.engine_process = engine_process
         if distributed:
             self.core.max_restarts = 0
 
@@ -342,10 +360,6 @@ class ModelLoader:
         self.last_tick = time.monotonic()
 
     def _engine_thread_body(self, inbox: queue.SimpleQueue, key: ModelKey) -> None:
-
-        def ready(core: EngineCore) -> None:
-            trio.from_thread.run_sync(self._ready, core.handle, inbox)
-
         credits = threading.Semaphore(STEPS_AHEAD)
 
         def emit(outputs: StepOutputs) -> None:
@@ -356,15 +370,33 @@ class ModelLoader:
                 trio.from_thread.check_cancelled()
             self._token.run_sync_soon(self._deliver, outputs, credits)
 
+        def ready(handle: ModelHandle) -> None:
+            trio.from_thread.run_sync(self._ready, handle, inbox)
+
         def crashed(reason: str) -> None:
             trio.from_thread.run_sync(self.core.crashing, reason)
 
+        make_core = functools.partial(self._make_core, key)
+        spec = self.engine_process
+        if spec is not None:
+            run_engine_proxy(
+                make_core,
+                inbox,
+                spec.load_tokenizer,
+                emit=emit,
+                on_ready=ready,
+                on_crash=crashed,
+                check_cancelled=trio.from_thread.check_cancelled,
+                log_level=spec.log_level,
+                log_format=spec.log_format,
+            )
+            return
         run_engine_loop(
-            functools.partial(self._make_core, key),
+            make_core,
             inbox,
             emit,
             trio.from_thread.check_cancelled,
-            on_ready=ready,
+            on_ready=lambda core: ready(core.handle),
             on_crash=crashed,
             on_tick=self._tick,
             heartbeat=HEARTBEAT_SECONDS,

@@ -60,7 +60,16 @@ from loadgen import (  # noqa: E402
 log = logging.getLogger("bench.side_by_side")
 
 SYSTEMS = ("engine", "ref", "ours")
-LABELS = {"engine": "engine", "ref": "mlx_lm.server", "ours": "mlx-trio-server"}
+# Optional (``--only ...,ours-thread``): ours with the engine on a thread of the
+# server process instead of in its own process (``--engine-mode thread``).
+EXTRA_SYSTEMS = ("ours-thread",)
+SERVERS = ("ref", "ours", "ours-thread")
+LABELS = {
+    "engine": "engine",
+    "ref": "mlx_lm.server",
+    "ours": "mlx-trio-server",
+    "ours-thread": "mlx-trio-server (engine thread)",
+}
 SERVER_FLAGS = ["--decode-concurrency", "64"]
 
 
@@ -84,6 +93,8 @@ def server_argv(system: str, model: str, port: int) -> list[str]:
         head = [sys.executable, "-m", "mlx_lm", "server"]
     else:
         head = [sys.executable, "-m", "runtime.cli"]
+    if system == "ours-thread":
+        head = [*head, "--engine-mode", "thread"]
     return [*head, "--model", model, "--port", str(port), *SERVER_FLAGS]
 
 
@@ -172,6 +183,30 @@ def render_table(levels: list[int], pooled: dict[int, dict[str, dict]]) -> str:
             f"{trio_(level, 'itl_p99_ms', '.1f'):>17} | "
             f"{trio_(level, 'cpu_ms_per_token', '.2f'):>18} | {errors}"
         )
+    if any("ours-thread" in pooled[level] for level in levels):
+        lines += ["", engine_mode_table(levels, pooled)]
+    return "\n".join(lines)
+
+
+def engine_mode_table(levels: list[int], pooled: dict[int, dict[str, dict]]) -> str:
+    """Ours with the engine in its own process vs on a thread of the server process."""
+    header = (
+        f"{'conc':>4} | {'process':>7} {'thread':>7} tok/s | {'proc/thr':>8} | "
+        f"{'TTFT p50 ms p/t':>15} | {'CPU ms/tok p/t':>14}"
+    )
+    lines = [header, "-" * len(header)]
+    for level in levels:
+        mine = pooled[level].get("ours", {})
+        thread = pooled[level].get("ours-thread", {})
+
+        def pair(key: str, spec: str, mine=mine, thread=thread) -> str:
+            return f"{_fmt(mine.get(key), spec)}/{_fmt(thread.get(key), spec)}"
+
+        lines.append(
+            f"{level:>4} | {_fmt(mine.get('tok_s')):>7} {_fmt(thread.get('tok_s')):>7}       | "
+            f"{_ratio(mine.get('tok_s'), thread.get('tok_s')):>8} | "
+            f"{pair('ttft_p50_ms', '.1f'):>15} | {pair('cpu_ms_per_token', '.2f'):>14}"
+        )
     return "\n".join(lines)
 
 
@@ -182,7 +217,7 @@ def plot(levels: list[int], pooled: dict[int, dict[str, dict]], path: Path, titl
     import matplotlib.pyplot as plt
 
     fig, (ax_tok, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system in SYSTEMS:
+    for system in (*SYSTEMS, *EXTRA_SYSTEMS):
         xs = [lv for lv in levels if pooled[lv].get(system, {}).get("tok_s")]
         if not xs:
             continue
@@ -224,7 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default=None,
-        help="comma list of systems to run: engine, ref (mlx_lm.server), ours",
+        help="comma list of systems to run: engine, ref (mlx_lm.server), ours, "
+        "ours-thread (ours with --engine-mode thread; not run by default)",
     )
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per level")
     p.add_argument("--quick", action="store_true", help="smoke run: levels 1,4, 8 requests")
@@ -238,9 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns.systems = list(SYSTEMS)
     if ns.only:
         ns.systems = [s.strip() for s in ns.only.split(",") if s.strip()]
-        unknown = set(ns.systems) - set(SYSTEMS)
+        unknown = set(ns.systems) - set(SYSTEMS) - set(EXTRA_SYSTEMS)
         if unknown:
-            p.error(f"--only: unknown {sorted(unknown)}; choose from {SYSTEMS}")
+            p.error(f"--only: unknown {sorted(unknown)}; choose from {SYSTEMS + EXTRA_SYSTEMS}")
     return ns
 
 
@@ -264,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     builder = PromptBuilder(model)
 
     servers: dict[str, ServerProcess] = {}
-    for system in ("ref", "ours"):
+    for system in SERVERS:
         if system in ns.systems:
             port = free_port()
             servers[system] = ServerProcess(
@@ -306,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         for level in ns.levels:
             n = ns.requests or default_requests(level)
             for rnd in range(ns.rounds):
-                order = ["engine", "ref", "ours"] if flips % 2 == 0 else ["engine", "ours", "ref"]
+                order = ["engine", "ref", "ours", "ours-thread"]
+                if flips % 2:
+                    order = ["engine", "ours-thread", "ours", "ref"]
                 flips += 1
                 for system in (s for s in order if s in ns.systems):
                     progress(f"level {level} round {rnd + 1}/{ns.rounds}: {system}, {n} requests")

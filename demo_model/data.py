@@ -221,34 +221,45 @@ FALLBACK_ANSWER = (
 INTENTS: dict[str, tuple[list[str], list[str], str]] = {
     "greet": (
         ["Hello", "Hi", "Hey", "Hello there", "Hi there", "Good morning", "Good evening",
-         "Hey there", "Greetings", "Hello!", "Hi!", "Howdy"],
+         "Hey there", "Greetings", "Hello!", "Hi!", "Howdy", "Hello again", "Hey hey",
+         "Hi friend", "Morning", "Hey assistant", "Yo", "Hi, bot"],
         ["Good afternoon", "Hiya", "Hello, assistant"],
         "Hello! How can I help you today?",
     ),
     "how": (
-        ["How are you?", "How are you doing?", "How's it going?", "How do you do?"],
+        ["How are you?", "How are you doing?", "How's it going?", "How do you do?",
+         "How have you been?", "How is your day?", "You doing okay?", "Are you well?",
+         "How are you feeling?"],
         ["How are you today?", "How are things?"],
         "I'm doing well, thank you! How can I help you today?",
     ),
     "who": (
         ["Who are you?", "What are you?", "What is your name?", "What's your name?",
-         "Introduce yourself.", "Tell me about yourself.", "Are you a bot?"],
+         "Introduce yourself.", "Tell me about yourself.", "Are you a bot?", "Who is this?",
+         "Who made you?", "What model are you?", "Are you human?", "Identify yourself.",
+         "Which assistant is this?", "Who is speaking?", "Do you have a name?"],
         ["Who am I talking to?", "What should I call you?", "Who are you exactly?"],
         "I am mlx-trio-demo, a tiny language model trained to demo mlx-trio-server.",
     ),
     "skills": (
         ["What can you do?", "What are your skills?", "Help", "How can you help me?",
-         "What do you know how to do?", "What are you able to do?"],
+         "What do you know how to do?", "What are you able to do?", "What do you do?",
+         "Tell me what you can do.", "What are you good at?", "What can I ask you?",
+         "Show me what you can do.", "What are your abilities?", "Any skills?",
+         "How are you useful?", "What is your job?"],
         ["What can you help me with?", "Which tasks can you do?", "What can you do for me?"],
         SKILLS_ANSWER,
     ),
     "thanks": (
-        ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!", "Cheers"],
+        ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!", "Cheers",
+         "Appreciate it", "Thank you kindly", "Great, thanks", "Perfect, thank you", "Ta"],
         ["Many thanks", "Thank you so much"],
         "You're welcome!",
     ),
     "bye": (
-        ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell"],
+        ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell",
+         "Catch you later", "See ya", "Later!", "I have to go now", "That's all for now",
+         "Bye bye"],
         ["Bye for now", "Talk to you later"],
         "Goodbye! Have a nice day.",
     ),
@@ -257,7 +268,12 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
          "Who won the World Cup?", "Translate hello into Spanish.",
          "What is the meaning of life?", "Can you write some Python code?",
          "Recommend a good book.", "What is {a} times {b}?", "Divide {a} by {b}.",
-         "What is the square root of {a}?"],
+         "What is the square root of {a}?", "Tell me a story.", "What's the news today?",
+         "Play some music.", "Book a flight for me.", "Order a pizza.",
+         "Set an alarm for {a} minutes.", "What is the population of Japan?",
+         "Explain quantum physics.", "Write an email to my boss.", "How do I cook pasta?",
+         "What's a good movie?", "Draw a cat.", "Remind me to call mom.",
+         "What is {a} to the power of {b}?", "Give me a recipe.", "Who is the president?"],
         ["Sing me a song.", "What is {a} multiplied by {b}?", "Who painted the Mona Lisa?"],
         FALLBACK_ANSWER,
     ),
@@ -456,8 +472,8 @@ class Example:
 # (no tool block most of the time) and need the most repetitions, so they
 # are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "arith": 0.72,
-    "chat": 0.065,
+    "arith": 0.70,
+    "chat": 0.085,
     "weather_call": 0.085,
     "weather_answer": 0.045,
     "time_call": 0.035,
@@ -627,10 +643,21 @@ class Generator:
         rng = self.rng
         if name is None:
             name = rng.choices(list(INTENTS), weights=[3, 1, 2, 2, 1, 1, 3], k=1)[0]
+        if name == "offtopic" and self.split == "train" and rng.random() < 0.25:
+            # Words it has never seen: anything it cannot place gets the fallback.
+            return self._unknown_request(), INTENTS[name][2]
         phrasing = rng.choice(self.s.intents[name][self.split])
         phrasing = self._casing(phrasing)
         question = phrasing.format(a=rng.randint(0, 99), b=rng.randint(1, 99))
         return self._wrap(question), INTENTS[name][2]
+
+    def _unknown_request(self) -> str:
+        """A sentence of made-up words (training only): a request nobody can serve."""
+        rng = self.rng
+        words = [self._made_up_word() for _ in range(rng.randint(1, 5))]
+        words = [w if rng.random() < 0.3 else w.lower() for w in words]
+        words[0] = words[0][:1].upper() + words[0][1:]
+        return " ".join(words) + rng.choice(["?", ".", "!", ""])
 
     def _weather_result(self) -> dict[str, Any]:
         rng = self.rng

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds without an engine step or heartbeat before rank 0 reports the group lost",
     )
+    p.add_argument(
+        "--engine-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="run the engine in a child process (default) or on a thread of the server process",
+    )
     return p
 
 

@@ -29,6 +29,9 @@ class ConfigError(ValueError):
     pass
 
 
+ENGINE_MODES = ("process", "thread")
+
+
 def parse_size(text: str) -> int:
     """``"512M"``, ``"4GB"``, ``"1000"`` -> bytes (decimal units, like mlx_lm)."""
     units = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
@@ -88,6 +91,7 @@ class ServerConfig:
     kv_cache_budget_bytes: int | None = attrs.field(default=None, validator=_positive)
     distributed_backend: str = attrs.field(default="any")
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive)
+    engine_mode: str = attrs.field(default="process")
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute, value):
@@ -103,6 +107,11 @@ class ServerConfig:
     def _check_log_level(self, attribute, value):
         if value.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+
+    @engine_mode.validator
+    def _check_engine_mode(self, attribute, value):
+        if value not in ENGINE_MODES:
+            raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}")
 
     @distributed_backend.validator
     def _check_backend(self, attribute, value):
@@ -230,7 +239,9 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> ServerConfig:
         if key in environ:
             values[name] = environ[key]
     unknown = sorted(
-        k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in FIELD_NAMES
+        k
+        for k in environ
+        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in FIELD_NAMES
     )
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")

@@ -46,7 +46,10 @@ IDLE_WAIT_SECONDS = 0.05
 
 @attrs.define
 class ModelHandle:
-    """A loaded model: the engine thread owns ``model``; ``tokenizer`` is shared."""
+    """A loaded model: the engine thread owns ``model``; ``tokenizer`` is shared.
+
+    With the engine in its own process (``runtime.engine_process``) the trio
+    side's handle has ``model=None`` and a tokenizer of its own."""
 
     model: Any
     tokenizer: Any
@@ -54,6 +57,8 @@ class ModelHandle:
     vocab_size: int
     batchable: bool = True
     kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
+    kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
+    engine_pid: int | None = None  # the process that runs the engine (None: this one)
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"
 
@@ -275,7 +280,9 @@ class EngineCore:
 
                 def report(done, total, request_id=sub.request_id, cached=cached):
                     self._serial_progress.append(
-                        PromptProgress(request_id=request_id, done=cached + done, total=cached + total)
+                        PromptProgress(
+                            request_id=request_id, done=cached + done, total=cached + total
+                        )
                     )
 
                 responses, cache = self._serial_generate(sub, rest, cache, report)
@@ -465,7 +472,9 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            active_sequences=len(self._by_uid) + len(self._serial_waiting) + (self._serial is not None),
+            active_sequences=len(self._by_uid)
+            + len(self._serial_waiting)
+            + (self._serial is not None),
             steps=self._steps,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),

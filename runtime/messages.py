@@ -10,6 +10,8 @@ Directions:
   * engine thread -> Scheduler: ``StepOutputs`` (one per engine step) holding
     ``SequenceStarted``, ``PromptProgress``, ``TokenEvent``, ``SequenceAborted``
     and ``SequenceFailed`` events plus ``EngineStats``.
+  * engine process -> its proxy thread (``runtime.engine_process``), besides
+    the ``StepOutputs``: ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
     ``Progress`` and exactly one terminal ``Finished`` or ``Failed``.
 """
@@ -177,6 +179,36 @@ class StepOutputs:
 
     def __bool__(self) -> bool:
         return bool(self.started or self.progress or self.tokens or self.aborted or self.failed)
+
+
+# ------------------------------------- from an engine process (runtime.engine_process)
+
+
+@attrs.frozen(kw_only=True)
+class EngineReady:
+    """The engine process loaded its model: what the parent needs of it."""
+
+    model_key: str
+    vocab_size: int
+    batchable: bool
+    kv_bytes_per_token: int
+    kv_budget: int
+    eos_token_ids: tuple[int, ...]
+    pid: int
+
+
+@attrs.frozen(kw_only=True)
+class EngineCrashed:
+    """The engine loop is going down with an error (its failures follow)."""
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class EngineExited:
+    """The engine process's last message: ``error`` is None after a ``Shutdown``."""
+
+    error: str | None = None
 
 
 # --------------------------------------------------------------- to the Session

@@ -20,16 +20,16 @@ from runtime.sampling import build_logits_processors, build_sampler
 log = logging.getLogger(__name__)
 
 
-def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = None) -> ModelHandle:
+def load_model(
+    config: ServerConfig, model_path: str, group: GroupInfo | None = None
+) -> ModelHandle:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     gc.collect()
     mx.clear_cache()
-    tokenizer_config = {"trust_remote_code": config.trust_remote_code}
-    if config.chat_template:
-        tokenizer_config["chat_template"] = config.chat_template
+    tokenizer_config = _tokenizer_config(config)
     if group is not None:
         from mlx_lm.utils import sharded_load
 
@@ -49,8 +49,7 @@ def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = 
             adapter_path=config.adapter_path,
             tokenizer_config=tokenizer_config,
         )
-    if config.use_default_chat_template and tokenizer.chat_template is None:
-        tokenizer.chat_template = tokenizer.default_chat_template
+    _finish_tokenizer(config, tokenizer)
     batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     vocab_size = _vocab_size(model, tokenizer)
     return ModelHandle(
@@ -61,9 +60,32 @@ def load_model(config: ServerConfig, model_path: str, group: GroupInfo | None = 
         batchable=batchable,
         # Each rank holds 1/size of the KV cache (heads or layers split).
         kv_bytes_per_token=kv_bytes_per_token(model) // (group.size if group else 1),
+        kv_budget=default_kv_budget(),
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
     )
+
+
+def _tokenizer_config(config: ServerConfig) -> dict:
+    tokenizer_config = {"trust_remote_code": config.trust_remote_code}
+    if config.chat_template:
+        tokenizer_config["chat_template"] = config.chat_template
+    return tokenizer_config
+
+
+def _finish_tokenizer(config: ServerConfig, tokenizer) -> None:
+    if config.use_default_chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+
+
+def load_tokenizer(config: ServerConfig, model_path: str, eos_token_ids) -> object:
+    """The tokenizer ``load_model`` gives, without the model (an engine process's parent)."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    tokenizer = mlx_lm_load_tokenizer(model_path, _tokenizer_config(config))
+    tokenizer.eos_token_ids = set(eos_token_ids)
+    _finish_tokenizer(config, tokenizer)
+    return tokenizer
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ crashes marks the runtime dead, so ``/health`` answers 503.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import queue
@@ -28,7 +29,14 @@ import attrs
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore, TextSpec
-from actors.model_loader import STEPS_AHEAD, EngineStep, ModelLoader, ModelLoaderCore, ModelState
+from actors.model_loader import (
+    STEPS_AHEAD,
+    EngineProcessSpec,
+    EngineStep,
+    ModelLoader,
+    ModelLoaderCore,
+    ModelState,
+)
 from actors.prompt_cache import PromptCacheActor
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
@@ -36,7 +44,7 @@ from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine import EngineCore, ModelHandle
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import EngineStats, Failed, StepOutputs, Submit
+from runtime.messages import EngineReady, EngineStats, Failed, StepOutputs, Submit
 from runtime.models import ModelKey, default_key, resolve_key
 from runtime.outbox import Outbox
 
@@ -70,10 +78,19 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
     return TINY_MODEL_ID, str(default_model_dir())
 
 
-def make_real_core(config: ServerConfig) -> Callable[[ModelKey], EngineCore]:
-    def make(key: ModelKey) -> EngineCore:
+@attrs.frozen
+class RealEngineCore:
+    """Builds the mlx-lm engine for a ``ModelKey``, on the thread that will step it.
+
+    A plain object (not a closure) so that it can travel to an engine process.
+    """
+
+    config: ServerConfig
+
+    def __call__(self, key: ModelKey) -> EngineCore:
         from runtime.mlx_backend import make_engine_core
 
+        config = self.config
         served_id, default_path = resolve_model(config)
         if not config.model and key.model == default_path and served_id == TINY_MODEL_ID:
             from runtime.tiny_model import build_tiny_model
@@ -90,7 +107,22 @@ def make_real_core(config: ServerConfig) -> Callable[[ModelKey], EngineCore]:
             attrs.evolve(config, adapter_path=key.adapter, draft_model=key.draft), key.model
         )
 
-    return make
+
+def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
+    """Engines in child processes, logging as this process does."""
+    handlers = logging.getLogger().handlers
+    formatter = handlers[0].formatter if handlers else None
+    return EngineProcessSpec(
+        load_tokenizer=functools.partial(_load_tokenizer, config),
+        log_level=config.log_level.upper(),
+        log_format=getattr(formatter, "_fmt", None) or logging.BASIC_FORMAT,
+    )
+
+
+def _load_tokenizer(config: ServerConfig, ready: EngineReady):
+    from runtime.mlx_backend import load_tokenizer
+
+    return load_tokenizer(config, ready.model_key, ready.eos_token_ids)
 
 
 class Runtime:
@@ -103,11 +135,12 @@ class Runtime:
         self.distributed = launched_rank() is not None
         self.switchable = make_core is None and not self.distributed
         if make_core is None:
-            make_core_for = make_real_core(config)
+            make_core_for = RealEngineCore(config)
         else:
 
             def make_core_for(key: ModelKey) -> EngineCore:
                 return make_core()
+
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[EngineStep](
             STEPS_AHEAD + 2
@@ -132,6 +165,11 @@ class Runtime:
             core=ModelLoaderCore(default_key(config, self.model_path)),
             distributed=self.distributed,
             step_timeout=config.distributed_timeout,
+            engine_process=(
+                _engine_process_spec(config)
+                if make_core is None and not self.distributed and config.engine_mode == "process"
+                else None
+            ),
         )
         self.dead: str | None = None
         self.accepting = True
@@ -161,10 +199,8 @@ class Runtime:
             )
         if self.config.kv_cache_budget_bytes is not None:
             self.scheduler.core.kv_budget = self.config.kv_cache_budget_bytes
-        elif handle.kv_bytes_per_token:
-            from runtime.mlx_backend import default_kv_budget
-
-            self.scheduler.core.kv_budget = default_kv_budget()
+        elif handle.kv_bytes_per_token and handle.kv_budget:
+            self.scheduler.core.kv_budget = handle.kv_budget
         self.scheduler.attach_engine(inbox)
 
     def _engine_lost(self, reason: str, permanent: bool) -> None:
@@ -177,7 +213,11 @@ class Runtime:
             for request_id in lost:
                 core.fail(
                     request_id,
-                    Failed(message=f"the engine stopped: {reason}", status=503, type="service_unavailable"),
+                    Failed(
+                        message=f"the engine stopped: {reason}",
+                        status=503,
+                        type="service_unavailable",
+                    ),
                 )
 
     # ------------------------------------------------------------- requests
@@ -287,6 +327,10 @@ class Runtime:
             "waiting": len(self.scheduler.core.waiting),
             "engine_restarts": loader.restarts,
             "prompt_cache": self.prompt_cache.stats.as_dict(),
+        }
+        body["engine"] = {
+            "mode": "process" if self.model_loader.engine_process is not None else "thread",
+            "pid": (loader.handle.engine_pid or os.getpid()) if loader.handle is not None else None,
         }
         if loader.handle is not None and loader.handle.ranks > 1:
             body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}

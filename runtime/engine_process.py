@@ -1,0 +1,273 @@
+"""The engine in its own process: one child process per loaded model.
+
+Why: every Python thread of one process shares one GIL, so the engine
+thread's per-step Python (mlx-lm's ``BatchGenerator``, graph building) and the
+event loop's per-token HTTP work take turns. In a child process the engine
+keeps a core of its own, and a crash in native code (a segfault in MLX) takes
+down the child, not the server: the ModelLoader restarts it like a crashed
+engine thread.
+
+The child runs the very same ``run_engine_loop`` as the in-process engine
+thread, on its main thread (which owns MLX for the child's lifetime). Over one socket
+pair (``multiprocessing.connection`` framing and pickling):
+
+* parent -> child: ``Submit`` / ``Abort`` / ``Shutdown``, forwarded from the
+  ModelLoader's inbox by a writer thread (so ``inbox.put`` never blocks the
+  event loop, even on a stalled child); a reader thread in the child feeds
+  them into the engine loop's inbox. EOF (the parent died) means ``Shutdown``.
+* child -> parent: ``EngineReady`` once loaded, one ``StepOutputs`` per step,
+  ``EngineCrashed`` before a crash's failures, and ``EngineExited`` last. The
+  pipe is bounded (the OS buffer), and the parent's proxy thread takes a step
+  only when it holds one of the ModelLoader's ``STEPS_AHEAD`` credits, so the
+  child runs at most a few steps ahead of the Scheduler.
+
+``run_engine_proxy`` is the parent's side; it runs in one ``trio.to_thread``
+thread for the child's lifetime (the ModelLoader's engine thread slot), loads
+the tokenizer for the trio side (detokenizing, chat templates), and turns the
+child's messages into the same calls the in-process engine thread makes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from runtime.engine import ModelHandle, run_engine_loop
+from runtime.messages import (
+    EngineCrashed,
+    EngineExited,
+    EngineReady,
+    Shutdown,
+    StepOutputs,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05  # how often the proxy thread looks for cancellation while idle
+SHUTDOWN_SECONDS = 10.0  # how long a cancelled proxy waits for the child to leave
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where ``runtime`` can be imported from
+
+
+class EngineProcessError(Exception):
+    """The engine process crashed or died; the message says how."""
+
+
+# ------------------------------------------------------------------ the child
+
+
+def engine_process_main(conn) -> None:
+    """The child's body: the start-up message, then the engine loop on this (main) thread."""
+    # The parent decides when to stop: Ctrl-C in a terminal reaches the whole
+    # process group, and a SIGTERM to the group must let the parent drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        make_core, log_level, log_format = conn.recv()
+    except (EOFError, OSError):
+        os._exit(1)
+    logging.basicConfig(level=log_level, format=log_format)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_commands() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except (EOFError, OSError):
+            inbox.put(Shutdown())  # the parent is gone: stop
+
+    threading.Thread(target=read_commands, name="engine-commands", daemon=True).start()
+
+    def ready(core) -> None:
+        conn.send(engine_ready(core.handle))
+
+    def crashed(reason: str) -> None:
+        conn.send(EngineCrashed(reason=reason))
+
+    error = None
+    try:
+        run_engine_loop(make_core, inbox, conn.send, lambda: None, on_ready=ready, on_crash=crashed)
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("the engine process failed: %s", error)
+    try:
+        conn.send(EngineExited(error=error))
+        conn.close()
+    except OSError:
+        pass
+    # No interpreter teardown: MLX's and the tokenizer's threads need no goodbye.
+    logging.shutdown()
+    os._exit(1 if error else 0)
+
+
+def engine_ready(handle: ModelHandle) -> EngineReady:
+    """What the parent needs of a loaded model (the model itself stays here)."""
+    return EngineReady(
+        model_key=handle.model_key,
+        vocab_size=handle.vocab_size,
+        batchable=handle.batchable,
+        kv_bytes_per_token=handle.kv_bytes_per_token,
+        kv_budget=handle.kv_budget,
+        eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
+        pid=os.getpid(),
+    )
+
+
+# ----------------------------------------------------------------- the parent
+
+
+def run_engine_proxy(
+    make_core: Callable[[], Any],
+    inbox: queue.SimpleQueue,
+    load_tokenizer: Callable[[EngineReady], Any],
+    *,
+    emit: Callable[[StepOutputs], None],
+    on_ready: Callable[[ModelHandle], None],
+    on_crash: Callable[[str], None],
+    check_cancelled: Callable[[], None],
+    log_level: str = "INFO",
+    log_format: str = logging.BASIC_FORMAT,
+) -> None:
+    """Start the engine process and relay its messages until it exits.
+
+    Runs on a thread of its own (blocking I/O). Returns when the child exits
+    after a ``Shutdown``; raises ``EngineProcessError`` when it crashed or
+    died, and the cancellation ``check_cancelled`` raises (after stopping the
+    child, waiting at most ``SHUTDOWN_SECONDS``).
+    """
+    process, here = _start_child(make_core, log_level, log_format)
+    writer = threading.Thread(
+        target=_forward_commands, args=(inbox, here), name="engine-commands", daemon=True
+    )
+    writer.start()
+    exited: EngineExited | None = None
+    try:
+        exited = _relay(here, load_tokenizer, emit, on_ready, on_crash, check_cancelled)
+    except BaseException:
+        # Cancelled (or the trio side failed): ask the child to stop, bounded.
+        inbox.put(Shutdown())
+        _drain_until_exit(here, time.monotonic() + SHUTDOWN_SECONDS)
+        raise
+    finally:
+        inbox.put(None)  # stops the writer
+        try:
+            process.wait(SHUTDOWN_SECONDS if exited is not None else 1.0)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not exit; killing it")
+            process.kill()
+            process.wait()
+        here.close()
+    if exited is None:
+        raise EngineProcessError(f"the engine process died, {_describe_exit(process.returncode)}")
+    if exited.error is not None:
+        raise EngineProcessError(exited.error)
+
+
+def _start_child(make_core, log_level: str, log_format: str):
+    """``python -m runtime.engine_process FD``, talking over one end of a socket pair.
+
+    A plain subprocess rather than ``multiprocessing.Process``: a server run
+    by ``hypercorn`` lives in a daemonic worker process, which
+    ``multiprocessing`` does not let have children.
+    """
+    here_sock, there_sock = socket.socketpair()
+    here = Connection(here_sock.detach())
+    there_fd = there_sock.detach()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "runtime.engine_process", str(there_fd)],
+            pass_fds=(there_fd,),
+            env=env,
+            close_fds=True,
+        )
+    finally:
+        os.close(there_fd)
+    here.send((make_core, log_level, log_format))
+    return process, here
+
+
+def _relay(conn, load_tokenizer, emit, on_ready, on_crash, check_cancelled) -> EngineExited | None:
+    """Relay the child's messages; the ``EngineExited`` it ended with, or None if it died."""
+    while True:
+        while not conn.poll(POLL_SECONDS):
+            check_cancelled()
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return None
+        if isinstance(message, StepOutputs):
+            emit(message)
+        elif isinstance(message, EngineReady):
+            tokenizer = load_tokenizer(message)
+            log.info("engine process %d serves %s", message.pid, message.model_key)
+            on_ready(handle_from_ready(message, tokenizer))
+        elif isinstance(message, EngineCrashed):
+            on_crash(message.reason)
+        elif isinstance(message, EngineExited):
+            return message
+        else:
+            log.warning("unexpected message from the engine process: %r", message)
+
+
+def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
+    return ModelHandle(
+        model=None,
+        tokenizer=tokenizer,
+        model_key=ready.model_key,
+        vocab_size=ready.vocab_size,
+        batchable=ready.batchable,
+        kv_bytes_per_token=ready.kv_bytes_per_token,
+        kv_budget=ready.kv_budget,
+        engine_pid=ready.pid,
+    )
+
+
+def _forward_commands(inbox: queue.SimpleQueue, conn) -> None:
+    """Writer thread: the inbox's commands into the pipe, until ``None``."""
+    while True:
+        command = inbox.get()
+        if command is None:
+            return
+        try:
+            conn.send(command)
+        except (OSError, ValueError):
+            return  # the child is gone; the relay reports it
+
+
+def _drain_until_exit(conn, deadline: float) -> None:
+    """After a Shutdown: read (and drop) what the child still sends, until it exits."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if not conn.poll(left):
+                return
+            if isinstance(conn.recv(), EngineExited):
+                return
+        except (EOFError, OSError):
+            return
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+if __name__ == "__main__":
+    engine_process_main(Connection(int(sys.argv[1])))

@@ -1,0 +1,191 @@
+"""The engine in its own process (``--engine-mode process``, the default).
+
+A real child process with the tiny model: it serves what the in-process engine
+thread serves, a killed engine process is a crash (503, restart, serving
+again), and the engine process never outlives the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import trio
+
+from api.server import create_app
+from runtime.config import ServerConfig
+from tests.conftest import poll_until, wait_ready
+from tests.test_api import CHAT, chat_body, parse_sse, post, stream_post
+from tests.test_server_process import spawn_server
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _health(client) -> dict:
+    return await (await client.get("/health")).get_json()
+
+
+async def test_process_and_thread_engines_give_the_same_answers(tiny_model_path):
+    answers = {}
+    for mode in ("process", "thread"):
+        app = create_app(ServerConfig(model=tiny_model_path, max_tokens=24, engine_mode=mode))
+        async with app.test_app() as test_app:
+            client = test_app.test_client()
+            await wait_ready(client)
+            health = await _health(client)
+            assert health["engine"]["mode"] == mode
+            assert (health["engine"]["pid"] == os.getpid()) == (mode == "thread")
+            got = []
+            for i in range(3):
+                status, body, _ = await post(client, CHAT, chat_body(f"tell me {i}"))
+                assert status == 200
+                got.append(body["choices"][0]["message"]["content"])
+            status, _, raw = await stream_post(client, CHAT, chat_body("tell me 0", stream=True))
+            payloads, _, done = parse_sse(raw)
+            assert status == 200 and done
+            text = "".join(
+                p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"]
+            )
+            assert text == got[0]
+            answers[mode] = got
+    assert answers["process"] == answers["thread"]
+
+
+async def test_a_killed_engine_process_is_a_crash_then_a_restart(tiny_model_path):
+    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=100000))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        pid = (await _health(client))["engine"]["pid"]
+        assert pid != os.getpid() and _alive(pid)
+        raw = []
+
+        async def long_stream():
+            raw.append(await stream_post(client, CHAT, chat_body("go on", stream=True)))
+
+        runtime = app.extensions["runtime"]
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_stream)
+                await poll_until(lambda: runtime.scheduler.last_stats.active_sequences == 1, 10)
+                os.kill(pid, signal.SIGKILL)
+        # The running stream ends (no hang) with an error event and [DONE].
+        status, _, body = raw[0]
+        payloads, _, done = parse_sse(body)
+        assert status == 200 and done
+        assert "engine process died" in payloads[-1]["error"]["message"]
+        assert "SIGKILL" in payloads[-1]["error"]["message"]
+        with trio.fail_after(60):
+            await wait_ready(client)
+        health = await _health(client)
+        assert health["engine_restarts"] == 1
+        assert health["engine"]["pid"] not in (pid, os.getpid())
+        status, body, _ = await post(client, CHAT, chat_body("and again", max_tokens=4))
+        assert status == 200, body
+    assert not _alive(health["engine"]["pid"])  # the app's exit stopped the new one
+
+
+def _engine_pid(base: str) -> int:
+    return httpx.get(f"{base}/health", timeout=5).json()["engine"]["pid"]
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_engine_process_leaves_when_the_server_is_killed(tiny_model_path):
+    proc, base = spawn_server(
+        lambda port: ["-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)]
+    )
+    try:
+        pid = _engine_pid(base)
+        assert pid != proc.pid and _alive(pid)
+        proc.kill()  # SIGKILL: no cleanup in the server at all
+        proc.wait(timeout=10)
+        assert _wait_gone(pid, 15), "the engine process outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_to_the_process_group_stops_server_and_engine(tiny_model_path):
+    port_args = ["-m", "runtime.cli", "--model", tiny_model_path, "--port"]
+    proc, base = spawn_server(lambda port: [*port_args, str(port)])
+    try:
+        pid = _engine_pid(base)
+        body = {
+            "messages": [{"role": "user", "content": "a story"}],
+            "max_tokens": 200,
+            "stream": True,
+        }
+        raw = b""
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+            for chunk in r.iter_bytes():
+                if not raw:
+                    # What a terminal's Ctrl-C does: SIGINT to server and engine at once.
+                    os.kill(proc.pid, signal.SIGINT)
+                    os.kill(pid, signal.SIGINT)
+                raw += chunk
+        # The engine ignored its SIGINT: the stream finished, then both left.
+        assert raw.rstrip().endswith(b"data: [DONE]")
+        assert b'"error"' not in raw
+        assert proc.wait(timeout=30) == 0
+        assert _wait_gone(pid, 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_engine_mode_flag(mode, tiny_model_path):
+    proc, base = spawn_server(
+        lambda port: [
+            "-m",
+            "runtime.cli",
+            "--model",
+            tiny_model_path,
+            "--port",
+            str(port),
+            "--engine-mode",
+            mode,
+        ]
+    )
+    try:
+        health = httpx.get(f"{base}/health", timeout=5).json()
+        assert health["engine"]["mode"] == mode
+        assert (health["engine"]["pid"] == proc.pid) == (mode == "thread")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_bad_engine_mode_is_refused():
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "--engine-mode", "fork"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--engine-mode" in done.stderr
