@@ -72,8 +72,15 @@ class Engine:
         return list(self.tokenizer.encode(self.builder.text_prompt(w, index)))
 
     def run(
-        self, w: Workload, concurrency: int, requests: int, first_index: int = 0
+        self,
+        w: Workload,
+        concurrency: int,
+        requests: int,
+        first_index: int = 0,
+        arrival_delay_steps: int = 0,
     ) -> dict[str, Any]:
+        """``arrival_delay_steps``: a finished sequence's replacement arrives that many
+        steps later (0: in the same step, the ideal; HTTP clients take a step or two)."""
         from mlx_lm.generate import BatchGenerator
 
         prompts = [self.prompt_ids(w, first_index + i) for i in range(requests)]
@@ -97,8 +104,15 @@ class Engine:
         t0 = time.perf_counter()
         for _ in range(min(concurrency, requests)):
             submit()
-        while live:
-            _, responses = gen.next()
+        steps = prefill_steps = 0
+        arrivals: deque[int] = deque()  # the step at which each pending replacement arrives
+        while live or arrivals:
+            while arrivals and arrivals[0] <= steps:
+                arrivals.popleft()
+                submit()
+            prompt_responses, responses = gen.next()
+            steps += 1
+            prefill_steps += bool(prompt_responses)
             now = time.perf_counter()
             for r in responses:
                 seq = live[r.uid]
@@ -113,8 +127,11 @@ class Engine:
                 e2e.append(now - seq["start"])
                 if len(times) > 1:
                     tpot.append((times[-1] - times[0]) / (len(times) - 1))
-                if todo:
-                    submit()
+                if todo and len(arrivals) < len(todo):
+                    if arrival_delay_steps:
+                        arrivals.append(steps + arrival_delay_steps)
+                    else:
+                        submit()
         wall = time.perf_counter() - t0
         cpu = self_cpu_s() - cpu0
         gen.close()
@@ -130,6 +147,9 @@ class Engine:
             "tpot_s": tpot,
             "prompt_tokens": [len(p) for p in prompts],
             "cpu_s": cpu,
+            "engine_busy_s": wall,  # the engine steps all the time here
+            "engine_steps": steps,
+            "engine_prefill_steps": prefill_steps,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 
@@ -152,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", default=None, help="write the raw runs here")
     add_workload_args(p)
     p.add_argument("--first-index", type=int, default=0, help="of the workload's requests")
+    p.add_argument(
+        "--arrival-delay-steps",
+        type=int,
+        default=0,
+        help="a finished request's replacement arrives this many steps later (default 0)",
+    )
     ns = p.parse_args(argv)
     setup_logging()
     w = workload_from_args(ns)
@@ -161,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     first_index = ns.first_index
     for level in ns.levels:
         n = ns.requests or default_requests(level)
-        run = engine.run(w, level, n, first_index)
+        run = engine.run(w, level, n, first_index, ns.arrival_delay_steps)
         first_index += n
         raw[level] = run
         if not ns.json_out:

@@ -306,6 +306,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "peak_rss_mb": round(max(peak), 1) if peak else None,
     }
+    busy = [r["engine_busy_s"] for r in runs if r.get("engine_busy_s") is not None]
+    if busy and wall > 0:
+        # The engine's share of the wall time spent stepping, and its steps.
+        out["engine_busy_pct"] = round(100 * sum(busy) / wall, 1)
+        out["engine_steps"] = sum(r["engine_steps"] for r in runs)
+        out["engine_prefill_steps"] = sum(r["engine_prefill_steps"] for r in runs)
     drains = [r["drain_s"] for r in runs if r.get("drain_s") is not None]
     if drains:
         out["drain_after_storm_ms"] = _ms(max(drains))
@@ -479,6 +485,7 @@ async def _run_level_async(
             records.append(await _one_request(client, w, builder, index))
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        engine_before = await engine_counters(client)
         before = proc_tree_stats(pid)
         client_before = self_cpu_s()
         t0 = time.perf_counter()
@@ -488,6 +495,7 @@ async def _run_level_async(
         wall = time.perf_counter() - t0
         client_cpu = self_cpu_s() - client_before
         after = proc_tree_stats(pid)
+        engine_after = await engine_counters(client)
         drain = await _probe_drain(client) if w.disconnect_after is not None else None
     result = _result_from_records(sorted(records, key=lambda r: r.index), wall, w)
     result["client_cpu_s"] = client_cpu
@@ -496,7 +504,37 @@ async def _run_level_async(
         result["peak_rss_mb"] = after["peak_rss_mb"]
         result["rss_mb"] = after["rss_mb"]
     result["drain_s"] = drain
+    if engine_before and engine_after:
+        for key in ENGINE_COUNTERS.values():
+            result[key] = engine_after[key] - engine_before[key]
     return result
+
+
+# mlx-trio-server's /metrics counters that tell where a server's time went:
+# the engine busy stepping (vs idle, waiting for requests) and how many steps.
+ENGINE_COUNTERS = {
+    "mlx_trio_engine_busy_seconds_total": "engine_busy_s",
+    "mlx_trio_engine_steps_total": "engine_steps",
+    "mlx_trio_engine_prefill_steps_total": "engine_prefill_steps",
+}
+
+
+async def engine_counters(client) -> dict[str, float] | None:
+    """The server's engine counters from ``/metrics``, or None (mlx_lm.server has none)."""
+    import httpx
+
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    found = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_COUNTERS:
+            found[ENGINE_COUNTERS[name]] = float(value)
+    return found if len(found) == len(ENGINE_COUNTERS) else None
 
 
 def run_level(

@@ -185,6 +185,34 @@ def render_table(levels: list[int], pooled: dict[int, dict[str, dict]]) -> str:
         )
     if any("ours-thread" in pooled[level] for level in levels):
         lines += ["", engine_mode_table(levels, pooled)]
+    lines += ["", steps_table(levels, pooled)]
+    return "\n".join(lines)
+
+
+def steps_table(levels: list[int], pooled: dict[int, dict[str, dict]]) -> str:
+    """Engine steps for the same work, and how busy the engine was (ours: from /metrics)."""
+    systems = [s for s in ("engine", "ours", "ours-thread") if any(s in pooled[lv] for lv in levels)]
+    names = "/".join({"engine": "e", "ours": "o", "ours-thread": "t"}[s] for s in systems)
+    header = (
+        f"{'conc':>4} | {'steps ' + names:>20} | {'prefill steps ' + names:>22} | "
+        f"{'ms/step ' + names:>20} | {'engine busy % ' + names:>22}"
+    )
+    lines = [header, "-" * len(header)]
+    for level in levels:
+        cells = {k: [] for k in ("steps", "prefill", "ms", "busy")}
+        for system in systems:
+            r = pooled[level].get(system, {})
+            steps = r.get("engine_steps")
+            busy = r.get("engine_busy_pct")
+            cells["steps"].append(_fmt(steps))
+            cells["prefill"].append(_fmt(r.get("engine_prefill_steps")))
+            ms = busy * r["wall_s"] * 10 / steps if steps and busy is not None else None
+            cells["ms"].append(_fmt(ms, ".1f"))
+            cells["busy"].append(_fmt(busy))
+        lines.append(
+            f"{level:>4} | {'/'.join(cells['steps']):>20} | {'/'.join(cells['prefill']):>22} | "
+            f"{'/'.join(cells['ms']):>20} | {'/'.join(cells['busy']):>22}"
+        )
     return "\n".join(lines)
 
 

@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="process",
         help="run the engine in a child process (default) or on a thread of the server process",
     )
+    p.add_argument(
+        "--admission-window-ms",
+        type=float,
+        default=30.0,
+        help="while at least --prompt-concurrency sequences decode, hold a new request up to "
+        "this long (or until --prompt-concurrency wait) so that arrivals join the batch "
+        "together (0: admit at once)",
+    )
     return p
 
 

@@ -92,6 +92,7 @@ class ServerConfig:
     distributed_backend: str = attrs.field(default="any")
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive)
     engine_mode: str = attrs.field(default="process")
+    admission_window_ms: float = attrs.field(default=30.0)
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute, value):
@@ -107,6 +108,11 @@ class ServerConfig:
     def _check_log_level(self, attribute, value):
         if value.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+
+    @admission_window_ms.validator
+    def _check_admission_window(self, attribute, value):
+        if not 0 <= value <= 1000:
+            raise ValueError("admission_window_ms must be between 0 and 1000")
 
     @engine_mode.validator
     def _check_engine_mode(self, attribute, value):

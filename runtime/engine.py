@@ -97,13 +97,23 @@ class EngineCore:
         serial_generate: Callable[[Submit, list[int], Any, Callable], tuple[Iterator, list]]
         | None = None,
         share_commands: Callable[[list | None], list] | None = None,
+        admission_window: float = 0.0,
+        admission_batch: int = 8,
     ):
         """``serial_generate(submit, prompt_rest, cache, progress) -> (responses, cache)``,
         when given, serves every request alone through mlx-lm's ``stream_generate``
         (one token per engine step, so aborts still land between tokens).
 
         ``share_commands`` (distributed serving) is the per-step collective that
-        gives every rank rank 0's commands; the engine loops call it."""
+        gives every rank rank 0's commands; the engine loops call it.
+
+        ``admission_window`` (seconds; 0: off): while at least
+        ``admission_batch`` sequences are decoding, a new request waits in the
+        engine up to this long, or until ``admission_batch`` are waiting, so
+        that arrivals a few milliseconds apart join the batch together. Each
+        join rebuilds the whole batch's KV cache (mlx-lm's prompt batch extend,
+        split and filter), so on a GPU one join per arrival costs more than the
+        decoding itself (docs/performance.md); a small batch admits at once."""
         self.handle = handle
         self.share_commands = share_commands
         self._serial_generate = serial_generate
@@ -117,12 +127,17 @@ class EngineCore:
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
         self._stop_sequences = stop_sequences
+        self._admission_window = admission_window
+        self._admission_batch = admission_batch
+        self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._by_uid: dict[int, _Sequence] = {}
         self._uid_of: dict[int, int] = {}
         self._started: list[SequenceStarted] = []
         self._aborted: list[SequenceAborted] = []
         self._failed: list[SequenceFailed] = []
         self._steps = 0
+        self._prefill_steps = 0  # steps that processed prompt tokens
+        self._busy_seconds = 0.0  # wall time inside step()
         self._cache_hits = 0
         self._cached_tokens = 0
         self._recent_step_ends: collections.deque[float] = collections.deque(maxlen=8)
@@ -135,18 +150,27 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_uid or self._serial or self._serial_waiting)
+        return bool(self._by_uid or self._serial or self._serial_waiting or self._held)
 
     @property
     def active_request_ids(self) -> set[int]:
         ids = set(self._uid_of)
         ids.update(s.request_id for s in self._serial_waiting)
+        ids.update(sub.request_id for _, sub in self._held)
         if self._serial is not None:
             ids.add(self._serial.submit.request_id)
         return ids
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
+            if (
+                self._admission_window > 0
+                and len(self._by_uid) >= self._admission_batch
+                and self._serial_generate is None
+            ):
+                if command.request_id not in self.active_request_ids:
+                    self._held.append((time.monotonic(), command))
+                return
             self._submit(command)
         elif isinstance(command, Abort):
             if self._abort(command.request_id):
@@ -232,8 +256,26 @@ class EngineCore:
             return cache, prompt[-1:]
         return None, prompt
 
+    def _admit_held(self) -> None:
+        """Hand the held requests to the batch once the window is over (or it is full)."""
+        if not self._held:
+            return
+        if (
+            len(self._by_uid) >= self._admission_batch
+            and len(self._held) < self._admission_batch
+            and time.monotonic() - self._held[0][0] < self._admission_window
+        ):
+            return
+        while self._held:
+            self._submit(self._held.popleft()[1])
+
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove."""
+        for i, (_, sub) in enumerate(self._held):
+            if sub.request_id == request_id:
+                del self._held[i]
+                self._aborted.append(SequenceAborted(request_id=request_id))
+                return True
         if self._serial_generate is not None and self._abort_serial(request_id):
             self._aborted.append(SequenceAborted(request_id=request_id))
             return True
@@ -341,6 +383,8 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         """Run one engine step (if there is work) and collect everything since the last."""
+        began = time.perf_counter()
+        self._admit_held()
         progress: list[PromptProgress] = []
         tokens: list[TokenEvent] = []
         if self._by_uid:
@@ -354,6 +398,8 @@ class EngineCore:
             progress.extend(self._serial_progress)
             self._serial_progress.clear()
         self._steps += 1
+        self._prefill_steps += bool(progress)
+        self._busy_seconds += time.perf_counter() - began
         if self._by_uid or tokens or progress:
             self._recent_step_ends.append(time.monotonic())
         outputs = StepOutputs(
@@ -448,6 +494,9 @@ class EngineCore:
     def _fail_all(self, message: str, *, retryable: bool = False, rebuild: bool = True) -> None:
         ids = [seq.request_id for seq in self._by_uid.values()]
         ids += [sub.request_id for sub in self._serial_waiting]
+        if not rebuild:  # closing: the held requests go too (a failed step keeps them)
+            ids += [sub.request_id for _, sub in self._held]
+            self._held.clear()
         if self._serial is not None:
             ids.append(self._serial.submit.request_id)
         self._serial_waiting.clear()
@@ -474,8 +523,11 @@ class EngineCore:
         return EngineStats(
             active_sequences=len(self._by_uid)
             + len(self._serial_waiting)
+            + len(self._held)
             + (self._serial is not None),
             steps=self._steps,
+            prefill_steps=self._prefill_steps,
+            busy_seconds=self._busy_seconds,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
             prompt_cache_hits=self._cache_hits,

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05  # how often the proxy thread looks for cancellation while idle
 SHUTDOWN_SECONDS = 10.0  # how long a cancelled proxy waits for the child to leave
+# Benchmarks: set to a path prefix and each engine process writes cProfile
+# statistics to PREFIX.PID when it exits (bench/profile_h200.sh).
+PROFILE_ENV = "MLX_TRIO_ENGINE_PROFILE"
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where ``runtime`` can be imported from
 
 
@@ -95,11 +98,21 @@ def engine_process_main(conn) -> None:
         conn.send(EngineCrashed(reason=reason))
 
     error = None
+    profile_path = os.environ.get(PROFILE_ENV)
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         run_engine_loop(make_core, inbox, conn.send, lambda: None, on_ready=ready, on_crash=crashed)
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.error("the engine process failed: %s", error)
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(f"{profile_path}.{os.getpid()}")
     try:
         conn.send(EngineExited(error=error))
         conn.close()

@@ -148,6 +148,8 @@ class SequenceFailed:
 class EngineStats:
     active_sequences: int = 0
     steps: int = 0
+    prefill_steps: int = 0  # steps that processed prompt tokens
+    busy_seconds: float = 0.0  # time spent stepping (the rest: idle or waiting for commands)
     prompt_cache_entries: int = 0
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0

@@ -213,6 +213,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         stop_sequences=make_stop_sequences(tokenizer),
         serial_generate=serial,
         share_commands=share,
+        admission_window=config.admission_window_ms / 1000,
+        admission_batch=config.prompt_concurrency,
     )
 
 

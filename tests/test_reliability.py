@@ -170,3 +170,12 @@ async def test_metrics_report_the_runtime(tiny_model_path, path):
         assert "mlx_trio_model_ready 1" in text
         assert "mlx_trio_active_sequences 0" in text
         assert 'mlx_trio_http_responses_total{route="/v1/chat/completions",status="200"} 1' in text
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        # The request took steps; at least one processed its prompt; they took time.
+        assert values["mlx_trio_engine_steps_total"] >= 3
+        assert 1 <= values["mlx_trio_engine_prefill_steps_total"] < values["mlx_trio_engine_steps_total"]
+        assert values["mlx_trio_engine_busy_seconds_total"] > 0

@@ -1,0 +1,163 @@
+"""EngineCore's admission window (``--admission-window-ms``), over the fake batch generator.
+
+While at least ``admission_batch`` sequences decode, a new request waits in
+the engine (not in the batch) until the window is over or ``admission_batch``
+requests wait; then they all join in one step. A small batch admits at once.
+Held requests count as active, can be aborted, and fail on close.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.engine import EngineCore, ModelHandle
+from runtime.messages import Abort
+from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
+from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
+
+FOREVER = 3600.0  # a window that only the batch-size rule ends
+
+
+def engine(window: float, batch: int = 2, completion: int = 8):
+    factory = FakeBatchGeneratorFactory(
+        vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
+    )
+    core = EngineCore(
+        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        batch_generator_factory=factory,
+        prompt_cache=FakePromptCache(),
+        admission_window=window,
+        admission_batch=batch,
+    )
+    return core, factory
+
+
+def long_submit(rid: int):
+    # Prompt (1, 1): scripted tokens 2 + 7i (mod 64) never hit EOS within 30 tokens.
+    return make_submit(rid, (1, 1), max_tokens=30)
+
+
+def test_a_small_batch_admits_at_once():
+    core, factory = engine(FOREVER, batch=2)
+    core.handle_command(long_submit(1))
+    core.handle_command(long_submit(2))  # one decoding (< 2): no wait
+    assert len(factory.current.inserted) == 2
+
+
+def test_arrivals_wait_for_each_other_while_the_batch_is_full():
+    core, factory = engine(FOREVER, batch=2)
+    ledger = Ledger()
+    for rid in (1, 2):
+        core.handle_command(long_submit(rid))
+    ledger.record(core.step())
+    core.handle_command(long_submit(3))
+    gen = factory.current
+    assert len(gen.inserted) == 2  # held, not in the batch
+    assert 3 in core.active_request_ids and core.has_work
+    out = core.step()
+    ledger.record(out)
+    assert len(gen.inserted) == 2 and out.stats.active_sequences == 3
+    assert not any(e.request_id == 3 for e in out.started)
+    core.handle_command(long_submit(4))  # two wait now: both join in the next step
+    out = core.step()
+    ledger.record(out)
+    assert len(gen.inserted) == 4
+    assert {e.request_id for e in out.started} == {3, 4}
+    assert set(gen.steps[-1].prompt_uids) == set(gen.inserted[2:])
+
+
+def test_the_window_ends_the_wait():
+    core, factory = engine(0.02, batch=2)
+    for rid in (1, 2):
+        core.handle_command(long_submit(rid))
+    core.step()
+    core.handle_command(long_submit(3))
+    core.step()  # within the window (a fake step takes microseconds)
+    assert len(factory.current.inserted) == 2
+    time.sleep(0.03)
+    out = core.step()
+    assert len(factory.current.inserted) == 3
+    assert [e.request_id for e in out.started] == [3]
+
+
+def test_a_held_request_can_be_aborted_and_never_enters_the_batch():
+    core, factory = engine(FOREVER, batch=2)
+    for rid in (1, 2):
+        core.handle_command(long_submit(rid))
+    core.step()
+    core.handle_command(long_submit(3))
+    core.handle_command(Abort(request_id=3))
+    out = core.step()
+    assert [e.request_id for e in out.aborted] == [3]
+    assert 3 not in core.active_request_ids
+    assert len(factory.current.inserted) == 2
+
+
+def test_held_requests_join_when_the_batch_shrinks_and_fail_on_close():
+    core, factory = engine(FOREVER, batch=2)
+    core.handle_command(make_submit(1, (1, 1), max_tokens=2))
+    core.handle_command(make_submit(2, (1, 1), max_tokens=2))
+    core.step()
+    core.handle_command(long_submit(3))
+    for _ in range(3):  # 1 and 2 finish: the batch is below 2, so 3 joins
+        core.step()
+    assert len(factory.current.inserted) == 3
+    core2, _ = engine(FOREVER, batch=2)
+    for rid in (1, 2):
+        core2.handle_command(long_submit(rid))
+    core2.step()
+    core2.handle_command(long_submit(3))
+    out = core2.close()
+    assert {e.request_id for e in out.failed} == {1, 2, 3}
+    assert all(e.retryable for e in out.failed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("submit"), st.integers(1, 6), st.integers(1, 8)),
+            st.tuples(st.just("abort"), st.integers(0, 12)),
+            st.tuples(st.just("step")),
+        ),
+        max_size=40,
+    ),
+)
+def test_every_request_ends_once_with_its_own_tokens(batch, ops):
+    """Random arrivals, aborts and steps with a window that only fills up: every
+    request gets one terminal, finished ones exactly their scripted tokens."""
+    core, factory = engine(FOREVER, batch=batch, completion=4)
+    ledger = Ledger()
+    submitted: dict[int, tuple] = {}
+    for op in ops:
+        if op[0] == "submit":
+            rid = len(submitted) + 1
+            prompt = tuple(range(1, op[1] + 1))
+            submitted[rid] = (prompt, op[2])
+            core.handle_command(make_submit(rid, prompt, max_tokens=op[2]))
+        elif op[0] == "abort":
+            core.handle_command(Abort(request_id=op[1]))
+        else:
+            ledger.record(core.step())
+        assert core.stats().active_sequences == len(core.active_request_ids)
+    for _ in range(100):
+        if not core.has_work:
+            break
+        ledger.record(core.step())
+    assert not core.has_work
+    assert set(ledger.terminal) == set(submitted)
+    for rid, (kind, _) in ledger.terminal.items():
+        if kind != "finish":
+            assert kind == "aborted"
+            continue
+        prompt, max_tokens = submitted[rid]
+        want = []
+        for i in range(max_tokens):
+            want.append(scripted_token(prompt, i, VOCAB))
+            if want[-1] == EOS:
+                break
+        assert ledger.tokens(rid) == want
