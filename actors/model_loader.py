@@ -370,8 +370,10 @@ class ModelLoader:
                 trio.from_thread.check_cancelled()
             self._token.run_sync_soon(self._deliver, outputs, credits)
 
-        def ready(handle: ModelHandle) -> None:
-            trio.from_thread.run_sync(self._ready, handle, inbox)
+        def ready(handle: ModelHandle, attach=inbox) -> None:
+            # ``attach``: what the trio side puts commands into (an engine
+            # process gives its ``ProcessInbox``).
+            trio.from_thread.run_sync(self._ready, handle, attach)
 
         def crashed(reason: str) -> None:
             trio.from_thread.run_sync(self.core.crashing, reason)

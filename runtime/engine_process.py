@@ -11,10 +11,11 @@ The child runs the very same ``run_engine_loop`` as the in-process engine
 thread, on its main thread (which owns MLX for the child's lifetime). Over one socket
 pair (``multiprocessing.connection`` framing and pickling):
 
-* parent -> child: ``Submit`` / ``Abort`` / ``Shutdown``, forwarded from the
-  ModelLoader's inbox by a writer thread (so ``inbox.put`` never blocks the
-  event loop, even on a stalled child); a reader thread in the child feeds
-  them into the engine loop's inbox. EOF (the parent died) means ``Shutdown``.
+* parent -> child: ``Submit`` / ``Abort`` / ``Shutdown``, put into a
+  ``ProcessInbox``: small ones written to the socket at once when it has
+  room, the rest by a writer thread, in order (so ``inbox.put`` never blocks
+  the event loop, even on a stalled child); the engine loop reads them from
+  the socket between steps. EOF (the parent died) means ``Shutdown``.
 * child -> parent: ``EngineReady`` once loaded, one ``StepOutputs`` per step,
   ``EngineCrashed`` before a crash's failures, and ``EngineExited`` last. The
   pipe is bounded (the OS buffer), and the parent's proxy thread takes a step
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +83,10 @@ def engine_process_main(conn) -> None:
     except (EOFError, OSError):
         os._exit(1)
     logging.basicConfig(level=log_level, format=log_format)
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def read_commands() -> None:
-        try:
-            while True:
-                inbox.put(conn.recv())
-        except (EOFError, OSError):
-            inbox.put(Shutdown())  # the parent is gone: stop
-
-    threading.Thread(target=read_commands, name="engine-commands", daemon=True).start()
+    # The engine loop reads its commands from the socket itself, between steps:
+    # no reader thread, so an Abort waits for no thread switch (with one, it
+    # waited up to the GIL's switch interval, several steps of a small model).
+    inbox = ConnectionInbox(conn)
 
     def ready(core) -> None:
         conn.send(engine_ready(core.handle))
@@ -123,6 +120,34 @@ def engine_process_main(conn) -> None:
     os._exit(1 if error else 0)
 
 
+class ConnectionInbox:
+    """The engine loop's inbox in an engine process: commands straight from the socket.
+
+    ``get`` / ``get_nowait`` as ``queue.SimpleQueue`` has them (``run_engine_loop``
+    drains with them). End-of-file, the parent gone, reads as ``Shutdown``.
+    """
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._closed = False
+
+    def get(self, timeout: float | None = None):
+        if self._closed:  # the one Shutdown has been given
+            if timeout:
+                time.sleep(timeout)
+            raise queue.Empty
+        try:
+            if not self._conn.poll(timeout):
+                raise queue.Empty
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._closed = True
+            return Shutdown()
+
+    def get_nowait(self):
+        return self.get(0)
+
+
 def engine_ready(handle: ModelHandle) -> EngineReady:
     """What the parent needs of a loaded model (the model itself stays here)."""
     return EngineReady(
@@ -145,7 +170,7 @@ def run_engine_proxy(
     load_tokenizer: Callable[[EngineReady], Any],
     *,
     emit: Callable[[StepOutputs], None],
-    on_ready: Callable[[ModelHandle], None],
+    on_ready: Callable[[ModelHandle, ProcessInbox], None],
     on_crash: Callable[[str], None],
     check_cancelled: Callable[[], None],
     log_level: str = "INFO",
@@ -159,16 +184,27 @@ def run_engine_proxy(
     child, waiting at most ``SHUTDOWN_SECONDS``).
     """
     process, here = _start_child(make_core, log_level, log_format)
+    commands = ProcessInbox(here, inbox)
     writer = threading.Thread(
-        target=_forward_commands, args=(inbox, here), name="engine-commands", daemon=True
+        target=_forward_commands,
+        args=(inbox, here, commands),
+        name="engine-commands",
+        daemon=True,
     )
     writer.start()
     exited: EngineExited | None = None
     try:
-        exited = _relay(here, load_tokenizer, emit, on_ready, on_crash, check_cancelled)
+        exited = _relay(
+            here,
+            load_tokenizer,
+            emit,
+            lambda handle: on_ready(handle, commands),
+            on_crash,
+            check_cancelled,
+        )
     except BaseException:
         # Cancelled (or the trio side failed): ask the child to stop, bounded.
-        inbox.put(Shutdown())
+        commands.put(Shutdown())
         _drain_until_exit(here, time.monotonic() + SHUTDOWN_SECONDS)
         raise
     finally:
@@ -247,16 +283,78 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
     )
 
 
-def _forward_commands(inbox: queue.SimpleQueue, conn) -> None:
-    """Writer thread: the inbox's commands into the pipe, until ``None``."""
+class ProcessInbox:
+    """The engine inbox the trio side holds when the engine is a process.
+
+    ``put`` never blocks: a small command (an ``Abort``, a ``Shutdown``, a short
+    ``Submit``) goes straight into the socket when no command is waiting for
+    the writer thread and the socket has room; anything else is queued for the
+    writer thread, in order. Straight, an ``Abort`` reaches the engine without
+    waiting for the writer thread to get the GIL from a busy event loop (up to
+    5 ms: several steps of a small model).
+    """
+
+    DIRECT_BYTES = 16384  # well under the socket's free room whenever it polls writable
+
+    def __init__(self, conn, queued: queue.SimpleQueue):
+        self._conn = conn
+        self._queued = queued  # pickled commands for the writer thread, FIFO
+        self.lock = threading.Lock()  # held by whoever writes to the socket
+        self._count_lock = threading.Lock()
+        self._pending = 0  # commands handed to the writer thread and not yet written
+
+    def put(self, command) -> None:
+        data = bytes(ForkingPickler.dumps(command))
+        if len(data) <= self.DIRECT_BYTES and self._send_direct(data):
+            return
+        with self._count_lock:
+            self._pending += 1
+        self._queued.put(data)
+
+    def _send_direct(self, data: bytes) -> bool:
+        if not self.lock.acquire(blocking=False):
+            return False  # the writer thread is writing
+        try:
+            with self._count_lock:
+                if self._pending:
+                    return False  # earlier commands first
+            if not _writable(self._conn):
+                return False
+            self._conn.send_bytes(data)
+        except OSError:
+            pass  # the child is gone; the relay reports it
+        finally:
+            self.lock.release()
+        return True
+
+    def empty(self) -> bool:
+        """Whether every command put so far has been written to the socket."""
+        with self._count_lock:
+            return self._pending == 0
+
+    def written(self) -> None:
+        """The writer thread wrote one queued command."""
+        with self._count_lock:
+            self._pending -= 1
+
+
+def _writable(conn) -> bool:
+    _, writable, _ = select.select([], [conn.fileno()], [], 0)
+    return bool(writable)
+
+
+def _forward_commands(queued: queue.SimpleQueue, conn, inbox: ProcessInbox) -> None:
+    """Writer thread: the commands ``ProcessInbox`` queued, into the socket, until ``None``."""
     while True:
-        command = inbox.get()
-        if command is None:
+        data = queued.get()
+        if data is None:
             return
         try:
-            conn.send(command)
+            with inbox.lock:
+                conn.send_bytes(data)
         except (OSError, ValueError):
             return  # the child is gone; the relay reports it
+        inbox.written()
 
 
 def _drain_until_exit(conn, deadline: float) -> None:

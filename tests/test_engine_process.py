@@ -189,3 +189,78 @@ def test_a_bad_engine_mode_is_refused():
     )
     assert done.returncode == 2
     assert "--engine-mode" in done.stderr
+
+
+# ------------------------------------------------ ProcessInbox (no engine needed)
+
+
+def _socket_connections():
+    import socket
+    from multiprocessing.connection import Connection
+
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
+
+
+def _submit(rid: int, n_tokens: int):
+    from runtime.messages import SamplingParams, Submit
+
+    prompt = tuple(range(n_tokens))
+    return Submit(
+        request_id=rid,
+        prompt=prompt,
+        segments=(prompt,),
+        segment_types=("assistant",),
+        sampling=SamplingParams(),
+        max_tokens=4,
+    )
+
+
+def test_a_small_command_goes_straight_into_the_socket():
+    import queue
+
+    from runtime.engine_process import ProcessInbox
+    from runtime.messages import Abort
+
+    here, there = _socket_connections()
+    queued = queue.SimpleQueue()
+    inbox = ProcessInbox(here, queued)  # no writer thread: only the direct path can deliver
+    inbox.put(Abort(request_id=7))
+    assert queued.empty()
+    assert there.poll(5) and there.recv() == Abort(request_id=7)
+    inbox.put(_submit(1, 20000))  # too big to write from the caller: queued
+    assert not queued.empty() and not there.poll(0.1)
+
+
+def test_commands_arrive_in_the_order_they_were_put():
+    import queue
+    import random
+    import threading
+
+    from runtime.engine_process import ProcessInbox, _forward_commands
+    from runtime.messages import Abort
+
+    here, there = _socket_connections()
+    queued = queue.SimpleQueue()
+    inbox = ProcessInbox(here, queued)
+    writer = threading.Thread(target=_forward_commands, args=(queued, here, inbox), daemon=True)
+    writer.start()
+    rng = random.Random(0)
+    sent = []
+    received = []
+
+    def read():
+        while len(received) < 400:
+            received.append(there.recv())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    for i in range(400):
+        # Big Submits go through the writer thread, Aborts straight when they can:
+        # an Abort must never overtake the Submit put before it.
+        command = _submit(i, rng.choice([5, 30000])) if rng.random() < 0.5 else Abort(request_id=i)
+        sent.append(command)
+        inbox.put(command)
+    reader.join(30)
+    queued.put(None)
+    assert received == sent
