@@ -339,8 +339,10 @@ class ProcessInbox:
 
 
 def _writable(conn) -> bool:
-    _, writable, _ = select.select([], [conn.fileno()], [], 0)
-    return bool(writable)
+    # poll, not select: a busy server's descriptors can be numbered past 1024.
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLOUT)
+    return any(events & select.POLLOUT for _, events in poller.poll(0))
 
 
 def _forward_commands(queued: queue.SimpleQueue, conn, inbox: ProcessInbox) -> None:
