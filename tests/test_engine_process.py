@@ -264,3 +264,32 @@ def test_commands_arrive_in_the_order_they_were_put():
     reader.join(30)
     queued.put(None)
     assert received == sent
+
+
+def test_a_command_goes_straight_in_with_a_descriptor_past_1024():
+    """A busy server's sockets can be numbered past select()'s limit of 1024."""
+    import queue
+    import resource
+
+    from runtime.engine_process import ProcessInbox
+    from runtime.messages import Abort
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("cannot open more than 1200 files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    spare = []
+    try:
+        while True:
+            spare.append(os.open(os.devnull, os.O_RDONLY))
+            if spare[-1] > 1030:
+                break
+        here, there = _socket_connections()
+        assert here.fileno() > 1024
+        inbox = ProcessInbox(here, queue.SimpleQueue())
+        inbox.put(Abort(request_id=3))
+        assert there.poll(5) and there.recv() == Abort(request_id=3)
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
