@@ -113,7 +113,8 @@ class EngineCore:
         that arrivals a few milliseconds apart join the batch together. Each
         join rebuilds the whole batch's KV cache (mlx-lm's prompt batch extend,
         split and filter), so on a GPU one join per arrival costs more than the
-        decoding itself (docs/performance.md); a small batch admits at once."""
+        decoding itself (docs/performance.md); a small batch admits at once.
+        Off when ``share_commands`` is given (distributed)."""
         self.handle = handle
         self.share_commands = share_commands
         self._serial_generate = serial_generate
@@ -127,7 +128,9 @@ class EngineCore:
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
         self._stop_sequences = stop_sequences
-        self._admission_window = admission_window
+        # Distributed, every rank must run the same steps: a window that ends on
+        # each rank's own clock would not, so it stays off there.
+        self._admission_window = 0.0 if share_commands is not None else admission_window
         self._admission_batch = admission_batch
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._by_uid: dict[int, _Sequence] = {}

@@ -21,7 +21,7 @@ from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 FOREVER = 3600.0  # a window that only the batch-size rule ends
 
 
-def engine(window: float, batch: int = 2, completion: int = 8):
+def engine(window: float, batch: int = 2, completion: int = 8, share_commands=None):
     factory = FakeBatchGeneratorFactory(
         vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
     )
@@ -31,6 +31,7 @@ def engine(window: float, batch: int = 2, completion: int = 8):
         prompt_cache=FakePromptCache(),
         admission_window=window,
         admission_batch=batch,
+        share_commands=share_commands,
     )
     return core, factory
 
@@ -67,6 +68,16 @@ def test_arrivals_wait_for_each_other_while_the_batch_is_full():
     assert len(gen.inserted) == 4
     assert {e.request_id for e in out.started} == {3, 4}
     assert set(gen.steps[-1].prompt_uids) == set(gen.inserted[2:])
+
+
+def test_no_window_when_distributed():
+    """Every rank must run the same steps; a window on each rank's clock would not."""
+    core, factory = engine(FOREVER, batch=2, share_commands=lambda commands: commands or [])
+    for rid in (1, 2):
+        core.handle_command(long_submit(rid))
+    core.step()
+    core.handle_command(long_submit(3))  # two decoding: a window would hold it
+    assert len(factory.current.inserted) == 3
 
 
 def test_the_window_ends_the_wait():
