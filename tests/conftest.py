@@ -40,6 +40,25 @@ async def poll_until(predicate, seconds: float = 10.0) -> None:
             await trio.sleep(0.01)
 
 
+def wait_healthy(base: str, procs, seconds: float = 90.0) -> bool:
+    """Poll ``base``/health until it answers 200 (True), or until one of ``procs``
+    exits or ``seconds`` pass (False; the caller cleans up and fails)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
 def raw_chat_request(host: str, body: dict) -> bytes:
     """An HTTP/1.1 POST of ``body`` to /v1/chat/completions, for tests that drop the socket."""
     import json

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import conftest
 from tests.conftest import raw_chat_request, read_sse_chunks
 
 PROMPTS = ["hello there", "what is the weather in Paris", "tell me about cats", "the time in Rome"]
@@ -40,18 +41,10 @@ def server_command(model: str, port: int, *extra: str) -> list[str]:
 
 
 def wait_healthy(base: str, procs: list[subprocess.Popen], seconds: float = 90) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            pytest.fail("the server did not become healthy")
-        time.sleep(0.1)
+    if not conftest.wait_healthy(base, procs, seconds):
+        for p in procs:
+            p.kill()
+        pytest.fail("the server did not become healthy")
 
 
 class Group:

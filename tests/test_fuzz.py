@@ -46,6 +46,7 @@ from api.convert import structure_or_400
 from api.openapi import RANGES, openapi_document
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.errors import ClientError
+from tests.conftest import wait_healthy
 from tests.test_server_process import free_port
 
 MAX_EXAMPLES = 30
@@ -188,17 +189,9 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                pytest.fail(f"server did not start:\n{self.log_tail()}")
-            time.sleep(0.1)
+        if not wait_healthy(self.base, [self.proc]):
+            self.proc.kill()
+            pytest.fail(f"server did not start:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]

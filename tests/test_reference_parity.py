@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import conftest
+
 TIMEOUT = 60
 GET_WEATHER = {
     "type": "function",
@@ -70,17 +72,10 @@ class Server:
         self.client = httpx.Client(base_url=self.base, timeout=TIMEOUT)
 
     def wait_healthy(self, deadline: float) -> None:
-        while True:
-            try:
-                if self.client.get("/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = self.log.read_text(errors="replace")[-3000:]
-                pytest.fail(f"{self.name} server did not become healthy:\n{tail}")
-            time.sleep(0.1)
+        if not conftest.wait_healthy(self.base, [self.proc], deadline - time.monotonic()):
+            self.stop()
+            tail = self.log.read_text(errors="replace")[-3000:]
+            pytest.fail(f"{self.name} server did not become healthy:\n{tail}")
 
     def stop(self) -> None:
         self.client.close()

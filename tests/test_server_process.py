@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import raw_chat_request, read_sse_chunks
+from tests.conftest import raw_chat_request, read_sse_chunks, wait_healthy
 
 
 def free_port() -> int:
@@ -35,17 +35,10 @@ def spawn_server(args, env: dict | None = None, *, log=subprocess.DEVNULL):
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("server did not start")
-        time.sleep(0.1)
+    if not wait_healthy(base, [proc]):
+        proc.kill()
+        pytest.fail("server did not start")
+    return proc, base
 
 
 def hypercorn_args(port: int) -> list[str]:
