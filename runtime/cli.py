@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "this long (or until --prompt-concurrency wait) so that arrivals join the batch "
         "together (0: admit at once)",
     )
+    p.add_argument(
+        "--prompt-cache-min-reuse",
+        type=int,
+        default=64,
+        help="reuse a cached prompt prefix only if it covers at least this many tokens "
+        "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
+    )
     return p
 
 

@@ -93,6 +93,7 @@ class ServerConfig:
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive)
     engine_mode: str = attrs.field(default="process")
     admission_window_ms: float = attrs.field(default=30.0)
+    prompt_cache_min_reuse: int = attrs.field(default=64)
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute, value):
@@ -113,6 +114,11 @@ class ServerConfig:
     def _check_admission_window(self, attribute, value):
         if not 0 <= value <= 1000:
             raise ValueError("admission_window_ms must be between 0 and 1000")
+
+    @prompt_cache_min_reuse.validator
+    def _check_min_reuse(self, attribute, value):
+        if value < 0:
+            raise ValueError("prompt_cache_min_reuse must be 0 or more")
 
     @engine_mode.validator
     def _check_engine_mode(self, attribute, value):

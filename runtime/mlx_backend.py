@@ -163,7 +163,8 @@ def _vocab_size(model, tokenizer) -> int:
 def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, make_stop_sequences
-    from mlx_lm.models.cache import LRUPromptCache
+
+    from runtime.prompt_cache_store import PromptCacheStore
 
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
@@ -206,7 +207,11 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        prompt_cache=LRUPromptCache(max_size=config.prompt_cache_size, max_bytes=max_bytes),
+        prompt_cache=PromptCacheStore(
+            max_size=config.prompt_cache_size,
+            max_bytes=max_bytes,
+            min_reuse_tokens=config.prompt_cache_min_reuse,
+        ),
         prompt_cache_bytes=prompt_cache_bytes,
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,

@@ -260,7 +260,9 @@ async def test_seeded_sampling_is_reproducible_inside_the_batch(client):
 async def test_second_turn_reuses_the_first_turns_cache_and_matches_a_cold_server(
     client, tiny_model_path
 ):
-    system = {"role": "system", "content": "You are a terse assistant who knows the weather."}
+    # Long enough (> 64 tokens) that reusing it beats prefilling it again
+    # (the server's --prompt-cache-min-reuse floor).
+    system = {"role": "system", "content": "You are a terse assistant who knows the weather. " * 4}
     turn1 = [system, {"role": "user", "content": "what is the weather in Paris"}]
     _, first, _ = await post(client, CHAT, {"messages": turn1, "max_tokens": 8})
     reply = first["choices"][0]["message"]["content"] or ""
@@ -283,12 +285,23 @@ async def test_second_turn_reuses_the_first_turns_cache_and_matches_a_cold_serve
 
 
 async def test_a_new_conversation_reuses_the_system_prompt(client):
-    system = {"role": "system", "content": "You answer questions about cats and dogs only."}
+    system = {"role": "system", "content": "You answer questions about cats and dogs only. " * 4}
     a = [system, {"role": "user", "content": "tell me about cats"}]
     b = [system, {"role": "user", "content": "tell me about dogs please"}]
     await post(client, CHAT, {"messages": a, "max_tokens": 2})
     _, second, _ = await post(client, CHAT, {"messages": b, "max_tokens": 2})
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 5
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 64
+
+
+async def test_a_short_shared_prefix_is_not_reused(client):
+    # Only the template's opening and a short system prompt in common: below
+    # the 64-token floor, so the second request is prefilled in full.
+    system = {"role": "system", "content": "Be brief."}
+    a = [system, {"role": "user", "content": "tell me about owls"}]
+    b = [system, {"role": "user", "content": "and about herons"}]
+    await post(client, CHAT, {"messages": a, "max_tokens": 2})
+    _, second, _ = await post(client, CHAT, {"messages": b, "max_tokens": 2})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 async def test_models_list_survives_a_missing_hugging_face_cache(client, tmp_path, monkeypatch):

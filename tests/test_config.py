@@ -21,17 +21,20 @@ def test_cli_and_env_give_the_same_config():
         "--model", "/m", "--max-tokens", "256", "--allowed-origins", "a,b",
         "--chat-template-args", '{"enable_thinking": false}', "--prompt-cache-bytes", "4GB",
         "--trust-remote-code", "--engine-mode", "thread", "--admission-window-ms", "5",
+        "--prompt-cache-min-reuse", "0",
     ])
     env = config_from_env({
         "MLX_TRIO_MODEL": "/m", "MLX_TRIO_MAX_TOKENS": "256", "MLX_TRIO_ALLOWED_ORIGINS": "a,b",
         "MLX_TRIO_CHAT_TEMPLATE_ARGS": '{"enable_thinking": false}',
         "MLX_TRIO_PROMPT_CACHE_BYTES": "4GB", "MLX_TRIO_TRUST_REMOTE_CODE": "1",
         "MLX_TRIO_ENGINE_MODE": "thread", "MLX_TRIO_ADMISSION_WINDOW_MS": "5",
+        "MLX_TRIO_PROMPT_CACHE_MIN_REUSE": "0",
     })
     assert cli == env
     assert env.prompt_cache_bytes == 4 * 10**9
     assert env.allowed_origins == ("a", "b")
     assert env.engine_mode == "thread" and env.admission_window_ms == 5.0
+    assert env.prompt_cache_min_reuse == 0 and ServerConfig().prompt_cache_min_reuse == 64
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,7 @@ def test_cli_and_env_give_the_same_config():
         ({"MLX_TRIO_TRUST_REMOTE_CODE": "perhaps"}, "boolean"),
         ({"MLX_TRIO_ENGINE_MODE": "fork"}, "engine_mode"),
         ({"MLX_TRIO_ADMISSION_WINDOW_MS": "-1"}, "admission_window_ms"),
+        ({"MLX_TRIO_PROMPT_CACHE_MIN_REUSE": "-5"}, "prompt_cache_min_reuse"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_setting(environ, fragment):

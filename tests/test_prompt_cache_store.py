@@ -1,0 +1,100 @@
+"""The engine's prompt cache (runtime.prompt_cache_store): the reuse floor,
+checked against mlx-lm's own LRUPromptCache and a brute-force prefix count."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, LRUPromptCache
+
+from runtime.prompt_cache_store import PromptCacheStore
+
+MODEL = "m"
+token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=10)
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(token_lists, min_size=0, max_size=6),
+    query=token_lists,
+    floor=st.integers(0, 6),
+)
+def test_the_floor_misses_short_prefixes_and_otherwise_fetches_as_mlx_lm(keys, query, floor):
+    ours = PromptCacheStore(max_size=10, min_reuse_tokens=floor)
+    theirs = LRUPromptCache(max_size=10)
+    for key in keys:
+        ours.insert_cache(MODEL, list(key), _cache(len(key)))
+        theirs.insert_cache(MODEL, list(key), _cache(len(key)))
+
+    shared = ours.shared_prefix(MODEL, list(query))
+    assert shared == max((_common(k, query) for k in keys), default=0)
+
+    cache, rest = ours.fetch_nearest_cache(MODEL, list(query))
+    want_cache, want_rest = theirs.fetch_nearest_cache(MODEL, list(query))
+    reused_by_mlx = len(query) - len(want_rest)
+    assert shared >= reused_by_mlx
+    if shared < floor:
+        assert (cache, rest) == (None, list(query))
+    else:
+        assert rest == want_rest
+        assert (cache is None) == (want_cache is None)
+        if cache is not None:
+            assert [c.offset for c in cache] == [c.offset for c in want_cache]
+
+
+def _cache(tokens: int) -> list:
+    layer = KVCache()
+    kv = mx.zeros((1, 1, tokens, 4))
+    layer.update_and_fetch(kv, kv)
+    return [layer]
+
+
+def test_a_prefix_below_the_floor_is_not_reused():
+    store = PromptCacheStore(max_size=4, min_reuse_tokens=8)
+    stored = list(range(100, 120))
+    store.insert_cache(MODEL, stored, _cache(len(stored)))
+
+    # Shares 5 tokens with the entry: under the floor, a miss.
+    prompt = stored[:5] + [1, 2, 3]
+    assert store.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
+
+    # Shares 10: reused, trimmed to the shared prefix.
+    prompt = stored[:10] + [1, 2, 3]
+    cache, rest = store.fetch_nearest_cache(MODEL, prompt)
+    assert rest == [1, 2, 3]
+    assert cache[0].offset == 10
+
+    # The stored entry is a prefix of the prompt: reused whole.
+    prompt = stored + [7]
+    cache, rest = store.fetch_nearest_cache(MODEL, prompt)
+    assert rest == [7] and cache[0].offset == len(stored)
+
+
+def test_a_zero_floor_reuses_any_prefix_as_mlx_lm_does():
+    store = PromptCacheStore(max_size=4, min_reuse_tokens=0)
+    stored = list(range(100, 120))
+    store.insert_cache(MODEL, stored, _cache(len(stored)))
+    prompt = stored[:3] + [1]
+    cache, rest = store.fetch_nearest_cache(MODEL, prompt)
+    assert rest == [1] and cache[0].offset == 3
+
+
+def test_shared_prefix_counts_what_any_entry_shares():
+    store = PromptCacheStore(max_size=4)
+    store.insert_cache(MODEL, [1, 2, 3, 4], _cache(4))
+    store.insert_cache(MODEL, [1, 2, 9, 9, 9, 9], _cache(6))
+    assert store.shared_prefix(MODEL, [1, 2, 3, 4]) == 4  # exact
+    assert store.shared_prefix(MODEL, [1, 2, 3, 4, 5]) == 4  # a stored prefix
+    assert store.shared_prefix(MODEL, [1, 2, 9, 9, 7]) == 4  # part of a longer entry
+    assert store.shared_prefix(MODEL, [8, 8]) == 0
+    assert store.shared_prefix("another model", [1, 2]) == 0
