@@ -299,6 +299,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results-dir", default=str(BENCH / "results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument(
+        "--replot",
+        metavar="JSON",
+        default=None,
+        help="print the table and write the plot of an earlier run's results JSON "
+        "(e.g. one made on a machine without matplotlib), then exit",
+    )
+    p.add_argument(
         "--warm-up-pass",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -320,9 +327,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def replot(results_json: Path) -> int:
+    data = json.loads(results_json.read_text())
+    meta = data["meta"]
+    pooled = {int(lv): by for lv, by in data["pooled"].items()}
+    levels = sorted(pooled)
+    w = meta["workload"]
+    cpus = meta.get("machine", {}).get("cpus")
+    title = (
+        f"{Path(str(meta['model'])).name} model, prompt ~{w['prompt_tokens']} tok, "
+        f"{w['max_tokens']} new, {'stream' if w['stream'] else 'no stream'} {w['endpoint']}, "
+        f"{cpus} CPUs, {meta['timestamp']}"
+    )
+    sys.stdout.write(f"{title}\n{render_table(levels, pooled)}\n")
+    out_png = results_json.with_suffix(".png")
+    plot(levels, pooled, out_png, title)
+    sys.stdout.write(f"wrote {out_png}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     setup_logging()
+    if ns.replot:
+        return replot(Path(ns.replot))
     w = workload_from_args(ns)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     results_dir = Path(ns.results_dir)
