@@ -94,6 +94,7 @@ class ServerConfig:
     engine_mode: str = attrs.field(default="process")
     admission_window_ms: float = attrs.field(default=30.0)
     prompt_cache_min_reuse: int = attrs.field(default=64)
+    stream_interval_ms: float = attrs.field(default=0.0)
 
     @kv_bits.validator
     def _check_kv_bits(self, attribute, value):
@@ -114,6 +115,11 @@ class ServerConfig:
     def _check_admission_window(self, attribute, value):
         if not 0 <= value <= 1000:
             raise ValueError("admission_window_ms must be between 0 and 1000")
+
+    @stream_interval_ms.validator
+    def _check_stream_interval(self, attribute, value):
+        if not 0 <= value <= 1000:
+            raise ValueError("stream_interval_ms must be between 0 and 1000")
 
     @prompt_cache_min_reuse.validator
     def _check_min_reuse(self, attribute, value):

@@ -360,3 +360,28 @@ async def test_role_mapping_for_a_model_without_a_chat_template(tmp_path):
     # mlx_lm.server's default mapping adds a long system preamble; "Q: hello\nA:" is short.
     assert mapped["usage"]["prompt_tokens"] < default["usage"]["prompt_tokens"]
     assert mapped["usage"]["prompt_tokens"] <= 8
+
+
+async def test_a_stream_interval_merges_tokens_into_fewer_chunks(tiny_model_path):
+    body = chat_body("tell me a story", stream=True, max_tokens=24, temperature=0.0)
+    body["stream_options"] = {"include_usage": True}
+    texts = {}
+    for interval in (0.0, 400.0):
+        config = ServerConfig(model=tiny_model_path, stream_interval_ms=interval)
+        app = create_app(config)
+        async with app.test_app() as test_app:
+            c = test_app.test_client()
+            await wait_ready(c)
+            status, _, raw = await stream_post(c, CHAT, body)
+        assert status == 200
+        payloads, _, done = parse_sse(raw)
+        assert done
+        deltas = [p["choices"][0]["delta"] for p in payloads if p["choices"]]
+        text = "".join((d.get("content") or "") + (d.get("reasoning") or "") for d in deltas)
+        tokens = payloads[-1]["usage"]["completion_tokens"]
+        content_chunks = sum(1 for d in deltas if d.get("content") or d.get("reasoning"))
+        texts[interval] = (text, tokens, content_chunks)
+    (text0, tokens0, chunks0), (text1, tokens1, chunks1) = texts[0.0], texts[400.0]
+    assert (text1, tokens1) == (text0, tokens0)  # the same answer, greedy
+    assert tokens1 > 8
+    assert chunks1 <= 3 < chunks0  # the first token at once, the rest merged
