@@ -327,18 +327,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def run_title(meta: dict[str, Any]) -> str:
+    """The table's and the plot's heading, from a run's ``meta``."""
+    w = meta["workload"]
+    return (
+        f"{Path(str(meta['model'])).name} model, prompt ~{w['prompt_tokens']} tok, "
+        f"{w['max_tokens']} new, {'stream' if w['stream'] else 'no stream'} {w['endpoint']}, "
+        f"{meta.get('machine', {}).get('cpus')} CPUs, {meta['timestamp']}"
+    )
+
+
 def replot(results_json: Path) -> int:
     data = json.loads(results_json.read_text())
     meta = data["meta"]
     pooled = {int(lv): by for lv, by in data["pooled"].items()}
     levels = sorted(pooled)
-    w = meta["workload"]
-    cpus = meta.get("machine", {}).get("cpus")
-    title = (
-        f"{Path(str(meta['model'])).name} model, prompt ~{w['prompt_tokens']} tok, "
-        f"{w['max_tokens']} new, {'stream' if w['stream'] else 'no stream'} {w['endpoint']}, "
-        f"{cpus} CPUs, {meta['timestamp']}"
-    )
+    title = run_title(meta)
     sys.stdout.write(f"{title}\n{render_table(levels, pooled)}\n")
     out_png = results_json.with_suffix(".png")
     plot(levels, pooled, out_png, title)
@@ -446,10 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         lv: {s: [summarize([r]) for r in rs] for s, rs in by.items()} for lv, by in runs.items()
     }
     table = render_table(ns.levels, pooled)
-    title = (
-        f"{meta['model']} model, prompt ~{w.prompt_tokens} tok, {w.max_tokens} new, "
-        f"{'stream' if w.stream else 'no stream'} {w.endpoint}, {os.cpu_count()} CPUs, {stamp}"
-    )
+    title = run_title(meta)
     sys.stdout.write(f"{title}\n{table}\n")
     out_json = results_dir / f"{stamp}.json"
     out_json.write_text(
