@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import trio
 from mlx_lm.generate import TextStateMachine
 
@@ -34,6 +33,7 @@ from runtime.messages import (
     FinishReason,
     Progress,
     StepOutputs,
+    TextSpec,
     TokenEvent,
     TokenLogprob,
     ToolCall,
@@ -43,16 +43,7 @@ from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-
-@attrs.frozen(kw_only=True)
-class TextSpec:
-    """How one request's tokens become text."""
-
-    stop: tuple[str, ...] = ()
-    tools: Any = None
-    markup: bool = True  # chat: split reasoning / tool calls; text completions: raw text
-    initial_state: str = "normal"
-    prompt_tokens: int = 0
+RETRY_AFTER_ENGINE_STOPPED = 5  # seconds: a restarting engine is back in about that long
 
 
 class StopMatcher:
@@ -96,11 +87,12 @@ class StopMatcher:
 class RequestText:
     """One request's text pipeline: tokens -> raw text -> stop check -> segments."""
 
-    def __init__(self, spec: TextSpec, detokenizer, state_machine: TextStateMachine | None):
+    def __init__(self, spec: TextSpec, tokenizer, state_machine: TextStateMachine | None):
         self.spec = spec
-        self._detok = detokenizer
+        self.tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer  # a new stateful object on every access
         if not spec.markup:
-            _keep_leading_space(detokenizer)
+            _keep_leading_space(self._detok)
         self._stops = StopMatcher(spec.stop)
         self._sm = state_machine if spec.markup else None
         self._sm_state = self._sm.make_state(spec.initial_state) if self._sm else None
@@ -158,24 +150,35 @@ class RequestText:
 
 
 class DetokenizerCore:
-    """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step."""
+    """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step.
 
-    def __init__(self, tokenizer, *, withdraw: Callable[[int], None], model_key: str | None = None):
-        self.model_key = model_key
-        self._tokenizer = tokenizer
+    Each request is opened with the tokenizer of the model it leased, so a
+    model swap or an engine restart needs nothing from this core: requests
+    waiting through a restart keep their entries."""
+
+    def __init__(self, *, withdraw: Callable[[int], None]):
         self._withdraw = withdraw
-        self._sm = _make_state_machine(tokenizer)
-        self._tool_parser = getattr(tokenizer, "tool_parser", None)
         self._requests: dict[int, tuple[RequestText, Outbox]] = {}
+        self._per_tokenizer: dict[int, tuple[Any, TextStateMachine]] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def open(self, request_id: int, spec: TextSpec, outbox: Outbox) -> None:
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer) -> None:
         self._requests[request_id] = (
-            RequestText(spec, self._tokenizer.detokenizer, self._sm),
+            RequestText(spec, tokenizer, self._state_machine(tokenizer)),
             outbox,
         )
+
+    def _state_machine(self, tokenizer) -> TextStateMachine:
+        """One per tokenizer (its markers); the last few tokenizers are remembered."""
+        entry = self._per_tokenizer.get(id(tokenizer))
+        if entry is None or entry[0] is not tokenizer:
+            if len(self._per_tokenizer) >= 4:
+                self._per_tokenizer.pop(next(iter(self._per_tokenizer)))
+            entry = (tokenizer, _make_state_machine(tokenizer))
+            self._per_tokenizer[id(tokenizer)] = entry
+        return entry[1]
 
     def close(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -202,7 +205,12 @@ class DetokenizerCore:
                 entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
         for failed in outputs.failed:
             if failed.retryable:
-                failure = Failed(message=failed.message, status=503, type="service_unavailable")
+                failure = Failed(
+                    message=failed.message,
+                    status=503,
+                    type="service_unavailable",
+                    retry_after=RETRY_AFTER_ENGINE_STOPPED,
+                )
             else:
                 failure = Failed(message=failed.message)
             self.fail(failed.request_id, failure)
@@ -213,7 +221,7 @@ class DetokenizerCore:
             return  # withdrawn or already finished by a stop string
         text, outbox = entry
         pieces, hit = text.add(event.token, final=event.finish_reason)
-        logprobs = (self._token_logprob(event),) if event.logprob is not None else ()
+        logprobs = (_token_logprob(text.tokenizer, event),) if event.logprob is not None else ()
         self._deliver(text, outbox, pieces, logprobs)
         if hit:
             self._requests.pop(event.request_id, None)
@@ -239,7 +247,7 @@ class DetokenizerCore:
         tool_calls: list[ToolCall] = []
         for kind, piece in pieces:
             if kind == "tool":
-                calls = self._parse_tool(piece, text.spec.tools)
+                calls = self._parse_tool(text.tokenizer, piece, text.spec.tools)
                 if calls is None:
                     content.append(piece)  # rejected by the parser: returned as text
                 else:
@@ -261,7 +269,7 @@ class DetokenizerCore:
         if reason == FinishReason.STOP and text.made_tool_call:
             reason = FinishReason.TOOL_CALLS
         return Finished(
-            finish_reason=str(reason),
+            finish_reason=FinishReason(reason),
             usage=Usage(
                 prompt_tokens=text.spec.prompt_tokens,
                 completion_tokens=text.completion_tokens,
@@ -269,12 +277,13 @@ class DetokenizerCore:
             ),
         )
 
-    def _parse_tool(self, tool_text: str, tools) -> list[ToolCall] | None:
+    def _parse_tool(self, tokenizer, tool_text: str, tools) -> list[ToolCall] | None:
         """The calls in one tool block, or None if the parser rejects it."""
         try:
-            if self._tool_parser is None:
+            parser = getattr(tokenizer, "tool_parser", None)
+            if parser is None:
                 raise ValueError("this model has no tool-call parser")
-            parsed = self._tool_parser(tool_text, tools)
+            parsed = parser(tool_text, tools)
             parsed = parsed if isinstance(parsed, list) else [parsed]
             return [_tool_call(p) for p in parsed]
         except Exception as exc:  # a bad call is returned as text, never a crash
@@ -283,14 +292,16 @@ class DetokenizerCore:
             )
             return None
 
-    def _token_logprob(self, event: TokenEvent) -> TokenLogprob:
-        decode = self._tokenizer.decode
-        return TokenLogprob(
-            token=event.token,
-            text=decode([event.token]),
-            logprob=float(event.logprob),
-            top=tuple((i, decode([i]), float(lp)) for i, lp in event.top_logprobs),
-        )
+
+
+def _token_logprob(tokenizer, event: TokenEvent) -> TokenLogprob:
+    decode = tokenizer.decode
+    return TokenLogprob(
+        token=event.token,
+        text=decode([event.token]),
+        logprob=float(event.logprob),
+        top=tuple((i, decode([i]), float(lp)) for i, lp in event.top_logprobs),
+    )
 
 
 def _keep_leading_space(detokenizer) -> None:
@@ -328,8 +339,8 @@ def _make_state_machine(tokenizer) -> TextStateMachine:
 class Detokenizer:
     """The trio shell: one ``on_outputs`` per engine step received."""
 
-    def __init__(self, core: DetokenizerCore | None):
-        self.core = core  # set when a model is ready (it needs the tokenizer)
+    def __init__(self, core: DetokenizerCore):
+        self.core = core
 
     async def run(
         self,
@@ -340,5 +351,4 @@ class Detokenizer:
         task_status.started()
         async with outputs:
             async for step in outputs:
-                if self.core is not None:
-                    self.core.on_outputs(step)
+                self.core.on_outputs(step)

@@ -15,13 +15,15 @@ the server goes back to its default model; the default model failing to load
 leaves the server up, answering 503 with the reason.
 
 ``ModelLoaderCore`` is the sans-IO state machine that ``/health`` reads.
-Emits to the runtime: ``on_ready(handle, inbox)`` when an engine can take
-requests, and ``on_lost(reason, permanent)`` when it stopped taking them.
+Emits into the engine hand-over (``runtime.handover``), in order with the
+engine's steps: ``ModelReady(handle, inbox)`` when an engine can take
+requests, and ``ModelLost(reason, permanent)`` when it stopped taking them.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import logging
@@ -34,10 +36,18 @@ import attrs
 import trio
 
 from runtime.distributed import HEARTBEAT_SECONDS
-from runtime.engine import EngineCore, ModelHandle, run_engine_loop
+from runtime.engine import EngineCore, run_engine_loop
 from runtime.engine_process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import EngineReady, Shutdown, StepOutputs
+from runtime.handover import Handover
+from runtime.messages import (
+    EngineReady,
+    ModelHandle,
+    ModelLost,
+    ModelReady,
+    Shutdown,
+    StepOutputs,
+)
 from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
@@ -54,18 +64,6 @@ class EngineProcessSpec:
     load_tokenizer: Callable[[EngineReady], object]
     log_level: str = "INFO"
     log_format: str = logging.BASIC_FORMAT
-
-
-@attrs.frozen
-class EngineStep:
-    """One step's outputs, with the credit its consumer gives back on receipt."""
-
-    outputs: StepOutputs
-    credits: threading.Semaphore = attrs.field(eq=False, repr=False)
-
-    def consumed(self) -> StepOutputs:
-        self.credits.release()
-        return self.outputs
 
 
 class ModelState(enum.StrEnum):
@@ -168,9 +166,7 @@ class ModelLoader:
         self,
         make_core: Callable[[ModelKey], EngineCore],
         *,
-        outputs: trio.MemorySendChannel[EngineStep],
-        on_ready: Callable[[ModelHandle, queue.SimpleQueue], None],
-        on_lost: Callable[[str, bool], None],
+        handover: Handover,
         core: ModelLoaderCore | None = None,
         distributed: bool = False,
         step_timeout: float = 60.0,
@@ -187,9 +183,7 @@ class ModelLoader:
         thread that relays its messages."""
         self.core = core or ModelLoaderCore()
         self._make_core = make_core
-        self._outputs = outputs
-        self._on_ready = on_ready
-        self._on_lost = on_lost
+        self._handover = handover
         self.inbox: queue.SimpleQueue | None = None
         self._changed = trio.Event()
         self.distributed = distributed
@@ -251,7 +245,7 @@ class ModelLoader:
     # ------------------------------------------------------------ the actor
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._token = trio.lowlevel.current_trio_token()
+        self._handover.bind()
         if self.distributed:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_group)
@@ -265,7 +259,7 @@ class ModelLoader:
     async def _run_engines(self, task_status: trio.TaskStatus[None]) -> None:
         task_status.started()
         try:
-            async with self._outputs:
+            with contextlib.closing(self._handover):
                 while True:
                     inbox: queue.SimpleQueue = queue.SimpleQueue()
                     error: BaseException | None = None
@@ -282,7 +276,9 @@ class ModelLoader:
                             f"the distributed group failed ({self.core.reason}); "
                             "restart the whole launch"
                         )
-                    self._on_lost(self.core.reason or "the engine stopped", not again)
+                    await self._handover.put(
+                        ModelLost(reason=self.core.reason or "the engine stopped", permanent=not again)
+                    )
                     self._notify()
                     if not again:
                         return
@@ -333,18 +329,18 @@ class ModelLoader:
                 continue
             silent = time.monotonic() - self.last_tick
             if silent > self.step_timeout:
-                self._group_lost(
+                await self._group_lost(
                     f"the distributed group stopped responding: no engine step for "
                     f"{silent:.0f} s (a rank died or hung); restart the whole launch"
                 )
 
-    def _group_lost(self, reason: str) -> None:
+    async def _group_lost(self, reason: str) -> None:
         log.error("%s", reason)
         self.core.state = ModelState.FAILED
         self.core.reason = reason
         self.inbox = None
-        self._on_lost(reason, True)
         self._notify()
+        await self._handover.put(ModelLost(reason=reason, permanent=True))
 
     def _engine_thread(
         self, inbox: queue.SimpleQueue, key: ModelKey, finished: threading.Event | None = None
@@ -360,20 +356,16 @@ class ModelLoader:
         self.last_tick = time.monotonic()
 
     def _engine_thread_body(self, inbox: queue.SimpleQueue, key: ModelKey) -> None:
-        credits = threading.Semaphore(STEPS_AHEAD)
-
         def emit(outputs: StepOutputs) -> None:
             # At most STEPS_AHEAD steps in flight, handed over without waiting
             # for the event loop: the engine never stalls on a busy trio thread,
             # and never runs more than a few steps ahead of its consumers.
-            while not credits.acquire(timeout=0.05):
-                trio.from_thread.check_cancelled()
-            self._token.run_sync_soon(self._deliver, outputs, credits)
+            self._handover.put_from_thread(outputs, trio.from_thread.check_cancelled)
 
         def ready(handle: ModelHandle, attach=inbox) -> None:
             # ``attach``: what the trio side puts commands into (an engine
             # process gives its ``ProcessInbox``).
-            trio.from_thread.run_sync(self._ready, handle, attach)
+            trio.from_thread.run(self._ready, handle, attach)
 
         def crashed(reason: str) -> None:
             trio.from_thread.run_sync(self.core.crashing, reason)
@@ -404,19 +396,13 @@ class ModelLoader:
             heartbeat=HEARTBEAT_SECONDS,
         )
 
-    def _deliver(self, outputs: StepOutputs, credits: threading.Semaphore) -> None:
-        """In the trio thread. The channel holds more than STEPS_AHEAD: never full."""
-        try:
-            self._outputs.send_nowait(EngineStep(outputs=outputs, credits=credits))
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            credits.release()
-            log.warning("engine outputs dropped: the runtime is stopping")
-
-    def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
+    async def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
         self.last_tick = time.monotonic()
+        # The Scheduler hears of the engine before any Session can lease it;
+        # a request that races ahead of this note waits in the Scheduler.
+        await self._handover.put(ModelReady(handle=handle, inbox=inbox))
         self.inbox = inbox
         self.core.ready(handle)
         log.info("model ready: %s", handle.model_key)
-        self._on_ready(handle, inbox)
         self._notify()
         self._maybe_swap()

@@ -15,9 +15,10 @@ never asked to hold more KV cache than the budget allows. Requests wait here,
 not in the engine, so a client that leaves while queued costs the engine
 nothing, and the prompt-cache lookup happens when the request is started.
 
-The ``Scheduler`` shell receives each engine step's ``StepOutputs``, updates
-the core, refills the engine, and forwards the step to the Detokenizer and
-its statistics to the PromptCacheActor. Submissions and withdrawals are
+The ``Scheduler`` shell receives each engine step's ``StepOutputs`` (and the
+ModelLoader's ``ModelReady`` / ``ModelLost``, in order with them) from the
+engine hand-over, updates the core, refills the engine, and forwards the step
+to the Detokenizer and its statistics to the PromptCacheActor. Submissions and withdrawals are
 synchronous calls (``submit``/``withdraw``) so that a Session can withdraw in
 cleanup without awaiting; the commands they produce go straight into the
 engine's thread-safe inbox.
@@ -27,12 +28,20 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 
 import trio
 
 from runtime.errors import Overloaded, PayloadTooLarge, Unavailable
-from runtime.messages import Abort, EngineStats, StepOutputs, Submit
+from runtime.handover import HandedOver
+from runtime.messages import (
+    Abort,
+    EngineStats,
+    ModelLost,
+    ModelReady,
+    SequenceFailed,
+    StepOutputs,
+    Submit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +72,9 @@ class SchedulerCore:
         return len(self.waiting) + len(self.in_engine)
 
     def can_admit(self) -> bool:
-        return len(self.waiting) < self.max_waiting or len(self.in_engine) < self.max_in_engine
+        """Room for one more: in the engine, or in the FIFO behind it. While no
+        engine is attached, a request waits for a slot it will take on attach."""
+        return self.load < self.max_waiting + self.max_in_engine
 
     def admit(self, submit: Submit) -> None:
         if self.kv_budget is not None and submit.kv_bytes > self.kv_budget:
@@ -122,7 +133,13 @@ class SchedulerCore:
 
 
 class Scheduler:
-    """The trio shell around ``SchedulerCore``."""
+    """The trio shell around ``SchedulerCore``.
+
+    Receives from the engine hand-over, in order: ``ModelReady`` (attach the
+    engine's inbox, set the KV budget, start what waits), ``StepOutputs`` and
+    ``ModelLost`` (detach; what was inside the engine fails with 503, and, if
+    no engine is coming back, what waits too).
+    """
 
     def __init__(
         self,
@@ -130,12 +147,15 @@ class Scheduler:
         *,
         to_detokenizer: trio.MemorySendChannel[StepOutputs],
         to_prompt_cache: trio.MemorySendChannel[EngineStats],
+        kv_budget_override: int | None = None,
     ):
         self.core = core
         self._to_detokenizer = to_detokenizer
         self._to_prompt_cache = to_prompt_cache
-        self._engine_inbox: queue.SimpleQueue | None = None
-        self.last_stats = EngineStats()
+        self._kv_budget_override = kv_budget_override
+        self._engine_inbox = None
+        self._gone: str | None = None  # no engine is coming back: why
+        self.last_stats = EngineStats()  # the latest engine snapshot: /health, /metrics
 
     # ------------------------------------------------ synchronous entry points
 
@@ -144,9 +164,12 @@ class Scheduler:
         return self._engine_inbox is not None
 
     def submit(self, submit: Submit) -> None:
-        """Admit (or raise ``Overloaded``) and start it if the engine has room."""
-        if not self.engine_attached:
-            raise Unavailable("the model is not loaded", retry_after=5)
+        """Admit (or raise ``Overloaded``) and start it if the engine has room.
+
+        Before the engine's ``ModelReady`` has arrived (it follows the lease
+        that let the Session in) or while it restarts, the request waits here."""
+        if self._gone is not None:
+            raise Unavailable(f"the engine stopped: {self._gone}", retry_after=30)
         self.core.admit(submit)
         self._start_waiting()
 
@@ -156,35 +179,70 @@ class Scheduler:
         if abort is not None and self._engine_inbox is not None:
             self._engine_inbox.put(abort)
 
-    def attach_engine(self, inbox: queue.SimpleQueue) -> None:
-        self._engine_inbox = inbox
+    def _start_waiting(self) -> None:
+        if self._engine_inbox is None:
+            return
+        for submit in self.core.to_start():
+            self._engine_inbox.put(submit)
+
+    # ------------------------------------------------------- engine messages
+
+    def on_model_ready(self, ready: ModelReady) -> None:
+        handle = ready.handle
+        if self._kv_budget_override is not None:
+            self.core.kv_budget = self._kv_budget_override
+        elif handle.kv_bytes_per_token and handle.kv_budget:
+            self.core.kv_budget = handle.kv_budget
+        self._gone = None
+        self._engine_inbox = ready.inbox
         self._start_waiting()
 
-    def detach_engine(self) -> list[int]:
+    def on_model_lost(self, lost: ModelLost) -> StepOutputs:
+        """Detach the engine; returns the failures for the Detokenizer."""
         self._engine_inbox = None
-        return self.core.engine_lost()
+        ids = self.core.engine_lost()
+        if lost.permanent:
+            self._gone = lost.reason
+            ids += list(self.core.waiting)
+            self.core.waiting.clear()
+        self.last_stats = EngineStats()  # the dead engine's figures are not the truth
+        return StepOutputs(
+            failed=tuple(
+                SequenceFailed(
+                    request_id=i, message=f"the engine stopped: {lost.reason}", retryable=True
+                )
+                for i in ids
+            )
+        )
 
-    def _start_waiting(self) -> None:
-        for submit in self.core.to_start(engine_attached=self.engine_attached):
-            self._engine_inbox.put(submit)
+    def on_step(self, outputs: StepOutputs) -> None:
+        self.core.on_outputs(outputs)
+        self._start_waiting()
+        self.last_stats = outputs.stats
+        try:
+            self._to_prompt_cache.send_nowait(outputs.stats)
+        except trio.WouldBlock:
+            pass  # statistics are snapshots: a newer one follows
 
     # ------------------------------------------------------------ the actor
 
     async def run(
         self,
-        engine_outputs: trio.MemoryReceiveChannel,
+        engine: trio.MemoryReceiveChannel[HandedOver],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
-        async with engine_outputs, self._to_detokenizer:
-            async for step in engine_outputs:
-                outputs = step.consumed()  # the engine may run one more step ahead
-                self.core.on_outputs(outputs)
-                self._start_waiting()
-                self.last_stats = outputs.stats
-                try:
-                    self._to_prompt_cache.send_nowait(outputs.stats)
-                except trio.WouldBlock:
-                    pass  # statistics are snapshots: a newer one follows
-                await self._to_detokenizer.send(outputs)
+        async with engine, self._to_detokenizer:
+            async for item in engine:
+                message = item.taken()  # the engine may run one more step ahead
+                if isinstance(message, StepOutputs):
+                    self.on_step(message)
+                elif isinstance(message, ModelReady):
+                    self.on_model_ready(message)
+                    continue
+                elif isinstance(message, ModelLost):
+                    message = self.on_model_lost(message)
+                    if not message:
+                        continue
+                await self._to_detokenizer.send(message)

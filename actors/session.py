@@ -24,25 +24,57 @@ pending; exiting is not a checkpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
-from actors.detokenizer import TextSpec
 from runtime.errors import ClientError
-from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, Submit
+from runtime.messages import (
+    Delta,
+    ModelHandle,
+    PreparedPrompt,
+    Progress,
+    SamplingParams,
+    Submit,
+    Terminal,
+    TextSpec,
+)
 from runtime.models import ModelKey
 from runtime.outbox import Outbox
-from runtime.prompts import PreparedPrompt
 
-if TYPE_CHECKING:
-    from runtime.supervisor import Runtime
+
+class SessionPort(Protocol):
+    """What a Session needs of the runtime (``actors.system.Runtime`` provides it)."""
+
+    tokenize_limiter: trio.CapacityLimiter
+
+    @property
+    def default_model(self) -> ModelKey: ...
+
+    async def acquire(self, key: ModelKey) -> ModelHandle:
+        """Wait until ``key`` is loaded and lease it (404 / 503)."""
+
+    def release(self) -> None:
+        """Give the lease back; synchronous."""
+
+    def allocate_id(self) -> int: ...
+
+    def open_request(
+        self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
+    ) -> None:
+        """Register with the Detokenizer and submit to the Scheduler (429 / 413 / 503)."""
+
+    def close_request(self, request_id: int) -> None:
+        """Withdraw; synchronous and idempotent."""
+
+    def expire_request(self, request_id: int) -> None:
+        """The deadline passed: finish with "length"."""
 
 
 class Session:
     def __init__(
         self,
-        runtime: Runtime,
+        runtime: SessionPort,
         *,
         prepare: Callable[[object], PreparedPrompt],
         sampling: SamplingParams,
@@ -75,7 +107,7 @@ class Session:
         self.prompt: PreparedPrompt | None = None
 
     async def __aenter__(self) -> Session:
-        key = self._model or self._runtime.model_loader.core.default
+        key = self._model or self._runtime.default_model
         handle = await self._runtime.acquire(key)
         self._leased = True
         try:
@@ -85,7 +117,7 @@ class Session:
             self._runtime.release()
             raise
 
-    async def _enter(self, handle) -> Session:
+    async def _enter(self, handle: ModelHandle) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
         self.prompt = await trio.to_thread.run_sync(
             self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
@@ -103,7 +135,7 @@ class Session:
             prompt_tokens=len(prompt.tokens),
         )
         submit = Submit(
-            request_id=self._runtime.scheduler.core.allocate_id(),
+            request_id=self._runtime.allocate_id(),
             prompt=prompt.tokens,
             segments=prompt.plan.segments,
             segment_types=prompt.plan.segment_types,
@@ -114,7 +146,7 @@ class Session:
             kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
             num_draft_tokens=self._num_draft_tokens,
         )
-        self._runtime.open_request(submit, spec, self.outbox)
+        self._runtime.open_request(submit, spec, self.outbox, handle)
         self.request_id = submit.request_id
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
@@ -134,7 +166,7 @@ class Session:
             self._leased = False
             self._runtime.release()
 
-    async def receive(self) -> tuple[Progress | Delta | Finished | Failed, ...]:
+    async def receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         """The next events; raises ``trio.EndOfChannel`` after the terminal one.
 
         Past the request's deadline the request is finished with "length" (its

@@ -33,6 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.session import Session
+from actors.system import Runtime
 from api.convert import structure_or_400, unstructure
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
@@ -41,7 +42,6 @@ from runtime.distributed import is_follower
 from runtime.errors import ClientError, PayloadTooLarge, ServerError
 from runtime.messages import Failed, Finished, SamplingParams
 from runtime.prompts import prepare_chat, prepare_text
-from runtime.supervisor import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +294,15 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
 
         return json_response(openapi_document())
 
+    model_listing = CachedListing(_cached_mlx_models)
+
     @app.get("/v1/models")
     async def models():
-        return json_response(unstructure(_model_list(rt)))
+        return json_response(unstructure(_model_list(rt, await model_listing.get())))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str):
-        for card in _model_list(rt).data:
+        for card in _model_list(rt, await model_listing.get()).data:
             if card.id == model_id:
                 return json_response(unstructure(card))
         raise _not_found(model_id)
@@ -328,7 +330,9 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             await session.__aexit__(None, None, None)
         terminal = renderer.terminal
         if isinstance(terminal, Failed):
-            headers = {"Retry-After": "5"} if terminal.status == 503 else None
+            headers = (
+                {"Retry-After": str(terminal.retry_after)} if terminal.retry_after else None
+            )
             return json_response(
                 {"error": {"message": terminal.message, "type": terminal.type, "param": None, "code": None}},
                 status=terminal.status,
@@ -377,7 +381,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             timeout=_timeout(req, config),
-            model=rt.resolve(req.model, req.adapters, req.draft_model),
+            model=await rt.resolve(req.model, req.adapters, req.draft_model),
             num_draft_tokens=req.num_draft_tokens,
         )
         renderer = renderer_class(
@@ -412,11 +416,30 @@ def _not_found(model_id: str) -> ServerError:
     return NotFound(f"model {model_id!r} not found", param="model")
 
 
-def _model_list(rt: Runtime) -> ModelList:
+class CachedListing:
+    """A listing that is slow to make (it walks the disk): made in a worker thread,
+    at most every ``ttl`` seconds, one at a time."""
+
+    def __init__(self, make, ttl: float = 10.0):
+        self._make = make
+        self._ttl = ttl
+        self._value = None
+        self._made_at = -math.inf
+        self._lock = trio.Lock()
+
+    async def get(self):
+        async with self._lock:
+            if trio.current_time() - self._made_at > self._ttl:
+                self._value = await trio.to_thread.run_sync(self._make)
+                self._made_at = trio.current_time()
+            return self._value
+
+
+def _model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
     created = int(time.time())
     cards = [ModelCard(id=rt.model_id, object="model", created=created, owned_by="mlx-trio-server")]
     seen = {rt.model_id}
-    for repo_id in _cached_mlx_models():
+    for repo_id in cached_models:
         if repo_id not in seen:
             seen.add(repo_id)
             cards.append(ModelCard(id=repo_id, object="model", created=created, owned_by="huggingface"))

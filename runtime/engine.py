@@ -29,6 +29,7 @@ from runtime.messages import (
     Abort,
     EngineCommand,
     EngineStats,
+    ModelHandle,
     PromptProgress,
     SequenceAborted,
     SequenceFailed,
@@ -42,25 +43,6 @@ from runtime.messages import (
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.05
-
-
-@attrs.define
-class ModelHandle:
-    """A loaded model: the engine thread owns ``model``; ``tokenizer`` is shared.
-
-    With the engine in its own process (``runtime.engine_process``) the trio
-    side's handle has ``model=None`` and a tokenizer of its own."""
-
-    model: Any
-    tokenizer: Any
-    model_key: str
-    vocab_size: int
-    batchable: bool = True
-    kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
-    kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
-    engine_pid: int | None = None  # the process that runs the engine (None: this one)
-    ranks: int = 1  # distributed: how many processes share the model
-    parallel: str | None = None  # distributed: "tensor" or "pipeline"
 
 
 @attrs.define

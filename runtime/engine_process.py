@@ -46,11 +46,12 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from runtime.engine import ModelHandle, run_engine_loop
+from runtime.engine import run_engine_loop
 from runtime.messages import (
     EngineCrashed,
     EngineExited,
     EngineReady,
+    ModelHandle,
     Shutdown,
     StepOutputs,
 )

@@ -1,25 +1,31 @@
-"""Every message that crosses a channel or the engine-thread boundary.
+"""Every message that crosses an actor, thread or process boundary.
 
 One module, like SGLang's ``io_struct.py``: the actors import their vocabulary
-from here and nothing else travels between them. All messages are frozen attrs
+from here and nothing else travels between them. Messages are frozen attrs
 classes carrying a ``request_id`` where they concern one request.
 
 Directions:
-  * Scheduler -> engine thread: ``Submit``, ``Abort``; ModelLoader -> engine
-    thread: ``Shutdown`` (to swap models).
-  * engine thread -> Scheduler: ``StepOutputs`` (one per engine step) holding
-    ``SequenceStarted``, ``PromptProgress``, ``TokenEvent``, ``SequenceAborted``
-    and ``SequenceFailed`` events plus ``EngineStats``.
-  * engine process -> its proxy thread (``runtime.engine_process``), besides
-    the ``StepOutputs``: ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
+  * Session -> worker thread -> Session: a ``PreparedPrompt`` (tokens and the
+    prompt cache's ``SegmentPlan``); Session -> Detokenizer: a ``TextSpec``.
+  * Scheduler -> engine: ``Submit``, ``Abort``; ModelLoader -> engine:
+    ``Shutdown`` (to swap models).
+  * engine -> Scheduler (through ``runtime.handover``): ``StepOutputs`` (one
+    per engine step) holding ``SequenceStarted``, ``PromptProgress``,
+    ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events plus
+    ``EngineStats``; ModelLoader -> Scheduler on the same carrier, in order
+    with the steps: ``ModelReady`` and ``ModelLost``.
+  * engine process -> its proxy thread, besides the ``StepOutputs``:
+    ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
+  * Scheduler -> PromptCacheActor: ``EngineStats`` snapshots.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
-    ``Progress`` and exactly one terminal ``Finished`` or ``Failed``.
+    ``Progress`` and exactly one ``Terminal``: ``Finished`` or ``Failed``.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import attrs
 
@@ -29,6 +35,40 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     TOOL_CALLS = "tool_calls"
     ABORT = "abort"
+
+
+# ------------------------------------------------------ prepared on the trio side
+
+
+@attrs.frozen(kw_only=True)
+class SegmentPlan:
+    """Where in a prompt the engine keeps a copy of the KV cache.
+
+    ``segments`` concatenate to the prompt; ``segment_types`` ("system",
+    "user", "assistant") name each for the prompt cache's eviction order."""
+
+    segments: tuple[tuple[int, ...], ...]
+    segment_types: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
+class PreparedPrompt:
+    """A request's prompt tokens, from the chat template and tokenizer."""
+
+    tokens: tuple[int, ...]
+    plan: SegmentPlan
+    initial_state: str = "normal"  # "reasoning" when the prompt opens a thinking block
+
+
+@attrs.frozen(kw_only=True)
+class TextSpec:
+    """How one request's tokens become text (the Detokenizer's per-request settings)."""
+
+    stop: tuple[str, ...] = ()
+    tools: Any = None
+    markup: bool = True  # chat: split reasoning / tool calls; text completions: raw text
+    initial_state: str = "normal"
+    prompt_tokens: int = 0
 
 
 # ---------------------------------------------------------------- to the engine
@@ -183,7 +223,45 @@ class StepOutputs:
         return bool(self.started or self.progress or self.tokens or self.aborted or self.failed)
 
 
-# ------------------------------------- from an engine process (runtime.engine_process)
+# --------------------------------------------------- the model's life (ModelLoader)
+
+
+@attrs.define
+class ModelHandle:
+    """A loaded model: the engine owns ``model``; ``tokenizer`` is shared.
+
+    With the engine in its own process the trio side's handle has
+    ``model=None`` and a tokenizer of its own."""
+
+    model: Any
+    tokenizer: Any
+    model_key: str
+    vocab_size: int
+    batchable: bool = True
+    kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
+    kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
+    engine_pid: int | None = None  # the process that runs the engine (None: this one)
+    ranks: int = 1  # distributed: how many processes share the model
+    parallel: str | None = None  # distributed: "tensor" or "pipeline"
+
+
+@attrs.frozen(kw_only=True)
+class ModelReady:
+    """An engine is up: its commands go into ``inbox`` (``put`` is sync, never blocks)."""
+
+    handle: ModelHandle
+    inbox: Any = attrs.field(eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class ModelLost:
+    """The engine stopped taking requests; ``permanent``: none is coming back."""
+
+    reason: str
+    permanent: bool
+
+
+# ------------------------------------------------------ from an engine process
 
 
 @attrs.frozen(kw_only=True)
@@ -260,7 +338,7 @@ class Progress:
 
 @attrs.frozen(kw_only=True)
 class Finished:
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Usage
 
 
@@ -269,6 +347,7 @@ class Failed:
     message: str
     status: int = 500
     type: str = "server_error"
+    retry_after: int | None = None  # seconds, for a 429 or 503
 
 
 Terminal = Finished | Failed

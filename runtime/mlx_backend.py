@@ -14,7 +14,8 @@ import logging
 
 from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine import EngineCore
+from runtime.messages import ModelHandle
 from runtime.sampling import build_logits_processors, build_sampler
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,10 @@
 """Which model a request asks for, and whether it can be had without a download.
 
+Also which model the server serves by default (``resolve_model``: the
+configured one, else the embedded demo model), and ``RealEngineCore``, the
+picklable recipe that builds mlx-lm's engine for a ``ModelKey`` on the
+thread (or in the process) that will step it.
+
 A ``ModelKey`` names a loadable combination: model path, LoRA adapter path,
 draft model path. ``resolve_key`` maps a request's ``model`` / ``adapters`` /
 ``draft_model`` fields to one, the way mlx_lm.server does (``default_model``
@@ -11,6 +16,7 @@ download; anything else is a 404 that names the model.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -19,7 +25,35 @@ import attrs
 from runtime.config import ServerConfig
 from runtime.errors import NotFound
 
+log = logging.getLogger(__name__)
+
 DEFAULT_ALIASES = ("default_model", "")
+TINY_MODEL_ID = "mlx-trio-tiny-random"
+DEMO_MODEL_ID = "mlx-trio-demo"
+
+
+def demo_model_dir() -> Path:
+    """The embedded demo model (``demo_model/mlx-trio-demo``, installed with the package)."""
+    return Path(__file__).resolve().parents[1] / "demo_model" / DEMO_MODEL_ID
+
+
+def default_model_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx-trio-server" / TINY_MODEL_ID
+
+
+def resolve_model(config: ServerConfig) -> tuple[str, str]:
+    """(model id served, path or repo to load).
+
+    With no model configured: the embedded demo model, or, if this install
+    lacks its weights, a tiny random model built on first use.
+    """
+    if config.model:
+        return config.model, config.model
+    demo = demo_model_dir()
+    if (demo / "model.safetensors").exists():
+        return DEMO_MODEL_ID, str(demo)
+    return TINY_MODEL_ID, str(default_model_dir())
 
 
 @attrs.frozen
@@ -88,3 +122,33 @@ def locate(name: str, *, param: str, want: str = "config.json") -> str:
         "nor in the local Hugging Face cache; requests never download models)",
         param=param,
     )
+
+
+@attrs.frozen
+class RealEngineCore:
+    """Builds the mlx-lm engine for a ``ModelKey``, on the thread that will step it.
+
+    A plain object (not a closure) so that it can travel to an engine process.
+    """
+
+    config: ServerConfig
+
+    def __call__(self, key: ModelKey):
+        from runtime.mlx_backend import make_engine_core
+
+        config = self.config
+        served_id, default_path = resolve_model(config)
+        if not config.model and key.model == default_path and served_id == TINY_MODEL_ID:
+            from runtime.tiny_model import build_tiny_model
+
+            log.warning(
+                "no --model given and the demo model's weights are missing: serving a tiny "
+                "model with RANDOM weights (%s); its answers are noise. Pass --model PATH "
+                "for a real model.",
+                key.model,
+            )
+            if not (Path(key.model) / "model.safetensors").exists():
+                build_tiny_model(key.model)
+        return make_engine_core(
+            attrs.evolve(config, adapter_path=key.adapter, draft_model=key.draft), key.model
+        )

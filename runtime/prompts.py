@@ -5,17 +5,21 @@ already objects) or a text prompt; returns a ``PreparedPrompt`` with the
 tokens, the prompt cache's segment plan, and the text state the model starts
 in (inside a thinking block or not). Runs in a worker thread
 (``trio.to_thread``) because chat templates and tokenizers are slow Python.
+
+``plan_segments`` is the segmentation policy: where in a chat prompt the
+engine keeps a copy of the KV cache (end of the system prompt, end of the
+conversation before a thinking tail), as mlx_lm.server does, so a new
+conversation with the same system prompt, or the next turn of this one,
+starts from a cached prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
-
-from actors.prompt_cache import SegmentPlan, plan_segments
 from runtime.errors import ClientError
+from runtime.messages import PreparedPrompt, SegmentPlan
 
 RESERVED_TEMPLATE_ARGS = frozenset(
     {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation",
@@ -23,11 +27,57 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
-@attrs.frozen(kw_only=True)
-class PreparedPrompt:
-    tokens: tuple[int, ...]
-    plan: SegmentPlan
-    initial_state: str = "normal"
+THINKING_TAIL_TOKENS = 11
+
+
+def plan_segments(
+    prompt: Sequence[int],
+    *,
+    last_role: str,
+    system_prefix: Sequence[int] | None,
+    think_start_at: Callable[[Sequence[int], int], int] | None,
+) -> SegmentPlan:
+    """Split a chat prompt into cacheable segments.
+
+    ``system_prefix`` is the template rendered with only the system messages
+    (and an empty user turn) or None; ``think_start_at(prompt, start)`` finds
+    the last think-start token at or after ``start`` (-1 if none). Segment
+    types order the cache's eviction: "assistant" first, then "user", then
+    "system".
+    """
+    prompt = tuple(prompt)
+    whole = SegmentPlan(segments=(prompt,), segment_types=("assistant",))
+    if last_role != "user" or not prompt:
+        return whole
+
+    segments: list[tuple[int, ...]] = []
+    types: list[str] = []
+    sys_end = 0
+    if system_prefix:
+        for i, (a, b) in enumerate(zip(system_prefix, prompt, strict=False)):
+            if a != b:
+                sys_end = i
+                break
+        if 0 < sys_end < len(prompt):
+            segments.append(prompt[:sys_end])
+            types.append("system")
+
+    tail_start = len(prompt)
+    if think_start_at is not None:
+        found = think_start_at(prompt, tail_start - THINKING_TAIL_TOKENS)
+        if found >= 0:
+            tail_start = max(found, sys_end)  # never overlap the system segment
+
+    if sys_end < tail_start:
+        segments.append(prompt[sys_end:tail_start])
+        types.append("user")
+    if tail_start < len(prompt):
+        segments.append(prompt[tail_start:])
+        types.append("assistant")
+    if not segments:
+        return whole
+    return SegmentPlan(segments=tuple(segments), segment_types=tuple(types))
+
 
 
 def prepare_text(tokenizer, prompt: str | Sequence[int]) -> PreparedPrompt:

@@ -13,8 +13,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.engine import EngineCore, ModelHandle
-from runtime.messages import Abort
+from runtime.engine import EngineCore
+from runtime.messages import Abort, ModelHandle
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
 from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 

@@ -88,7 +88,7 @@ def test_with_no_model_the_embedded_demo_model_is_served():
     from pathlib import Path
 
     from runtime.config import ServerConfig
-    from runtime.supervisor import DEMO_MODEL_ID, resolve_model
+    from runtime.models import DEMO_MODEL_ID, resolve_model
 
     served_id, path = resolve_model(ServerConfig())
     assert served_id == DEMO_MODEL_ID == "mlx-trio-demo"

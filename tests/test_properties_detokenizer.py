@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from actors.detokenizer import DetokenizerCore, StopMatcher, TextSpec
+from actors.detokenizer import DetokenizerCore, StopMatcher
 from runtime.messages import (
     Delta,
     Failed,
@@ -24,6 +24,7 @@ from runtime.messages import (
     SequenceAborted,
     SequenceStarted,
     StepOutputs,
+    TextSpec,
     TokenEvent,
 )
 from runtime.outbox import Outbox
@@ -211,11 +212,11 @@ def test_streamed_text_equals_full_decode(tokenizer, data):
     assume("\x00" not in tokenizer.decode(ids))
     other = ids[::-1]  # a second request in the same steps, to check isolation
     withdrawn: list[int] = []
-    core = DetokenizerCore(tokenizer, withdraw=withdrawn.append)
+    core = DetokenizerCore(withdraw=withdrawn.append)
     outboxes = {1: Outbox(), 2: Outbox()}
     received = {1: Received(), 2: Received()}
     for rid, outbox in outboxes.items():
-        core.open(rid, TextSpec(markup=False, prompt_tokens=5), outbox)
+        core.open(rid, TextSpec(markup=False, prompt_tokens=5), outbox, tokenizer)
 
     a = events_for(1, ids, final="length")
     b = events_for(2, other, final="length")
@@ -255,9 +256,9 @@ def test_fake_tokenizer_streams_partial_utf8(data):
         ),
         "ids",
     )
-    core = DetokenizerCore(tok, withdraw=lambda rid: None)
+    core = DetokenizerCore(withdraw=lambda rid: None)
     outbox, got = Outbox(), Received()
-    core.open(7, TextSpec(markup=False), outbox)
+    core.open(7, TextSpec(markup=False), outbox, tok)
     final = data.draw(st.sampled_from(["length", "stop"]), "final")
     events = [
         TokenEvent(request_id=7, token=e.token, finish_reason=e.finish_reason, logprob=-0.5)
@@ -293,9 +294,9 @@ def test_stop_strings_cut_the_stream(tokenizer, data):
     stops = data.draw(st.lists(stop, min_size=1, max_size=3), "stops")
 
     withdrawn: list[int] = []
-    core = DetokenizerCore(tokenizer, withdraw=withdrawn.append)
+    core = DetokenizerCore(withdraw=withdrawn.append)
     outbox, got = Outbox(), Received()
-    core.open(3, TextSpec(stop=tuple(stops), markup=False), outbox)
+    core.open(3, TextSpec(stop=tuple(stops), markup=False), outbox, tokenizer)
     events = events_for(3, ids, final="length")
     groups = chunks_of(data, events)
     cut = first_stop(text, stops)
@@ -380,9 +381,9 @@ def test_reasoning_and_tool_markup(tokenizer, pieces, opening, tail, final, data
     assert full_detokenize(tokenizer, ids) == text  # the fixture round-trips
 
     eos = next(iter(tokenizer.eos_token_ids))
-    core = DetokenizerCore(tokenizer, withdraw=lambda rid: None)
+    core = DetokenizerCore(withdraw=lambda rid: None)
     outbox, got = Outbox(), Received()
-    core.open(11, TextSpec(initial_state=initial_state, prompt_tokens=4), outbox)
+    core.open(11, TextSpec(initial_state=initial_state, prompt_tokens=4), outbox, tokenizer)
     core.on_outputs(
         StepOutputs(
             started=(SequenceStarted(request_id=11, prompt_tokens=4, cached_tokens=2),),
@@ -416,9 +417,9 @@ def test_unparsed_tool_call_keeps_content_order():
     text = "<tool_call>{x</tool_call>\nhello"
     ids = [3, *tok.encode("{x</tool_call"), 29, 9]
     assert tok.decode(ids) == text
-    core = DetokenizerCore(tok, withdraw=lambda rid: None)
+    core = DetokenizerCore(withdraw=lambda rid: None)
     outbox = Outbox()
-    core.open(1, TextSpec(), outbox)
+    core.open(1, TextSpec(), outbox, tok)
     core.on_outputs(StepOutputs(tokens=tuple(events_for(1, ids, final="length"))))
     (delta, _) = outbox.take()
     # Tokenized as [..., "</tool_call>", "\n", ...] the same text gives "{x\nhello";
@@ -431,9 +432,9 @@ def test_unparsed_tool_call_keeps_content_order_with_stop_string(tokenizer):
     ids = tokenizer.encode(text)
     contents = []
     for stop in ((), (">>",)):
-        core = DetokenizerCore(tokenizer, withdraw=lambda rid: None)
+        core = DetokenizerCore(withdraw=lambda rid: None)
         outbox = Outbox()
-        core.open(1, TextSpec(stop=stop), outbox)
+        core.open(1, TextSpec(stop=stop), outbox, tokenizer)
         core.on_outputs(StepOutputs(tokens=tuple(events_for(1, ids, final="length"))))
         contents.append(outbox.take()[0].content)
     # Today: ["\n{bad\n\nok", "\n\n{bad\nok"].

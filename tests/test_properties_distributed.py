@@ -20,8 +20,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.engine import EngineCore, ModelHandle, run_engine_loop, run_follower_loop
-from runtime.messages import Abort, SamplingParams, Shutdown, Submit
+from runtime.engine import EngineCore, run_engine_loop, run_follower_loop
+from runtime.messages import Abort, ModelHandle, SamplingParams, Shutdown, Submit
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 
 VOCAB = 64

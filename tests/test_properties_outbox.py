@@ -8,9 +8,9 @@ import trio.lowlevel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.prompt_cache import THINKING_TAIL_TOKENS, plan_segments
 from runtime.messages import Delta, Failed, Finished, Progress, ToolCall, Usage
 from runtime.outbox import Outbox
+from runtime.prompts import THINKING_TAIL_TOKENS, plan_segments
 
 # ------------------------------------------------------------------- Outbox
 

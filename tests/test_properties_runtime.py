@@ -27,12 +27,12 @@ import trio.lowlevel
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from actors.system import Runtime
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine import EngineCore
 from runtime.errors import Overloaded
-from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams
+from runtime.messages import Delta, Failed, Finished, ModelHandle, Progress, SamplingParams
 from runtime.prompts import prepare_text
-from runtime.supervisor import Runtime
 from tests.conftest import poll_until
 from tests.fakes import (
     FAKE_EOS_ID,

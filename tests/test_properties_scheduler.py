@@ -17,11 +17,12 @@ from hypothesis.stateful import (
 )
 
 from actors.scheduler import SchedulerCore
-from runtime.engine import EngineCore, ModelHandle, run_engine_loop
+from runtime.engine import EngineCore, run_engine_loop
 from runtime.errors import Overloaded
 from runtime.messages import (
     Abort,
     EngineStats,
+    ModelHandle,
     SamplingParams,
     SequenceAborted,
     SequenceFailed,
@@ -58,8 +59,9 @@ def make_submit(request_id: int, prompt=(1, 2, 3), max_tokens: int = 4, segments
 class SchedulerMachine(RuleBasedStateMachine):
     """SchedulerCore used as the Scheduler shell uses it.
 
-    ``submit`` is ``Scheduler.submit``: refused while no engine is attached,
-    else ``admit`` followed at once by ``to_start``. Engine outputs, withdrawals,
+    ``submit`` is ``Scheduler.submit``: ``admit`` followed at once by
+    ``to_start`` (which starts nothing while no engine is attached: the
+    request waits for the engine's ``ModelReady``). Engine outputs, withdrawals,
     refills (``to_start``), engine loss and re-attachment happen in any order.
     A model (FIFO list + set) predicts every answer.
     """
@@ -89,8 +91,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = self.core.allocate_id()
         assert rid not in self.ids
         self.ids.append(rid)
-        if not self.attached:
-            return  # Scheduler.submit raises Unavailable before admitting
         could = self.core.can_admit()
         try:
             self.core.admit(make_submit(rid, max_tokens=max_tokens))
@@ -166,7 +166,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def bounds(self):
         assert len(self.core.in_engine) <= self.core.max_in_engine
-        assert len(self.core.waiting) <= self.core.max_waiting
+        assert self.core.load <= self.core.max_in_engine + self.core.max_waiting
+        if self.attached:  # what can start has started: only the FIFO's share waits
+            assert len(self.core.waiting) <= self.core.max_waiting
         assert not (set(self.core.waiting) & self.core.in_engine)
         assert self.core.load == len(self.core.waiting) + len(self.core.in_engine)
 

@@ -115,7 +115,7 @@ async def test_engine_crash_fails_inflight_requests_and_restarts(tiny_model_path
         cores.append(core)
         return CrashingCore(core, crash_on_step=5) if len(cores) == 1 else core
 
-    from runtime.supervisor import Runtime
+    from actors.system import Runtime
 
     runtime = Runtime(config, make_core=make_core)
     app = create_app(config, runtime=runtime)
@@ -141,7 +141,7 @@ async def test_a_model_that_fails_to_load_leaves_the_server_answering_503():
     def make_core():
         raise FileNotFoundError("no model at /nowhere")
 
-    from runtime.supervisor import Runtime
+    from actors.system import Runtime
 
     config = ServerConfig(model="/nowhere")
     app = create_app(config, runtime=Runtime(config, make_core=make_core))

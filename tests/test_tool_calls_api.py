@@ -13,10 +13,11 @@ import json
 import pytest
 
 import tests.fakes as fakes
+from actors.system import Runtime
 from api.server import create_app
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore, ModelHandle
-from runtime.supervisor import Runtime
+from runtime.engine import EngineCore
+from runtime.messages import ModelHandle
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post
 

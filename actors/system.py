@@ -1,18 +1,22 @@
-"""The runtime: five actors under one nursery, wired with bounded channels.
+"""The actor system: five actors under one nursery, wired with bounded channels.
 
 ::
 
-    Session --submit/withdraw--> Scheduler --Submit/Abort (SimpleQueue)--> engine thread
-                                     ^                                         |
-                                     +------ StepOutputs (channel, 2) ---------+
+    Session --acquire/release--> ModelLoader: runs the engine, reports ModelReady / ModelLost
+    Session --open_request/close_request (sync)--> Detokenizer, Scheduler
+    Scheduler --Submit/Abort (inbox, sync put)--> engine (thread or process)
+    engine --StepOutputs--> Handover (bounded by credits) --> Scheduler
+    ModelLoader --ModelReady / ModelLost--> Handover (in order with the steps) --> Scheduler
     Scheduler --StepOutputs (4)--> Detokenizer --Outbox (merging)--> Session
     Scheduler --EngineStats (1)--> PromptCacheActor
-    ModelLoader: runs the engine thread, reports ready / lost
 
-``Runtime.run`` opens the nursery and starts every actor with
-``nursery.start``; cancelling it stops them all, the engine thread included
-(it sees the cancellation at its next step or idle wait). An actor that
-crashes marks the runtime dead, so ``/health`` answers 503.
+It lives above the actors because it wires them (``runtime/`` is the kernel
+and knows neither actors nor the HTTP edge). ``Runtime.run`` opens the nursery
+and starts every actor with ``nursery.start``; cancelling it stops them all,
+the engine included (it sees the cancellation at its next step or idle wait).
+An actor that crashes marks the runtime dead, so ``/health`` answers 503.
+``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
+``/health`` and ``/metrics`` figures from the actors.
 """
 
 from __future__ import annotations
@@ -21,91 +25,31 @@ import collections
 import functools
 import logging
 import os
-import queue
 from collections.abc import Callable
-from pathlib import Path
 
-import attrs
 import trio
 
-from actors.detokenizer import Detokenizer, DetokenizerCore, TextSpec
+from actors.detokenizer import Detokenizer, DetokenizerCore
 from actors.model_loader import (
     STEPS_AHEAD,
     EngineProcessSpec,
-    EngineStep,
     ModelLoader,
     ModelLoaderCore,
     ModelState,
 )
-from actors.prompt_cache import PromptCacheActor
+from actors.prompt_cache import PromptCacheActor, cache_figures
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine import EngineCore
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import EngineReady, EngineStats, Failed, StepOutputs, Submit
-from runtime.models import ModelKey, default_key, resolve_key
+from runtime.handover import Handover
+from runtime.messages import EngineReady, EngineStats, ModelHandle, StepOutputs, Submit, TextSpec
+from runtime.models import ModelKey, RealEngineCore, default_key, resolve_key, resolve_model
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
-
-TINY_MODEL_ID = "mlx-trio-tiny-random"
-DEMO_MODEL_ID = "mlx-trio-demo"
-
-
-def demo_model_dir() -> Path:
-    """The embedded demo model (``demo_model/mlx-trio-demo``, installed with the package)."""
-    return Path(__file__).resolve().parents[1] / "demo_model" / DEMO_MODEL_ID
-
-
-def default_model_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx-trio-server" / TINY_MODEL_ID
-
-
-def resolve_model(config: ServerConfig) -> tuple[str, str]:
-    """(model id served, path or repo to load).
-
-    With no model configured: the embedded demo model, or, if this install
-    lacks its weights, a tiny random model built on first use.
-    """
-    if config.model:
-        return config.model, config.model
-    demo = demo_model_dir()
-    if (demo / "model.safetensors").exists():
-        return DEMO_MODEL_ID, str(demo)
-    return TINY_MODEL_ID, str(default_model_dir())
-
-
-@attrs.frozen
-class RealEngineCore:
-    """Builds the mlx-lm engine for a ``ModelKey``, on the thread that will step it.
-
-    A plain object (not a closure) so that it can travel to an engine process.
-    """
-
-    config: ServerConfig
-
-    def __call__(self, key: ModelKey) -> EngineCore:
-        from runtime.mlx_backend import make_engine_core
-
-        config = self.config
-        served_id, default_path = resolve_model(config)
-        if not config.model and key.model == default_path and served_id == TINY_MODEL_ID:
-            from runtime.tiny_model import build_tiny_model
-
-            log.warning(
-                "no --model given and the demo model's weights are missing: serving a tiny "
-                "model with RANDOM weights (%s); its answers are noise. Pass --model PATH "
-                "for a real model.",
-                key.model,
-            )
-            if not (Path(key.model) / "model.safetensors").exists():
-                build_tiny_model(key.model)
-        return make_engine_core(
-            attrs.evolve(config, adapter_path=key.adapter, draft_model=key.draft), key.model
-        )
 
 
 def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
@@ -142,9 +86,7 @@ class Runtime:
                 return make_core()
 
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
-        self._engine_out_send, self._engine_out_recv = trio.open_memory_channel[EngineStep](
-            STEPS_AHEAD + 2
-        )
+        self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
         self._stats_send, self._stats_recv = trio.open_memory_channel[EngineStats](1)
         self.scheduler = Scheduler(
@@ -154,14 +96,13 @@ class Runtime:
             ),
             to_detokenizer=self._detok_send,
             to_prompt_cache=self._stats_send,
+            kv_budget_override=config.kv_cache_budget_bytes,
         )
-        self.detokenizer = Detokenizer(core=None)
+        self.detokenizer = Detokenizer(DetokenizerCore(withdraw=self.scheduler.withdraw))
         self.prompt_cache = PromptCacheActor()
         self.model_loader = ModelLoader(
             make_core_for,
-            outputs=self._engine_out_send,
-            on_ready=self._engine_ready,
-            on_lost=self._engine_lost,
+            handover=self._handover,
             core=ModelLoaderCore(default_key(config, self.model_path)),
             distributed=self.distributed,
             step_timeout=config.distributed_timeout,
@@ -180,7 +121,7 @@ class Runtime:
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.scheduler.run, self._engine_out_recv)
+                await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
                 await nursery.start(self.prompt_cache.run, self._stats_recv)
                 await nursery.start(self.model_loader.run)
@@ -189,54 +130,35 @@ class Runtime:
             self.dead = f"runtime crashed: {type(exc).__name__}: {exc}"
             log.exception("the runtime crashed; /health now answers 503")
 
-    def _engine_ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
-        core = self.detokenizer.core
-        if core is None or core.model_key != handle.model_key:
-            # A new model (no request is open across a swap); after a restart of
-            # the same model, the requests waiting in the Scheduler keep theirs.
-            self.detokenizer.core = DetokenizerCore(
-                handle.tokenizer, withdraw=self.scheduler.withdraw, model_key=handle.model_key
-            )
-        if self.config.kv_cache_budget_bytes is not None:
-            self.scheduler.core.kv_budget = self.config.kv_cache_budget_bytes
-        elif handle.kv_bytes_per_token and handle.kv_budget:
-            self.scheduler.core.kv_budget = handle.kv_budget
-        self.scheduler.attach_engine(inbox)
-
-    def _engine_lost(self, reason: str, permanent: bool) -> None:
-        lost = self.scheduler.detach_engine()
-        if permanent:
-            lost += list(self.scheduler.core.waiting)
-            self.scheduler.core.waiting.clear()
-        core = self.detokenizer.core
-        if core is not None:
-            for request_id in lost:
-                core.fail(
-                    request_id,
-                    Failed(
-                        message=f"the engine stopped: {reason}",
-                        status=503,
-                        type="service_unavailable",
-                    ),
-                )
-
     # ------------------------------------------------------------- requests
 
-    def resolve(
+    async def resolve(
         self, model: str | None, adapters: str | None = None, draft_model: str | None = None
     ) -> ModelKey:
-        """The model a request names (404 if it is not on this machine)."""
-        key = resolve_key(
-            self.config,
-            self.model_id,
-            self.model_path,
-            model=model,
-            adapters=adapters,
-            draft_model=draft_model,
+        """The model a request names (404 if it is not on this machine).
+
+        Looking on disk and in the Hugging Face cache is blocking work: a worker thread."""
+        key = await trio.to_thread.run_sync(
+            functools.partial(
+                resolve_key,
+                self.config,
+                self.model_id,
+                self.model_path,
+                model=model,
+                adapters=adapters,
+                draft_model=draft_model,
+            )
         )
-        if not self.switchable and key != self.model_loader.core.default:
+        if not self.switchable and key != self.default_model:
             raise NotFound(f"model {model!r} is not served here", param="model")
         return key
+
+    @property
+    def default_model(self) -> ModelKey:
+        return self.model_loader.core.default
+
+    def allocate_id(self) -> int:
+        return self.scheduler.core.allocate_id()
 
     async def acquire(self, key: ModelKey) -> ModelHandle:
         """Wait until ``key`` is loaded and lease it; ``release`` when done."""
@@ -249,11 +171,11 @@ class Runtime:
     def release(self) -> None:
         self.model_loader.release()
 
-    def open_request(self, submit: Submit, spec: TextSpec, outbox: Outbox) -> None:
+    def open_request(
+        self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
+    ) -> None:
         core = self.detokenizer.core
-        if core is None:
-            raise Unavailable("the model is not loaded", retry_after=5)
-        core.open(submit.request_id, spec, outbox)
+        core.open(submit.request_id, spec, outbox, handle.tokenizer)
         try:
             self.scheduler.submit(submit)
         except BaseException:
@@ -262,15 +184,11 @@ class Runtime:
 
     def close_request(self, request_id: int) -> None:
         """Synchronous: called from cleanup, possibly while cancelled."""
-        core = self.detokenizer.core
-        if core is not None:
-            core.close(request_id)
+        self.detokenizer.core.close(request_id)
         self.scheduler.withdraw(request_id)
 
     def expire_request(self, request_id: int) -> None:
-        core = self.detokenizer.core
-        if core is not None:
-            core.expire(request_id)
+        self.detokenizer.core.expire(request_id)
 
     def session(self, **kwargs) -> Session:
         return Session(self, **kwargs)
@@ -328,7 +246,7 @@ class Runtime:
             "requests_in_flight": self.scheduler.core.load,
             "waiting": len(self.scheduler.core.waiting),
             "engine_restarts": loader.restarts,
-            "prompt_cache": self.prompt_cache.stats.as_dict(),
+            "prompt_cache": cache_figures(stats),
         }
         body["engine"] = {
             "mode": "process" if self.model_loader.engine_process is not None else "thread",
