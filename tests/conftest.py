@@ -78,3 +78,29 @@ def read_sse_chunks(sock, n: int) -> bytes:
         assert chunk, "the server closed the stream early"
         received += chunk
     return received
+
+
+# ------------------------------------------------------------------ markers
+# Three kinds of test, so that a quick loop can run the first alone:
+#   (no marker)  unit and property tests: fakes, or the tiny model in-process;
+#   server       starts real servers or engine processes (sockets, subprocesses);
+#   distributed  launches several ranks with mlx.launch.
+# The quick subset: python -m pytest -m "not server and not distributed"
+SERVER_MODULES = {
+    "test_server_process",
+    "test_demo_model",
+    "test_reference_parity",
+    "test_engine_process",
+    "test_fuzz",
+    "test_distributed",
+}
+DISTRIBUTED_MODULES = {"test_distributed"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in SERVER_MODULES:
+            item.add_marker(pytest.mark.server)
+        if module in DISTRIBUTED_MODULES:
+            item.add_marker(pytest.mark.distributed)

@@ -273,5 +273,6 @@ def test_plan_segments_think_token_inside_system_segment():
     plan = plan_segments(
         prompt, last_role="user", system_prefix=system_prefix, think_start_at=rfind_think
     )
-    # Today: ((1, 2, 99, 3), (99, 3, 4, ..., 11)) typed ("system", "assistant").
-    assert sum(plan.segments, ()) == prompt
+    # The tail never reaches back into the system segment: it starts where that ends.
+    assert plan.segments == ((1, 2, THINK, 3), (4, 5, 6, 7, 8, 9, 10, 11))
+    assert plan.segment_types == ("system", "assistant")

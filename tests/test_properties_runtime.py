@@ -108,15 +108,15 @@ async def client(
     runtime: Runtime,
     plan: Plan,
     out: Outcome,
-    nursery: trio.Nursery | None = None,
+    nursery: trio.Nursery,
     engine_position: Callable[[], object] = lambda: None,
 ) -> None:
-    """What an HTTP handler does with a Session; a disconnect cancels ``scope``."""
+    """What an HTTP handler does with a Session; a disconnect cancels ``scope``
+    (from a task in ``nursery``, as quart-trio's disconnect watcher does)."""
     await arrive(plan.arrival)
     prompt = plan.prompt if isinstance(plan.prompt, str) else list(plan.prompt)
     with trio.CancelScope() as scope:
         if plan.behaviour == "disconnect" and plan.receives_before_disconnect < 0:
-            assert nursery is not None
             nursery.start_soon(cancel_after, scope, plan.cancel_lag)
         session = runtime.session(
             prepare=lambda tokenizer: prepare_text(tokenizer, prompt),
@@ -136,7 +136,6 @@ async def client(
                         plan.behaviour == "disconnect"
                         and receives == plan.receives_before_disconnect
                     ):
-                        assert nursery is not None
                         nursery.start_soon(cancel_after, scope, plan.cancel_lag)
                     try:
                         batch = await session.receive()
@@ -192,7 +191,7 @@ async def wait_idle(runtime: Runtime, seconds: float = 10.0) -> None:
     assert runtime.scheduler.core.kv_reserved == 0
     assert len(runtime.detokenizer.core) == 0
     assert runtime.scheduler.last_stats.active_sequences == 0
-    assert getattr(runtime.model_loader.core, "leases", 0) == 0, "a Session kept its model lease"
+    assert runtime.model_loader.core.leases == 0, "a Session kept its model lease"
 
 
 # ------------------------------------------------------- 1. the fake engine
@@ -452,7 +451,9 @@ def real_plans(draw) -> Plan:
 
 async def serve_alone(runtime: Runtime, plan: Plan) -> Outcome:
     out = Outcome()
-    await client(runtime, attrs.evolve(plan, behaviour="read", arrival=("checkpoints", 0)), out)
+    async with trio.open_nursery() as nursery:
+        plan = attrs.evolve(plan, behaviour="read", arrival=("checkpoints", 0))
+        await client(runtime, plan, out, nursery)
     return out
 
 
