@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import trio
 from mlx_lm.generate import TextStateMachine
 
@@ -184,9 +185,21 @@ class DetokenizerCore:
         self._requests.pop(request_id, None)
 
     def fail(self, request_id: int, failure: Failed) -> None:
+        """End a request with ``failure``; the text held back so far is delivered first."""
         entry = self._requests.pop(request_id, None)
-        if entry is not None:
-            entry[1].put_terminal(failure)
+        if entry is None:
+            return
+        text, outbox = entry
+        self._deliver(text, outbox, text.flush(), ())
+        outbox.put_terminal(attrs.evolve(failure, usage=self._usage(text)))
+
+    def fail_all(self, failure: Failed) -> list[int]:
+        """End every open request (the server is shutting down); returns their ids,
+        which the caller withdraws from the engine."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.fail(request_id, failure)
+        return ids
 
     def on_outputs(self, outputs: StepOutputs) -> None:
         for started in outputs.started:
@@ -268,13 +281,14 @@ class DetokenizerCore:
     def _finished(self, text: RequestText, reason: str) -> Finished:
         if reason == FinishReason.STOP and text.made_tool_call:
             reason = FinishReason.TOOL_CALLS
-        return Finished(
-            finish_reason=FinishReason(reason),
-            usage=Usage(
-                prompt_tokens=text.spec.prompt_tokens,
-                completion_tokens=text.completion_tokens,
-                cached_tokens=text.cached_tokens,
-            ),
+        return Finished(finish_reason=FinishReason(reason), usage=self._usage(text))
+
+    @staticmethod
+    def _usage(text: RequestText) -> Usage:
+        return Usage(
+            prompt_tokens=text.spec.prompt_tokens,
+            completion_tokens=text.completion_tokens,
+            cached_tokens=text.cached_tokens,
         )
 
     def _parse_tool(self, tokenizer, tool_text: str, tools) -> list[ToolCall] | None:

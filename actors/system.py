@@ -45,11 +45,21 @@ from runtime.distributed import launched_rank
 from runtime.engine import EngineCore
 from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
-from runtime.messages import EngineReady, EngineStats, ModelHandle, StepOutputs, Submit, TextSpec
+from runtime.messages import (
+    EngineReady,
+    EngineStats,
+    Failed,
+    ModelHandle,
+    StepOutputs,
+    Submit,
+    TextSpec,
+)
 from runtime.models import ModelKey, RealEngineCore, default_key, resolve_key, resolve_model
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_RETRY_AFTER = 5  # seconds: a restarted server is back in about that long
 
 
 def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
@@ -114,6 +124,7 @@ class Runtime:
         )
         self.dead: str | None = None
         self.accepting = True
+        self._nursery: trio.Nursery | None = None
         self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
@@ -121,6 +132,7 @@ class Runtime:
     async def run(self, *, task_status: trio.TaskStatus[Runtime] = trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
                 await nursery.start(self.prompt_cache.run, self._stats_recv)
@@ -165,15 +177,37 @@ class Runtime:
         if self.dead:
             raise Unavailable(self.dead, retry_after=30)
         if not self.accepting:
-            raise Unavailable("the server is shutting down", retry_after=5)
+            raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         return await self.model_loader.acquire(key)
 
     def release(self) -> None:
         self.model_loader.release()
 
+    def drain(self, grace: float) -> None:
+        """Shutdown has begun: refuse new requests now, and after ``grace`` seconds
+        end every open request properly (a streamed request gets its last chunk,
+        an error event and ``[DONE]``; a waiting one a 503), before the HTTP
+        server cuts what is still running."""
+        self.accepting = False
+        if self._nursery is not None:
+            self._nursery.start_soon(self._end_open_requests, grace)
+
+    async def _end_open_requests(self, grace: float) -> None:
+        await trio.sleep(grace)
+        failure = Failed(
+            message="the server is shutting down",
+            status=503,
+            type="service_unavailable",
+            retry_after=SHUTDOWN_RETRY_AFTER,
+        )
+        for request_id in self.detokenizer.core.fail_all(failure):
+            self.scheduler.withdraw(request_id)
+
     def open_request(
         self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
     ) -> None:
+        if not self.accepting:
+            raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
         core.open(submit.request_id, spec, outbox, handle.tokenizer)
         try:

@@ -19,7 +19,16 @@ from typing import Any
 import attrs
 
 from api.convert import unstructure
-from runtime.messages import Delta, Failed, Finished, Progress, TokenLogprob, ToolCall, Usage
+from runtime.messages import (
+    Delta,
+    Failed,
+    Finished,
+    FinishReason,
+    Progress,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
 
 # ------------------------------------------------------------------ types
 
@@ -236,10 +245,14 @@ class _Renderer:
         """The common frame, text only: the chunk type unstructured once per request,
         then the text spliced in (most frames of a stream are these)."""
         if self._content_template is None:
+            # The first frame is built in full (a chat stream's first delta names
+            # the role); the template is the frame as every later one looks.
+            first = sse(unstructure(self.delta_chunk(Delta(content=content))))
             frame = self.delta_chunk(Delta(content=self._CONTENT))
             text = "data: " + dumps(unstructure(frame)) + "\n\n"
             marker = dumps(self._CONTENT)
             self._content_template = text.split(marker)
+            return first
         before, after = self._content_template
         return (before + dumps(content) + after).encode()
 
@@ -261,6 +274,12 @@ class _Renderer:
                     out.append(sse(unstructure(self.usage_chunk(item))))
                 out.append(SSE_DONE)
             elif isinstance(item, Failed):
+                if item.usage is not None:
+                    # It had started: the stream ends as streams do, then says why.
+                    ended = Finished(finish_reason=FinishReason.ABORT, usage=item.usage)
+                    out.append(sse(unstructure(self.final_chunk(ended))))
+                    if self.include_usage:
+                        out.append(sse(unstructure(self.usage_chunk(ended))))
                 out.append(sse(error_body(item)))
                 out.append(SSE_DONE)
         return b"".join(out)
@@ -276,6 +295,7 @@ class ChatRenderer(_Renderer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._tool_index = 0
+        self._role_sent = False  # OpenAI names the role in a stream's first delta only
 
     def _tool_out(self, calls, *, streaming: bool) -> list[ToolCallOut] | None:
         if not calls:
@@ -328,13 +348,14 @@ class ChatRenderer(_Renderer):
         if not (item.content or item.reasoning or tool_calls or (self.want_logprobs and item.logprobs)):
             return None
         delta = ChatDelta(
-            role="assistant",
+            role=None if self._role_sent else "assistant",
             content=item.content or None,
             reasoning=item.reasoning or None,
             reasoning_content=item.reasoning or None,
             tool_calls=tool_calls,
         )
         logprobs = self._logprobs_out(item.logprobs) if item.logprobs else None
+        self._role_sent = True
         return self._chunk(delta, None, logprobs)
 
     def final_chunk(self, finished: Finished) -> ChatCompletionChunk:

@@ -371,6 +371,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     async def serve(req: GenerationFields, renderer_class, prepare, *, markup, logprobs,
                     top_logprobs, tools=None):
         """The part of a chat or text completion that does not depend on which."""
+        key = await rt.resolve(req.model, req.adapters, req.draft_model)
         session = rt.session(
             prepare=prepare,
             sampling=sampling_params(req, config),
@@ -381,11 +382,12 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             timeout=_timeout(req, config),
-            model=await rt.resolve(req.model, req.adapters, req.draft_model),
+            model=key,
             num_draft_tokens=req.num_draft_tokens,
         )
         renderer = renderer_class(
-            model=req.model,
+            # The id /v1/models lists for the served model, whatever alias named it.
+            model=rt.model_id if key == rt.default_model else req.model,
             fingerprint=fingerprint,
             logprobs=logprobs,
             include_usage=req.include_usage,

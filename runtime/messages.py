@@ -348,6 +348,7 @@ class Failed:
     status: int = 500
     type: str = "server_error"
     retry_after: int | None = None  # seconds, for a 429 or 503
+    usage: Usage | None = None  # what was generated before the failure, if it had started
 
 
 Terminal = Finished | Failed
