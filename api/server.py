@@ -33,6 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.session import Session
+from api.chat_page import register_chat_page
 from api.convert import structure_or_400, unstructure
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
@@ -388,6 +389,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         )
         return await generate(session, renderer, req.stream)
 
+    register_chat_page(app)
     return app
 
 
