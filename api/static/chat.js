@@ -287,6 +287,11 @@ function render(message) {
   const streaming = message === messages.at(-1) && controller !== null;
   if (message.reasoning) {
     const details = el("details", "reasoning");
+    details.open = Boolean(message.showReasoning); // kept across repaints and reloads
+    details.addEventListener("toggle", () => {
+      message.showReasoning = details.open;
+      saveConversation();
+    });
     details.append(el("summary", "", streaming && !message.content ? "Thinking…" : "Reasoning"),
                    el("pre", "", message.reasoning.trim()));
     article.append(details);
@@ -306,15 +311,8 @@ function paint(message) {
   const nearBottom = transcript.scrollHeight - transcript.scrollTop - transcript.clientHeight < 80;
   const fresh = render(message);
   const old = views.get(message);
-  if (old) {
-    const wasOpen = old.querySelector("details.reasoning")?.open;
-    if (wasOpen && fresh.querySelector("details.reasoning")) {
-      fresh.querySelector("details.reasoning").open = true;
-    }
-    old.replaceWith(fresh);
-  } else {
-    transcript.append(fresh);
-  }
+  if (old) old.replaceWith(fresh);
+  else transcript.append(fresh);
   views.set(message, fresh);
   if (nearBottom || !old) transcript.scrollTop = transcript.scrollHeight;
 }
