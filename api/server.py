@@ -34,6 +34,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.session import Session
 from actors.system import Runtime
+from api.chat_page import register_chat_page
 from api.convert import structure_or_400, unstructure
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
@@ -204,7 +205,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     if problems:
         raise SystemExit("mlx-trio-server: " + "; ".join(problems))
 
-    app = QuartTrio("mlx_trio_server")
+    app = QuartTrio("mlx_trio_server", static_folder=None)  # no ./static from the cwd
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
@@ -394,6 +395,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         )
         return await generate(session, renderer, req.stream)
 
+    register_chat_page(app)
     return app
 
 
