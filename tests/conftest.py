@@ -93,6 +93,7 @@ SERVER_MODULES = {
     "test_engine_process",
     "test_fuzz",
     "test_distributed",
+    "test_chat_page",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}
 
