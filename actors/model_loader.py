@@ -33,11 +33,11 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from runtime.distributed import HEARTBEAT_SECONDS
-from runtime.engine import EngineCore, ModelHandle, run_engine_loop
-from runtime.engine_process import EngineProcessError, run_engine_proxy
+from runtime.engine.core import EngineCore
+from runtime.engine.loop import run_engine_loop
+from runtime.engine.process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import EngineReady, Shutdown, StepOutputs
+from runtime.messages import EngineReady, ModelHandle, Shutdown, StepOutputs
 from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
@@ -401,7 +401,6 @@ class ModelLoader:
             on_ready=lambda core: ready(core.handle),
             on_crash=crashed,
             on_tick=self._tick,
-            heartbeat=HEARTBEAT_SECONDS,
         )
 
     def _deliver(self, outputs: StepOutputs, credits: threading.Semaphore) -> None:

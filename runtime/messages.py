@@ -10,7 +10,8 @@ Directions:
   * engine thread -> Scheduler: ``StepOutputs`` (one per engine step) holding
     ``SequenceStarted``, ``PromptProgress``, ``TokenEvent``, ``SequenceAborted``
     and ``SequenceFailed`` events plus ``EngineStats``.
-  * engine process -> its proxy thread (``runtime.engine_process``), besides
+  * engine -> ModelLoader, once a model is loaded: its ``ModelHandle``.
+  * engine process -> its proxy thread (``runtime.engine.process``), besides
     the ``StepOutputs``: ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
     ``Progress`` and exactly one terminal ``Finished`` or ``Failed``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import attrs
 
@@ -123,7 +125,7 @@ class TokenEvent:
 
     request_id: int
     token: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
@@ -183,7 +185,29 @@ class StepOutputs:
         return bool(self.started or self.progress or self.tokens or self.aborted or self.failed)
 
 
-# ------------------------------------- from an engine process (runtime.engine_process)
+# ---------------------------------------------------------------- the loaded model
+
+
+@attrs.define
+class ModelHandle:
+    """A loaded model: the engine owns ``model``; ``tokenizer`` is shared.
+
+    With the engine in its own process the trio side's handle has
+    ``model=None`` and a tokenizer of its own."""
+
+    model: Any
+    tokenizer: Any
+    model_key: str
+    vocab_size: int
+    batchable: bool = True
+    kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
+    kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
+    engine_pid: int | None = None  # the process that runs the engine (None: this one)
+    ranks: int = 1  # distributed: how many processes share the model
+    parallel: str | None = None  # distributed: "tensor" or "pipeline"
+
+
+# ------------------------------------- from an engine process (runtime.engine.process)
 
 
 @attrs.frozen(kw_only=True)

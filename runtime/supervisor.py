@@ -42,9 +42,9 @@ from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine.core import EngineCore
 from runtime.errors import NotFound, Unavailable
-from runtime.messages import EngineReady, EngineStats, Failed, StepOutputs, Submit
+from runtime.messages import EngineReady, EngineStats, Failed, ModelHandle, StepOutputs, Submit
 from runtime.models import ModelKey, default_key, resolve_key
 from runtime.outbox import Outbox
 
@@ -88,7 +88,7 @@ class RealEngineCore:
     config: ServerConfig
 
     def __call__(self, key: ModelKey) -> EngineCore:
-        from runtime.mlx_backend import make_engine_core
+        from runtime.engine.loading import make_engine_core
 
         config = self.config
         served_id, default_path = resolve_model(config)
@@ -120,7 +120,7 @@ def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
 
 
 def _load_tokenizer(config: ServerConfig, ready: EngineReady):
-    from runtime.mlx_backend import load_tokenizer
+    from runtime.engine.loading import load_tokenizer
 
     return load_tokenizer(config, ready.model_key, ready.eos_token_ids)
 

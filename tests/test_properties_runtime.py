@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine.core import EngineCore
 from runtime.errors import Overloaded
-from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams
+from runtime.messages import Delta, Failed, Finished, ModelHandle, Progress, SamplingParams
 from runtime.prompts import prepare_text
 from runtime.supervisor import Runtime
 from tests.conftest import poll_until

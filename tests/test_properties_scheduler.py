@@ -17,11 +17,13 @@ from hypothesis.stateful import (
 )
 
 from actors.scheduler import SchedulerCore
-from runtime.engine import EngineCore, ModelHandle, run_engine_loop
+from runtime.engine.core import EngineCore
+from runtime.engine.loop import run_engine_loop
 from runtime.errors import Overloaded
 from runtime.messages import (
     Abort,
     EngineStats,
+    ModelHandle,
     SamplingParams,
     SequenceAborted,
     SequenceFailed,

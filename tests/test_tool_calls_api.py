@@ -15,7 +15,8 @@ import pytest
 import tests.fakes as fakes
 from api.server import create_app
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore, ModelHandle
+from runtime.engine.core import EngineCore
+from runtime.messages import ModelHandle
 from runtime.supervisor import Runtime
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post
