@@ -40,6 +40,7 @@ from runtime.messages import (
     ToolCall,
     Usage,
 )
+from runtime.mlx_lm_internals import keep_leading_space
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class RequestText:
         self.tokenizer = tokenizer
         self._detok = tokenizer.detokenizer  # a new stateful object on every access
         if not spec.markup:
-            _keep_leading_space(self._detok)
+            keep_leading_space(self._detok)
         self._stops = StopMatcher(spec.stop)
         self._sm = state_machine if spec.markup else None
         self._sm_state = self._sm.make_state(spec.initial_state) if self._sm else None
@@ -316,19 +317,6 @@ def _token_logprob(tokenizer, event: TokenEvent) -> TokenLogprob:
         logprob=float(event.logprob),
         top=tuple((i, decode([i]), float(lp)) for i, lp in event.top_logprobs),
     )
-
-
-def _keep_leading_space(detokenizer) -> None:
-    """A text completion continues its prompt: its first space is text, not padding.
-
-    mlx-lm's streaming detokenizers drop a leading space from the first token
-    (right for a chat reply, wrong for a completion of "Hello," -> " world").
-    """
-    if hasattr(detokenizer, "trim_space"):  # SPM
-        detokenizer.trim_space = False
-    elif hasattr(detokenizer, "_maybe_trim_space") and not detokenizer.text:  # byte-level BPE
-        detokenizer.text = "\x00"  # non-empty, so nothing is trimmed ...
-        detokenizer.offset = 1  # ... and never emitted
 
 
 def _tool_call(parsed: Any) -> ToolCall:

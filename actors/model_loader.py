@@ -35,9 +35,9 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from runtime.distributed import HEARTBEAT_SECONDS
-from runtime.engine import EngineCore, run_engine_loop
-from runtime.engine_process import EngineProcessError, run_engine_proxy
+from runtime.engine.core import EngineCore
+from runtime.engine.loop import run_engine_loop
+from runtime.engine.process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
 from runtime.messages import (
@@ -179,7 +179,7 @@ class ModelLoader:
         shutdown (a hung peer can block it in a collective for ever).
 
         ``engine_process``: run each engine in a child process
-        (``runtime.engine_process``); the engine thread slot then holds the
+        (``runtime.engine.process``); the engine thread slot then holds the
         thread that relays its messages."""
         self.core = core or ModelLoaderCore()
         self._make_core = make_core
@@ -393,7 +393,6 @@ class ModelLoader:
             on_ready=lambda core: ready(core.handle),
             on_crash=crashed,
             on_tick=self._tick,
-            heartbeat=HEARTBEAT_SECONDS,
         )
 
     async def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:

@@ -42,7 +42,7 @@ from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
-from runtime.engine import EngineCore
+from runtime.engine.core import EngineCore
 from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
 from runtime.messages import (
@@ -74,7 +74,7 @@ def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
 
 
 def _load_tokenizer(config: ServerConfig, ready: EngineReady):
-    from runtime.mlx_backend import load_tokenizer
+    from runtime.engine.loading import load_tokenizer
 
     return load_tokenizer(config, ready.model_key, ready.eos_token_ids)
 

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("mlx-trio-server: " + "; ".join(problems))
     if is_follower():
         # Ranks other than 0 serve no HTTP: they step the engine in lockstep with rank 0.
-        from runtime.distributed import run_follower
+        from runtime.engine.loop import run_follower
 
         _exit_distributed(run_follower(config))
     from api.server import create_app

@@ -10,8 +10,12 @@ engine step, rank 0 shares the engine commands it drained from its inbox
 two ``all_sum`` collectives, so all ranks apply the same commands in the same
 order and run identical batch steps.
 
-Rank 0 runs Hypercorn and the actors; the other ranks run ``run_follower``:
-the engine loop alone, commands in, outputs dropped.
+Rank 0 runs Hypercorn and the actors; the other ranks run
+``runtime.engine.loop.run_follower``: the engine loop alone, commands in,
+outputs dropped. The engine loops reach ``CommandExchange`` through
+``runtime.engine.commands.SharedCommands``.
+
+Imports nothing of this project: ``runtime.config`` reads its constants.
 """
 
 from __future__ import annotations
@@ -136,22 +140,3 @@ class CommandExchange:
         if self.leader:
             return list(commands)
         return pickle.loads(np.array(data).tobytes())  # noqa: S301 - a peer rank we launched
-
-
-def run_follower(config) -> int:
-    """A rank other than 0: load its shard and step in lockstep with rank 0 until Shutdown."""
-    from runtime.engine import run_follower_loop
-    from runtime.mlx_backend import make_engine_core
-
-    core = make_engine_core(config, config.model)
-    if core.share_commands is None:
-        log.error("this process was launched as rank %s but found no group", launched_rank())
-        return 1
-    log.info("rank %s ready; following rank 0", launched_rank())
-    try:
-        run_follower_loop(core)
-    except Exception:
-        log.exception("rank %s: the engine failed", launched_rank())
-        return 1
-    log.info("rank %s: shutdown from rank 0", launched_rank())
-    return 0

@@ -163,7 +163,7 @@ class TokenEvent:
 
     request_id: int
     token: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
 

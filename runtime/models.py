@@ -134,7 +134,7 @@ class RealEngineCore:
     config: ServerConfig
 
     def __call__(self, key: ModelKey):
-        from runtime.mlx_backend import make_engine_core
+        from runtime.engine.loading import make_engine_core
 
         config = self.config
         served_id, default_path = resolve_model(config)

@@ -22,6 +22,8 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache
 
+from runtime.mlx_lm_internals import shared_prefix_length
+
 
 class PromptCacheStore(LRUPromptCache):
     """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``."""
@@ -32,17 +34,9 @@ class PromptCacheStore(LRUPromptCache):
 
     def shared_prefix(self, model: Any, tokens: list[int]) -> int:
         """How many leading ``tokens`` some cached entry shares: at most what a fetch reuses."""
-        try:
-            node = self._trie._trie.get(model)  # mlx-lm's trie: nested dicts keyed by token
-        except AttributeError:  # another mlx-lm layout: no shortcut, let the fetch decide
-            return len(tokens)
-        shared = 0
-        for tok in tokens:
-            if node is None:
-                break
-            node = node.get(tok)
-            shared += node is not None
-        return shared
+        shared = shared_prefix_length(self, model, tokens)
+        # Another mlx-lm layout (shared is None): no shortcut, let the fetch decide.
+        return len(tokens) if shared is None else shared
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         if self.min_reuse_tokens > 0 and self.shared_prefix(model, tokens) < self.min_reuse_tokens:

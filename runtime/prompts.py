@@ -20,6 +20,7 @@ from typing import Any
 
 from runtime.errors import ClientError
 from runtime.messages import PreparedPrompt, SegmentPlan
+from runtime.mlx_lm_internals import convert_chat
 
 RESERVED_TEMPLATE_ARGS = frozenset(
     {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation",
@@ -98,9 +99,7 @@ def prepare_chat(
     role_mapping: Mapping[str, str] | None = None,
 ) -> PreparedPrompt:
     if not getattr(tokenizer, "has_chat_template", False):
-        from mlx_lm.server import convert_chat
-
-        tokens = tuple(tokenizer.encode(convert_chat(messages, dict(role_mapping or {}) or None)))
+        tokens = tuple(tokenizer.encode(convert_chat(messages, role_mapping)))
         return PreparedPrompt(
             tokens=tokens, plan=SegmentPlan(segments=(tokens,), segment_types=("assistant",))
         )

@@ -1,8 +1,9 @@
 """Deterministic test doubles for the engine and the detokenizer.
 
-* ``FakeBatchGenerator``: mlx-lm's ``BatchGenerator`` as ``runtime.engine.EngineCore``
+* ``FakeBatchGenerator``: mlx-lm's ``BatchGenerator`` as ``runtime.engine.core.EngineCore``
   uses it, replaying scripted tokens (a function of each sequence's prompt) and
-  recording every call, so tests can assert what entered and left the batch.
+  recording every call, so tests can assert what entered and left the batch
+  (its signatures are mlx-lm's: tests/test_generator_signatures.py).
 * ``FakeBatchGeneratorFactory``: the ``batch_generator_factory`` EngineCore takes;
   keeps every generator it made (EngineCore makes a new one after a failed step).
 * ``FakePromptCache``: the ``LRUPromptCache`` methods EngineCore calls; never hits.

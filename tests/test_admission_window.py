@@ -13,7 +13,8 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.engine import EngineCore
+from runtime.engine.commands import SharedCommands
+from runtime.engine.core import EngineCore
 from runtime.messages import Abort, ModelHandle
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
 from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
@@ -21,7 +22,7 @@ from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 FOREVER = 3600.0  # a window that only the batch-size rule ends
 
 
-def engine(window: float, batch: int = 2, completion: int = 8, share_commands=None):
+def engine(window: float, batch: int = 2, completion: int = 8, commands=None):
     factory = FakeBatchGeneratorFactory(
         vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
     )
@@ -31,7 +32,7 @@ def engine(window: float, batch: int = 2, completion: int = 8, share_commands=No
         prompt_cache=FakePromptCache(),
         admission_window=window,
         admission_batch=batch,
-        share_commands=share_commands,
+        commands=commands,
     )
     return core, factory
 
@@ -72,7 +73,7 @@ def test_arrivals_wait_for_each_other_while_the_batch_is_full():
 
 def test_no_window_when_distributed():
     """Every rank must run the same steps; a window on each rank's clock would not."""
-    core, factory = engine(FOREVER, batch=2, share_commands=lambda commands: commands or [])
+    core, factory = engine(FOREVER, batch=2, commands=SharedCommands(lambda c: c or []))
     for rid in (1, 2):
         core.handle_command(long_submit(rid))
     core.step()

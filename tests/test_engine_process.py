@@ -219,7 +219,7 @@ def _submit(rid: int, n_tokens: int):
 def test_a_small_command_goes_straight_into_the_socket():
     import queue
 
-    from runtime.engine_process import ProcessInbox
+    from runtime.engine.process import ProcessInbox
     from runtime.messages import Abort
 
     here, there = _socket_connections()
@@ -237,7 +237,7 @@ def test_commands_arrive_in_the_order_they_were_put():
     import random
     import threading
 
-    from runtime.engine_process import ProcessInbox, _forward_commands
+    from runtime.engine.process import ProcessInbox, _forward_commands
     from runtime.messages import Abort
 
     here, there = _socket_connections()
@@ -271,7 +271,7 @@ def test_a_command_goes_straight_in_with_a_descriptor_past_1024():
     import queue
     import resource
 
-    from runtime.engine_process import ProcessInbox
+    from runtime.engine.process import ProcessInbox
     from runtime.messages import Abort
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -8,8 +8,8 @@ import trio
 
 from actors.system import Runtime
 from runtime.config import ServerConfig
+from runtime.engine.loading import make_engine_core
 from runtime.messages import SamplingParams
-from runtime.mlx_backend import make_engine_core
 from runtime.prompts import prepare_text
 from tests.conftest import poll_until
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
@@ -73,7 +73,7 @@ async def test_all_mlx_work_runs_on_one_engine_thread_and_stops_with_the_runtime
 
 
 async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keeps_serving():
-    from runtime.engine import EngineCore
+    from runtime.engine.core import EngineCore
     from runtime.messages import ModelHandle
     from tests.fakes import FakeTokenizer
 
@@ -115,7 +115,7 @@ async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keep
 def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
     import time
 
-    from runtime.engine import EngineCore
+    from runtime.engine.core import EngineCore
     from runtime.messages import Abort, ModelHandle, Submit
 
     factory = FakeBatchGeneratorFactory(completion_batch_size=4)

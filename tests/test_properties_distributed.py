@@ -20,7 +20,9 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.engine import EngineCore, run_engine_loop, run_follower_loop
+from runtime.engine.commands import SharedCommands
+from runtime.engine.core import EngineCore
+from runtime.engine.loop import run_engine_loop, run_follower_loop
 from runtime.messages import Abort, ModelHandle, SamplingParams, Shutdown, Submit
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 
@@ -51,7 +53,8 @@ def make_core(factory: FakeBatchGeneratorFactory, share) -> EngineCore:
         handle,
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
-        share_commands=share,
+        # several heartbeats in the idle gaps
+        commands=SharedCommands(share, heartbeat=0.01),
     )
 
 
@@ -116,7 +119,6 @@ def test_rank0_and_a_follower_run_identical_steps(plan):
         steps_emitted.append,
         lambda: None,
         idle_wait=0.001,
-        heartbeat=0.01,  # several heartbeats in the idle gaps
     )
     feeder.join()
     thread.join(20)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from actors.system import Runtime
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore
+from runtime.engine.core import EngineCore
 from runtime.errors import Overloaded
 from runtime.messages import Delta, Failed, Finished, ModelHandle, Progress, SamplingParams
 from runtime.prompts import prepare_text

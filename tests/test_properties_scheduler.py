@@ -17,7 +17,8 @@ from hypothesis.stateful import (
 )
 
 from actors.scheduler import SchedulerCore
-from runtime.engine import EngineCore, run_engine_loop
+from runtime.engine.core import EngineCore
+from runtime.engine.loop import run_engine_loop
 from runtime.errors import Overloaded
 from runtime.messages import (
     Abort,

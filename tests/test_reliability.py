@@ -8,7 +8,7 @@ import trio.lowlevel
 
 from api.server import create_app
 from runtime.config import ServerConfig
-from runtime.mlx_backend import make_engine_core
+from runtime.engine.loading import make_engine_core
 from tests.conftest import poll_until, wait_ready
 from tests.test_api import CHAT, chat_body, parse_sse, post, stream_post
 

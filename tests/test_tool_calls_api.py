@@ -16,7 +16,7 @@ import tests.fakes as fakes
 from actors.system import Runtime
 from api.server import create_app
 from runtime.config import ServerConfig
-from runtime.engine import EngineCore
+from runtime.engine.core import EngineCore
 from runtime.messages import ModelHandle
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post

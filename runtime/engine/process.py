@@ -46,7 +46,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from runtime.engine import run_engine_loop
+from runtime.engine.loop import run_engine_loop
 from runtime.messages import (
     EngineCrashed,
     EngineExited,
@@ -63,7 +63,7 @@ SHUTDOWN_SECONDS = 10.0  # how long a cancelled proxy waits for the child to lea
 # Benchmarks: set to a path prefix and each engine process writes cProfile
 # statistics to PREFIX.PID when it exits (bench/profile_h200.sh).
 PROFILE_ENV = "MLX_TRIO_ENGINE_PROFILE"
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # where ``runtime`` can be imported from
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where ``runtime`` can be imported from
 
 
 class EngineProcessError(Exception):
@@ -224,7 +224,7 @@ def run_engine_proxy(
 
 
 def _start_child(make_core, log_level: str, log_format: str):
-    """``python -m runtime.engine_process FD``, talking over one end of a socket pair.
+    """``python -m runtime.engine.process FD``, talking over one end of a socket pair.
 
     A plain subprocess rather than ``multiprocessing.Process``: a server run
     by ``hypercorn`` lives in a daemonic worker process, which
@@ -237,7 +237,7 @@ def _start_child(make_core, log_level: str, log_format: str):
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "runtime.engine_process", str(there_fd)],
+            [sys.executable, "-m", "runtime.engine.process", str(there_fd)],
             pass_fds=(there_fd,),
             env=env,
             close_fds=True,

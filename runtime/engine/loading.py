@@ -1,21 +1,29 @@
 """Building a real ``EngineCore`` from mlx-lm parts, on the engine thread.
 
 ``make_engine_core(config, model_path)`` must be called on the thread that
-will step the engine: it creates that thread's MLX stream, loads model and
-tokenizer with ``mlx_lm.load`` and wires ``BatchGenerator``, ``LRUPromptCache``,
-samplers and the EOS stop automaton into an ``EngineCore``.
+will step the engine: it joins the distributed group if this process was
+launched as one of its ranks, creates that thread's MLX stream, loads model
+and tokenizer with ``mlx_lm.load`` (or its shard with ``sharded_load``) and
+wires the batch generator (mlx-lm's ``BatchGenerator``, or ``SerialGenerator``
+for a draft model, a quantized KV cache or a model whose cache cannot be
+batched), the prompt cache, samplers, the EOS stop automaton and the command
+source into an ``EngineCore``. ``load_tokenizer`` gives an engine process's
+parent the tokenizer without the model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 
 from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
-from runtime.engine import EngineCore
+from runtime.engine.commands import SharedCommands
+from runtime.engine.core import EngineCore
+from runtime.engine.serial import SerialGenerator
 from runtime.messages import ModelHandle
+from runtime.mlx_lm_internals import sharded_load_on_the_default_stream
+from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 
 log = logging.getLogger(__name__)
@@ -35,7 +43,7 @@ def load_model(
         from mlx_lm.utils import sharded_load
 
         log.info("loading model %s, %s parallel over %d ranks", model_path, group.mode, group.size)
-        with _collectives_off_the_cpu_stream():
+        with sharded_load_on_the_default_stream():
             model, tokenizer = sharded_load(
                 model_path,
                 pipeline_group=group.group if group.pipeline else None,
@@ -89,35 +97,6 @@ def load_tokenizer(config: ServerConfig, model_path: str, eos_token_ids) -> obje
     return tokenizer
 
 
-@contextlib.contextmanager
-def _collectives_off_the_cpu_stream():
-    """On a GPU, run ``all_sum(..., stream=mx.cpu)`` on the thread's default stream.
-
-    mlx-lm's ``sharded_load`` ends with a barrier ``all_sum`` on the CPU stream.
-    The NCCL backend cannot run it: the CPU stream's worker thread looks for the
-    caller's GPU stream and fails with "There is no Stream(gpu, N) in current
-    thread" (what kills mlx_lm.server 0.32.2's NCCL mode at load). On the CPU
-    (ring, MPI) the call is left alone.
-    """
-    import mlx.core as mx
-
-    if mx.default_device().type != mx.DeviceType.gpu:
-        yield
-        return
-    original = mx.distributed.all_sum
-
-    def all_sum(x, *args, stream=None, **kwargs):
-        if stream == mx.cpu:
-            stream = None
-        return original(x, *args, stream=stream, **kwargs)
-
-    mx.distributed.all_sum = all_sum
-    try:
-        yield
-    finally:
-        mx.distributed.all_sum = original
-
-
 def kv_bytes_per_token(model) -> int:
     """layers x kv heads x head dim x 2 (K and V) x dtype bytes, from the model's config."""
     from mlx.utils import tree_flatten
@@ -165,8 +144,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, make_stop_sequences
 
-    from runtime.prompt_cache_store import PromptCacheStore
-
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
     if group is None and config.pipeline:
@@ -175,23 +152,30 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     with mx.stream(stream):
         handle = load_model(config, model_path, group)
     tokenizer = handle.tokenizer
-    share = None
+    commands = None
     if group is not None:
         # Collectives on the batch's stream: in order with the model's own
         # (an all_sum on another stream could interleave with an in-flight step's).
         with mx.stream(stream):
             seed_all_ranks(group)
-        share = CommandExchange(group, stream).share
+        commands = SharedCommands(CommandExchange(group, stream).share)
     xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
 
-    def new_batch_generator():
-        return BatchGenerator(
-            handle.model,
-            completion_batch_size=config.decode_concurrency,
-            prefill_batch_size=config.prompt_concurrency,
-            prefill_step_size=config.prefill_step_size,
-            stream=stream,
-        )
+    serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
+    if serial:
+        if not handle.batchable:
+            log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
+        new_batch_generator = _serial_generator_factory(config, handle, stream)
+    else:
+
+        def new_batch_generator():
+            return BatchGenerator(
+                handle.model,
+                completion_batch_size=config.decode_concurrency,
+                prefill_batch_size=config.prompt_concurrency,
+                prefill_step_size=config.prefill_step_size,
+                stream=stream,
+            )
 
     prompt_cache_bytes = config.prompt_cache_bytes
     if group is not None and prompt_cache_bytes is not None:
@@ -200,11 +184,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         log.warning("--prompt-cache-bytes is ignored when distributed: entries are counted")
         prompt_cache_bytes = None
     max_bytes = prompt_cache_bytes if prompt_cache_bytes is not None else 1 << 63
-    serial = None
-    if config.draft_model is not None or config.kv_bits is not None or not handle.batchable:
-        if not handle.batchable:
-            log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
-        serial = _serial_generator(config, handle, stream, xtc_special)
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
@@ -216,23 +195,27 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         prompt_cache_bytes=prompt_cache_bytes,
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
+        insert_options=_draft_tokens if config.draft_model is not None else None,
         stop_sequences=make_stop_sequences(tokenizer),
-        serial_generate=serial,
-        share_commands=share,
-        admission_window=config.admission_window_ms / 1000,
+        commands=commands,
+        # One request at a time: nothing for a window to gather.
+        admission_window=0.0 if serial else config.admission_window_ms / 1000,
         admission_batch=config.prompt_concurrency,
     )
 
 
-def _serial_generator(config: ServerConfig, handle: ModelHandle, stream, xtc_special):
+def _draft_tokens(submit) -> dict:
+    return {"num_draft_tokens": submit.num_draft_tokens}
+
+
+def _serial_generator_factory(config: ServerConfig, handle: ModelHandle, stream):
     """Requests that cannot share a batch: speculative decoding, quantized KV cache.
 
-    Served one at a time through mlx-lm's ``stream_generate`` on the engine thread.
+    The draft model is loaded once, here; each generator (a new one after a
+    failed step) serves with it.
     """
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
 
     draft_model = None
     if config.draft_model is not None:
@@ -241,36 +224,17 @@ def _serial_generator(config: ServerConfig, handle: ModelHandle, stream, xtc_spe
         if draft_tokenizer.vocab_size != handle.tokenizer.vocab_size:
             log.warning("the draft model's vocabulary differs from the model's")
 
-    def generate(sub, rest, cache, progress):
-        if cache is None:
-            cache = make_prompt_cache(handle.model)
-            if draft_model is not None:
-                cache += make_prompt_cache(draft_model)
-        kwargs = dict(
-            sampler=build_sampler(sub.sampling, xtc_special),
-            logits_processors=build_logits_processors(sub.sampling),
-            prompt_cache=cache,
-            prefill_step_size=config.prefill_step_size,
-        )
-        if draft_model is not None:
-            kwargs["num_draft_tokens"] = sub.num_draft_tokens or config.num_draft_tokens
-        else:
-            kwargs["prompt_progress_callback"] = progress
-        if config.kv_bits is not None:
-            kwargs.update(
-                kv_bits=config.kv_bits,
-                kv_group_size=config.kv_group_size,
-                quantized_kv_start=config.quantized_kv_start,
-            )
-        responses = stream_generate(
+    def new_serial_generator() -> SerialGenerator:
+        return SerialGenerator(
             handle.model,
             handle.tokenizer,
-            rest,
-            max_tokens=sub.max_tokens,
             draft_model=draft_model,
             stream=stream,
-            **kwargs,
+            prefill_step_size=config.prefill_step_size,
+            num_draft_tokens=config.num_draft_tokens,
+            kv_bits=config.kv_bits,
+            kv_group_size=config.kv_group_size,
+            quantized_kv_start=config.quantized_kv_start,
         )
-        return responses, cache
 
-    return generate
+    return new_serial_generator

@@ -1,0 +1,22 @@
+"""The engine: everything that touches MLX for one loaded model.
+
+Import from the modules themselves (this package re-exports nothing, so that
+``python -m runtime.engine.process`` and a fake-driven test load only what
+they use):
+
+* ``core``: ``EngineCore``, the sans-IO state machine (commands in, one
+  ``StepOutputs`` per step out) around a batch generator and the prompt cache;
+  ``EngineCounters``; ``SequenceError``.
+* ``serial``: ``SerialGenerator``, mlx-lm's ``stream_generate`` behind the
+  batch generator's interface (draft model, quantized KV cache).
+* ``commands``: ``CommandSource`` (``LocalCommands``, ``SharedCommands`` for a
+  distributed group) and ``drain``: what each loop round applies.
+* ``loop``: ``run_engine_loop`` (the engine thread's body),
+  ``run_follower_loop`` and ``run_follower`` (distributed ranks > 0).
+* ``process``: the engine in a child process (``python -m
+  runtime.engine.process FD``) and the parent's side, ``run_engine_proxy``.
+* ``loading``: ``make_engine_core`` and ``load_tokenizer`` from mlx-lm parts.
+
+Dependencies among them point one way: loading -> serial -> core -> commands,
+loop -> core, process -> loop.
+"""

@@ -1,0 +1,458 @@
+"""The engine core: a synchronous state machine around one batch generator.
+
+``EngineCore`` receives ``Submit`` / ``Abort`` commands (``handle_command``)
+and emits one ``StepOutputs`` per ``step()``. It never blocks and knows
+nothing of threads, trio or the distributed group, so tests drive it directly
+(with ``tests.fakes.FakeBatchGenerator`` where determinism matters).
+
+It owns, for one loaded model: the batch generator (mlx-lm's
+``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
+that cannot share a batch: both have the same interface, so there is one
+path), the prompt cache (``fetch_nearest_cache`` when a request is admitted,
+``insert_cache`` at segment ends and when a sequence finishes), the requests
+held by the admission window, and the counters of ``EngineStats``.
+
+``step()`` runs one generator step and turns its responses into events in one
+place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from runtime.engine.commands import CommandSource, LocalCommands
+from runtime.messages import (
+    Abort,
+    EngineCommand,
+    EngineStats,
+    FinishReason,
+    ModelHandle,
+    PromptProgress,
+    SequenceAborted,
+    SequenceFailed,
+    SequenceStarted,
+    StepOutputs,
+    Submit,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+RECENT_STEPS = 8  # step end times kept to count the steps an abort waited for
+
+
+class SequenceError(Exception):
+    """A batch generator could not go on with one sequence: only its request fails.
+
+    Raised from ``next()`` (``SerialGenerator`` does, for the sequence it
+    serves); any other exception from a step fails every sequence in the batch.
+    """
+
+    def __init__(self, uid: int, message: str):
+        super().__init__(message)
+        self.uid = uid
+        self.message = message
+
+
+@attrs.define
+class EngineCounters:
+    """The engine's running totals since it was built, read into every ``EngineStats``."""
+
+    steps: int = 0
+    prefill_steps: int = 0  # steps that processed prompt tokens
+    busy_seconds: float = 0.0  # wall time inside step()
+    cache_hits: int = 0  # requests that reused a prompt-cache entry
+    cached_tokens: int = 0  # prompt tokens those entries covered
+    aborts: int = 0  # aborts that removed a sequence
+    abort_wait_ms_total: float = 0.0  # from Abort.posted_at to its removal
+    abort_wait_ms_max: float = 0.0
+    abort_wait_steps_max: int = 0  # steps finished while an abort waited
+    recent_step_ends: collections.deque[float] = attrs.field(
+        factory=lambda: collections.deque(maxlen=RECENT_STEPS)
+    )
+
+    def started(self, cached_tokens: int) -> None:
+        if cached_tokens:
+            self.cache_hits += 1
+            self.cached_tokens += cached_tokens
+
+    def stepped(self, seconds: float, *, prefill: bool, worked: bool) -> None:
+        self.steps += 1
+        self.prefill_steps += prefill
+        self.busy_seconds += seconds
+        if worked:
+            self.recent_step_ends.append(time.monotonic())
+
+    def aborted(self, posted_at: float) -> None:
+        """An abort was applied: how long it waited, in ms and in engine steps finished."""
+        wait_ms = max(0.0, (time.monotonic() - posted_at) * 1000)
+        steps = sum(1 for finished in self.recent_step_ends if finished > posted_at)
+        self.aborts += 1
+        self.abort_wait_ms_total += wait_ms
+        self.abort_wait_ms_max = max(self.abort_wait_ms_max, wait_ms)
+        self.abort_wait_steps_max = max(self.abort_wait_steps_max, steps)
+
+
+@attrs.define
+class _Sequence:
+    request_id: int
+    uid: int  # the batch generator's id
+    logprobs: bool
+    top_logprobs: int
+    segment_types: list[str]  # reversed: pop() gives the next segment's type
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+class EngineCore:
+    """Sans-IO engine: commands in, one ``StepOutputs`` per ``step()`` out."""
+
+    def __init__(
+        self,
+        handle: ModelHandle,
+        *,
+        batch_generator_factory: Callable[[], Any],
+        prompt_cache: Any,
+        prompt_cache_bytes: int | None = None,
+        sampler_factory: Callable[[Any], Any] | None = None,
+        logits_processors_factory: Callable[[Any], list] | None = None,
+        insert_options: Callable[[Submit], dict[str, Any]] | None = None,
+        stop_sequences: Any = None,
+        commands: CommandSource | None = None,
+        admission_window: float = 0.0,
+        admission_batch: int = 8,
+    ):
+        """``batch_generator_factory()`` makes the generator (again after a failed step).
+
+        ``insert_options(submit)``: further per-sequence arguments of the
+        generator's ``insert_segments`` (``SerialGenerator`` takes
+        ``num_draft_tokens``), one value each.
+
+        ``commands``: how the engine loops get this engine's commands
+        (``runtime.engine.commands``); a ``lockstep`` source (distributed) also
+        turns the admission window off, since every rank must run the same
+        steps and a window that ends on each rank's own clock would not.
+
+        ``admission_window`` (seconds; 0: off): while at least
+        ``admission_batch`` sequences are decoding, a new request waits in the
+        engine up to this long, or until ``admission_batch`` are waiting, so
+        that arrivals a few milliseconds apart join the batch together. Each
+        join rebuilds the whole batch's KV cache (mlx-lm's prompt batch extend,
+        split and filter), so on a GPU one join per arrival costs more than the
+        decoding itself (docs/performance.md); a small batch admits at once."""
+        self.handle = handle
+        self.commands = commands or LocalCommands()
+        self._new_batch_generator = batch_generator_factory
+        self._batch = batch_generator_factory()
+        self.prompt_cache = prompt_cache
+        self._prompt_cache_bytes = prompt_cache_bytes
+        self._sampler_factory = sampler_factory or (lambda params: None)
+        self._logits_processors_factory = logits_processors_factory or (lambda params: [])
+        self._insert_options = insert_options or (lambda submit: {})
+        self._stop_sequences = stop_sequences
+        self._admission_window = 0.0 if self.commands.lockstep else admission_window
+        self._admission_batch = admission_batch
+        self._held: collections.deque[tuple[float, Submit]] = collections.deque()
+        self._by_uid: dict[int, _Sequence] = {}
+        self._by_request: dict[int, _Sequence] = {}
+        self._started: list[SequenceStarted] = []
+        self._aborted: list[SequenceAborted] = []
+        self._failed: list[SequenceFailed] = []
+        self.counters = EngineCounters()
+
+    # ------------------------------------------------------------ commands
+
+    def _request_ids(self, *, held: bool = True) -> list[int]:
+        """The requests the engine holds: in the generator, then (``held``) in the window."""
+        ids = list(self._by_request)
+        if held:
+            ids += [sub.request_id for _, sub in self._held]
+        return ids
+
+    @property
+    def active_request_ids(self) -> set[int]:
+        return set(self._request_ids())
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._by_request or self._held)
+
+    def handle_command(self, command: EngineCommand) -> None:
+        if isinstance(command, Submit):
+            if self._admission_window > 0 and len(self._by_uid) >= self._admission_batch:
+                if command.request_id not in self.active_request_ids:
+                    self._held.append((time.monotonic(), command))
+                return
+            self._submit(command)
+        elif isinstance(command, Abort):
+            if self._abort(command.request_id):
+                self.counters.aborted(command.posted_at)
+        else:
+            raise TypeError(f"unexpected engine command {command!r}")
+
+    def _submit(self, sub: Submit) -> None:
+        if sub.request_id in self.active_request_ids:
+            return  # duplicate submit: the first one stands
+        try:
+            uid, cached, segment_types = self._insert(sub)
+        except Exception as exc:  # one bad request must not take the engine down
+            log.exception("request %s could not be admitted", sub.request_id)
+            self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+            return
+        seq = _Sequence(
+            request_id=sub.request_id,
+            uid=uid,
+            logprobs=sub.logprobs,
+            top_logprobs=sub.top_logprobs,
+            segment_types=segment_types[::-1],
+        )
+        self._by_uid[uid] = seq
+        self._by_request[sub.request_id] = seq
+        self.counters.started(cached)
+        self._started.append(
+            SequenceStarted(
+                request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
+            )
+        )
+
+    def _insert(self, sub: Submit) -> tuple[int, int, list[str]]:
+        """Into the generator, after the prompt cache: (uid, tokens cached, segment types)."""
+        prompt = list(sub.prompt)
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+        if cache is not None and not rest:
+            # An exact hit leaves nothing to feed the model: give back one token.
+            cache, rest = _back_off_one_token(cache, prompt)
+        cached = len(prompt) - len(rest)
+
+        segments = [list(s) for s in sub.segments]
+        types = list(sub.segment_types)
+        skip = cached
+        while skip > 0 and segments:
+            if skip >= len(segments[0]):
+                skip -= len(segments.pop(0))
+                types.pop(0)
+            else:
+                segments[0] = segments[0][skip:]
+                skip = 0
+
+        options = {name: [value] for name, value in self._insert_options(sub).items()}
+        (uid,) = self._batch.insert_segments(
+            segments=[segments],
+            max_tokens=[sub.max_tokens],
+            caches=[cache],
+            all_tokens=[prompt[:cached]],
+            samplers=[self._sampler_factory(sub.sampling)],
+            logits_processors=[self._logits_processors_factory(sub.sampling)],
+            stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
+            **options,
+        )
+        if self._prompt_cache_bytes is not None:
+            active = self._batch.prompt_cache_nbytes
+            self.prompt_cache.trim_to(n_bytes=self._prompt_cache_bytes - active)
+        return uid, cached, types
+
+    def _admit_held(self) -> None:
+        """Hand the held requests to the batch once the window is over (or it is full)."""
+        if not self._held:
+            return
+        if (
+            len(self._by_uid) >= self._admission_batch
+            and len(self._held) < self._admission_batch
+            and time.monotonic() - self._held[0][0] < self._admission_window
+        ):
+            return
+        while self._held:
+            self._submit(self._held.popleft()[1])
+
+    def _abort(self, request_id: int) -> bool:
+        """Remove a sequence now; returns whether there was one to remove."""
+        for i, (_, sub) in enumerate(self._held):
+            if sub.request_id == request_id:
+                del self._held[i]
+                self._aborted.append(SequenceAborted(request_id=request_id))
+                return True
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return False  # already finished: its terminal event has been emitted
+        self._forget(seq)
+        self._batch.remove([seq.uid])
+        self._aborted.append(SequenceAborted(request_id=request_id))
+        return True
+
+    def _forget(self, seq: _Sequence) -> None:
+        del self._by_uid[seq.uid]
+        del self._by_request[seq.request_id]
+
+    # ---------------------------------------------------------------- steps
+
+    def step(self) -> StepOutputs:
+        """Run one engine step (if there is work) and collect everything since the last."""
+        began = time.perf_counter()
+        self._admit_held()
+        progress: list[PromptProgress] = []
+        tokens: list[TokenEvent] = []
+        if self._by_uid:
+            try:
+                self._run_step(progress, tokens)
+            except SequenceError as exc:
+                self._fail_sequence(exc)
+            except Exception as exc:
+                log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
+                self._fail_all(f"engine step failed: {exc}")
+        self.counters.stepped(
+            time.perf_counter() - began,
+            prefill=bool(progress),
+            worked=bool(self._by_uid or tokens or progress),
+        )
+        outputs = StepOutputs(
+            started=tuple(self._started),
+            progress=tuple(progress),
+            tokens=tuple(tokens),
+            aborted=tuple(self._aborted),
+            failed=tuple(self._failed),
+            stats=self.stats(),
+        )
+        self._started.clear()
+        self._aborted.clear()
+        self._failed.clear()
+        return outputs
+
+    def _run_step(self, progress: list[PromptProgress], tokens: list[TokenEvent]) -> None:
+        prompt_responses, generation_responses = self._batch.next()
+        key = self.handle.model_key
+
+        save = []
+        for r in prompt_responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue
+            done, total = r.progress
+            progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
+            if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
+                save.append(r.uid)
+        if save:
+            for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
+                self.prompt_cache.insert_cache(
+                    key,
+                    list(cache_tokens),
+                    cache,
+                    cache_type=self._by_uid[uid].segment_types.pop(),
+                )
+
+        for r in generation_responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is None:
+                continue
+            tokens.append(self._token_event(seq, r))
+            if r.finish_reason is not None:
+                self._forget(seq)
+                if r.prompt_cache is not None and r.all_tokens is not None:
+                    self.prompt_cache.insert_cache(
+                        key, list(r.all_tokens), r.prompt_cache, cache_type="assistant"
+                    )
+
+    @staticmethod
+    def _token_event(seq: _Sequence, response: Any) -> TokenEvent:
+        """The one place a generator's response becomes a ``TokenEvent``."""
+        token = int(response.token)
+        logprob, top = None, ()
+        if seq.wants_logprobs:
+            logprob, top = token_logprobs(response.logprobs, token, seq.top_logprobs)
+        reason = response.finish_reason  # mlx-lm: "stop", "length" or None
+        return TokenEvent(
+            request_id=seq.request_id,
+            token=token,
+            finish_reason=None if reason is None else FinishReason(reason),
+            logprob=logprob,
+            top_logprobs=top,
+        )
+
+    def _fail_sequence(self, error: SequenceError) -> None:
+        seq = self._by_uid.get(error.uid)
+        log.error(
+            "request %s failed: %s",
+            seq.request_id if seq else f"(uid {error.uid})",
+            error.message,
+            exc_info=error.__cause__ or error,
+        )
+        if seq is not None:
+            self._forget(seq)
+            self._failed.append(SequenceFailed(request_id=seq.request_id, message=error.message))
+
+    def _fail_all(self, message: str, *, retryable: bool = False, closing: bool = False) -> None:
+        """Fail what the generator holds, and (``closing``) what the window holds."""
+        for request_id in self._request_ids(held=closing):
+            self._failed.append(
+                SequenceFailed(request_id=request_id, message=message, retryable=retryable)
+            )
+        if closing:
+            self._held.clear()
+        self._by_uid.clear()
+        self._by_request.clear()
+        self._close_batch()
+        if not closing:
+            self._batch = self._new_batch_generator()
+
+    def _close_batch(self) -> None:
+        close = getattr(self._batch, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the batch generator failed")
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            active_sequences=len(self._request_ids()),
+            steps=c.steps,
+            prefill_steps=c.prefill_steps,
+            busy_seconds=c.busy_seconds,
+            prompt_cache_entries=len(self.prompt_cache),
+            prompt_cache_bytes=int(self.prompt_cache.nbytes),
+            prompt_cache_hits=c.cache_hits,
+            prompt_cache_cached_tokens=c.cached_tokens,
+            aborts=c.aborts,
+            abort_wait_ms_total=c.abort_wait_ms_total,
+            abort_wait_ms_max=c.abort_wait_ms_max,
+            abort_wait_steps_max=c.abort_wait_steps_max,
+        )
+
+    def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
+        """Fail whatever is still running and release the batch generator."""
+        self._fail_all(reason, retryable=True, closing=True)
+        return self.step()
+
+
+def _back_off_one_token(cache: list, prompt: list[int]) -> tuple[list | None, list[int]]:
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if len(prompt) > 1 and can_trim_prompt_cache(cache):
+        trim_prompt_cache(cache, 1)
+        return cache, prompt[-1:]
+    return None, prompt
+
+
+def token_logprobs(lp: Any, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The sampled token's logprob and the top ``n`` (token, logprob), best first."""
+    import mlx.core as mx
+
+    lp = lp.reshape(-1)
+    chosen = lp[token]
+    if n <= 0:
+        return chosen.item(), ()
+    n = min(n, lp.shape[-1])
+    idx = mx.argpartition(-lp, kth=n - 1)[:n]
+    vals = lp[idx]
+    order = mx.argsort(-vals)
+    idx, vals = idx[order], vals[order]
+    mx.eval(chosen, idx, vals)
+    return chosen.item(), tuple(zip(idx.tolist(), vals.tolist(), strict=True))

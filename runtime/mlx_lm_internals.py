@@ -1,0 +1,137 @@
+"""Every use of mlx-lm's private parts, in one place.
+
+The rest of the code uses mlx-lm's public API only (``load``,
+``BatchGenerator``, ``stream_generate``, ``LRUPromptCache``'s methods, the
+tokenizer wrapper, the samplers). What we need beyond it lives here, each
+piece with the reason and what it relies on; ``tests/test_mlx_lm_internals.py``
+checks every one of them against the installed mlx-lm and fails naming the
+attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
+
+* ``shared_prefix_length``: walks ``LRUPromptCache._trie._trie`` (the prompt
+  cache's reuse floor, ``runtime.prompt_cache_store``).
+* ``keep_leading_space``: a text completion keeps its first space; sets
+  ``SPMStreamingDetokenizer.trim_space`` or defeats
+  ``BPEStreamingDetokenizer._maybe_trim_space`` (``actors.detokenizer``).
+* ``convert_chat``: ``mlx_lm.server.convert_chat``, the prompt of a model
+  without a chat template (``runtime.prompts``); a module of mlx-lm's server
+  script, not of its library API.
+* ``sharded_load_on_the_default_stream``: keeps the barrier at the end of
+  ``mlx_lm.utils.sharded_load`` off the CPU stream on a GPU
+  (``runtime.engine.loading``).
+
+Receives and emits nothing; imports mlx-lm only when a function is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+# ------------------------------------------------------------ the prompt cache
+
+
+def shared_prefix_length(cache: Any, model: Any, tokens: Sequence[int]) -> int | None:
+    """How many leading ``tokens`` some entry of an ``LRUPromptCache`` shares with them.
+
+    ``None`` when the cache is not laid out as this was written for (then the
+    caller must not take the shortcut). Relies on ``cache._trie._trie``: a dict
+    from model key to nested dicts keyed by token id (mlx-lm's ``PromptTrie``).
+    """
+    try:
+        node = cache._trie._trie.get(model)
+    except AttributeError:
+        return None
+    shared = 0
+    for tok in tokens:
+        if node is None:
+            break
+        node = node.get(tok)
+        shared += node is not None
+    return shared
+
+
+# ---------------------------------------------------------------- detokenizing
+
+
+def keep_leading_space(detokenizer: Any) -> None:
+    """A text completion continues its prompt: its first space is text, not padding.
+
+    mlx-lm's streaming detokenizers drop a leading space from the first token
+    (right for a chat reply, wrong for a completion of "Hello," -> " world").
+    The SPM detokenizer has a switch for it (``trim_space``); the byte-level BPE
+    one trims in ``_maybe_trim_space`` while its ``text`` is empty, so its text
+    is made non-empty with a NUL that its ``offset`` then skips: never emitted.
+    """
+    if hasattr(detokenizer, "trim_space"):  # SPM
+        detokenizer.trim_space = False
+    elif hasattr(detokenizer, "_maybe_trim_space") and not detokenizer.text:  # byte-level BPE
+        detokenizer.text = "\x00"  # non-empty, so nothing is trimmed ...
+        detokenizer.offset = 1  # ... and never emitted
+
+
+# ----------------------------------------------------------------- prompts
+
+
+def convert_chat(messages: list[dict[str, Any]], role_mapping: Mapping[str, str] | None) -> str:
+    """mlx_lm.server's plain-text chat prompt (models without a chat template)."""
+    from mlx_lm.server import convert_chat as mlx_lm_convert_chat
+
+    return mlx_lm_convert_chat(messages, dict(role_mapping or {}) or None)
+
+
+# ------------------------------------------------------------- distributed
+
+
+@contextlib.contextmanager
+def sharded_load_on_the_default_stream() -> Iterator[None]:
+    """Around ``mlx_lm.utils.sharded_load``: on a GPU, its barrier on the default stream.
+
+    ``sharded_load`` ends with ``all_sum(..., stream=mx.cpu)``. MLX's NCCL
+    backend cannot run it: the CPU stream's worker thread looks for the
+    caller's GPU stream and fails with "There is no Stream(gpu, N) in current
+    thread" (what kills mlx_lm.server 0.32.2's NCCL mode at load). For the
+    duration of the block, ``mlx_lm.utils`` (only it: the name ``mx`` in that
+    module) sees an ``mx`` whose ``distributed.all_sum`` drops ``stream=mx.cpu``;
+    everything else is mlx.core itself. On the CPU (ring, MPI) nothing changes.
+    Call it from the thread that loads; no other thread should load meanwhile.
+    """
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.gpu:
+        yield
+        return
+    with _utils_barrier_off_the_cpu_stream():
+        yield
+
+
+@contextlib.contextmanager
+def _utils_barrier_off_the_cpu_stream() -> Iterator[None]:
+    import mlx.core as mx
+    import mlx_lm.utils
+
+    if mlx_lm.utils.mx is not mx:
+        raise RuntimeError("mlx_lm.utils.mx is not mlx.core: see docs/upgrading-mlx-lm.md")
+    original = mx.distributed.all_sum
+
+    def all_sum(x, *args, stream=None, **kwargs):
+        if stream == mx.cpu:
+            stream = None
+        return original(x, *args, stream=stream, **kwargs)
+
+    mlx_lm.utils.mx = _Overlay(mx, distributed=_Overlay(mx.distributed, all_sum=all_sum))
+    try:
+        yield
+    finally:
+        mlx_lm.utils.mx = mx
+
+
+class _Overlay:
+    """An object's attributes, some of them replaced."""
+
+    def __init__(self, target: Any, **replaced: Any):
+        self._target = target
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)

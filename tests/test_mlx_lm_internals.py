@@ -1,0 +1,176 @@
+"""mlx-lm's private parts that ``runtime.mlx_lm_internals`` relies on, checked against
+the installed mlx-lm: after an upgrade a failure here names the attribute that
+changed (docs/upgrading-mlx-lm.md says what to do then).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm.utils
+import pytest
+from mlx_lm.models.cache import KVCache, LRUPromptCache
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
+from runtime import mlx_lm_internals
+from runtime.mlx_lm_internals import convert_chat, keep_leading_space, shared_prefix_length
+
+UPGRADE = "mlx-lm changed: see docs/upgrading-mlx-lm.md"
+
+
+def require(condition: bool, what: str) -> None:
+    if not condition:
+        pytest.fail(f"{UPGRADE}: {what}", pytrace=False)
+
+
+# ------------------------------------------------------------ LRUPromptCache._trie._trie
+
+
+def test_the_prompt_cache_trie_is_nested_dicts_keyed_by_token():
+    cache = LRUPromptCache(max_size=4)
+    cache.insert_cache("m", [5, 6, 7], [KVCache()])
+    cache.insert_cache("m", [5, 9], [KVCache()])
+    trie = getattr(getattr(cache, "_trie", None), "_trie", None)
+    require(isinstance(trie, dict), "LRUPromptCache._trie._trie is no longer a dict")
+    require("m" in trie, "LRUPromptCache._trie._trie is no longer keyed by model")
+    root = trie["m"]
+    require(
+        isinstance(root, dict) and isinstance(root.get(5), dict) and 6 in root[5],
+        "LRUPromptCache._trie._trie[model] is no longer nested dicts keyed by token id",
+    )
+    assert shared_prefix_length(cache, "m", [5, 6, 8]) == 2
+    assert shared_prefix_length(cache, "m", [5, 9, 1, 2]) == 2
+    assert shared_prefix_length(cache, "m", [4]) == 0
+    assert shared_prefix_length(cache, "other", [5, 6]) == 0
+
+
+def test_an_unknown_cache_layout_gives_no_shortcut():
+    assert shared_prefix_length(object(), "m", [1, 2]) is None
+
+
+# ------------------------------------------------- the detokenizers' leading space
+
+
+class _SpmVocab:
+    """What ``SPMStreamingDetokenizer`` reads of a tokenizer."""
+
+    tokens = ["\u2581world", "a"]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.tokens[i] for i in ids]
+
+
+def _text(detokenizer, tokens) -> str:
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.last_segment
+
+
+def test_spm_detokenizer_trim_space_switch():
+    require(
+        "trim_space" in inspect.signature(SPMStreamingDetokenizer.__init__).parameters,
+        "SPMStreamingDetokenizer(tokenizer, trim_space=...) is gone",
+    )
+    require(_text(SPMStreamingDetokenizer(_SpmVocab()), [0]) == "world",
+            "SPMStreamingDetokenizer no longer trims a leading space")
+    detokenizer = SPMStreamingDetokenizer(_SpmVocab())
+    keep_leading_space(detokenizer)
+    require(_text(detokenizer, [0]) == " world",
+            "SPMStreamingDetokenizer.trim_space = False no longer keeps the leading space")
+
+
+def test_bpe_detokenizer_trims_only_while_its_text_is_empty(tiny_tokenizer):
+    require(
+        callable(getattr(BPEStreamingDetokenizer, "_maybe_trim_space", None)),
+        "BPEStreamingDetokenizer._maybe_trim_space is gone",
+    )
+    tokens = tiny_tokenizer.encode(" world", add_special_tokens=False)
+    plain = tiny_tokenizer.detokenizer
+    require(isinstance(plain, BPEStreamingDetokenizer), "the tiny model's detokenizer is not BPE")
+    require(_text(plain, tokens) == "world",
+            "BPEStreamingDetokenizer no longer trims a leading space")
+    kept = tiny_tokenizer.detokenizer
+    keep_leading_space(kept)
+    require(
+        _text(kept, tokens) == " world",
+        "BPEStreamingDetokenizer: a non-empty .text (NUL) and .offset = 1 no longer keep the "
+        "leading space out of _maybe_trim_space, or the NUL shows",
+    )
+
+
+# ---------------------------------------------------------- mlx_lm.server.convert_chat
+
+
+def test_convert_chat_is_mlx_lm_servers_plain_prompt():
+    import mlx_lm.server
+
+    require(hasattr(mlx_lm.server, "convert_chat"), "mlx_lm.server.convert_chat is gone")
+    require(
+        list(inspect.signature(mlx_lm.server.convert_chat).parameters)
+        == ["messages", "role_mapping"],
+        "mlx_lm.server.convert_chat(messages, role_mapping) changed its parameters",
+    )
+    prompt = convert_chat([{"role": "user", "content": "hi there"}], None)
+    assert "hi there" in prompt
+    mapped = convert_chat([{"role": "user", "content": "x"}], {"user": "U> ", "stop": "|"})
+    assert mapped.startswith("U> x|")
+
+
+# ----------------------------------------------------- the barrier of sharded_load
+
+
+def test_sharded_load_ends_with_a_barrier_on_the_cpu_stream():
+    source = inspect.getsource(mlx_lm.utils.sharded_load)
+    require(
+        "mx.distributed.all_sum(" in source and "stream=mx.cpu" in source,
+        "mlx_lm.utils.sharded_load no longer ends with all_sum(..., stream=mx.cpu): "
+        "sharded_load_on_the_default_stream may be unneeded or miss the new call",
+    )
+    require(mlx_lm.utils.mx is mx, "mlx_lm.utils no longer names mlx.core 'mx'")
+
+
+def test_the_barrier_overlay_is_scoped_to_mlx_lm_utils(monkeypatch):
+    calls = []
+    real = mx.distributed.all_sum
+
+    def recording_all_sum(x, *args, stream=None, **kwargs):
+        calls.append(stream)
+        return real(x, *args, stream=stream, **kwargs)
+
+    monkeypatch.setattr(mx.distributed, "all_sum", recording_all_sum)
+    with mlx_lm_internals._utils_barrier_off_the_cpu_stream():
+        seen = mlx_lm.utils.mx
+        assert seen is not mx and mx.distributed.all_sum is recording_all_sum
+        assert seen.eval is mx.eval and seen.distributed.init is mx.distributed.init
+        total = seen.distributed.all_sum(mx.array(1.0), stream=mx.cpu)
+        seen.distributed.all_sum(mx.array(1.0), stream=mx.cpu)
+        mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu)  # everyone else: untouched
+    assert mlx_lm.utils.mx is mx
+    assert total.item() == 1.0
+    assert calls == [None, None, mx.cpu]
+
+
+def test_the_internals_module_is_the_only_one_reading_private_mlx_lm_names():
+    """Outside runtime/mlx_lm_internals.py no code names the private parts it wraps."""
+    root = Path(__file__).resolve().parents[1]
+    private = (
+        "._trie",
+        "_maybe_trim_space",
+        "from mlx_lm.server import",
+        "import mlx_lm.server",
+        "mx.distributed.all_sum =",
+    )
+    offenders = []
+    for package in ("runtime", "actors", "api"):
+        for path in (root / package).rglob("*.py"):
+            if path.name == "mlx_lm_internals.py":
+                continue
+            text = path.read_text()
+            offenders += [f"{path.relative_to(root)}: {p}" for p in private if p in text]
+    assert not offenders, offenders
