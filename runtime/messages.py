@@ -269,6 +269,7 @@ class Failed:
     message: str
     status: int = 500
     type: str = "server_error"
+    retry_after: int | None = None  # seconds: the Retry-After of a 429 or 503 answer
 
 
 Terminal = Finished | Failed
