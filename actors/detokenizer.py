@@ -202,7 +202,9 @@ class DetokenizerCore:
                 entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
         for failed in outputs.failed:
             if failed.retryable:
-                failure = Failed(message=failed.message, status=503, type="service_unavailable")
+                failure = Failed(
+                    message=failed.message, status=503, type="service_unavailable", retry_after=5
+                )
             else:
                 failure = Failed(message=failed.message)
             self.fail(failed.request_id, failure)

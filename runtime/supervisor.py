@@ -217,6 +217,7 @@ class Runtime:
                         message=f"the engine stopped: {reason}",
                         status=503,
                         type="service_unavailable",
+                        retry_after=5,
                     ),
                 )
 
