@@ -27,15 +27,8 @@ from typing import Any
 
 import trio
 
-from runtime.config import (
-    BOOLEAN,
-    SETTINGS,
-    ConfigError,
-    ServerConfig,
-    Setting,
-    TextFormat,
-    config_from_mapping,
-)
+from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_mapping
+from runtime.settings import BOOLEAN, Setting, TextFormat
 
 TABLE_BEGIN = "<!-- settings table: made by `python -m api.cli --markdown`; do not edit -->"
 TABLE_END = "<!-- end of the settings table -->"
