@@ -208,7 +208,7 @@ def complete_settings(cls: type, fields: list[attrs.Attribute]) -> list[attrs.At
         if text_format is None:
             raise TypeError(f"{cls.__name__}.{field.name}: no text format for {field.type!r}")
         default = field.default
-        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        if isinstance(default, attrs.Factory):
             default = default.factory()
         meta = attrs.evolve(
             meta,
