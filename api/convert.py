@@ -1,9 +1,10 @@
 """The API edge's cattrs converter: JSON values <-> attrs types, strictly.
 
 ``structure_or_400(data, cls)`` structures a parsed JSON body into a request
-type and validates it; every failure becomes a ``ClientError`` (400) whose
-message and ``param`` name the field, e.g. ``max_tokens: expected an integer,
-got a string``. Types are strict (``true`` is not an integer, ``"5"`` is not a
+type, whose attrs validators check the bounds; every failure becomes a
+``ClientError`` (400) whose message and ``param`` name the field, e.g.
+``max_tokens: expected an integer, got a string`` or ``messages[0].role must
+be ...`` (``cattrs.transform_error`` finds the path). Types are strict (``true`` is not an integer, ``"5"`` is not a
 number, NaN is not a number). ``unstructure`` turns response types into JSON
 values, leaving out fields that are still at their default ``None``.
 """
@@ -17,11 +18,11 @@ import attrs
 import cattrs
 from cattrs.errors import (
     ClassValidationError,
-    ForbiddenExtraKeysError,
     IterableValidationError,
     IterableValidationNote,
 )
 
+from api.errors import InvalidParam
 from runtime.errors import ClientError
 
 T = TypeVar("T")
@@ -204,39 +205,51 @@ def _describe_type_one(t: Any) -> str:
 converter = _make_converter()
 
 
-def _first_error(exc: BaseException, path: str = "") -> tuple[str, str]:
-    """(path, message) of the first leaf error in a cattrs exception group."""
-    if isinstance(exc, ClassValidationError | IterableValidationError):
-        with_notes, _ = exc.group_exceptions()
-        for inner, note in with_notes:
-            if isinstance(exc, ClassValidationError):
-                sub = f"{path}.{note.name}" if path else note.name
-            else:
-                sub = f"{path}[{note.index}]"
-            return _first_error(inner, sub)
-        if exc.exceptions:
-            return _first_error(exc.exceptions[0], path)
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return path, f"unknown field(s) {sorted(exc.extra_fields)}"
+def _describe(exc: BaseException, _type: Any = None) -> str:
+    """The text of one leaf error (cattrs' ``format_exception`` for our messages)."""
+    if isinstance(exc, InvalidParam):
+        return exc.message
     if isinstance(exc, KeyError):
-        return path, "is required"
-    return path, str(exc) or type(exc).__name__
+        return "is required"
+    return str(exc) or type(exc).__name__
+
+
+def client_error(exc: ClassValidationError | IterableValidationError) -> ClientError:
+    """The 400 for the first error of a failed structuring, naming the field by its path.
+
+    ``cattrs.transform_error`` walks the exception groups and builds the paths
+    (``.messages[0].role``); it calls ``_describe`` once per line, in order, so
+    the first exception seen is the first line's. An ``InvalidParam`` from an
+    attrs validator is reported at its object's path: its own ``param`` is
+    appended there (and to its message when that starts with the field).
+    """
+    seen: list[BaseException] = []
+
+    def describe(leaf: BaseException, type_: Any) -> str:
+        seen.append(leaf)
+        return _describe(leaf, type_)
+
+    first = cattrs.transform_error(exc, path="", format_exception=describe)[0]
+    message, _, path = first.rpartition(" @ ")
+    path = path.removeprefix(".")
+    leaf = seen[0]
+    if isinstance(leaf, InvalidParam):
+        param = f"{path}.{leaf.param}" if path else leaf.param
+        if path and message.startswith(leaf.param):
+            message = f"{path}.{message}"
+        return ClientError(message, param=param)
+    return ClientError(f"{path}: {message}" if path else message, param=path or None)
 
 
 def structure_or_400(data: Any, cls: type[T]) -> T:
     if not isinstance(data, dict):
         raise ClientError("the request body must be a JSON object", param=None)
     try:
-        value = converter.structure(data, cls)
+        return converter.structure(data, cls)
     except (ClassValidationError, IterableValidationError) as exc:
-        path, message = _first_error(exc)
-        raise ClientError(f"{path}: {message}" if path else message, param=path or None) from None
+        raise client_error(exc) from None
     except (TypeError, ValueError) as exc:
         raise ClientError(str(exc)) from None
-    validate = getattr(value, "validate", None)
-    if validate is not None:
-        validate()
-    return value
 
 
 response_converter = cattrs.Converter(omit_if_default=True)

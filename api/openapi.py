@@ -6,15 +6,14 @@ responses from (``api.responses``): each class becomes a JSON Schema under
 ``components/schemas`` (fields from ``attrs.fields`` with resolved type
 hints; a field without a default is ``required``), referenced by ``$ref``.
 
-What the types cannot say, ``validate()`` enforces; it is restated here in
-small explicit tables: ``RANGES`` (``minimum``/``maximum`` by field name, kept
-in sync with ``validate()`` by ``tests/test_fuzz.py``), ``CONSTRAINTS``
-(enums, lengths, patterns by class and field) and ``REQUIRED``. The error
-body every non-2xx answer carries is ``ErrorResponse``; ``/health`` answers
-with ``Health`` (200 or 503). Streams (``stream: true``) are documented as
-``text/event-stream`` whose schema describes one event, as OpenAPI before
-3.2 does. Nothing here is imported by the server until ``/openapi.json`` is
-first asked for.
+A field's bounds come from the same ``Constraint`` its attrs validator
+enforces (``api.constraints``): ranges become ``minimum``/``maximum``, allowed
+values ``enum``/``const``, and so on, applied to the union member of the JSON
+type they concern. The error body every non-2xx answer carries is
+``ErrorResponse`` (``api.errors``); ``/health`` answers with ``Health`` (200
+or 503). Streams (``stream: true``) are documented as ``text/event-stream``
+whose schema describes one event, as OpenAPI before 3.2 does. Nothing here is
+imported by the server until ``/openapi.json`` is first asked for.
 """
 
 from __future__ import annotations
@@ -26,69 +25,13 @@ from typing import Any, Union
 
 import attrs
 
-from api import responses, schemas
+import api.responses as responses
+import api.schemas as schemas
+from api.constraints import Constraint, constraint_of
+from api.errors import ErrorResponse
 
 OPENAPI_VERSION = "3.1.0"
 COMPONENTS = "#/components/schemas/"
-
-# Numeric bounds that ``validate()`` checks, by field name (api/schemas.py).
-# ``(minimum, maximum)``, ``None`` for no bound. They apply where the field is
-# a number (``logprobs`` is a number only in ``CompletionRequest``) and to the
-# values of an object field (``logit_bias``).
-RANGES: dict[str, tuple[int | float | None, int | float | None]] = {
-    "max_tokens": (1, None),
-    "max_completion_tokens": (1, None),
-    "timeout": (0.001, None),
-    "num_draft_tokens": (1, 64),
-    "temperature": (0, None),
-    "top_p": (0, 1),
-    "top_k": (0, None),
-    "min_p": (0, 1),
-    "seed": (0, 2**63 - 1),
-    "n": (1, 1),
-    "xtc_probability": (0, 1),
-    "xtc_threshold": (0, 0.5),
-    "repetition_penalty": (0, None),
-    "repetition_context_size": (0, 2**31 - 1),
-    "presence_context_size": (0, 2**31 - 1),
-    "frequency_context_size": (0, 2**31 - 1),
-    "presence_penalty": (-2, 2),
-    "frequency_penalty": (-2, 2),
-    "top_logprobs": (0, schemas.MAX_TOP_LOGPROBS),
-    "logprobs": (0, schemas.MAX_TOP_LOGPROBS),
-    "logit_bias": (-100, 100),
-}
-
-_ROLES = ["system", "user", "assistant", "tool", "developer"]
-
-# The rest of ``validate()``: keywords merged into a field's schema, applied
-# to the union member of the named JSON type ("*" for the field as a whole).
-CONSTRAINTS: dict[tuple[str, str], dict[str, dict[str, Any]]] = {
-    ("ChatMessage", "role"): {"string": {"enum": _ROLES}},
-    ("ContentPart", "type"): {"string": {"enum": ["text"]}},
-    ("ChatCompletionRequest", "messages"): {"array": {"minItems": 1}},
-    ("ChatCompletionRequest", "tools"): {
-        "array": {
-            "items": {
-                "type": "object",
-                "properties": {"type": {"const": "function"}},
-                "description": "a function tool, as OpenAI defines it",
-            }
-        }
-    },
-    ("GenerationFields", "stop"): {"array": {"maxItems": 16}},
-    ("GenerationFields", "logit_bias"): {
-        "object": {"propertyNames": {"pattern": "^-?[0-9]+$"}},
-    },
-    ("CompletionRequest", "prompt"): {
-        "string": {"minLength": 1},
-        "array": {"minItems": 1, "items": {"type": "integer", "minimum": 0}},
-    },
-    ("CompletionRequest", "echo"): {"boolean": {"const": False}},
-}
-
-# Fields that ``validate()`` requires although their type has a default.
-REQUIRED: set[tuple[str, str]] = {("ContentPart", "text")}
 
 _DESCRIPTIONS = {
     "ChatCompletionRequest": "POST /v1/chat/completions. Unknown fields are ignored. "
@@ -99,22 +42,6 @@ _DESCRIPTIONS = {
     "ChatCompletionChunk": "One `data:` frame of a streamed chat completion.",
     "TextCompletion": "A text completion, or one `data:` frame of a streamed one.",
 }
-
-
-# ------------------------------------------------------------ error types
-
-
-@attrs.frozen(kw_only=True)
-class ErrorDetail:
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-@attrs.frozen(kw_only=True)
-class ErrorResponse:
-    error: ErrorDetail
 
 
 _HEALTH = {
@@ -174,9 +101,10 @@ class _Builder:
         required: list[str] = []
         for field in attrs.fields(cls):
             schema = self.type_schema(hints.get(field.name, field.type))
-            owner = _declaring_class(cls, field.name)
-            schema = _constrained(schema, owner, field.name)
-            if (owner, field.name) in REQUIRED:
+            constraint = constraint_of(field)
+            if constraint is not None:
+                schema = _constrained(schema, constraint)
+            if constraint is not None and constraint.required:
                 schema = _without_null(schema)
                 required.append(field.name)
             elif field.default is attrs.NOTHING:
@@ -214,14 +142,6 @@ class _Builder:
             value = args[1] if args else Any
             return {"type": "object", "additionalProperties": self.type_schema(value)}
         raise TypeError(f"no JSON Schema for {tp!r}")
-
-
-def _declaring_class(cls: type, name: str) -> str:
-    """The class in ``cls``'s MRO whose own annotations declare ``name``."""
-    for klass in cls.__mro__:
-        if name in klass.__dict__.get("__annotations__", {}):
-            return klass.__name__
-    return cls.__name__
 
 
 def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
@@ -266,9 +186,10 @@ def _bounds(low, high) -> dict[str, Any]:
     return out
 
 
-def _constrained(schema: dict[str, Any], owner: str, name: str) -> dict[str, Any]:
-    if name in RANGES:
-        bounds = _bounds(*RANGES[name])
+def _constrained(schema: dict[str, Any], c: Constraint) -> dict[str, Any]:
+    """``schema`` with the keywords that state ``c``, on the members they concern."""
+    bounds = _bounds(c.minimum, c.maximum)
+    if bounds:
         kinds = schema.get("type")
         kinds = kinds if isinstance(kinds, list) else [kinds]
         if "integer" in kinds or "number" in kinds:
@@ -280,7 +201,19 @@ def _constrained(schema: dict[str, Any], owner: str, name: str) -> dict[str, Any
             schema = _merge(
                 schema, "object", {"additionalProperties": {"type": "number", **bounds}}
             )
-    for kind, keywords in CONSTRAINTS.get((owner, name), {}).items():
+    if c.choices is not None:
+        if all(isinstance(choice, bool) for choice in c.choices) and len(c.choices) == 1:
+            schema = _merge(schema, "boolean", {"const": c.choices[0]})
+        else:
+            schema = _merge(schema, "string", {"enum": list(c.choices)})
+    if c.nonempty:
+        schema = _merge(schema, "string", {"minLength": 1})
+        schema = _merge(schema, "array", {"minItems": 1})
+    if c.max_items is not None:
+        schema = _merge(schema, "array", {"maxItems": c.max_items})
+    if c.keys is not None:
+        schema = _merge(schema, "object", {"propertyNames": {"pattern": f"^{c.keys[1]}$"}})
+    for kind, keywords in c.schema.items():
         schema = _merge(schema, kind, keywords)
     return schema
 

@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from api.convert import unstructure
+from api.errors import error_body
 from runtime.messages import (
     Delta,
     Failed,
@@ -202,10 +203,6 @@ def dumps(payload: Any) -> str:
 
 def keepalive(progress: Progress) -> bytes:
     return f": keepalive {progress.done}/{progress.total}\n\n".encode()
-
-
-def error_body(failed: Failed) -> dict:
-    return {"error": {"message": failed.message, "type": failed.type, "param": None, "code": None}}
 
 
 # --------------------------------------------------------------- renderers

@@ -36,6 +36,7 @@ from actors.session import Session
 from actors.system import Runtime
 from api.chat_page import register_chat_page
 from api.convert import structure_or_400, unstructure
+from api.errors import error_answer
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from runtime.config import ServerConfig
@@ -67,11 +68,9 @@ def json_response(payload: Any, status: int = 200, headers: dict | None = None) 
     return Response(dumps(payload), status=status, headers=headers, content_type="application/json")
 
 
-def error_response(error: ServerError) -> Response:
-    headers = {}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(error.retry_after)
-    return json_response(error.body(), status=error.status, headers=headers)
+def error_response(error: ServerError | Failed | HTTPException) -> Response:
+    answer = error_answer(error)
+    return json_response(answer.body, status=answer.status, headers=answer.headers)
 
 
 def _reject_constant(name: str):
@@ -243,9 +242,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException):
-        kind = "not_found_error" if error.code == 404 else "invalid_request_error"
-        body = {"error": {"message": error.description, "type": kind, "param": None, "code": None}}
-        return json_response(body, status=error.code or 500)
+        return error_response(error)
 
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception):
@@ -331,14 +328,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             await session.__aexit__(None, None, None)
         terminal = renderer.terminal
         if isinstance(terminal, Failed):
-            headers = (
-                {"Retry-After": str(terminal.retry_after)} if terminal.retry_after else None
-            )
-            return json_response(
-                {"error": {"message": terminal.message, "type": terminal.type, "param": None, "code": None}},
-                status=terminal.status,
-                headers=headers,
-            )
+            return error_response(terminal)
         return json_response(renderer.body())
 
     @app.post("/v1/chat/completions")

@@ -64,7 +64,7 @@ def launcher(backend: str) -> list[str]:
 
 
 def ours(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "runtime.cli", "--model", model, "--port", str(port),
+    return [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
             "--decode-concurrency", "64", "--log-level", "WARNING", *extra]
 
 
@@ -150,7 +150,7 @@ def run_configuration(name, argv, env, ns, workload, builder, out_dir) -> dict:
         server.stop()
         # The launcher does not always take its ranks down with it.
         subprocess.run(
-            ["pkill", "-9", "-f", f"(runtime.cli|mlx_lm.server).*--port {ns.port}"], check=False
+            ["pkill", "-9", "-f", f"(api.cli|mlx_lm.server).*--port {ns.port}"], check=False
         )
         time.sleep(3)  # ports and GPU memory released
     return result

@@ -9,7 +9,7 @@ SHAPE=${1:-qwen3-0.6b}
 mkdir -p /tmp/m "$OUT"
 [ -f /tmp/m/$SHAPE/config.json ] || python3 bench/make_shaped_model.py "$SHAPE" /tmp/m/$SHAPE > "$OUT/make.log" 2>&1
 W="--max-tokens 128 --prompt-tokens 136"
-MLX_TRIO_ENGINE_PROFILE=/tmp/engine.prof python3 -m runtime.cli --model /tmp/m/$SHAPE --port 8400 \
+MLX_TRIO_ENGINE_PROFILE=/tmp/engine.prof python3 -m api.cli --model /tmp/m/$SHAPE --port 8400 \
   --decode-concurrency 64 > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for i in $(seq 120); do curl -sf localhost:8400/health > /dev/null && break; sleep 1; done

@@ -1,7 +1,7 @@
 """Side by side: mlx_lm.server, mlx-trio-server and the engine ceiling, in one run.
 
 Owns the one-command benchmark of issue 5. It builds (or takes) a model, starts
-``python -m mlx_lm server`` ("ref") and ``python -m runtime.cli`` ("ours") on it
+``python -m mlx_lm server`` ("ref") and ``python -m api.cli`` ("ours") on it
 with the same flags (``--decode-concurrency 64``, everything else at its
 default), waits for both ``/health``, warms each up, and then for every
 concurrency level runs ``--rounds`` rounds of engine / ref / ours, swapping the
@@ -96,7 +96,7 @@ def server_argv(system: str, model: str, port: int) -> list[str]:
     if system == "ref":
         head = [sys.executable, "-m", "mlx_lm", "server"]
     else:
-        head = [sys.executable, "-m", "runtime.cli"]
+        head = [sys.executable, "-m", "api.cli"]
     if system == "ours-thread":
         head = [*head, "--engine-mode", "thread"]
     return [*head, "--model", model, "--port", str(port), *SERVER_FLAGS]
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, dict[str, list[dict]]] = {lv: {s: [] for s in ns.systems} for lv in ns.levels}
     try:
         for server in servers.values():
-            server.start(cwd=REPO)  # ``python -m runtime.cli`` from the repository root
+            server.start(cwd=REPO)  # ``python -m api.cli`` from the repository root
         for server in servers.values():
             took = server.wait_healthy()
             progress(f"{server.name} healthy after {took:.1f} s (pid {server.pid})")

@@ -15,7 +15,7 @@
    the engine's own figures: how long the ``Abort`` waited in its inbox and
    how many steps finished meanwhile (at most one by design).
 
-Starts ``python -m runtime.cli --model DIR`` itself (the tiny random model
+Starts ``python -m api.cli --model DIR`` itself (the tiny random model
 when no ``--model``), prints a summary and writes the JSON.
 """
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
     url = f"http://127.0.0.1:{ns.port}"
-    server = ServerProcess("server", [sys.executable, "-m", "runtime.cli", "--model", model,
+    server = ServerProcess("server", [sys.executable, "-m", "api.cli", "--model", model,
                                       "--port", str(ns.port), "--log-level", "WARNING"],
                            url, ns.out.parent / "logs" / (ns.out.stem + ".log"))
     server.start(cwd=str(Path(__file__).resolve().parents[1]))

@@ -14,7 +14,7 @@ MODEL=${MODEL:-/tmp/m/$SHAPE}
 W=${W:-"--levels 64 --requests 256 --max-tokens 128 --prompt-tokens 136"}
 for variant in "$@"; do
   label=${variant%%::*}; flags=${variant#*::}
-  $PY -m runtime.cli --model $MODEL --port 8400 --decode-concurrency 64 $flags > "$OUT/server-$label.log" 2>&1 &
+  $PY -m api.cli --model $MODEL --port 8400 --decode-concurrency 64 $flags > "$OUT/server-$label.log" 2>&1 &
   SERVER=$!
   for i in $(seq 120); do curl -sf localhost:8400/health > /dev/null && break; sleep 1; done
   echo "ours, $label ($flags): $($PY bench/loadgen.py --url http://127.0.0.1:8400 --pid $SERVER --model $MODEL $W 2>&1 | tail -n 1)" | tee -a "$OUT/variants.txt"

@@ -1,142 +1,258 @@
 """The one configuration type behind both ways to start the server.
 
-``ServerConfig`` is an attrs class structured by cattrs from either the
-``mlx-trio-server`` command line (mlx_lm.server's flags, same names and
-defaults) or ``MLX_TRIO_<SETTING>`` environment variables (for
-``hypercorn api:app --worker-class trio``). Values arriving as strings are
-parsed by the converter's hooks; a bad value raises ``ConfigError`` naming the
-setting.
+``ServerConfig`` is an attrs class whose every field is declared with
+``setting(...)`` (``runtime.settings``): its metadata (a ``Setting``) is the one statement of the
+field's flag, environment variable, help, default, value format and bounds.
+Everything else reads it: the command line (``api.cli``: mlx_lm.server's
+flags, same names and defaults, plus ours), ``MLX_TRIO_<NAME>`` environment
+variables (``config_from_env``, for ``hypercorn api:app --worker-class
+trio``), the attrs validators made from the bounds, and the settings table of
+docs/configuration.md (``api.cli --markdown``).
+
+Text values (flags, variables) are parsed by the setting's ``TextFormat``
+(``"4GB"`` is a size, ``"a,b"`` a list); values are structured by cattrs; a bad
+value raises ``ConfigError`` naming the setting (``cattrs.transform_error``).
 """
 
-from __future__ import annotations
-
-import json
 import os
-from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn, override
 
-ENV_PREFIX = "MLX_TRIO_"
-DEFAULT_QUANTIZED_KV_START = 5000
+from runtime.distributed import BACKENDS
+from runtime.settings import ENV_PREFIX, METADATA_KEY, SIZE, Setting, complete_settings, setting
+
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENGINE_MODES = ("process", "thread")
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
 
 
 class ConfigError(ValueError):
     pass
 
 
-ENGINE_MODES = ("process", "thread")
-
-
-def parse_size(text: str) -> int:
-    """``"512M"``, ``"4GB"``, ``"1000"`` -> bytes (decimal units, like mlx_lm)."""
-    units = {"": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
-    text = text.strip()
-    digits = ""
-    for ch in text:
-        if ch.isdigit() or ch == ".":
-            digits += ch
-        else:
-            break
-    unit = text[len(digits) :].strip().upper()
-    try:
-        return int(Decimal(digits) * units[unit])
-    except (InvalidOperation, KeyError):
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M or 4GB)") from None
-
-
-def _positive(instance, attribute, value):
-    if value is not None and value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
-@attrs.frozen(kw_only=True)
+# This module has no ``from __future__ import annotations``: ``complete_settings``
+# reads the fields' types (to pick their text format), so they must be real types.
+@attrs.frozen(kw_only=True, field_transformer=complete_settings)
 class ServerConfig:
     # --- mlx_lm.server's flags, same names and defaults
-    model: str | None = None
-    adapter_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8080
-    allowed_origins: tuple[str, ...] = ("*",)
-    draft_model: str | None = None
-    num_draft_tokens: int = 3
-    trust_remote_code: bool = False
-    log_level: str = attrs.field(default="INFO")
-    chat_template: str = ""
-    use_default_chat_template: bool = False
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = attrs.field(default=512, validator=_positive)
-    chat_template_args: dict[str, Any] = attrs.field(factory=dict)
-    decode_concurrency: int = attrs.field(default=32, validator=_positive)
-    prompt_concurrency: int = attrs.field(default=8, validator=_positive)
-    prefill_step_size: int = attrs.field(default=2048, validator=_positive)
-    prompt_cache_size: int = 10
-    prompt_cache_bytes: int | None = None
-    kv_bits: int | None = attrs.field(default=None)
-    kv_group_size: int = attrs.field(default=64)
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
-    pipeline: bool = False
+    model: str | None = setting(
+        None,
+        help="path or Hugging Face repo of the default MLX model",
+        notes="Loaded at start; requests may name others, see "
+        "[api.md](api.md#model-selection). With none, the embedded demo model "
+        "`demo_model/mlx-trio-demo` is served as `mlx-trio-demo` (see "
+        "[demo-model.md](demo-model.md)); only if its weights are missing from the install, "
+        "a tiny model with random weights is built (once) under "
+        "`$XDG_CACHE_HOME/mlx-trio-server/mlx-trio-tiny-random` (default `~/.cache/...`) and "
+        "served as `mlx-trio-tiny-random`, whose output is noise.",
+    )
+    adapter_path: str | None = setting(
+        None, help="LoRA adapter for the default model, passed to mlx_lm.load"
+    )
+    host: str = setting(
+        "127.0.0.1",
+        help="address the command binds",
+        notes="Not used under `hypercorn api:app` (use `--bind`).",
+    )
+    port: int = setting(
+        8080, help="port the command binds", notes="Not used under `hypercorn api:app`."
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        ("*",),
+        help="comma-separated CORS origins",
+        notes="With `*`, `Access-Control-Allow-Origin: *`; otherwise a listed request "
+        "`Origin` is echoed.",
+    )
+    draft_model: str | None = setting(
+        None,
+        help="draft model for speculative decoding",
+        notes="When set, requests are served one at a time (serial mode, through "
+        "`stream_generate`), not batched.",
+    )
+    num_draft_tokens: int = setting(
+        3,
+        help="draft tokens per step with a draft model; a request's num_draft_tokens overrides it",
+    )
+    trust_remote_code: bool = setting(False, help="trust remote code when loading the tokenizer")
+    log_level: str = setting(
+        "INFO",
+        help="logging level",
+        choices=LOG_LEVELS,
+        converter=str.upper,
+        notes="The flag takes upper case only; the variable any case.",
+    )
+    chat_template: str = setting(
+        "", help="a chat template that replaces the tokenizer's, when not empty"
+    )
+    use_default_chat_template: bool = setting(
+        False, help="use the tokenizer's default chat template when it has none"
+    )
+    temp: float = setting(0.0, help="default temperature for requests that do not send one")
+    top_p: float = setting(1.0, help="default top_p")
+    top_k: int = setting(0, help="default top_k (0 is off)")
+    min_p: float = setting(0.0, help="default min_p")
+    max_tokens: int = setting(
+        512, help="default max_tokens", above=0, notes="Requests may ask for more."
+    )
+    chat_template_args: dict[str, Any] = setting(
+        factory=dict,
+        help='JSON object of extra chat-template arguments, e.g. {"enable_thinking": false}',
+        notes="A request's `chat_template_kwargs` override it key by key.",
+    )
+    decode_concurrency: int = setting(
+        32, help="sequences decoded together (BatchGenerator completion_batch_size)", above=0
+    )
+    prompt_concurrency: int = setting(
+        8,
+        help="prompts prefilled together (BatchGenerator prefill_batch_size)",
+        above=0,
+        notes="The Scheduler lets `decode_concurrency + prompt_concurrency` requests into the "
+        "engine at once.",
+    )
+    prefill_step_size: int = setting(2048, help="prompt tokens per prefill step", above=0)
+    prompt_cache_size: int = setting(
+        10, help="most KV caches kept in the prompt cache (LRUPromptCache max_size)"
+    )
+    prompt_cache_bytes: int | None = setting(
+        None,
+        help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
+        format=SIZE.or_none(),
+        notes="When set, the limit is shared with the running sequences: after each admission "
+        "the cache is trimmed to this value minus the bytes of the batch's KV caches.",
+    )
+    kv_bits: int | None = setting(
+        None,
+        help="quantize the KV cache to this many bits",
+        choices=KV_BITS,
+        notes="When set, requests are served one at a time (serial mode), not batched.",
+    )
+    kv_group_size: int = setting(
+        64, help="quantization group size with --kv-bits", choices=KV_GROUP_SIZES
+    )
+    quantized_kv_start: int = setting(
+        DEFAULT_QUANTIZED_KV_START, help="token position where KV quantization starts, with --kv-bits"
+    )
+    pipeline: bool = setting(
+        False,
+        help="distributed serving (started by mlx.launch): split the model's layers across the "
+        "ranks (pipeline parallel) instead of sharding every layer (tensor parallel)",
+        notes="Outside a distributed launch, start-up fails if set. See "
+        "[distributed.md](distributed.md).",
+    )
     # --- ours
-    max_queued_requests: int = attrs.field(default=256, validator=_positive)
-    max_request_bytes: int = attrs.field(default=8 * 2**20, validator=_positive)
-    tokenizer_threads: int = attrs.field(default=2, validator=_positive)
-    request_timeout: float | None = attrs.field(default=None, validator=_positive)
-    kv_cache_budget_bytes: int | None = attrs.field(default=None, validator=_positive)
-    distributed_backend: str = attrs.field(default="any")
-    distributed_timeout: float = attrs.field(default=60.0, validator=_positive)
-    engine_mode: str = attrs.field(default="process")
-    admission_window_ms: float = attrs.field(default=30.0)
-    prompt_cache_min_reuse: int = attrs.field(default=64)
-    stream_interval_ms: float = attrs.field(default=0.0)
-
-    @kv_bits.validator
-    def _check_kv_bits(self, attribute, value):
-        if value is not None and value not in (2, 3, 4, 5, 6, 8):
-            raise ValueError("kv_bits must be one of 2, 3, 4, 5, 6, 8")
-
-    @kv_group_size.validator
-    def _check_kv_group_size(self, attribute, value):
-        if value not in (32, 64, 128):
-            raise ValueError("kv_group_size must be 32, 64 or 128")
-
-    @log_level.validator
-    def _check_log_level(self, attribute, value):
-        if value.upper() not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
-
-    @admission_window_ms.validator
-    def _check_admission_window(self, attribute, value):
-        if not 0 <= value <= 1000:
-            raise ValueError("admission_window_ms must be between 0 and 1000")
-
-    @stream_interval_ms.validator
-    def _check_stream_interval(self, attribute, value):
-        if not 0 <= value <= 1000:
-            raise ValueError("stream_interval_ms must be between 0 and 1000")
-
-    @prompt_cache_min_reuse.validator
-    def _check_min_reuse(self, attribute, value):
-        if value < 0:
-            raise ValueError("prompt_cache_min_reuse must be 0 or more")
-
-    @engine_mode.validator
-    def _check_engine_mode(self, attribute, value):
-        if value not in ENGINE_MODES:
-            raise ValueError(f"engine_mode must be one of {', '.join(ENGINE_MODES)}")
-
-    @distributed_backend.validator
-    def _check_backend(self, attribute, value):
-        from runtime.distributed import BACKENDS
-
-        if value not in BACKENDS:
-            raise ValueError(f"distributed_backend must be one of {', '.join(BACKENDS)}")
+    max_queued_requests: int = setting(
+        256,
+        help="requests that may wait in the Scheduler when the engine is full; beyond that a "
+        "request gets 429",
+        above=0,
+        ours=True,
+        notes="The 429 carries `Retry-After: 1`.",
+    )
+    max_request_bytes: int = setting(
+        8 * 2**20,
+        help="largest request body in bytes; a larger one gets 413",
+        above=0,
+        ours=True,
+        default_text="8388608 (8 MiB)",
+    )
+    tokenizer_threads: int = setting(
+        2,
+        help="worker threads for chat templates and tokenization (a trio.CapacityLimiter)",
+        above=0,
+        ours=True,
+    )
+    request_timeout: float | None = setting(
+        None,
+        help="seconds after which a request is finished with finish_reason \"length\" and "
+        "withdrawn; a request's timeout may only shorten it",
+        above=0,
+        ours=True,
+    )
+    kv_cache_budget_bytes: int | None = setting(
+        None,
+        help="KV-cache bytes the sequences in the engine may reserve, a size such as 8GB",
+        format=SIZE.or_none(),
+        above=0,
+        ours=True,
+        default_text="half the accelerator's memory (CPU: half the RAM)",
+        notes="Estimated per request as bytes per token times (prompt tokens + `max_tokens`). "
+        "A request larger than the budget gets 413; others wait until they fit. The default "
+        "applies only when the model's bytes per token are known (non-zero).",
+    )
+    distributed_backend: str = setting(
+        "any",
+        help="mx.distributed backend when started by mlx.launch (match mlx.launch --backend)",
+        choices=BACKENDS,
+        ours=True,
+        notes="Ignored when not started by a launcher.",
+    )
+    distributed_timeout: float = setting(
+        60.0,
+        help="seconds without an engine step or heartbeat before rank 0 reports the group lost",
+        above=0,
+        ours=True,
+        notes="A rank died or hung: `/health` 503, requests 503. Keep it above your slowest "
+        "single step (a long prefill chunk).",
+    )
+    engine_mode: str = setting(
+        "process",
+        help="run the engine in a child process (default) or on a thread of the server process",
+        choices=ENGINE_MODES,
+        ours=True,
+        notes="`process`: each model's engine runs in a child process of the server "
+        "(`runtime/engine_process.py`): a crash of native code there (a segfault in MLX) is an "
+        "engine crash that restarts, not the end of the server, and a swapped-out model's "
+        "memory goes back to the system with its process. `thread`: the engine runs on a "
+        "thread of the server process, as before. Throughput is the same within the noise of "
+        "our measurements ([performance.md](performance.md#engine-process-or-engine-thread)). "
+        "A distributed launch always uses `thread`.",
+    )
+    admission_window_ms: float = setting(
+        30.0,
+        help="while at least --prompt-concurrency sequences decode, hold a new request up to "
+        "this long (or until --prompt-concurrency wait) so that arrivals join the batch "
+        "together (0: admit at once)",
+        minimum=0,
+        maximum=1000,
+        ours=True,
+        notes="With fewer decoding, a request joins at the next step. Each join rebuilds the "
+        "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
+        "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
+        "tokens/s, TTFT p50 from 692-760 to 401-411 ms "
+        "([performance.md](performance.md#the-admission-window)). Always off in a "
+        "distributed launch (each rank's clock would end it at a different step).",
+    )
+    prompt_cache_min_reuse: int = setting(
+        64,
+        help="reuse a cached prompt prefix only if it covers at least this many tokens "
+        "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
+        minimum=0,
+        ours=True,
+        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens (and a "
+        "short system prompt) are shared by almost every prompt: reusing them means copying a "
+        "whole cache entry and taking the batch's slower path for sequences that bring a "
+        "cache, to skip a few tokens of prefill. Longer shared prefixes (a real system "
+        "prompt, an earlier turn of the conversation) are reused as before.",
+    )
+    stream_interval_ms: float = setting(
+        0.0,
+        help="send a streaming response's chunks at most this often, merging the tokens "
+        "in between (fewer HTTP chunks, less CPU per token; 0: every engine step)",
+        minimum=0,
+        maximum=1000,
+        ours=True,
+        notes="The first chunk is never held back. On the CPU, tiny model, 64 clients, 50 ms: "
+        "2.5-2.7 tokens per chunk, +5-11 % tokens/s, at the price of coarser streaming and an "
+        "up to this much later final chunk. 0 sends every engine step's tokens at once, as "
+        "mlx_lm.server does.",
+    )
 
     def unsupported(self, *, distributed: bool | None = None) -> list[str]:
         """Settings this process cannot honour: start-up refuses them.
@@ -151,7 +267,7 @@ class ServerConfig:
         problems = []
         if self.pipeline and not distributed:
             problems.append(
-                "--pipeline splits the model's layers across the ranks of a distributed "
+                f"{flag('pipeline')} splits the model's layers across the ranks of a distributed "
                 "launch: start the server with mlx.launch (see docs/distributed.md)"
             )
         if distributed:
@@ -160,107 +276,96 @@ class ServerConfig:
 
                 problems.append(PIPELINE_ON_GPU)
             if not self.model:
-                problems.append("distributed serving needs --model (a model that can be sharded)")
-            for name, flag in (
-                ("adapter_path", "--adapter-path"),
-                ("draft_model", "--draft-model"),
-                ("kv_bits", "--kv-bits"),
-            ):
+                problems.append(
+                    f"distributed serving needs {flag('model')} (a model that can be sharded)"
+                )
+            for name in ("adapter_path", "draft_model", "kv_bits"):
                 if getattr(self, name) is not None:
-                    problems.append(f"{flag} is not supported in distributed serving")
+                    problems.append(f"{flag(name)} is not supported in distributed serving")
         return problems
+
+
+SETTINGS: tuple[Setting, ...] = tuple(f.metadata[METADATA_KEY] for f in attrs.fields(ServerConfig))
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def setting_of(name: str) -> Setting:
+    return _BY_NAME[name]
+
+
+def flag(name: str) -> str:
+    return _BY_NAME[name].flag
+
+
+# ------------------------------------------------------------- structuring
+
+
+def _strict_bool(value: Any, _: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"not a boolean: {value!r}")
+    return value
+
+
+def _strict_number(kind: type) -> Callable[[Any, Any], Any]:
+    def hook(value: Any, _: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"not a number: {value!r}")
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"not an integer: {value!r}")
+        return kind(value)
+
+    return hook
 
 
 def _make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(int, _strict_number(int))
+    conv.register_structure_hook(float, _strict_number(float))
 
-    def bool_hook(value, _):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"not a boolean: {value!r}")
-
-    def number_hook(kind):
-        def hook(value, _):
-            if isinstance(value, bool):
-                raise ValueError(f"not a number: {value!r}")
-            if kind is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError(f"not an integer: {value!r}")
-            return kind(value)
+    def field_hook(meta: Setting) -> Callable[[Any, Any], Any]:
+        def hook(value: Any, type_: Any) -> Any:
+            if isinstance(value, str):
+                return meta.format(value)  # text, as a flag or a variable gives it
+            return conv.structure(value, type_)
 
         return hook
 
-    def optional_int_hook(value, _):
-        if value is None or (isinstance(value, str) and value.strip() == ""):
-            return None
-        if isinstance(value, str):
-            return parse_size(value)
-        return number_hook(int)(value, int)
-
-    def origins_hook(value, _):
-        if isinstance(value, str):
-            value = value.split(",")
-        return tuple(v.strip() for v in value if v.strip())
-
-    def json_dict_hook(value, _):
-        if isinstance(value, str):
-            value = json.loads(value) if value.strip() else {}
-        if not isinstance(value, Mapping):
-            raise ValueError("must be a JSON object")
-        return dict(value)
-
-    conv.register_structure_hook(bool, bool_hook)
-    conv.register_structure_hook(int, number_hook(int))
-    conv.register_structure_hook(float, number_hook(float))
-    conv.register_structure_hook(int | None, optional_int_hook)
-
-    def optional_float_hook(value, _):
-        if value is None or (isinstance(value, str) and value.strip() == ""):
-            return None
-        return number_hook(float)(value, float)
-
-    conv.register_structure_hook(float | None, optional_float_hook)
-    conv.register_structure_hook_func(lambda t: t == tuple[str, ...], origins_hook)
-    conv.register_structure_hook_func(lambda t: t == dict[str, Any], json_dict_hook)
+    hooks = {s.name: override(struct_hook=field_hook(s)) for s in SETTINGS}
+    conv.register_structure_hook(ServerConfig, make_dict_structure_fn(ServerConfig, conv, **hooks))
     return conv
 
 
-def _describe(exc: BaseException, type_) -> str:
-    if isinstance(exc, ValueError | TypeError) and str(exc):
-        return str(exc)
+def _describe(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return f"unknown setting(s): {', '.join(sorted(exc.extra_fields))}"
+    if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]  # attrs validators add the attribute, the bounds, the value
     return cattrs.v.format_exception(exc, type_)
 
 
 converter = _make_converter()
-FIELD_NAMES = tuple(a.name for a in attrs.fields(ServerConfig))
 
 
 def config_from_mapping(values: Mapping[str, Any]) -> ServerConfig:
+    """``ServerConfig`` from setting names to values; a string is parsed as its flag's text."""
     try:
         return converter.structure(dict(values), ServerConfig)
     except ClassValidationError as exc:
-        messages = cattrs.transform_error(exc, format_exception=_describe)
-        raise ConfigError("; ".join(m.removesuffix(" @ $") for m in messages)) from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(str(exc)) from None
+        lines = cattrs.transform_error(exc, path="", format_exception=_describe)
+        messages = []
+        for line in lines:
+            message, _, path = line.rpartition(" @ ")
+            messages.append(f"{path.removeprefix('.')}: {message}" if path else message)
+        raise ConfigError("; ".join(messages)) from None
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Read ``MLX_TRIO_<SETTING>`` variables (e.g. ``MLX_TRIO_MAX_TOKENS=256``)."""
     environ = os.environ if environ is None else environ
-    values = {}
-    for name in FIELD_NAMES:
-        key = ENV_PREFIX + name.upper()
-        if key in environ:
-            values[name] = environ[key]
-    unknown = sorted(
-        k
-        for k in environ
-        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in FIELD_NAMES
-    )
+    values = {s.name: environ[s.env] for s in SETTINGS if s.env in environ}
+    known = {s.env for s in SETTINGS}
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
     return config_from_mapping(values)

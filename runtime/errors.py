@@ -1,8 +1,9 @@
 """Errors that become HTTP answers.
 
-Each carries the status code and the OpenAI error ``type``/``param``/``code``
-the API edge turns into ``{"error": {...}}``. Raised by the actors and the
-API; rendered only by ``api.errors``.
+Each carries the status code, the OpenAI error ``type``/``param``/``code`` and,
+for 429 and 503, the seconds a client should wait (``retry_after``). Raised by
+the actors and the API; rendered only by ``api.errors.error_answer`` into
+``{"error": {...}}`` and a ``Retry-After`` header.
 """
 
 from __future__ import annotations
@@ -25,16 +26,6 @@ class ServerError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class ClientError(ServerError):

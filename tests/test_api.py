@@ -6,9 +6,13 @@ import json
 
 import pytest
 import trio
+import werkzeug.exceptions
 
+from api.errors import error_answer, error_body
 from api.server import create_app
 from runtime.config import ServerConfig
+from runtime.errors import ClientError, Overloaded, Unavailable
+from runtime.messages import Failed
 from tests.conftest import wait_ready
 
 CHAT = "/v1/chat/completions"
@@ -385,3 +389,35 @@ async def test_a_stream_interval_merges_tokens_into_fewer_chunks(tiny_model_path
     assert (text1, tokens1) == (text0, tokens0)  # the same answer, greedy
     assert tokens1 > 8
     assert chunks1 <= 3 < chunks0  # the first token at once, the rest merged
+
+
+@pytest.mark.parametrize(
+    "error, status, retry_after, param",
+    [
+        (Failed(message="the engine stopped", status=503, type="service_unavailable",
+                retry_after=5), 503, "5", None),
+        (Failed(message="boom"), 500, None, None),
+        (Overloaded("the queue is full", retry_after=1), 429, "1", None),
+        (Unavailable("the model is loading", retry_after=30), 503, "30", None),
+        (ClientError("top_p must be at most 1, got 2", param="top_p"), 400, None, "top_p"),
+        (werkzeug.exceptions.MethodNotAllowed(), 405, None, None),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception | Failed) else None,
+)
+def test_every_error_answer_has_the_openai_body_and_its_own_retry_after(
+    error, status, retry_after, param
+):
+    answer = error_answer(error)
+    assert answer.status == status
+    assert answer.headers.get("Retry-After") == retry_after
+    detail = answer.body["error"]
+    assert set(answer.body) == {"error"} and set(detail) == {"message", "type", "param", "code"}
+    assert detail["param"] == param and detail["message"]
+    assert error_body(error) == answer.body
+
+
+async def test_unknown_path_and_wrong_method_are_openai_errors(client):
+    response = await client.get(CHAT)
+    assert response.status_code == 405
+    body = await response.get_json()
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]

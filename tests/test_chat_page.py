@@ -1,6 +1,6 @@
 """The chat page (``GET /``) in a real headless Chromium against a real server.
 
-The server is ``python -m runtime.cli`` on a loopback port with no
+The server is ``python -m api.cli`` on a loopback port with no
 ``--model``: the embedded demo model. The browser is Debian's ``chromium``
 driven by Playwright (Playwright's own browser download cannot work
 offline); the ``chromium`` fixture installs it with apt-get when it is
@@ -70,7 +70,7 @@ def chromium():
 
 
 def demo_server_args(port: int) -> list[str]:
-    return ["-m", "runtime.cli", "--port", str(port)]
+    return ["-m", "api.cli", "--port", str(port)]
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import attrs
 import pytest
 
+from api.cli import TABLE_BEGIN, TABLE_END, build_parser, parse_config, settings_table
 from api.server import create_app
-from runtime.cli import parse_config
-from runtime.config import ConfigError, ServerConfig, config_from_env
+from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_env
+from runtime.settings import BOOLEAN, ENV_PREFIX
 
 
 def test_cli_defaults_match_mlx_lm_server():
@@ -94,3 +99,103 @@ def test_with_no_model_the_embedded_demo_model_is_served():
     assert served_id == DEMO_MODEL_ID == "mlx-trio-demo"
     assert (Path(path) / "model.safetensors").is_file()
     assert resolve_model(ServerConfig(model="/some/model")) == ("/some/model", "/some/model")
+
+
+# ------------------------------------------------- one statement per setting
+
+
+def test_every_field_declares_its_flag_variable_and_help():
+    fields = attrs.fields(ServerConfig)
+    assert [s.name for s in SETTINGS] == [f.name for f in fields]
+    for s, field in zip(SETTINGS, fields, strict=True):
+        assert s.flag == "--" + field.name.replace("_", "-"), s
+        assert s.env == ENV_PREFIX + field.name.upper(), s
+        assert s.help.strip() and s.format is not None, s
+        default = field.default
+        if isinstance(default, attrs.Factory):
+            default = default.factory()
+        assert s.default == default, s
+    assert len({s.flag for s in SETTINGS}) == len({s.env for s in SETTINGS}) == len(SETTINGS)
+
+
+def test_the_parser_has_one_flag_per_setting_and_restates_no_default():
+    actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    for s in SETTINGS:
+        action = actions.pop(s.name)
+        assert action.option_strings == [s.flag]
+        assert action.default == "==SUPPRESS==", (s.name, action.default)
+        if s.choices is not None:
+            assert tuple(action.choices) == s.choices
+    assert set(actions) == {"help", "markdown"}
+
+
+# For every setting but the booleans: a valid value, not the default, as a user types it.
+TEXT_VALUES = {
+    "model": "/models/m", "adapter_path": "/adapters/a", "host": "0.0.0.0", "port": "9000",
+    "allowed_origins": "http://a.example, http://b.example", "draft_model": "/models/d",
+    "num_draft_tokens": "5", "log_level": "DEBUG", "chat_template": "{{ messages }}",
+    "temp": "0.7", "top_p": "0.9", "top_k": "40", "min_p": "0.05", "max_tokens": "256",
+    "chat_template_args": '{"enable_thinking": false}', "decode_concurrency": "16",
+    "prompt_concurrency": "4", "prefill_step_size": "512", "prompt_cache_size": "3",
+    "prompt_cache_bytes": "4GB", "kv_bits": "4", "kv_group_size": "32",
+    "quantized_kv_start": "100", "max_queued_requests": "9", "max_request_bytes": "1000",
+    "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
+    "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
+    "admission_window_ms": "5", "prompt_cache_min_reuse": "0", "stream_interval_ms": "40",
+}
+
+
+def _flag_and_variable(s) -> tuple[list[str], dict[str, str]]:
+    if s.format is BOOLEAN:
+        return [s.flag], {s.env: "true"}
+    return [s.flag, TEXT_VALUES[s.name]], {s.env: TEXT_VALUES[s.name]}
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: s.name)
+def test_a_flag_and_its_variable_give_the_same_config(s):
+    flags, environ = _flag_and_variable(s)
+    from_flags, from_env = parse_config(flags), config_from_env(environ)
+    assert from_flags == from_env
+    assert getattr(from_env, s.name) != s.default  # the value arrived
+
+
+def test_all_flags_at_once_give_what_all_variables_give():
+    flags, environ = [], {}
+    for s in SETTINGS:
+        more_flags, more_environ = _flag_and_variable(s)
+        flags += more_flags
+        environ |= more_environ
+    config = parse_config(flags)
+    assert config == config_from_env(environ)
+    assert config.prompt_cache_bytes == 4 * 10**9 and config.kv_cache_budget_bytes == 512 * 10**6
+    assert config.allowed_origins == ("http://a.example", "http://b.example")
+    assert config.chat_template_args == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("s", [s for s in SETTINGS if s.bounds_text()], ids=lambda s: s.name)
+def test_a_value_out_of_bounds_is_refused_both_ways(s, capsys):
+    low = s.above if s.above is not None else s.minimum
+    bad = str(low - 1) if low is not None else str(s.maximum + 1)
+    with pytest.raises(ConfigError, match=s.name):
+        config_from_env({s.env: bad})
+    try:
+        parse_config([s.flag, bad])
+    except ConfigError as exc:
+        assert s.name in str(exc)
+    except SystemExit as exc:  # a size is never negative: argparse's usage error
+        assert exc.code == 2 and s.flag in capsys.readouterr().err
+    else:
+        pytest.fail(f"{s.flag} {bad} was accepted")
+    if s.maximum is not None:
+        with pytest.raises(ConfigError, match=s.name):
+            config_from_env({s.env: str(s.maximum + 1)})
+
+
+def test_the_configuration_doc_has_the_current_settings_table():
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    found = re.search(re.escape(TABLE_BEGIN) + ".*?" + re.escape(TABLE_END) + "\n", doc, re.S)
+    assert found, "docs/configuration.md lost its settings table's markers"
+    assert found.group(0) == settings_table(), (
+        "docs/configuration.md's settings table is out of date: replace it with the output "
+        "of `python -m api.cli --markdown`"
+    )

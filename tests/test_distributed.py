@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def server_command(model: str, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "runtime.cli", "--model", model, "--port", str(port),
+    return [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
             "--max-tokens", "24", *extra]
 
 

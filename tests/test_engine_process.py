@@ -116,7 +116,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 
 def test_the_engine_process_leaves_when_the_server_is_killed(tiny_model_path):
     proc, base = spawn_server(
-        lambda port: ["-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)]
+        lambda port: ["-m", "api.cli", "--model", tiny_model_path, "--port", str(port)]
     )
     try:
         pid = _engine_pid(base)
@@ -130,7 +130,7 @@ def test_the_engine_process_leaves_when_the_server_is_killed(tiny_model_path):
 
 
 def test_ctrl_c_to_the_process_group_stops_server_and_engine(tiny_model_path):
-    port_args = ["-m", "runtime.cli", "--model", tiny_model_path, "--port"]
+    port_args = ["-m", "api.cli", "--model", tiny_model_path, "--port"]
     proc, base = spawn_server(lambda port: [*port_args, str(port)])
     try:
         pid = _engine_pid(base)
@@ -162,7 +162,7 @@ def test_engine_mode_flag(mode, tiny_model_path):
     proc, base = spawn_server(
         lambda port: [
             "-m",
-            "runtime.cli",
+            "api.cli",
             "--model",
             tiny_model_path,
             "--port",
@@ -182,7 +182,7 @@ def test_engine_mode_flag(mode, tiny_model_path):
 
 def test_a_bad_engine_mode_is_refused():
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "--engine-mode", "fork"],
+        [sys.executable, "-m", "api.cli", "--engine-mode", "fork"],
         capture_output=True,
         text=True,
         timeout=60,

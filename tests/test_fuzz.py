@@ -1,8 +1,8 @@
 """The OpenAPI document, and schemathesis fuzzing a real Hypercorn server with it.
 
-``api.openapi.openapi_document()`` must be valid OpenAPI 3.1, and its
-``RANGES`` table must say what ``validate()`` does (each bound accepted, just
-past it rejected, through ``structure_or_400``). Then schemathesis generates
+``api.openapi.openapi_document()`` must be valid OpenAPI 3.1, and the bounds
+it states must be what validation does (each bound accepted, just past it
+rejected, through ``structure_or_400``). Then schemathesis generates
 valid and invalid requests from the document (its fuzzing and coverage
 phases, positive and negative) against ``hypercorn api:app`` on the tiny
 model, and every answer must be: no 5xx; a 2xx JSON body that conforms to the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -42,8 +41,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api import responses, schemas
+from api.constraints import constraint_of
 from api.convert import structure_or_400
-from api.openapi import RANGES, openapi_document
+from api.openapi import openapi_document
 from api.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.errors import ClientError
 from tests.conftest import wait_healthy
@@ -122,9 +122,32 @@ def test_components_follow_the_attrs_types(cls):
     assert without_default <= set(component.get("required", []))
 
 
+def _stated_bounds(prop: dict) -> tuple | None:
+    """(minimum, maximum) the document states for a property: on the number, or on
+    an object's values (``logit_bias``, maybe inside an ``anyOf`` member)."""
+    places = [prop, prop.get("additionalProperties") or {}]
+    for member in prop.get("anyOf", []):
+        places.append(member.get("additionalProperties") or {})
+    for place in places:
+        if "minimum" in place or "maximum" in place:
+            return place.get("minimum"), place.get("maximum")
+    return None
+
+
+def _document_bounds() -> dict[tuple[type, str], tuple]:
+    """Every request field's bounds as /openapi.json states them (once per field name)."""
+    components = openapi_document()["components"]["schemas"]
+    out: dict[tuple[type, str], tuple] = {}
+    for cls in (ChatCompletionRequest, CompletionRequest):
+        for name, prop in components[cls.__name__]["properties"].items():
+            bounds = _stated_bounds(prop)
+            if bounds is not None and name not in {n for _, n in out}:
+                out[cls, name] = bounds
+    return out
+
+
 def _range_cases():
-    for name, (low, high) in RANGES.items():
-        cls = CompletionRequest if name == "logprobs" else ChatCompletionRequest
+    for (cls, name), (low, high) in _document_bounds().items():
         for bound, outside in ((low, -1), (high, +1)):
             if bound is not None:
                 yield pytest.param(cls, name, bound, outside, id=f"{name}={bound}")
@@ -146,8 +169,8 @@ def _is_integer(cls, name) -> bool:
 
 
 @pytest.mark.parametrize(("cls", "name", "bound", "direction"), list(_range_cases()))
-def test_ranges_table_matches_validate(cls, name, bound, direction):
-    """Each bound in RANGES is accepted, and a value just past it is rejected."""
+def test_document_bounds_match_validation(cls, name, bound, direction):
+    """Each bound the document states is accepted, and a value just past it is rejected."""
     structure_or_400(_body(cls, name, bound), cls)
     outside = bound + direction if _is_integer(cls, name) else bound + direction * 1e-6
     with pytest.raises(ClientError) as caught:
@@ -155,14 +178,16 @@ def test_ranges_table_matches_validate(cls, name, bound, direction):
     assert caught.value.param == name, caught.value.message
 
 
-def test_every_validated_range_is_in_the_table():
-    """A new ``_range("field", ...)`` in api/schemas.py needs a RANGES entry."""
-    import api.schemas
-
-    source = Path(api.schemas.__file__).read_text()
-    validated = set(re.findall(r'_range\(\s*"(\w+)"', source))
-    # logit_bias values go through _range(f"logit_bias.{key}"), n through "n != 1"
-    assert validated | {"logit_bias", "n"} == set(RANGES)
+def test_every_bounded_field_is_in_the_document():
+    """A field declared with bounds (api.constraints) shows them in /openapi.json."""
+    declared = {
+        field.name
+        for cls in (ChatCompletionRequest, CompletionRequest)
+        for field in attrs.fields(cls)
+        if (c := constraint_of(field)) is not None and (c.minimum, c.maximum) != (None, None)
+    }
+    assert {"top_p", "logit_bias", "logprobs", "n"} <= declared
+    assert declared == {name for _, name in _document_bounds()}
 
 
 # -------------------------------------------------------------- the server

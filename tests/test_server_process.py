@@ -179,7 +179,7 @@ def test_a_burst_of_128_connections_is_all_answered(server):
 
 def test_sigterm_lets_a_running_stream_finish_then_exits_zero(tiny_model_path):
     proc, base = spawn_server(
-        lambda port: ["-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)]
+        lambda port: ["-m", "api.cli", "--model", tiny_model_path, "--port", str(port)]
     )
     try:
         body = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 300,
