@@ -188,7 +188,8 @@ COVERAGE = [
     ("integer minimum/maximum", {"type": "integer", "minimum": 3, "maximum": 12}, 12, 13),
     ("number minimum/maximum", {"type": "number", "minimum": 0.5, "maximum": 2.5}, 2.25, 2.75),
     ("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 0}, 0.5, 0),
-    ("multipleOf", {"type": "integer", "multipleOf": 5}, 15, 16),
+    ("multipleOf (integer)", {"type": "integer", "multipleOf": 5}, 15, 16),
+    ("multipleOf (decimal)", {"type": "number", "multipleOf": 0.25}, 0.5, 0.3),
     ("string minLength/maxLength", {"type": "string", "minLength": 2, "maxLength": 3}, "abc", "abcd"),
     ("string pattern", {"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"}, "ab-12", "ab-123"),
     ("format: date-time", {"type": "string", "format": "date-time"},
@@ -211,6 +212,7 @@ COVERAGE = [
      {"v": 1, "next": {"v": 2, "next": None}}, {"v": 1, "next": {"v": "x", "next": None}}),
     ("type list", {"type": ["integer", "null"]}, None, "x"),
     ("minProperties", {"type": "object", "minProperties": 2}, {"a": 1, "b": 2}, {"a": 1}),
+    ("maxProperties", {"type": "object", "maxProperties": 1}, {"a": 1}, {"a": 1, "b": 2}),
     ("patternProperties", {"type": "object", "patternProperties": {"^n_": {"type": "integer"}},
                            "additionalProperties": False}, {"n_a": 1}, {"n_a": "x"}),
     ("if/then/else", {"type": "object", "if": {"properties": {"k": {"const": 1}}},
@@ -218,6 +220,10 @@ COVERAGE = [
     ("not", {"not": {"type": "string"}}, 1, "x"),
     ("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]}},
      {"a": 1, "b": 2}, {"a": 1}),
+    ("contains", {"type": "array", "contains": {"type": "integer"}}, ["a", 1], ["a"]),
+    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}}, {"ab": 1}, {"b": 1}),
+    ("unevaluatedProperties", {"type": "object", "properties": {"a": {"type": "integer"}},
+                               "unevaluatedProperties": False}, {"a": 1}, {"a": 1, "b": 2}),
 ]
 
 

@@ -51,10 +51,11 @@ from runtime.errors import ClientError
 
 log = logging.getLogger(__name__)
 
-# Whitespace the JSON grammar allows between tokens: flexible (a model writes
-# JSON the way it was trained to) but bounded, so a model cannot loop on
-# whitespace forever; 1 newline and 32 spaces covers 2-space indents 15 deep.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,33}"
+# Whitespace the JSON grammar allows between tokens: what JSON writers produce
+# (nothing, one or two spaces, or a newline and an indent of up to 32 spaces
+# or tabs), so a model writes JSON compact or pretty-printed as it was trained
+# to, but cannot loop on whitespace.
+JSON_WHITESPACE = r"(?:[\x20\x09]{0,2}|\r?\n[\x20\x09]{0,32})"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE, "lenient": False}
 # Before the constrained text (after a think-end marker models write "\n\n").
 LEADING_WHITESPACE = r"/[\x20\x0A\x0D\x09]{1,4}/"
