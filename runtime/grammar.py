@@ -562,16 +562,21 @@ def fill_bitmasks(
     """
     if rows is None:
         rows = range(len(matchers))
-    grammar_rows = []
+    grammar_rows, grammar_matchers = [], []
     for matcher, row in zip(matchers, rows, strict=True):
         if matcher.phase == "grammar":
             grammar_rows.append((matcher._ll, row))
+            grammar_matchers.append(matcher)
         elif matcher.phase == "failed":
             bitmask[row] = matcher._tokenizer.eos_only_row
         else:
             bitmask[row] = matcher._free_row
     if grammar_rows:
         llguidance.numpy.fill_next_token_bitmask_par(_shared_executor(), grammar_rows, bitmask)
+        for matcher, (ll, row) in zip(grammar_matchers, grammar_rows, strict=True):
+            if ll.is_error():  # e.g. a parser limit hit while computing this mask
+                matcher._fail(ll.get_error())
+                bitmask[row] = matcher._tokenizer.eos_only_row
     for matcher, row in zip(matchers, rows, strict=True):
         if matcher.spec.think_start is not None or matcher.spec.banned:
             matcher._fix_row(bitmask[row])
