@@ -33,6 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.session import Session
+from api.agent_routes import register_agent_apis
 from api.convert import structure_or_400, unstructure
 from api.responses import ChatRenderer, ModelCard, ModelList, TextRenderer, dumps
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
@@ -306,6 +307,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         raise _not_found(model_id)
 
     async def generate(session: Session, renderer, stream: bool):
+        """The one generation path of every endpoint; ``renderer`` sets the wire format."""
         await session.__aenter__()
         if stream:
             try:
@@ -329,11 +331,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         terminal = renderer.terminal
         if isinstance(terminal, Failed):
             headers = {"Retry-After": "5"} if terminal.status == 503 else None
-            return json_response(
-                {"error": {"message": terminal.message, "type": terminal.type, "param": None, "code": None}},
-                status=terminal.status,
-                headers=headers,
-            )
+            return json_response(renderer.failure_body(terminal), status=terminal.status, headers=headers)
         return json_response(renderer.body())
 
     @app.post("/v1/chat/completions")
@@ -388,6 +386,8 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         )
         return await generate(session, renderer, req.stream)
 
+    # The agent APIs (OpenAI Responses, Anthropic Messages) share ``generate``.
+    register_agent_apis(app, rt, config, generate=generate, read_json=read_json)
     return app
 
 

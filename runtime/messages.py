@@ -262,6 +262,7 @@ class Progress:
 class Finished:
     finish_reason: str
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
 
 
 @attrs.frozen(kw_only=True)
