@@ -128,9 +128,10 @@ class CountTokensRequest:
         if not self.messages:
             raise ClientError("messages: at least one message is required", param="messages")
         for i, message in enumerate(self.messages):
-            if message.role not in ("user", "assistant"):
+            if message.role not in ("user", "assistant", "system"):
                 raise ClientError(
-                    f"messages[{i}].role must be 'user' or 'assistant'", param=f"messages[{i}].role"
+                    f"messages[{i}].role must be 'user', 'assistant' or 'system'",
+                    param=f"messages[{i}].role",
                 )
         if isinstance(self.system, list):
             for i, block in enumerate(self.system):
@@ -218,6 +219,8 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             continue
         if message.role == "assistant":
             out.append(_assistant_message(message.content, where, tool_names))
+        elif message.role == "system":  # Claude Code's mid-conversation system messages
+            out.extend(_user_messages(message.content, where, {}, role="system"))
         else:
             out.extend(_user_messages(message.content, where, tool_names))
     return merge_leading_system(out)
@@ -260,13 +263,15 @@ def _assistant_message(blocks: list[ContentBlockIn], where: str, tool_names: dic
     return message
 
 
-def _user_messages(blocks: list[ContentBlockIn], where: str, tool_names: dict) -> list[dict]:
+def _user_messages(
+    blocks: list[ContentBlockIn], where: str, tool_names: dict, *, role: str = "user"
+) -> list[dict]:
     out: list[dict[str, Any]] = []
     text: list[str] = []
 
     def flush_text():
         if text:
-            out.append({"role": "user", "content": "\n\n".join(text)})
+            out.append({"role": role, "content": "\n\n".join(text)})
             text.clear()
 
     for j, block in enumerate(blocks):
@@ -275,7 +280,7 @@ def _user_messages(blocks: list[ContentBlockIn], where: str, tool_names: dict) -
             if block.text is None:
                 raise ClientError(f"{at}: a text block needs 'text'", param=f"{at}.text")
             text.append(block.text)
-        elif block.type == "tool_result":
+        elif block.type == "tool_result" and role == "user":
             if not block.tool_use_id:
                 raise ClientError(f"{at}: a tool_result needs 'tool_use_id'", param=f"{at}.tool_use_id")
             flush_text()
@@ -288,9 +293,10 @@ def _user_messages(blocks: list[ContentBlockIn], where: str, tool_names: dict) -
                 tool["name"] = tool_names[block.tool_use_id]
             out.append(tool)
         else:
+            allowed = "text, tool_result" if role == "user" else "text"
             raise ClientError(
-                f"{at}.type: content block type {block.type!r} is not supported in user "
-                "messages (text, tool_result)",
+                f"{at}.type: content block type {block.type!r} is not supported in {role} "
+                f"messages ({allowed})",
                 param=f"{at}.type",
             )
     flush_text()

@@ -258,7 +258,7 @@ def test_anthropic_tool_choice_and_stop_reasons():
     ("message", "param"),
     [
         ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0].type"),
-        ({"role": "system", "content": "x"}, "messages[0].role"),
+        ({"role": "tool", "content": "x"}, "messages[0].role"),
         ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                        "content": [{"type": "image"}]}]}, "messages[0].content[0].content[0].type"),
     ],
