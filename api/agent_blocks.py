@@ -16,8 +16,8 @@ into a Session the way the chat route does.
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +27,6 @@ from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, ToolCall
 from runtime.prompts import prepare_chat
-
-log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ requests
 
@@ -125,8 +123,6 @@ def prepare_turn(tokenizer, *, turn: ChatTurn):
 
 def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: float | None = None):
     """A (not yet entered) Session generating ``turn`` with the chat markup."""
-    import functools
-
     limits = [t for t in (timeout, config.request_timeout) if t is not None]
     return rt.session(
         prepare=functools.partial(prepare_turn, turn=turn),
@@ -266,8 +262,8 @@ class AgentRenderer:
         if isinstance(item, Delta):
             self.assembler.feed(item)
         elif isinstance(item, Finished | Failed):
+            self.terminal = item  # first: a block closed by the end may render differently
             self.assembler.close()
-            self.terminal = item
 
     # ---- streaming
 
@@ -283,9 +279,9 @@ class AgentRenderer:
                 for event in self.assembler.feed(item):
                     out += self.block_frames(event)
             elif isinstance(item, Finished | Failed):
+                self.terminal = item  # first: a block closed by the end may render differently
                 for event in self.assembler.close():
                     out += self.block_frames(event)
-                self.terminal = item
                 out += self.closing_frames(item)
         return b"".join(out)
 

@@ -144,6 +144,9 @@ def test_responses_max_output_tokens_is_incomplete(oai):
                                        max_output_tokens=5, stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert done.item.type == "reasoning" and done.item.status == "incomplete"  # cut mid-thought
+    assert events[-1].response.output[0].status == "incomplete"
 
 
 def test_responses_errors(oai, server):
