@@ -54,6 +54,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None  # the stop string found, once found
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was found)."""
@@ -67,11 +68,12 @@ class StopMatcher:
             i = buf.find(stop)
             if i != -1:
                 key = (i + len(stop), i)
-                if best is None or key < best:
-                    best = key
+                if best is None or key < best[0]:
+                    best = key, stop
         if best is not None:
             self._held = ""
-            return buf[: best[1]], True
+            self.matched = best[1]
+            return buf[: best[0][1]], True
         keep = 0
         for stop in self._stops:
             for n in range(min(len(stop) - 1, len(buf)), keep, -1):
@@ -122,6 +124,10 @@ class RequestText:
         if final is not None and not hit:
             safe += self._stops.flush()
         return self._segment(safe, end=final is not None or hit), hit
+
+    @property
+    def stop_matched(self) -> str | None:
+        return self._stops.matched
 
     def flush(self) -> list[tuple[str, str]]:
         """Everything held back (a possible stop-string or marker prefix), as pieces."""
@@ -240,7 +246,9 @@ class DetokenizerCore:
         if hit:
             self._requests.pop(event.request_id, None)
             self._withdraw(event.request_id)
-            outbox.put_terminal(self._finished(text, FinishReason.STOP))
+            outbox.put_terminal(
+                self._finished(text, FinishReason.STOP, stop_sequence=text.stop_matched)
+            )
         elif event.finish_reason is not None:
             self._requests.pop(event.request_id, None)
             outbox.put_terminal(self._finished(text, event.finish_reason))
@@ -279,10 +287,16 @@ class DetokenizerCore:
             logprobs=logprobs,
         )
 
-    def _finished(self, text: RequestText, reason: str) -> Finished:
+    def _finished(
+        self, text: RequestText, reason: str, *, stop_sequence: str | None = None
+    ) -> Finished:
         if reason == FinishReason.STOP and text.made_tool_call:
             reason = FinishReason.TOOL_CALLS
-        return Finished(finish_reason=FinishReason(reason), usage=self._usage(text))
+        return Finished(
+            finish_reason=FinishReason(reason),
+            stop_sequence=stop_sequence,
+            usage=self._usage(text),
+        )
 
     @staticmethod
     def _usage(text: RequestText) -> Usage:

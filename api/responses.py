@@ -236,6 +236,10 @@ class _Renderer:
         elif isinstance(item, Finished | Failed):
             self.terminal = item
 
+    def failure_body(self, failed: Failed) -> dict:
+        """The JSON body of a non-streaming request that failed."""
+        return error_body(failed)
+
     _CONTENT = "\x00content\x00"  # a marker no generated text contains
 
     def content_frame(self, content: str) -> bytes:

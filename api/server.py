@@ -34,6 +34,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.session import Session
 from actors.system import Runtime
+from api.agent_routes import register_agent_apis
 from api.chat_page import register_chat_page
 from api.convert import structure_or_400, unstructure
 from api.errors import error_answer
@@ -306,6 +307,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         raise _not_found(model_id)
 
     async def generate(session: Session, renderer, stream: bool):
+        """The one generation path of every endpoint; ``renderer`` sets the wire format."""
         await session.__aenter__()
         if stream:
             try:
@@ -328,7 +330,10 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
             await session.__aexit__(None, None, None)
         terminal = renderer.terminal
         if isinstance(terminal, Failed):
-            return error_response(terminal)
+            answer = error_answer(terminal)  # status and Retry-After; the body in the API's shape
+            return json_response(
+                renderer.failure_body(terminal), status=answer.status, headers=answer.headers
+            )
         return json_response(renderer.body())
 
     @app.post("/v1/chat/completions")
@@ -386,6 +391,8 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         return await generate(session, renderer, req.stream)
 
     register_chat_page(app)
+    # The agent APIs (OpenAI Responses, Anthropic Messages) share ``generate``.
+    register_agent_apis(app, rt, config, generate=generate, read_json=read_json)
     return app
 
 

@@ -340,6 +340,7 @@ class Progress:
 class Finished:
     finish_reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,312 @@
+"""What the agent APIs (OpenAI Responses, Anthropic Messages) share.
+
+Both APIs answer with an ordered list of blocks (reasoning, text, tool call)
+and stream each block as start / deltas / stop. ``BlockAssembler`` is that
+shared state machine (sans-IO): it receives a Session's ``Delta`` events,
+which the Detokenizer already split into content, reasoning and parsed tool
+calls (the one tool-call and reasoning state machine of every endpoint), and
+emits ``Opened`` / ``Appended`` / ``Closed`` block events in output order.
+``AgentRenderer`` drives it for both wire formats, streaming or not.
+
+Requests of both APIs become a ``ChatTurn``: chat-template messages, tools in
+the chat-completions form, and what is passed on but not enforced here
+(``tool_choice``, ``response_format``). ``open_session`` turns a ``ChatTurn``
+into a Session the way the chat route does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from runtime.config import ServerConfig
+from runtime.errors import ClientError
+from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, ToolCall
+from runtime.prompts import prepare_chat
+
+# ------------------------------------------------------------------ requests
+
+
+@attrs.frozen(kw_only=True)
+class ChatTurn:
+    """One request of an agent API, as the chat template and the Session take it.
+
+    ``tool_choice`` is in the chat-completions form (``"auto"``, ``"none"``,
+    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
+    ``response_format`` in its form (``{"type": "json_schema", "json_schema":
+    {...}}``): both are passed on, not enforced (constrained decoding is
+    another component's work).
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    template_args: dict[str, Any] = attrs.field(factory=dict)
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+    """A tool in the chat-completions form that chat templates render."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One system message first: many chat templates accept no other layout.
+
+    Leading system messages are joined with a blank line; later ones keep
+    their place. Deterministic, so a conversation rebuilt from the same
+    pieces renders to the same prompt prefix.
+    """
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n <= 1:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": text}, *messages[n:]]
+
+
+def tool_arguments(arguments: Any, *, param: str) -> dict[str, Any]:
+    """Tool-call arguments as the object chat templates render."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise ClientError("tool call arguments must be a JSON object", param=param) from None
+    if not isinstance(arguments, dict):
+        raise ClientError("tool call arguments must be a JSON object", param=param)
+    return arguments
+
+
+def sampling_params(
+    config: ServerConfig,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+) -> SamplingParams:
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=float(pick(temperature, config.temp)),
+        top_p=float(pick(top_p, config.top_p)),
+        top_k=int(pick(top_k, config.top_k)),
+        min_p=float(config.min_p),
+    )
+
+
+def check_range(name: str, value, *, low=None, high=None) -> None:
+    if value is None:
+        return
+    if low is not None and value < low:
+        raise ClientError(f"{name} must be at least {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise ClientError(f"{name} must be at most {high}, got {value}", param=name)
+
+
+def prepare_turn(tokenizer, *, turn: ChatTurn):
+    """The prompt of ``turn`` (runs in a worker thread, like the chat route's)."""
+    return prepare_chat(tokenizer, turn.messages, tools=turn.tools, template_args=turn.template_args)
+
+
+def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: float | None = None):
+    """A (not yet entered) Session generating ``turn`` with the chat markup."""
+    limits = [t for t in (timeout, config.request_timeout) if t is not None]
+    return rt.session(
+        prepare=functools.partial(prepare_turn, turn=turn),
+        sampling=turn.sampling,
+        max_tokens=turn.max_tokens,
+        stop=turn.stop,
+        tools=turn.tools,
+        markup=True,
+        timeout=min(limits) if limits else None,
+        model=model,
+    )
+
+
+# -------------------------------------------------------------------- blocks
+
+
+@attrs.define
+class Block:
+    """One output block: reasoning or text (``text`` grows), or a whole tool call."""
+
+    index: int
+    kind: str  # "reasoning" | "text" | "tool"
+    text: str = ""
+    call: ToolCall | None = None
+    closed: bool = False
+
+
+@attrs.frozen
+class Opened:
+    block: Block  # its ``text`` may already hold the first Appended piece
+
+
+@attrs.frozen
+class Appended:
+    block: Block
+    text: str
+
+
+@attrs.frozen
+class Closed:
+    block: Block
+
+
+BlockEvent = Opened | Appended | Closed
+
+
+class BlockAssembler:
+    """Sans-IO: ``Delta``s in, block events out, in output order.
+
+    A delta's parts are taken in the order a model writes them: reasoning,
+    then text, then tool calls. A text or reasoning block opens at its first
+    non-whitespace character and whitespace at its end is dropped (chat
+    templates put newlines around thinking and tool-call markup; agent
+    clients show blocks as they are, and Anthropic refuses whitespace-only
+    text blocks when a client sends them back): whitespace is held back
+    until more text of the same kind follows. A tool call is one block,
+    opened and closed at once (the Detokenizer parses whole calls).
+    """
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self._open: Block | None = None
+        self._held = ""  # whitespace at the end of the open block, not yet sent
+
+    def feed(self, delta: Delta) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if delta.reasoning:
+            self._text("reasoning", delta.reasoning, events)
+        if delta.content:
+            self._text("text", delta.content, events)
+        for call in delta.tool_calls:
+            self._close(events)
+            block = Block(index=len(self.blocks), kind="tool", call=call, closed=True)
+            self.blocks.append(block)
+            events += [Opened(block), Closed(block)]
+        return events
+
+    def close(self) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        self._close(events)
+        return events
+
+    def _text(self, kind: str, text: str, events: list[BlockEvent]) -> None:
+        block = self._open
+        if block is not None and block.kind == kind:
+            body = text.rstrip()
+            if not body:  # only whitespace: hold it until more text comes
+                self._held += text
+                return
+            piece = self._held + body
+            self._held = text[len(body):]
+            block.text += piece
+            events.append(Appended(block, piece))
+            return
+        stripped = text.strip()
+        if not stripped:
+            return  # whitespace between blocks, or before the first one
+        self._close(events)
+        piece = text.lstrip()
+        body = piece.rstrip()
+        block = Block(index=len(self.blocks), kind=kind, text=body)
+        self.blocks.append(block)
+        self._open = block
+        self._held = piece[len(body):]
+        events += [Opened(block), Appended(block, body)]
+
+    def _close(self, events: list[BlockEvent]) -> None:
+        if self._open is not None:
+            self._open.closed = True
+            events.append(Closed(self._open))
+            self._open = None
+            self._held = ""
+
+
+class AgentRenderer:
+    """Session events -> one wire format's frames or body (subclasses say which).
+
+    The interface ``generate`` in api/server.py drives: ``add`` and
+    ``terminal`` (non-streaming), ``body`` / ``failure_body``, and
+    ``stream_frames`` (streaming). ``prompt_tokens`` gives the prompt's
+    length once the Session is entered (for usage sent before the end).
+    """
+
+    def __init__(self, *, prompt_tokens: Callable[[], int] = lambda: 0):
+        self.assembler = BlockAssembler()
+        self.terminal: Finished | Failed | None = None
+        self._prompt_tokens = prompt_tokens
+        self._started = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._prompt_tokens()
+
+    # ---- non-streaming
+
+    def add(self, item) -> None:
+        if isinstance(item, Delta):
+            self.assembler.feed(item)
+        elif isinstance(item, Finished | Failed):
+            self.terminal = item  # first: a block closed by the end may render differently
+            self.assembler.close()
+
+    # ---- streaming
+
+    def stream_frames(self, items) -> bytes:
+        out: list[bytes] = []
+        if not self._started:
+            self._started = True
+            out += self.opening_frames()
+        for item in items:
+            if isinstance(item, Progress):
+                out += self.progress_frames(item)
+            elif isinstance(item, Delta):
+                for event in self.assembler.feed(item):
+                    out += self.block_frames(event)
+            elif isinstance(item, Finished | Failed):
+                self.terminal = item  # first: a block closed by the end may render differently
+                for event in self.assembler.close():
+                    out += self.block_frames(event)
+                out += self.closing_frames(item)
+        return b"".join(out)
+
+    # ---- for subclasses
+
+    def opening_frames(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def progress_frames(self, progress: Progress) -> list[bytes]:
+        raise NotImplementedError
+
+    def block_frames(self, event: BlockEvent) -> list[bytes]:
+        raise NotImplementedError
+
+    def closing_frames(self, terminal: Finished | Failed) -> list[bytes]:
+        raise NotImplementedError
+
+    def body(self) -> dict:
+        raise NotImplementedError
+
+    def failure_body(self, failed: Failed) -> dict:
+        raise NotImplementedError
+
+
+def sse_event(name: str, payload: Any) -> bytes:
+    """One named server-sent event (both agent APIs name their events)."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n".encode()

@@ -1,0 +1,270 @@
+"""The agent APIs' sans-IO parts: blocks from deltas, request conversion, the response store.
+
+No server: ``BlockAssembler`` on hand-made ``Delta``s (with a Hypothesis
+property over how the text is chunked), the conversion of Responses items
+and Anthropic messages into chat-template messages, and the LRU store.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api.agent_blocks import Appended, BlockAssembler, Closed, Opened, merge_leading_system
+from api.anthropic_messages import CountTokensRequest, chat_messages, chat_tool_choice, stop_reason
+from api.convert import structure_or_400
+from api.openai_responses import (
+    ResponsesRequest,
+    ResponseStore,
+    StoredResponse,
+    chat_tools,
+    input_messages,
+    prepare_request,
+)
+from runtime.config import ServerConfig
+from runtime.errors import ClientError
+from runtime.messages import Delta, Finished, ToolCall, Usage
+
+
+def _feed_all(deltas):
+    assembler = BlockAssembler()
+    events = []
+    for delta in deltas:
+        events += assembler.feed(delta)
+    events += assembler.close()
+    return assembler, events
+
+
+def test_blocks_in_output_order_with_whitespace_trimmed():
+    call = ToolCall(name="get_weather", arguments='{"city": "Oslo"}', id="call_1")
+    assembler, events = _feed_all([
+        Delta(reasoning="\n47 + 85"),
+        Delta(reasoning=" = 132\n"),
+        Delta(content="\n\n"),
+        Delta(content="132", tool_calls=(call,)),
+    ])
+    kinds = [(type(e).__name__, e.block.index, e.block.kind) for e in events]
+    assert kinds == [
+        ("Opened", 0, "reasoning"), ("Appended", 0, "reasoning"), ("Appended", 0, "reasoning"),
+        ("Closed", 0, "reasoning"), ("Opened", 1, "text"), ("Appended", 1, "text"),
+        ("Closed", 1, "text"), ("Opened", 2, "tool"), ("Closed", 2, "tool"),
+    ]
+    assert [b.text for b in assembler.blocks[:2]] == ["47 + 85 = 132", "132"]
+    assert assembler.blocks[2].call == call
+    assert all(b.closed for b in assembler.blocks)
+
+
+def test_whitespace_only_text_before_a_tool_call_makes_no_block():
+    call = ToolCall(name="f", arguments="{}", id="call_1")
+    assembler, _ = _feed_all([Delta(content="\n\n"), Delta(content=" ", tool_calls=(call,))])
+    assert [b.kind for b in assembler.blocks] == ["tool"]
+
+
+def test_inner_whitespace_is_sent_once_more_text_follows():
+    assembler, events = _feed_all([Delta(content="Hello"), Delta(content=" "), Delta(content="\n"),
+                                   Delta(content="world"), Delta(content="  ")])
+    pieces = [e.text for e in events if isinstance(e, Appended)]
+    assert pieces == ["Hello", " \nworld"]
+    assert assembler.blocks[0].text == "Hello \nworld"
+
+
+@given(
+    reasoning=st.text(alphabet=" \nab+1", max_size=30),
+    content=st.text(alphabet=" \ncd=2", max_size=30),
+    cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=8),
+)
+def test_blocks_do_not_depend_on_how_the_text_was_chunked(reasoning, content, cuts):
+    text = reasoning + content
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        r = text[a:b][: max(0, len(reasoning) - a)]
+        c = text[max(a, len(reasoning)):b]
+        deltas.append(Delta(reasoning=r, content=c))
+    assembler, events = _feed_all(deltas)
+    expected = [(k, t.strip()) for k, t in (("reasoning", reasoning), ("text", content)) if t.strip()]
+    assert [(b.kind, b.text) for b in assembler.blocks] == expected
+    for block in assembler.blocks:  # what was streamed is what the block holds
+        streamed = "".join(e.text for e in events if isinstance(e, Appended) and e.block is block)
+        assert streamed == block.text
+        opened = [e for e in events if isinstance(e, Opened) and e.block is block]
+        closed = [e for e in events if isinstance(e, Closed) and e.block is block]
+        assert len(opened) == len(closed) == 1
+
+
+def test_merge_leading_system_joins_only_the_leading_ones():
+    messages = [{"role": "system", "content": "a"}, {"role": "system", "content": "b"},
+                {"role": "user", "content": "u"}, {"role": "system", "content": "c"}]
+    assert merge_leading_system(messages) == [
+        {"role": "system", "content": "a\n\nb"}, {"role": "user", "content": "u"},
+        {"role": "system", "content": "c"},
+    ]
+
+
+# ----------------------------------------------------------- Responses input
+
+
+def test_responses_items_become_one_assistant_turn_then_tool_results():
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "call it"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "7 degrees"},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "14:05"}]},
+    ]
+    assert input_messages(items) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "call it", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "7 degrees", "name": "get_weather"},
+        {"role": "tool", "tool_call_id": "c2", "content": "14:05", "name": "get_time"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("items", "param"),
+    [
+        ([{"type": "item_reference", "id": "x"}], "input[0].type"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
+        ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
+        ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        ([{"role": "tool", "content": "x"}], "input[0].role"),
+    ],
+)
+def test_responses_bad_items_name_the_field(items, param):
+    with pytest.raises(ClientError) as info:
+        input_messages(items)
+    assert info.value.param == param
+
+
+def test_responses_tools_namespaces_and_refusals():
+    tools, namespaces = chat_tools([
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+        {"type": "namespace", "name": "mcp__files", "description": "files",
+         "tools": [{"type": "function", "name": "read", "description": "read a file"}]},
+        {"type": "web_search"},
+    ])
+    assert [t["function"]["name"] for t in tools] == ["shell", "read"]
+    assert namespaces == {"read": "mcp__files"}
+    with pytest.raises(ClientError) as info:
+        chat_tools([{"type": "function", "name": "f"}, {"type": "file_search"}])
+    assert info.value.param == "tools[1].type"
+
+
+def test_previous_response_rebuilds_the_same_messages():
+    config = ServerConfig()
+    store = ResponseStore()
+    first = structure_or_400({"instructions": "sys", "input": "hi"}, ResponsesRequest)
+    prepared = prepare_request(first, config, store)
+    assert prepared.turn.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}]}]
+    store.put("resp_1", StoredResponse(body={}, conversation=(*prepared.history, *input_messages(output))))
+    follow = structure_or_400(
+        {"instructions": "sys", "previous_response_id": "resp_1", "input": "again"}, ResponsesRequest
+    )
+    by_hand = structure_or_400(
+        {"instructions": "sys", "input": [{"role": "user", "content": "hi"}, *output,
+                                          {"role": "user", "content": "again"}]},
+        ResponsesRequest,
+    )
+    assert prepare_request(follow, config, store).turn.messages == prepare_request(
+        by_hand, config, store).turn.messages
+    with pytest.raises(ClientError) as info:
+        prepare_request(structure_or_400({"previous_response_id": "nope", "input": "x"}, ResponsesRequest),
+                        config, store)
+    assert info.value.param == "previous_response_id"
+
+
+def test_response_store_is_a_bounded_lru():
+    store = ResponseStore(max_entries=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse(body={"id": name}, conversation=()))
+    assert store.get("a") is not None  # now most recent
+    store.put("c", StoredResponse(body={"id": "c"}, conversation=()))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+    ],
+)
+def test_responses_refusals_name_the_field(body, param):
+    with pytest.raises(ClientError) as info:
+        structure_or_400({"input": "x", **body}, ResponsesRequest)
+    assert info.value.param == param
+
+
+# ----------------------------------------------------------- Anthropic input
+
+
+def test_anthropic_messages_become_chat_messages():
+    req = structure_or_400({
+        "model": "claude-x",
+        "system": [{"type": "text", "text": "You are a CLI."}, {"type": "text", "text": "Be terse."}],
+        "messages": [
+            {"role": "user", "content": "weather in Oslo?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "use the tool", "signature": "sig"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1",
+                 "content": [{"type": "text", "text": "7 degrees"}]},
+                {"type": "text", "text": "and now?"},
+            ]},
+        ],
+    }, CountTokensRequest)
+    assert chat_messages(req) == [
+        {"role": "system", "content": "You are a CLI.\n\nBe terse."},
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "use the tool", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+        ]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "7 degrees", "name": "get_weather"},
+        {"role": "user", "content": "and now?"},
+    ]
+
+
+def test_anthropic_tool_choice_and_stop_reasons():
+    from api.anthropic_messages import ToolChoiceIn
+
+    assert chat_tool_choice(ToolChoiceIn(type="any")) == "required"
+    assert chat_tool_choice(ToolChoiceIn(type="tool", name="f")) == {"type": "function", "function": {"name": "f"}}
+    usage = Usage(prompt_tokens=1, completion_tokens=1, cached_tokens=0)
+    assert stop_reason(Finished(finish_reason="stop", usage=usage)) == "end_turn"
+    assert stop_reason(Finished(finish_reason="stop", usage=usage, stop_sequence="X")) == "stop_sequence"
+    assert stop_reason(Finished(finish_reason="tool_calls", usage=usage, stop_sequence="X")) == "tool_use"
+    assert stop_reason(Finished(finish_reason="length", usage=usage)) == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0].type"),
+        ({"role": "tool", "content": "x"}, "messages[0].role"),
+        ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                       "content": [{"type": "image"}]}]}, "messages[0].content[0].content[0].type"),
+    ],
+)
+def test_anthropic_bad_messages_name_the_field(message, param):
+    with pytest.raises(ClientError) as info:
+        req = structure_or_400({"model": "m", "messages": [message]}, CountTokensRequest)
+        chat_messages(req)
+    assert info.value.param == param
