@@ -94,6 +94,8 @@ SERVER_MODULES = {
     "test_fuzz",
     "test_distributed",
     "test_chat_page",
+    "test_agent_apis",
+    "test_agent_clis",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}
 
