@@ -12,8 +12,8 @@ import json
 import pytest
 import trio
 
+from api.generation import SessionStream
 from api.responses import ChatRenderer
-from api.server import SessionStream
 from runtime.config import ConfigError, config_from_env
 from runtime.messages import Finished, Usage
 from runtime.outbox import Outbox

@@ -1,0 +1,146 @@
+"""The one generation path of every endpoint: an entered Session, rendered as JSON or SSE.
+
+Receives a ``Session`` (not yet entered) and a renderer (the endpoint's wire
+format: chat, text, Responses, Anthropic Messages). ``generate`` enters the
+Session, so every refusal (400, 404, 413, 429, 503) is a proper status before
+any byte is sent, then either drains it into one JSON body or returns a
+streaming ``Response`` whose body is a ``SessionStream``.
+
+Cancellation: a streaming body is left by the stream's ``aclose()``, which
+Quart calls when the body ends or the client disconnects, or, if the response
+is dropped before its body starts, by a ``weakref.finalize`` safety net.
+Leaving is synchronous and withdraws the sequence from the engine. A
+non-streaming request leaves its Session in ``finally``; cancellation while
+waiting (the client left) withdraws it the same way.
+
+Also here: what both completion endpoints and the agent APIs take from a
+request's sampling fields (``sampling_params``) and deadline (``deadline``).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import trio
+from quart import Response
+
+from actors.session import Session
+from api.errors import error_answer
+from api.http import SSE_HEADERS, json_response
+from api.schemas import GenerationFields
+from runtime.config import ServerConfig
+from runtime.messages import Failed, Finished, SamplingParams
+
+
+class SessionStream:
+    """The body of a streaming response: frames from an entered Session.
+
+    ``interval`` (seconds, ``--stream-interval-ms``; 0: every engine step):
+    after a chunk is sent, the next is sent no sooner than this. Text that
+    arrives meanwhile merges in the Session's outbox, so each chunk carries
+    several tokens: fewer HTTP chunks, less CPU per token, coarser streaming.
+    The first chunk is never held back.
+    """
+
+    def __init__(self, session: Session, renderer, interval: float = 0.0):
+        self._session = session
+        self._renderer = renderer
+        self._interval = interval
+        self._next_send = -math.inf
+        self._done = False
+        self._close = weakref.finalize(self, _leave_session, session)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._done:
+            if self._interval and trio.current_time() < self._next_send:
+                await trio.sleep_until(self._next_send)  # the outbox merges meanwhile
+            try:
+                items = await self._session.receive()
+            except trio.EndOfChannel:
+                self._finish()
+                break
+            if any(isinstance(i, Finished | Failed) for i in items):
+                self._finish()
+            frames = self._renderer.stream_frames(items)
+            if frames:  # an empty body chunk would read as the end of the stream
+                self._next_send = trio.current_time() + self._interval
+                return frames
+        raise StopAsyncIteration
+
+    def _finish(self) -> None:
+        self._done = True
+        self._close()
+
+    async def aclose(self) -> None:
+        self._close()
+
+
+def _leave_session(session: Session) -> None:
+    session.leave()
+
+
+async def generate(
+    session: Session, renderer, stream: bool, *, stream_interval: float = 0.0
+) -> Response:
+    """Enter ``session`` and answer with ``renderer``'s stream or body."""
+    await session.__aenter__()
+    if stream:
+        try:
+            body = SessionStream(session, renderer, stream_interval)
+        except BaseException:
+            session.leave()
+            raise
+        response = Response(body, status=200, headers=SSE_HEADERS)
+        response.timeout = None  # our deadline is the request's own (Session)
+        return response
+    try:
+        while renderer.terminal is None:
+            try:
+                items = await session.receive()
+            except trio.EndOfChannel:
+                break
+            for item in items:
+                renderer.add(item)
+    finally:
+        session.leave()
+    terminal = renderer.terminal
+    if isinstance(terminal, Failed):
+        answer = error_answer(terminal)  # status and Retry-After; the body in the API's shape
+        return json_response(
+            renderer.failure_body(terminal), status=answer.status, headers=answer.headers
+        )
+    return json_response(renderer.body())
+
+
+def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:
+    """A request's sampling fields, the server's defaults where it sent none."""
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        temperature=float(pick(req.temperature, config.temp)),
+        top_p=float(pick(req.top_p, config.top_p)),
+        top_k=int(pick(req.top_k, config.top_k)),
+        min_p=float(pick(req.min_p, config.min_p)),
+        xtc_probability=req.xtc_probability,
+        xtc_threshold=req.xtc_threshold,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty,
+        presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty,
+        frequency_context_size=req.frequency_context_size,
+        logit_bias=req.logit_bias_pairs,
+        seed=req.seed,
+    )
+
+
+def deadline(request_timeout: float | None, config: ServerConfig) -> float | None:
+    """Seconds a request may run: the sooner of its own ``timeout`` and the server's."""
+    limits = [t for t in (request_timeout, config.request_timeout) if t is not None]
+    return min(limits) if limits else None

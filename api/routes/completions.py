@@ -1,0 +1,142 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions`` (and their unversioned aliases).
+
+Receives the request body, structured and validated at the edge
+(``api.schemas``, 400 naming the field); resolves the model (404) in a worker
+thread; builds a ``Session`` (prompt preparation, sampling, limits) and hands
+it to ``api.generation.generate`` with the chat or text renderer. Emits the
+OpenAI chat / text completion body or its SSE stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from quart import Blueprint
+
+from actors.system import Runtime
+from api.convert import structure_or_400
+from api.generation import deadline, generate, sampling_params
+from api.http import fingerprint, read_json
+from api.responses import ChatRenderer, TextRenderer
+from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from runtime.config import ServerConfig
+from runtime.errors import ClientError
+from runtime.prompts import prepare_chat, prepare_text
+
+
+def plain_message(message: ChatMessage) -> dict[str, Any]:
+    """A validated message as the chat template expects it."""
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content)
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    raise ClientError(
+                        "tool call arguments must be a JSON object",
+                        param="messages.tool_calls.function.arguments",
+                    ) from None
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        out["tool_calls"] = calls
+    return out
+
+
+def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
+    routes = Blueprint("completions", __name__)
+    system_fingerprint = fingerprint()
+
+    @routes.post("/v1/chat/completions")
+    @routes.post("/chat/completions")
+    async def chat_completions():
+        req = structure_or_400(await read_json(), ChatCompletionRequest)
+        messages = [plain_message(m) for m in req.messages]
+        template_args = {**config.chat_template_args, **(req.chat_template_kwargs or {})}
+        prepare = functools.partial(
+            _prepare_chat,
+            messages=messages,
+            tools=req.tools,
+            template_args=template_args,
+            role_mapping=req.role_mapping,
+        )
+        want_logprobs = req.logprobs or bool(req.top_logprobs)
+        return await serve(
+            req,
+            ChatRenderer,
+            prepare,
+            markup=True,
+            tools=req.tools,
+            logprobs=want_logprobs,
+            top_logprobs=req.top_logprobs or 0,
+        )
+
+    @routes.post("/v1/completions")
+    @routes.post("/completions")
+    async def completions():
+        req = structure_or_400(await read_json(), CompletionRequest)
+        return await serve(
+            req,
+            TextRenderer,
+            functools.partial(_prepare_text, prompt=req.prompt),
+            markup=False,
+            logprobs=req.logprobs is not None,
+            top_logprobs=req.logprobs or 0,
+        )
+
+    async def serve(
+        req: GenerationFields, renderer_class, prepare, *, markup, logprobs, top_logprobs, tools=None
+    ):
+        """The part of a chat or text completion that does not depend on which."""
+        key = await rt.resolve(req.model, req.adapters, req.draft_model)
+        session = rt.session(
+            prepare=prepare,
+            sampling=sampling_params(req, config),
+            max_tokens=req.token_limit or config.max_tokens,
+            stop=req.stop_strings,
+            tools=tools,
+            markup=markup,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            timeout=deadline(req.timeout, config),
+            model=key,
+            num_draft_tokens=req.num_draft_tokens,
+        )
+        renderer = renderer_class(
+            # The id /v1/models lists for the served model, whatever alias named it.
+            model=rt.model_id if key == rt.default_model else req.model,
+            fingerprint=system_fingerprint,
+            logprobs=logprobs,
+            include_usage=req.include_usage,
+        )
+        return await generate(
+            session, renderer, req.stream, stream_interval=config.stream_interval_ms / 1000
+        )
+
+    return routes
+
+
+def _prepare_chat(tokenizer, *, messages, tools, template_args, role_mapping):
+    return prepare_chat(
+        tokenizer, messages, tools=tools, template_args=template_args, role_mapping=role_mapping
+    )
+
+
+def _prepare_text(tokenizer, *, prompt):
+    return prepare_text(tokenizer, prompt)

@@ -1,0 +1,93 @@
+"""``GET /v1/models`` and ``GET /v1/models/<id>``: the models this server can serve.
+
+Emits OpenAI's model list: the served model first, then the MLX models found
+in the local Hugging Face cache (as mlx_lm.server lists them). Walking the
+cache is blocking disk work: it runs in a worker thread, at most every
+``LISTING_TTL`` seconds (``CachedListing``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import trio
+from quart import Blueprint
+
+from actors.system import Runtime
+from api.convert import unstructure
+from api.http import json_response
+from api.responses import ModelCard, ModelList
+from runtime.errors import NotFound
+
+LISTING_TTL = 10.0
+
+
+class CachedListing:
+    """A listing that is slow to make (it walks the disk): made in a worker thread,
+    at most every ``ttl`` seconds, one at a time."""
+
+    def __init__(self, make, ttl: float = LISTING_TTL):
+        self._make = make
+        self._ttl = ttl
+        self._value = None
+        self._made_at = -math.inf
+        self._lock = trio.Lock()
+
+    async def get(self):
+        async with self._lock:
+            if trio.current_time() - self._made_at > self._ttl:
+                self._value = await trio.to_thread.run_sync(self._make)
+                self._made_at = trio.current_time()
+            return self._value
+
+
+def models_blueprint(rt: Runtime) -> Blueprint:
+    routes = Blueprint("models", __name__)
+    listing = CachedListing(cached_mlx_models)
+
+    @routes.get("/v1/models")
+    async def models():
+        return json_response(unstructure(model_list(rt, await listing.get())))
+
+    @routes.get("/v1/models/<path:model_id>")
+    async def model(model_id: str):
+        for card in model_list(rt, await listing.get()).data:
+            if card.id == model_id:
+                return json_response(unstructure(card))
+        raise NotFound(f"model {model_id!r} not found", param="model")
+
+    return routes
+
+
+def model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
+    created = int(time.time())
+    cards = [ModelCard(id=rt.model_id, object="model", created=created, owned_by="mlx-trio-server")]
+    seen = {rt.model_id}
+    for repo_id in cached_models:
+        if repo_id not in seen:
+            seen.add(repo_id)
+            cards.append(
+                ModelCard(id=repo_id, object="model", created=created, owned_by="huggingface")
+            )
+    return ModelList(object="list", data=cards)
+
+
+def cached_mlx_models() -> list[str]:
+    """MLX models in the local Hugging Face cache, as mlx_lm.server lists them."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir()
+    except Exception:  # no cache folder (or an unreadable one): nothing to list
+        return []
+    wanted = {"config.json", "model.safetensors.index.json", "tokenizer_config.json"}
+    found = []
+    for repo in info.repos:
+        if repo.repo_type != "model" or "main" not in repo.refs:
+            continue
+        names = {Path(f.file_path).name for f in repo.refs["main"].files}
+        if wanted <= names:
+            found.append(repo.repo_id)
+    return sorted(found)
