@@ -34,6 +34,7 @@ from runtime.messages import (
     ModelHandle,
     PreparedPrompt,
     Progress,
+    PromptCacheOutlook,
     SamplingParams,
     Submit,
     Terminal,
@@ -60,9 +61,17 @@ class SessionPort(Protocol):
     def allocate_id(self) -> int: ...
 
     def open_request(
-        self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
-    ) -> None:
-        """Register with the Detokenizer and submit to the Scheduler (429 / 413 / 503)."""
+        self,
+        submit: Submit,
+        spec: TextSpec,
+        outbox: Outbox,
+        handle: ModelHandle,
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
+        """Register with the Detokenizer and submit to the Scheduler (429 / 413 / 503);
+        returns what the prompt cache expects the lookup to reuse, or why not."""
 
     def close_request(self, request_id: int) -> None:
         """Withdraw; synchronous and idempotent."""
@@ -105,6 +114,9 @@ class Session:
         self.outbox = Outbox()
         self.request_id: int | None = None
         self.prompt: PreparedPrompt | None = None
+        # Predicted when the request was submitted (the engine's actual lookup
+        # comes with the usage: ``Usage.cached_tokens``, ``cache_miss_reason``).
+        self.prompt_cache: PromptCacheOutlook | None = None
 
     async def __aenter__(self) -> Session:
         key = self._model or self._runtime.default_model
@@ -146,7 +158,14 @@ class Session:
             kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
             num_draft_tokens=self._num_draft_tokens,
         )
-        self._runtime.open_request(submit, spec, self.outbox, handle)
+        self.prompt_cache = self._runtime.open_request(
+            submit,
+            spec,
+            self.outbox,
+            handle,
+            template_key=prompt.template_key,
+            conversation_keys=prompt.conversation_keys,
+        )
         self.request_id = submit.request_id
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout

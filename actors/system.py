@@ -7,8 +7,9 @@
     Scheduler --Submit/Abort (inbox, sync put)--> engine (thread or process)
     engine --StepOutputs--> Handover (bounded by credits) --> Scheduler
     ModelLoader --ModelReady / ModelLost--> Handover (in order with the steps) --> Scheduler
+    Scheduler --StepOutputs (sync)--> PromptCacheActor --EvictCache--> Scheduler (inbox)
     Scheduler --StepOutputs (4)--> Detokenizer --Outbox (merging)--> Session
-    Scheduler --EngineStats (1)--> PromptCacheActor
+    Session --open_request (sync)--> PromptCacheActor: the lookup's predicted outlook
 
 It lives above the actors because it wires them (``runtime/`` is the kernel
 and knows neither actors nor the HTTP edge). ``Runtime.run`` opens the nursery
@@ -37,7 +38,7 @@ from actors.model_loader import (
     ModelLoaderCore,
     ModelState,
 )
-from actors.prompt_cache import PromptCacheActor, cache_figures
+from actors.prompt_cache import PromptCacheActor, PromptCacheCore
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Session
 from runtime.config import ServerConfig
@@ -47,9 +48,9 @@ from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
 from runtime.messages import (
     EngineReady,
-    EngineStats,
     Failed,
     ModelHandle,
+    PromptCacheOutlook,
     StepOutputs,
     Submit,
     TextSpec,
@@ -98,18 +99,23 @@ class Runtime:
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
-        self._stats_send, self._stats_recv = trio.open_memory_channel[EngineStats](1)
+        self.prompt_cache = PromptCacheActor(
+            PromptCacheCore(
+                max_entries=config.prompt_cache_size,
+                max_bytes=config.prompt_cache_bytes,
+                min_reuse=config.prompt_cache_min_reuse,
+            )
+        )
         self.scheduler = Scheduler(
             SchedulerCore(
                 max_in_engine=config.decode_concurrency + config.prompt_concurrency,
                 max_waiting=config.max_queued_requests,
             ),
             to_detokenizer=self._detok_send,
-            to_prompt_cache=self._stats_send,
+            prompt_cache=self.prompt_cache,
             kv_budget_override=config.kv_cache_budget_bytes,
         )
         self.detokenizer = Detokenizer(DetokenizerCore(withdraw=self.scheduler.withdraw))
-        self.prompt_cache = PromptCacheActor()
         self.model_loader = ModelLoader(
             make_core_for,
             handover=self._handover,
@@ -135,7 +141,7 @@ class Runtime:
                 self._nursery = nursery
                 await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
-                await nursery.start(self.prompt_cache.run, self._stats_recv)
+                await nursery.start(self.prompt_cache.run)
                 await nursery.start(self.model_loader.run)
                 task_status.started(self)
         except Exception as exc:
@@ -204,22 +210,40 @@ class Runtime:
             self.scheduler.withdraw(request_id)
 
     def open_request(
-        self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
-    ) -> None:
+        self,
+        submit: Submit,
+        spec: TextSpec,
+        outbox: Outbox,
+        handle: ModelHandle,
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
+        """Register and submit; returns the prompt cache's predicted outlook."""
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
+        outlook = self.prompt_cache.open(
+            submit.request_id,
+            handle.model_key,
+            submit.prompt,
+            template_key=template_key,
+            conversation_keys=conversation_keys,
+        )
         core.open(submit.request_id, spec, outbox, handle.tokenizer)
         try:
             self.scheduler.submit(submit)
         except BaseException:
             core.close(submit.request_id)
+            self.prompt_cache.close(submit.request_id)
             raise
+        return outlook
 
     def close_request(self, request_id: int) -> None:
         """Synchronous: called from cleanup, possibly while cancelled."""
         self.detokenizer.core.close(request_id)
         self.scheduler.withdraw(request_id)
+        self.prompt_cache.close(request_id)
 
     def expire_request(self, request_id: int) -> None:
         self.detokenizer.core.expire(request_id)
@@ -232,9 +256,15 @@ class Runtime:
     def count_response(self, route: str, status: int) -> None:
         self.responses[(route, status)] += 1
 
+    def prompt_cache_figures(self) -> dict:
+        """The PromptCacheActor's figures: entries, bytes, hits, cached (reused) tokens,
+        misses by reason, evictions and evicted bytes, limits (``/health``, ``/metrics``)."""
+        return self.prompt_cache.figures()
+
     def metrics_text(self) -> str:
         """Prometheus text exposition of the runtime's state."""
         stats = self.scheduler.last_stats
+        cache = self.prompt_cache_figures()
         core = self.scheduler.core
         loader = self.model_loader.core
         gauges = {
@@ -244,16 +274,18 @@ class Runtime:
             "mlx_trio_active_sequences": stats.active_sequences,
             "mlx_trio_kv_reserved_bytes": core.kv_reserved,
             "mlx_trio_kv_budget_bytes": core.kv_budget or 0,
-            "mlx_trio_prompt_cache_entries": stats.prompt_cache_entries,
-            "mlx_trio_prompt_cache_bytes": stats.prompt_cache_bytes,
+            "mlx_trio_prompt_cache_entries": cache["entries"],
+            "mlx_trio_prompt_cache_bytes": cache["bytes"],
         }
         counters = {
             "mlx_trio_engine_steps_total": stats.steps,
             "mlx_trio_engine_prefill_steps_total": stats.prefill_steps,
             "mlx_trio_engine_busy_seconds_total": round(stats.busy_seconds, 6),
             "mlx_trio_engine_restarts_total": loader.restarts,
-            "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,
-            "mlx_trio_prompt_cache_cached_tokens_total": stats.prompt_cache_cached_tokens,
+            "mlx_trio_prompt_cache_hits_total": cache["hits"],
+            "mlx_trio_prompt_cache_cached_tokens_total": cache["cached_tokens"],
+            "mlx_trio_prompt_cache_evictions_total": cache["evictions"],
+            "mlx_trio_prompt_cache_evicted_bytes_total": cache["evicted_bytes"],
             "mlx_trio_engine_aborts_total": stats.aborts,
             "mlx_trio_engine_abort_wait_ms_total": round(stats.abort_wait_ms_total, 3),
         }
@@ -264,6 +296,9 @@ class Runtime:
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
         for name, value in counters.items():
             lines += [f"# TYPE {name} counter", f"{name} {value}"]
+        lines.append("# TYPE mlx_trio_prompt_cache_misses_total counter")
+        for reason, n in cache["misses"].items():
+            lines.append(f'mlx_trio_prompt_cache_misses_total{{reason="{reason}"}} {n}')
         lines.append("# TYPE mlx_trio_http_responses_total counter")
         for (route, status), n in sorted(self.responses.items()):
             lines.append(f'mlx_trio_http_responses_total{{route="{route}",status="{status}"}} {n}')
@@ -280,7 +315,7 @@ class Runtime:
             "requests_in_flight": self.scheduler.core.load,
             "waiting": len(self.scheduler.core.waiting),
             "engine_restarts": loader.restarts,
-            "prompt_cache": cache_figures(stats),
+            "prompt_cache": self.prompt_cache_figures(),
         }
         body["engine"] = {
             "mode": "process" if self.model_loader.engine_process is not None else "thread",

@@ -13,6 +13,11 @@ Leaving is synchronous and withdraws the sequence from the engine. A
 non-streaming request leaves its Session in ``finally``; cancellation while
 waiting (the client left) withdraws it the same way.
 
+Every successful answer carries the ``x-prompt-cache`` header
+(``prompt_cache_header``): a streaming one what the PromptCacheActor predicted
+when the request was submitted (the headers go out before the engine looks),
+a JSON one what the engine's lookup did (``Usage``).
+
 Also here: what both completion endpoints and the agent APIs take from a
 request's sampling fields (``sampling_params``) and deadline (``deadline``).
 """
@@ -30,7 +35,28 @@ from api.errors import error_answer
 from api.http import SSE_HEADERS, json_response
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
-from runtime.messages import Failed, Finished, SamplingParams
+from runtime.messages import (
+    CacheMissReason,
+    Failed,
+    Finished,
+    PromptCacheOutlook,
+    SamplingParams,
+)
+
+PROMPT_CACHE_HEADER = "x-prompt-cache"
+
+
+def prompt_cache_header(reused_tokens: int, miss_reason: CacheMissReason | None) -> str:
+    """``hit; reused=123`` or ``miss; reason=evicted`` (docs/api.md#prompt-cache)."""
+    if reused_tokens:
+        return f"hit; reused={reused_tokens}"
+    return f"miss; reason={miss_reason or CacheMissReason.NO_ENTRY}"
+
+
+def _outlook_headers(outlook: PromptCacheOutlook | None) -> dict[str, str]:
+    if outlook is None:
+        return {}
+    return {PROMPT_CACHE_HEADER: prompt_cache_header(outlook.reused_tokens, outlook.miss_reason)}
 
 
 class SessionStream:
@@ -94,7 +120,8 @@ async def generate(
         except BaseException:
             session.leave()
             raise
-        response = Response(body, status=200, headers=SSE_HEADERS)
+        headers = {**SSE_HEADERS, **_outlook_headers(session.prompt_cache)}
+        response = Response(body, status=200, headers=headers)
         response.timeout = None  # our deadline is the request's own (Session)
         return response
     try:
@@ -113,7 +140,10 @@ async def generate(
         return json_response(
             renderer.failure_body(terminal), status=answer.status, headers=answer.headers
         )
-    return json_response(renderer.body())
+    body = renderer.body()
+    usage = terminal.usage
+    header = prompt_cache_header(usage.cached_tokens, usage.cache_miss_reason)
+    return json_response(body, headers={PROMPT_CACHE_HEADER: header})
 
 
 def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:

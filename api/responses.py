@@ -6,7 +6,9 @@ always sent (``content: null``, ``finish_reason: null``, ``logprobs: null``).
 
 ``ChatRenderer`` and ``TextRenderer`` turn a Session's events (``Delta``,
 ``Progress``, ``Finished``, ``Failed``) into SSE frames or one JSON body, the
-same way for streaming and non-streaming requests.
+same way for streaming and non-streaming requests. Our one extension field,
+``prompt_cache`` (``PromptCacheOut``), is in the body and in a stream's chunk
+that carries the ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ from runtime.messages import (
 @attrs.frozen(kw_only=True)
 class PromptTokensDetails:
     cached_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class PromptCacheOut:
+    """How much of the prompt the prompt cache covered and, if nothing, why (docs/api.md)."""
+
+    reused_tokens: int
+    miss_reason: str | None
+
+    @classmethod
+    def of(cls, usage: Usage) -> PromptCacheOut:
+        reason = None if usage.cached_tokens else usage.cache_miss_reason
+        return cls(reused_tokens=usage.cached_tokens, miss_reason=reason)
 
 
 @attrs.frozen(kw_only=True)
@@ -133,6 +148,7 @@ class ChatCompletion:
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageOut
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +160,7 @@ class ChatCompletionChunk:
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: UsageOut | None = None
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -171,6 +188,7 @@ class TextCompletion:
     system_fingerprint: str
     choices: list[TextChoice]
     usage: UsageOut | None = None
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -331,7 +349,9 @@ class ChatRenderer(_Renderer):
             ]
         )
 
-    def _chunk(self, delta: ChatDelta, finish_reason, logprobs=None, usage=None) -> ChatCompletionChunk:
+    def _chunk(
+        self, delta: ChatDelta, finish_reason, logprobs=None, usage=None, prompt_cache=None
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id,
             object="chat.completion.chunk",
@@ -342,6 +362,7 @@ class ChatRenderer(_Renderer):
             if usage is None
             else [],
             usage=usage,
+            prompt_cache=prompt_cache,
         )
 
     def delta_chunk(self, item: Delta) -> ChatCompletionChunk | None:
@@ -360,7 +381,9 @@ class ChatRenderer(_Renderer):
         return self._chunk(delta, None, logprobs)
 
     def final_chunk(self, finished: Finished) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(), finished.finish_reason)
+        return self._chunk(
+            ChatDelta(), finished.finish_reason, prompt_cache=PromptCacheOut.of(finished.usage)
+        )
 
     def usage_chunk(self, finished: Finished) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(), None, usage=UsageOut.of(finished.usage))
@@ -392,6 +415,7 @@ class ChatRenderer(_Renderer):
                     )
                 ],
                 usage=UsageOut.of(self.terminal.usage),
+                prompt_cache=PromptCacheOut.of(self.terminal.usage),
             )
         )
 
@@ -417,7 +441,9 @@ class TextRenderer(_Renderer):
             text_offset=offsets,
         )
 
-    def _completion(self, text: str, finish_reason, logprobs=None, usage=None) -> TextCompletion:
+    def _completion(
+        self, text: str, finish_reason, logprobs=None, usage=None, prompt_cache=None
+    ) -> TextCompletion:
         return TextCompletion(
             id=self.id,
             object="text_completion",
@@ -428,6 +454,7 @@ class TextRenderer(_Renderer):
             if usage is None or finish_reason is not None
             else [],
             usage=usage,
+            prompt_cache=prompt_cache,
         )
 
     def delta_chunk(self, item: Delta) -> TextCompletion | None:
@@ -437,7 +464,8 @@ class TextRenderer(_Renderer):
         return self._completion(item.content, None, logprobs)
 
     def final_chunk(self, finished: Finished) -> TextCompletion:
-        return self._completion("", finished.finish_reason)
+        prompt_cache = PromptCacheOut.of(finished.usage)
+        return self._completion("", finished.finish_reason, prompt_cache=prompt_cache)
 
     def usage_chunk(self, finished: Finished) -> TextCompletion:
         return self._completion("", None, usage=UsageOut.of(finished.usage))
@@ -450,5 +478,6 @@ class TextRenderer(_Renderer):
                 self.terminal.finish_reason,
                 self._logprobs_out(self.logprobs),
                 UsageOut.of(self.terminal.usage),
+                PromptCacheOut.of(self.terminal.usage),
             )
         )

@@ -7,16 +7,19 @@ classes carrying a ``request_id`` where they concern one request.
 Directions:
   * Session -> worker thread -> Session: a ``PreparedPrompt`` (tokens and the
     prompt cache's ``SegmentPlan``); Session -> Detokenizer: a ``TextSpec``.
-  * Scheduler -> engine: ``Submit``, ``Abort``; ModelLoader -> engine:
-    ``Shutdown`` (to swap models).
+  * Scheduler -> engine: ``Submit``, ``Abort``, and the PromptCacheActor's
+    ``EvictCache``; ModelLoader -> engine: ``Shutdown`` (to swap models).
   * engine -> Scheduler (through ``runtime.handover``): ``StepOutputs`` (one
     per engine step) holding ``SequenceStarted``, ``PromptProgress``,
-    ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events plus
+    ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events, the
+    prompt cache's ``CacheEntryStored`` / ``CacheEntryRemoved`` and
     ``EngineStats``; ModelLoader -> Scheduler on the same carrier, in order
     with the steps: ``ModelReady`` and ``ModelLost``.
   * engine process -> its proxy thread, besides the ``StepOutputs``:
     ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
-  * Scheduler -> PromptCacheActor: ``EngineStats`` snapshots.
+  * Scheduler -> PromptCacheActor (synchronous calls): each ``StepOutputs``,
+    which comes back with ``SequenceStarted.miss_reason`` filled in.
+  * PromptCacheActor -> Session: a ``PromptCacheOutlook`` when it opens.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
     ``Progress`` and exactly one ``Terminal``: ``Finished`` or ``Failed``.
 """
@@ -35,6 +38,18 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     TOOL_CALLS = "tool_calls"
     ABORT = "abort"
+
+
+class CacheMissReason(enum.StrEnum):
+    """Why a request reused nothing from the prompt cache (docs/api.md#prompt-cache)."""
+
+    DISABLED = "disabled"  # --prompt-cache-size 0
+    NO_ENTRY = "no_entry"  # no entry shares a token with the prompt
+    BELOW_FLOOR = "below_floor"  # one does, but fewer than --prompt-cache-min-reuse tokens
+    TEMPLATE_ARGS = "template_args"  # this conversation is cached, rendered with other template args
+    EVICTED = "evicted"  # the entry that would have served it was evicted for the budget
+    ENGINE_RESTARTED = "engine_restarted"  # it was lost with the engine (crash, model swap)
+    NOT_REUSABLE = "not_reusable"  # an entry matched, but its cache cannot be cut to the prefix
 
 
 # ------------------------------------------------------ prepared on the trio side
@@ -58,6 +73,10 @@ class PreparedPrompt:
     tokens: tuple[int, ...]
     plan: SegmentPlan
     initial_state: str = "normal"  # "reasoning" when the prompt opens a thinking block
+    # What the prompt cache's explanation compares (runtime.prompts): a hash of
+    # the chat template's arguments, and one hash per message prefix.
+    template_key: str | None = None
+    conversation_keys: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -126,12 +145,19 @@ class Abort:
     posted_at: float = attrs.field(factory=time.monotonic, eq=False)  # abort-latency figures
 
 
+@attrs.frozen(kw_only=True)
+class EvictCache:
+    """The PromptCacheActor's decision: drop these prompt-cache entries (ids the engine gave)."""
+
+    entry_ids: tuple[int, ...]
+
+
 @attrs.frozen
 class Shutdown:
     """Ask the engine loop to return."""
 
 
-EngineCommand = Submit | Abort | Shutdown
+EngineCommand = Submit | Abort | EvictCache | Shutdown
 
 
 # -------------------------------------------------------------- from the engine
@@ -144,6 +170,8 @@ class SequenceStarted:
     request_id: int
     prompt_tokens: int
     cached_tokens: int
+    batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
+    miss_reason: CacheMissReason | None = None  # set by the PromptCacheActor (trio side)
 
 
 @attrs.frozen(kw_only=True)
@@ -185,6 +213,30 @@ class SequenceFailed:
 
 
 @attrs.frozen(kw_only=True)
+class CacheEntryStored:
+    """The engine's prompt cache took an entry (``request_id``: the sequence it came from)."""
+
+    entry_id: int
+    request_id: int | None
+    tokens: tuple[int, ...]
+    nbytes: int
+    cache_type: str  # "system", "user" or "assistant": the eviction order's classes
+    trimmable: bool  # its cache can be cut to a shorter prefix
+
+
+@attrs.frozen(kw_only=True)
+class CacheEntryRemoved:
+    """An entry left by the store's own rules: ``replaced`` (the same tokens were
+    stored again) or ``superseded`` (a longer entry that can be cut covers it)."""
+
+    entry_id: int
+    reason: str
+
+
+CacheEvent = CacheEntryStored | CacheEntryRemoved
+
+
+@attrs.frozen(kw_only=True)
 class EngineStats:
     active_sequences: int = 0
     steps: int = 0
@@ -211,6 +263,7 @@ class StepOutputs:
     tokens: tuple[TokenEvent, ...] = ()
     aborted: tuple[SequenceAborted, ...] = ()
     failed: tuple[SequenceFailed, ...] = ()
+    cache_events: tuple[CacheEvent, ...] = ()  # in the order they happened
     stats: EngineStats = EngineStats()
 
     def terminal_ids(self) -> set[int]:
@@ -220,7 +273,14 @@ class StepOutputs:
         return ids
 
     def __bool__(self) -> bool:
-        return bool(self.started or self.progress or self.tokens or self.aborted or self.failed)
+        return bool(
+            self.started
+            or self.progress
+            or self.tokens
+            or self.aborted
+            or self.failed
+            or self.cache_events
+        )
 
 
 # --------------------------------------------------- the model's life (ModelLoader)
@@ -295,6 +355,19 @@ class EngineExited:
 
 
 @attrs.frozen(kw_only=True)
+class PromptCacheOutlook:
+    """The PromptCacheActor's explanation of one request's prompt-cache lookup.
+
+    Given when the request is opened (a prediction, for the response's header)
+    and again when it starts (``SequenceStarted.miss_reason``, ``Usage``)."""
+
+    reused_tokens: int
+    miss_reason: CacheMissReason | None  # None: a hit
+    shared_tokens: int = 0  # the longest prefix any entry shares with the prompt
+
+
+
+@attrs.frozen(kw_only=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -314,6 +387,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cache_miss_reason: CacheMissReason | None = None  # why cached_tokens is 0
 
     @property
     def total_tokens(self) -> int:

@@ -8,9 +8,12 @@ nothing of threads, trio or the distributed group, so tests drive it directly
 It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
 that cannot share a batch: both have the same interface, so there is one
-path), the prompt cache (``fetch_nearest_cache`` when a request is admitted,
-``insert_cache`` at segment ends and when a sequence finishes), the requests
-held by the admission window, and the counters of ``EngineStats``.
+path), the prompt cache's arrays (through ``runtime.prompt_cache_store.CacheEntries``:
+a lookup when a request is admitted, an insert at segment ends and when a
+sequence finishes, reported as ``cache_events``; ``EvictCache`` commands from
+the PromptCacheActor remove entries between steps: the engine evicts nothing by
+itself), the requests held by the admission window, and the counters of
+``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
@@ -31,6 +34,7 @@ from runtime.messages import (
     Abort,
     EngineCommand,
     EngineStats,
+    EvictCache,
     FinishReason,
     ModelHandle,
     PromptProgress,
@@ -41,6 +45,7 @@ from runtime.messages import (
     Submit,
     TokenEvent,
 )
+from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +126,6 @@ class EngineCore:
         *,
         batch_generator_factory: Callable[[], Any],
         prompt_cache: Any,
-        prompt_cache_bytes: int | None = None,
         sampler_factory: Callable[[Any], Any] | None = None,
         logits_processors_factory: Callable[[Any], list] | None = None,
         insert_options: Callable[[Submit], dict[str, Any]] | None = None,
@@ -131,6 +135,9 @@ class EngineCore:
         admission_batch: int = 8,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
+
+        ``prompt_cache``: a ``runtime.prompt_cache_store.PromptCacheStore`` (or
+        a test double with its methods), without limits of its own.
 
         ``insert_options(submit)``: further per-sequence arguments of the
         generator's ``insert_segments`` (``SerialGenerator`` takes
@@ -153,7 +160,7 @@ class EngineCore:
         self._new_batch_generator = batch_generator_factory
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
-        self._prompt_cache_bytes = prompt_cache_bytes
+        self.cache_entries = CacheEntries(prompt_cache)
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
         self._insert_options = insert_options or (lambda submit: {})
@@ -195,6 +202,8 @@ class EngineCore:
         elif isinstance(command, Abort):
             if self._abort(command.request_id):
                 self.counters.aborted(command.posted_at)
+        elif isinstance(command, EvictCache):
+            self.cache_entries.evict(command.entry_ids)
         else:
             raise TypeError(f"unexpected engine command {command!r}")
 
@@ -202,7 +211,7 @@ class EngineCore:
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
         try:
-            uid, cached, segment_types = self._insert(sub)
+            uid, cached, segment_types, batch_kv_bytes = self._insert(sub)
         except Exception as exc:  # one bad request must not take the engine down
             log.exception("request %s could not be admitted", sub.request_id)
             self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
@@ -219,14 +228,18 @@ class EngineCore:
         self.counters.started(cached)
         self._started.append(
             SequenceStarted(
-                request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
+                request_id=sub.request_id,
+                prompt_tokens=len(sub.prompt),
+                cached_tokens=cached,
+                batch_kv_bytes=batch_kv_bytes,
             )
         )
 
-    def _insert(self, sub: Submit) -> tuple[int, int, list[str]]:
-        """Into the generator, after the prompt cache: (uid, tokens cached, segment types)."""
+    def _insert(self, sub: Submit) -> tuple[int, int, list[str], int]:
+        """Into the generator, after the prompt cache: (uid, tokens cached, segment
+        types, the batch's KV bytes now: the prompt cache's byte budget gives way to them)."""
         prompt = list(sub.prompt)
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+        cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
         if cache is not None and not rest:
             # An exact hit leaves nothing to feed the model: give back one token.
             cache, rest = _back_off_one_token(cache, prompt)
@@ -254,10 +267,7 @@ class EngineCore:
             stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
             **options,
         )
-        if self._prompt_cache_bytes is not None:
-            active = self._batch.prompt_cache_nbytes
-            self.prompt_cache.trim_to(n_bytes=self._prompt_cache_bytes - active)
-        return uid, cached, types
+        return uid, cached, types, int(self._batch.prompt_cache_nbytes)
 
     def _admit_held(self) -> None:
         """Hand the held requests to the batch once the window is over (or it is full)."""
@@ -318,6 +328,7 @@ class EngineCore:
             tokens=tuple(tokens),
             aborted=tuple(self._aborted),
             failed=tuple(self._failed),
+            cache_events=self.cache_entries.take_events(),
             stats=self.stats(),
         )
         self._started.clear()
@@ -340,11 +351,13 @@ class EngineCore:
                 save.append(r.uid)
         if save:
             for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
-                self.prompt_cache.insert_cache(
+                seq = self._by_uid[uid]
+                self.cache_entries.insert(
                     key,
                     list(cache_tokens),
                     cache,
-                    cache_type=self._by_uid[uid].segment_types.pop(),
+                    cache_type=seq.segment_types.pop(),
+                    request_id=seq.request_id,
                 )
 
         for r in generation_responses:
@@ -355,8 +368,12 @@ class EngineCore:
             if r.finish_reason is not None:
                 self._forget(seq)
                 if r.prompt_cache is not None and r.all_tokens is not None:
-                    self.prompt_cache.insert_cache(
-                        key, list(r.all_tokens), r.prompt_cache, cache_type="assistant"
+                    self.cache_entries.insert(
+                        key,
+                        list(r.all_tokens),
+                        r.prompt_cache,
+                        cache_type="assistant",
+                        request_id=seq.request_id,
                     )
 
     @staticmethod

@@ -177,22 +177,12 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 stream=stream,
             )
 
-    prompt_cache_bytes = config.prompt_cache_bytes
-    if group is not None and prompt_cache_bytes is not None:
-        # Ranks hold different byte counts (pipeline stages), and byte-driven
-        # eviction would let their caches, and so their steps, diverge.
-        log.warning("--prompt-cache-bytes is ignored when distributed: entries are counted")
-        prompt_cache_bytes = None
-    max_bytes = prompt_cache_bytes if prompt_cache_bytes is not None else 1 << 63
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        prompt_cache=PromptCacheStore(
-            max_size=config.prompt_cache_size,
-            max_bytes=max_bytes,
-            min_reuse_tokens=config.prompt_cache_min_reuse,
-        ),
-        prompt_cache_bytes=prompt_cache_bytes,
+        # No limits here: the PromptCacheActor decides what to evict (EvictCache),
+        # with rank 0's byte counts when distributed, for every rank alike.
+        prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
         insert_options=_draft_tokens if config.draft_model is not None else None,
