@@ -147,6 +147,11 @@ class PromptCacheCore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def remembered_requests(self) -> int:
+        """Requests opened and not yet forgotten (ended, or closed and aged out)."""
+        return len(self._requests)
+
     def entries(self) -> dict[int, tuple[tuple[int, ...], int, str]]:
         """The index: entry id -> (tokens, bytes, segment type)."""
         return {
@@ -253,9 +258,11 @@ class PromptCacheCore:
         and the entries to evict (in order)."""
         evicted: list[int] = []
         started = []
+        # Every lookup of this step happened before the trims below: explain them first.
         for event in outputs.started:
             reason = self._started(event.request_id, event.cached_tokens)
             started.append(attrs.evolve(event, miss_reason=reason) if reason else event)
+        for event in outputs.started:
             if self.max_bytes is not None:  # the cache gives way to the running sequences
                 evicted += self._evict_to(nbytes=self.max_bytes - event.batch_kv_bytes)
         for event in outputs.cache_events:

@@ -93,6 +93,10 @@ class CacheEntries:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def held(self) -> dict[int, tuple[Any, tuple[int, ...]]]:
+        """The entries held now: id -> (model, tokens)."""
+        return dict(self._keys)
+
     def fetch(self, model: Any, tokens: list[int]):
         return self.store.fetch_nearest_cache(model, tokens)
 
