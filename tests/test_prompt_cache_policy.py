@@ -313,3 +313,46 @@ def test_the_actor_turns_evictions_into_one_command():
     out = StepOutputs(cache_events=(stored(1, A), stored(2, B)))
     _, commands = actor.on_step(out)
     assert commands == (EvictCache(entry_ids=(1,)),)
+
+
+# ------------------------------------------------------------- the engine side
+
+
+def test_an_evict_command_removes_entries_before_the_next_lookup():
+    store = PromptCacheStore(min_reuse_tokens=2)
+    handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+    engine = EngineCore(
+        handle, batch_generator_factory=FakeBatchGeneratorFactory(vocab=VOCAB), prompt_cache=store
+    )
+    prompt = (1, 2, 3, 4)
+
+    def serve(rid: int) -> StepOutputs:
+        engine.handle_command(
+            Submit(
+                request_id=rid,
+                prompt=prompt,
+                segments=(prompt,),
+                segment_types=("assistant",),
+                sampling=SamplingParams(),
+                max_tokens=1,
+            )
+        )
+        steps = [engine.step() for _ in range(3)]
+        return StepOutputs(
+            started=tuple(s for out in steps for s in out.started),
+            cache_events=tuple(e for out in steps for e in out.cache_events),
+        )
+
+    (first,) = serve(1).cache_events
+    assert isinstance(first, CacheEntryStored) and first.tokens[:4] == prompt
+    engine.handle_command(EvictCache(entry_ids=(first.entry_id, 999)))  # 999: unknown
+    assert len(store) == 0 and store.nbytes == 0
+    second = serve(2)
+    assert second.started[0].cached_tokens == 0  # gone before the next lookup
+    (stored2,) = second.cache_events
+    third = serve(3)  # the entry serves it (all but the token given back), and is replaced
+    assert third.started[0].cached_tokens == len(prompt) - 1
+    assert third.cache_events[0] == CacheEntryRemoved(entry_id=stored2.entry_id, reason="replaced")
+    engine.handle_command(EvictCache(entry_ids=(stored2.entry_id,)))  # stale: a no-op
+    assert len(store) == 1 and set(engine.cache_entries.held()) == {third.cache_events[1].entry_id}
+    assert engine.stats().prompt_cache_entries == 1
