@@ -13,7 +13,8 @@ segment ends and when a sequence finishes. This actor decides the rest
 * what to keep: the count limit (``--prompt-cache-size``) after every store,
   the byte limit (``--prompt-cache-bytes``) after every store and, shared with
   the running sequences, after every admission, in mlx-lm's eviction order
-  (its ``LRUPromptCache.CacheOrder``: one LRU per segment type). Evicted ids
+  (``runtime.mlx_lm_internals.new_eviction_order``: one LRU per segment type,
+  as ``LRUPromptCache`` evicts). Evicted ids
   go back to the engine as one ``EvictCache`` command, applied between steps
   (distributed: on every rank alike);
 * the explanation of each lookup (``PromptCacheOutlook``): predicted when a

@@ -118,14 +118,19 @@ class ServerConfig:
     )
     prefill_step_size: int = setting(2048, help="prompt tokens per prefill step", above=0)
     prompt_cache_size: int = setting(
-        10, help="most KV caches kept in the prompt cache (LRUPromptCache max_size)"
+        10,
+        help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
+        notes="0 keeps none (every response says `miss; reason=disabled`).",
     )
     prompt_cache_bytes: int | None = setting(
         None,
         help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
         format=SIZE.or_none(),
         notes="When set, the limit is shared with the running sequences: after each admission "
-        "the cache is trimmed to this value minus the bytes of the batch's KV caches.",
+        "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
+        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
+        "in mlx-lm's order) and the engine applies them between steps; in a distributed "
+        "launch every rank evicts what rank 0's byte counts decide.",
     )
     kv_bits: int | None = setting(
         None,
