@@ -76,7 +76,6 @@ class _Entry:
     cache_type: str
     template_key: str | None
     conversation_key: str | None
-    stored: int  # the order of stores: the index's notion of last use
 
 
 @attrs.define
@@ -130,8 +129,7 @@ class PromptCacheCore:
         self.stats = PromptCacheStats()
         self._live = TokenTrie()
         self._entries: dict[int, _Entry] = {}
-        self._order = new_eviction_order()
-        self._stores = 0
+        self._order = new_eviction_order()  # last use: when stored, per segment type
         self._by_conversation: dict[str, set[int]] = collections.defaultdict(set)
         self._ghost_limit = ghost_tokens
         self._ghosts = TokenTrie()
@@ -175,7 +173,9 @@ class PromptCacheCore:
         walk = self._live.walk(model, prompt)
         reused = predicted_reuse(walk, len(prompt), self.min_reuse)
         if reused:
-            return PromptCacheOutlook(reused_tokens=reused, miss_reason=None, shared_tokens=walk.depth)
+            return PromptCacheOutlook(
+                reused_tokens=reused, miss_reason=None, shared_tokens=walk.depth
+            )
         reason = self._miss_reason(model, prompt, walk, template_key, conversation_keys)
         return PromptCacheOutlook(reused_tokens=0, miss_reason=reason, shared_tokens=walk.depth)
 
@@ -306,15 +306,15 @@ class PromptCacheCore:
     def _store(self, event: CacheEntryStored) -> None:
         request = self._requests.get(event.request_id) if event.request_id is not None else None
         model = self.model or ""
-        conversation = request.conversation_keys[-1] if request and request.conversation_keys else None
-        self._stores += 1
+        conversation = None
+        if request is not None and request.conversation_keys:
+            conversation = request.conversation_keys[-1]
         self._entries[event.entry_id] = _Entry(
             model=model,
             nbytes=event.nbytes,
             cache_type=event.cache_type,
             template_key=request.template_key if request else None,
             conversation_key=conversation,
-            stored=self._stores,
         )
         self._live.add(model, event.tokens, event.entry_id, event.trimmable)
         self._order.push(model, event.entry_id, event.cache_type)
@@ -335,7 +335,9 @@ class PromptCacheCore:
             evicted.append(entry_id)
         return evicted
 
-    def _remove(self, entry_id: int, *, ghost: CacheMissReason | None, ordered: bool = True) -> None:
+    def _remove(
+        self, entry_id: int, *, ghost: CacheMissReason | None, ordered: bool = True
+    ) -> None:
         entry = self._entries.pop(entry_id)
         if ordered:
             self._order.remove(entry.model, entry_id)
@@ -349,8 +351,8 @@ class PromptCacheCore:
             if not keep:
                 del self._by_conversation[entry.conversation_key]
         if ghost is not None:
-            self._remember(model, tokens, _Ghost(ghost, len(tokens), entry.template_key,
-                                                 entry.conversation_key))
+            info = _Ghost(ghost, len(tokens), entry.template_key, entry.conversation_key)
+            self._remember(model, tokens, info)
 
     def _remember(self, model: str, tokens, ghost: _Ghost) -> None:
         """Keep a gone entry's tokens (oldest forgotten first, within ``ghost_tokens``)."""

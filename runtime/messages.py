@@ -46,7 +46,7 @@ class CacheMissReason(enum.StrEnum):
     DISABLED = "disabled"  # --prompt-cache-size 0
     NO_ENTRY = "no_entry"  # no entry shares a token with the prompt
     BELOW_FLOOR = "below_floor"  # one does, but fewer than --prompt-cache-min-reuse tokens
-    TEMPLATE_ARGS = "template_args"  # this conversation is cached, rendered with other template args
+    TEMPLATE_ARGS = "template_args"  # this conversation is cached, rendered with other args
     EVICTED = "evicted"  # the entry that would have served it was evicted for the budget
     ENGINE_RESTARTED = "engine_restarted"  # it was lost with the engine (crash, model swap)
     NOT_REUSABLE = "not_reusable"  # an entry matched, but its cache cannot be cut to the prefix

@@ -109,13 +109,17 @@ class CacheEntries:
         if replaced is not None:
             del self._keys[replaced]
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
+        trimmable = can_trim_prompt_cache(cache)
         self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
-        # mlx-lm drops the entries a trimmable cache covers (its strict prefixes).
-        for other, entry_id in list(by_tokens.items()):
-            if len(other) < len(key) and key[: len(other)] == other:
-                if not self.store.has_entry(model, list(other)):
-                    self._forget(entry_id)
-                    self._events.append(CacheEntryRemoved(entry_id=entry_id, reason="superseded"))
+        if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
+            for other, entry_id in list(by_tokens.items()):
+                n = len(other)
+                if 0 < n < len(key) and other[-1] == key[n - 1] and key[:n] == other:
+                    if not self.store.has_entry(model, list(other)):
+                        self._forget(entry_id)
+                        self._events.append(
+                            CacheEntryRemoved(entry_id=entry_id, reason="superseded")
+                        )
         entry_id = self._next_id
         self._next_id += 1
         self._keys[entry_id] = (model, key)
@@ -127,7 +131,7 @@ class CacheEntries:
                 tokens=key,
                 nbytes=sum(int(layer.nbytes) for layer in cache),
                 cache_type=cache_type,
-                trimmable=can_trim_prompt_cache(cache),
+                trimmable=trimmable,
             )
         )
 

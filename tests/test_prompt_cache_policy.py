@@ -58,7 +58,9 @@ class PolicyMachine(RuleBasedStateMachine):
         )
         self.store = PromptCacheStore(min_reuse_tokens=min_reuse)
         handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
-        self.engine = EngineCore(handle, batch_generator_factory=self.factory, prompt_cache=self.store)
+        self.engine = EngineCore(
+            handle, batch_generator_factory=self.factory, prompt_cache=self.store
+        )
         self.policy = PromptCacheCore(
             max_entries=max_entries, max_bytes=max_bytes, min_reuse=min_reuse
         )
@@ -288,8 +290,8 @@ def test_requests_are_forgotten_when_they_end_or_are_closed():
     core = core_with()
     core.open(1, MODEL, A)
     core.open(2, MODEL, B)
-    core.on_step(StepOutputs(started=(SequenceStarted(request_id=1, prompt_tokens=20,
-                                                      cached_tokens=0),)))
+    started = SequenceStarted(request_id=1, prompt_tokens=20, cached_tokens=0)
+    core.on_step(StepOutputs(started=(started,)))
     core.close(1)  # started: forgotten at once
     core.close(2)  # never started: kept a while for a late start, then dropped
     assert core.remembered_requests == 1
@@ -301,8 +303,12 @@ def test_requests_are_forgotten_when_they_end_or_are_closed():
 
 def test_superseded_entries_leave_the_index_without_a_ghost():
     core = core_with()
-    feed(core, stored(1, A[:10]), CacheEntryRemoved(entry_id=1, reason="superseded"),
-         stored(2, A))
+    feed(
+        core,
+        stored(1, A[:10]),
+        CacheEntryRemoved(entry_id=1, reason="superseded"),
+        stored(2, A),
+    )
     assert sorted(core.entries()) == [2]
     assert core.explain(MODEL, A[:10] + (1, 2)).reused_tokens == 10  # served by the longer one
 
