@@ -40,9 +40,12 @@ device computes, then masks every row at once (``mx.where``, -inf where not
 allowed; logits columns past the backend's vocabulary are disallowed for
 constrained rows) before the filters above, which matches mlx-lm with a masking
 logits processor. The logprobs mlx-lm reports stay unmasked. A step with no
-constrained row adds no synchronisation. The last token of a finished row is
-never fed (the row has left the batch); a constraint must always allow at
-least one token (its end of sequence when complete).
+constrained row adds no synchronisation. In a ``BatchGenerator`` a token is fed
+in the step that emits it (mlx-lm's step feeds it to the model and samples the
+next), so a constraint has consumed every emitted token, the last included,
+when the engine sees it; the token mlx-lm samples beyond a finishing row is
+dropped unfed, so ``fill_bitmasks`` may be asked for a row whose constraint has
+already accepted its end. A constraint must always allow at least one token.
 """
 
 from __future__ import annotations
