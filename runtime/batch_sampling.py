@@ -51,6 +51,7 @@ already accepted its end. A constraint must always allow at least one token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -306,30 +307,11 @@ class BatchSampler:
     def _sample(self, x: mx.array, plan: _Plan) -> mx.array:
         n, vocab = x.shape
         noise = self._noise(plan, (n, vocab))
-        inverse_temperature = plan.inverse_temperature.astype(x.dtype)
-        if plan.top_k is not None:
-            # Sorted space (ascending): top-k by rank, thresholds from the same sort.
-            order = mx.argsort(x, axis=-1)
-            values = mx.take_along_axis(x, order, axis=-1)
-            keep = mx.arange(vocab) >= vocab - plan.top_k
-            if plan.top_p is not None:
-                keep = keep & (values >= _top_p_threshold(values, plan.top_p))
-            if plan.log_min_p is not None:
-                keep = keep & (values >= _min_p_threshold(values[:, -1:], plan.log_min_p))
-            scores = values * inverse_temperature + mx.take_along_axis(noise, order, axis=-1)
-            position = mx.argmax(mx.where(keep, scores, -mx.inf), axis=-1)
-            tokens = mx.take_along_axis(order, position[:, None], axis=-1)[:, 0]
-        else:
-            scores = x * inverse_temperature + noise
-            keep = None
-            if plan.top_p is not None:
-                keep = x >= _top_p_threshold(mx.sort(x, axis=-1), plan.top_p)
-            if plan.log_min_p is not None:
-                above = x >= _min_p_threshold(mx.max(x, axis=-1, keepdims=True), plan.log_min_p)
-                keep = above if keep is None else keep & above
-            if keep is not None:
-                scores = mx.where(keep, scores, -mx.inf)
-            tokens = mx.argmax(scores, axis=-1)
+        kernel = _sampling_kernel(
+            plan.top_p is not None, plan.log_min_p is not None, plan.top_k is not None
+        )
+        columns = [c for c in (plan.top_p, plan.log_min_p, plan.top_k) if c is not None]
+        tokens = kernel(x, noise, plan.inverse_temperature, *columns)
         if plan.xtc:
             tokens[mx.array(plan.xtc)] = mx.concatenate(
                 [
@@ -396,6 +378,48 @@ def _top_p_threshold(ascending: mx.array, top_p: mx.array) -> mx.array:
 def _min_p_threshold(top: mx.array, log_min_p: mx.array) -> mx.array:
     """``max + log(min_p)`` in the logprobs' dtype, as ``apply_min_p`` computes it."""
     return top + log_min_p.astype(top.dtype)
+
+
+@functools.cache
+def _sampling_kernel(top_p: bool, min_p: bool, top_k: bool):
+    """The compiled Gumbel-max sampler for one combination of filters in use.
+
+    ``f(x, noise, inverse_temperature, [top_p], [log_min_p], [top_k])`` with
+    (n, 1) columns; rows that do not use a filter carry its neutral value.
+    Without top-k it works on the tokens (top-p sorts the values only); with
+    top-k on the ascending sort, where a rank is a position.
+    """
+
+    def in_token_space(x, noise, inverse_temperature, *columns):
+        columns = list(columns)
+        scores = x * inverse_temperature.astype(x.dtype) + noise
+        keep = None
+        if top_p:
+            keep = x >= _top_p_threshold(mx.sort(x, axis=-1), columns.pop(0))
+        if min_p:
+            top = mx.max(x, axis=-1, keepdims=True)
+            above = x >= _min_p_threshold(top, columns.pop(0))
+            keep = above if keep is None else keep & above
+        if keep is not None:
+            scores = mx.where(keep, scores, -mx.inf)
+        return mx.argmax(scores, axis=-1)
+
+    def in_sorted_space(x, noise, inverse_temperature, *columns):
+        columns = list(columns)
+        vocab = x.shape[-1]
+        order = mx.argsort(x, axis=-1)
+        values = mx.take_along_axis(x, order, axis=-1)
+        keep = mx.arange(vocab) >= vocab - columns[-1]
+        if top_p:
+            keep = keep & (values >= _top_p_threshold(values, columns.pop(0)))
+        if min_p:
+            keep = keep & (values >= _min_p_threshold(values[:, -1:], columns.pop(0)))
+        scores = values * inverse_temperature.astype(x.dtype)
+        scores = scores + mx.take_along_axis(noise, order, axis=-1)
+        position = mx.argmax(mx.where(keep, scores, -mx.inf), axis=-1)
+        return mx.take_along_axis(order, position[:, None], axis=-1)[:, 0]
+
+    return mx.compile(in_sorted_space if top_k else in_token_space)
 
 
 def make_batch_generator(model, *, sampler: BatchSampler, **kwargs):

@@ -101,10 +101,10 @@ row_params = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     params=st.lists(row_params, min_size=1, max_size=6),
-    vocab=st.integers(8, 64),
+    vocab=st.sampled_from([16, 37, 64]),  # few shapes: each is compiled once
     scale=st.floats(0.5, 8.0),
     seed=st.integers(0, 2**32 - 1),
 )
