@@ -119,9 +119,13 @@ class _Row:
     sampled: bool = False  # a constrained row: sampled at least once (its inputs are samples)
 
 
-@attrs.frozen
+@attrs.define
 class _Plan:
-    """What one row set needs, built once per set of rows (cached while it lasts)."""
+    """What one row set needs, built once per set of rows (cached while it lasts).
+
+    While it lasts it holds its seeded rows' keys stacked (``seeded_keys``);
+    they go back to the rows when the row set changes.
+    """
 
     rows: tuple[_Row, ...]
     greedy_rows: int
@@ -134,6 +138,12 @@ class _Plan:
     xtc: tuple[int, ...]
     constrained: tuple[int, ...]
     free_rows: Any  # (n, 1) bool: rows without a constraint; None when none is constrained
+    seeded_index: Any = None  # (m,) int32 rows of ``seeded``
+    seeded_keys: Any = None  # (m, 2) their current keys
+
+    def return_keys(self) -> None:
+        for j, i in enumerate(self.seeded):
+            self.rows[i].key = self.seeded_keys[j]
 
 
 class BatchSampler:
@@ -235,6 +245,8 @@ class BatchSampler:
     def _plan_for(self, uids: Sequence[int]) -> _Plan:
         key = tuple(uids)
         if key != self._plan_key or self._plan is None:
+            if self._plan is not None:
+                self._plan.return_keys()
             self._plan = self._make_plan([self._rows.get(u, self._greedy_row) for u in key])
             self._plan_key = key
         return self._plan
@@ -251,6 +263,7 @@ class BatchSampler:
         def column(values, dtype):
             return mx.array(values, dtype=dtype).reshape(n, 1)
 
+        seeded = tuple(i for i, r in enumerate(rows) if r.key is not None)
         return _Plan(
             rows=tuple(rows),
             greedy_rows=greedy_rows,
@@ -277,7 +290,9 @@ class BatchSampler:
             top_k=column([r.params.top_k or _NO_TOP_K for r in rows], mx.int32)
             if uses_top_k
             else None,
-            seeded=tuple(i for i, r in enumerate(rows) if r.key is not None),
+            seeded=seeded,
+            seeded_index=mx.array(seeded, dtype=mx.int32) if seeded else None,
+            seeded_keys=mx.stack([rows[i].key for i in seeded]) if seeded else None,
             xtc=tuple(
                 i
                 for i, (r, g) in enumerate(zip(rows, greedy, strict=True))
@@ -292,16 +307,13 @@ class BatchSampler:
     def _noise(self, plan: _Plan, shape: tuple[int, int]) -> mx.array:
         """Gumbel noise, one row per sequence; seeded rows' from their own keys."""
         n, vocab = shape
-        seeded = []
-        for i in plan.seeded:
-            row = plan.rows[i]
-            row.key, draw = mx.random.split(row.key)
-            seeded.append(mx.random.gumbel(shape=(1, vocab), key=draw))
-        if len(seeded) == n:
-            return mx.concatenate(seeded, axis=0)
+        if not plan.seeded:
+            return mx.random.gumbel(shape=(n, vocab))
+        plan.seeded_keys, seeded = _seeded_noise(vocab)(plan.seeded_keys)
+        if len(plan.seeded) == n:
+            return seeded
         noise = mx.random.gumbel(shape=(n, vocab))
-        if seeded:
-            noise[mx.array(plan.seeded)] = mx.concatenate(seeded, axis=0)
+        noise[plan.seeded_index] = seeded
         return noise
 
     def _sample(self, x: mx.array, plan: _Plan) -> mx.array:
@@ -378,6 +390,17 @@ def _top_p_threshold(ascending: mx.array, top_p: mx.array) -> mx.array:
 def _min_p_threshold(top: mx.array, log_min_p: mx.array) -> mx.array:
     """``max + log(min_p)`` in the logprobs' dtype, as ``apply_min_p`` computes it."""
     return top + log_min_p.astype(top.dtype)
+
+
+@functools.cache
+def _seeded_noise(vocab: int):
+    """keys (m, 2) -> (next keys, Gumbel noise (m, vocab)): each key split once, vectorised."""
+
+    def one_row(key):
+        key, draw = mx.random.split(key)
+        return key, mx.random.gumbel(shape=(vocab,), key=draw)
+
+    return mx.compile(mx.vmap(one_row))
 
 
 @functools.cache

@@ -218,6 +218,27 @@ def test_a_seeded_row_is_reproducible_whatever_else_is_in_the_batch():
     assert other_seed != alone
 
 
+def test_a_seeded_row_keeps_its_stream_while_rows_come_and_go():
+    rng = np.random.default_rng(4)
+    steps = [normalize(rng.normal(size=(1, 40)) * 2.0) for _ in range(12)]
+    others = normalize(rng.normal(size=(3, 40)))
+
+    def tokens_of_row_0(row_sets):
+        sampler = BatchSampler()
+        sampler.register(0, SamplingParams(temperature=1.0, top_k=10, seed=77))
+        sampler.register(1, SamplingParams(temperature=0.7, seed=1))
+        sampler.register(2, SamplingParams(temperature=1.0, top_p=0.8))
+        out = []
+        for step, rows in zip(steps, row_sets, strict=True):
+            lp = mx.concatenate([step if u == 0 else others[u : u + 1] for u in rows])
+            out.append(draw(sampler, rows, lp)[rows.index(0)])
+        return out
+
+    alone = tokens_of_row_0([[0]] * 12)
+    shuffled = tokens_of_row_0([[0], [1, 0], [1, 0, 2], [0], [2, 0]] * 2 + [[0, 1], [0]])
+    assert alone == shuffled
+
+
 def test_unconstrained_calls_add_no_synchronisation(monkeypatch):
     class Untouchable:
         def __getattr__(self, name):
