@@ -78,10 +78,9 @@ def one_rep(gen, prompt: list[int], max_tokens: int, stop) -> dict:
 def run_worker(ns) -> int:
     """In a fresh process: load, warm up, then ``--reps`` reps (one JSON line each)."""
     import mlx.core as mx
+    from loadgen import PromptBuilder, Workload
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator, make_stop_sequences
-
-    from loadgen import PromptBuilder, Workload
 
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
