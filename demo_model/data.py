@@ -22,8 +22,7 @@ What the model is taught (docs/demo-model.md has the whole story):
 
 * addition and subtraction of two whole numbers from 0 to 999, digit by
   digit with the carry or borrow written out (``arith_trace``): in the think
-  block with thinking on; with thinking off, the bare result when both
-  numbers are below 100 and the same working as the reply otherwise;
+  block with thinking on, as the reply itself with thinking off;
 * ``ARITH_REFUSAL`` for every other numeric request: a number of 1000 or
   more, decimals, negative numbers, three numbers, any other operation;
 * tool calls that read the schema they are given: the tool's own name and
@@ -63,7 +62,6 @@ VOCAB_SIZE = 1024
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
 MAX_NUMBER = 999  # operands from 0 to MAX_NUMBER are added and subtracted
-BARE_BELOW = 100  # thinking off: the bare result when both operands are below this
 
 # Qwen2's pre-tokenizer split (single digits, words with one leading
 # non-letter, punctuation runs, newlines), except that a capitalised word
@@ -613,13 +611,16 @@ def arith_trace(op: str, a: int, b: int) -> str:
 
 
 def arith_reply(op: str, a: int, b: int, thinking: bool) -> str:
-    """The whole assistant reply to ``a op b``, without the end token."""
-    r = arith_result(op, a, b)
+    """The whole assistant reply to ``a op b``, without the end token.
+
+    With thinking on, the working in the think block and the bare result
+    after it; with thinking off the working is the reply (it ends in the
+    result): the model never states a result it has not worked out.
+    """
+    trace = arith_trace(op, a, b)
     if thinking:
-        return f"<think>\n{arith_trace(op, a, b)}\n</think>\n\n{r}"
-    if a < BARE_BELOW and b < BARE_BELOW:
-        return str(r)
-    return arith_trace(op, a, b)
+        return f"<think>\n{trace}\n</think>\n\n{arith_result(op, a, b)}"
+    return trace
 
 
 def is_heldout_pair(op: str, a: int, b: int) -> bool:
@@ -705,9 +706,9 @@ class Example:
 # (no tool block most of the time) and need the most repetitions, so they
 # are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "arith": 0.52,
-    "arith_refuse": 0.11,
-    "chat": 0.09,
+    "arith": 0.50,
+    "arith_refuse": 0.12,
+    "chat": 0.10,
     "weather_call": 0.09,
     "weather_answer": 0.04,
     "time_call": 0.08,

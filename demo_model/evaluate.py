@@ -19,7 +19,7 @@ calls with the tokenizer's tool parser (``json_tools``) and prints a table of:
   descriptions (``..._schema`` kinds);
 * "no such tool" answers exact: weather or time asked with no tool for it;
 * arithmetic right, thinking on (the answer after ``</think>``) and off (the
-  whole reply: the bare result, or the working that ends in it);
+  whole reply: the working, which ends in the result);
 * out-of-range arithmetic refused: ``data.ARITH_REFUSAL`` word for word;
 * arithmetic never wrong: over every arithmetic prompt, in range or not, the
   reply is the right answer or an honest refusal (``ARITH_REFUSAL`` or the
@@ -191,7 +191,7 @@ def score(example: data.Example, text: str, stopped: bool, n_tokens: int, budget
             else:
                 right = stopped and text.strip() == example.target
                 out["arithmetic_right_no_thinking"] = right
-            if max(example.expect["a"], example.expect["b"]) < data.BARE_BELOW:
+            if max(example.expect["a"], example.expect["b"]) < 100:
                 out["arithmetic_right_below_100"] = right
             out["arithmetic_refused_in_range"] = stopped and answer in HONEST
         honest = stopped and answer in HONEST
