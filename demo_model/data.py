@@ -574,24 +574,38 @@ def arith_trace(op: str, a: int, b: int) -> str:
     """The working for ``a op b`` (0 <= a, b <= 999): digit by digit, units first.
 
     ``47 + 85: units 7 + 5 = 12, tens 4 + 8 + 1 = 13, so 132``;
-    ``305 - 128: units 15 - 8 = 7, tens 10 - 2 - 1 = 7, hundreds 3 - 1 - 1 = 1, so 177``;
-    ``23 - 58 = -(58 - 23): units 8 - 3 = 5, tens 5 - 2 - 0 = 3, so -35``.
+    ``305 - 128: compare hundreds 3 > 1; units 15 - 8 = 7, tens 10 - 2 - 1 = 7,
+    hundreds 3 - 1 - 1 = 1, so 177``;
+    ``23 - 58: compare tens 2 < 5, so -(58 - 23); units 8 - 3 = 5, tens 5 - 2 - 0 = 3,
+    so -35``.
     Each step names its place, reads one digit of each number (0 where a
     number has no such digit) and the carry (or borrow) of the step before;
-    a subtraction step that borrows writes its top digit plus 10. The result
-    is the last step's value followed by the last digits of the steps before,
-    leading zeros dropped. Every step is a lookup that a small model learns
-    for all pairs, which the whole sum at once is not.
+    a subtraction step that borrows writes its top digit plus 10. A
+    subtraction first compares the numbers digit by digit from the highest
+    place down to the first difference (all of them when they are equal) and
+    swaps them when the first is smaller. The result is the last step's
+    value followed by the last digits of the steps before, leading zeros
+    dropped. Every step is a lookup that a small model learns for all pairs,
+    which the whole sum (or the comparison) at once is not.
     """
     if not (0 <= a <= MAX_NUMBER and 0 <= b <= MAX_NUMBER):
         raise ValueError(f"operands must be 0..{MAX_NUMBER}: {a}, {b}")
-    if op == "+":
-        top, low, head = a, b, f"{a} + {b}"
-    elif a >= b:
-        top, low, head = a, b, f"{a} - {b}"
-    else:
-        top, low, head = b, a, f"{a} - {b} = -({b} - {a})"
-    n = len(str(max(top, low)))
+    n = len(str(max(a, b)))
+    head = f"{a} {op} {b}: "
+    top, low = a, b
+    if op == "-":
+        relations = []
+        for i in reversed(range(n)):
+            x, y = a // 10**i % 10, b // 10**i % 10
+            relations.append(f"{_PLACES[i]} {x} {'<' if x < y else '>' if x > y else '='} {y}")
+            if x != y:
+                break
+        head += "compare " + ", ".join(relations)
+        if a < b:
+            top, low = b, a
+            head += f", so -({b} - {a}); "
+        else:
+            head += "; "
     steps = []
     carry = 0
     for i in range(n):
@@ -607,7 +621,7 @@ def arith_trace(op: str, a: int, b: int) -> str:
             expr = f"{shown} - {y}" if i == 0 else f"{shown} - {y} - {carry}"
             carry = borrow
         steps.append(f"{_PLACES[i]} {expr} = {value}")
-    return f"{head}: {', '.join(steps)}, so {arith_result(op, a, b)}"
+    return f"{head}{', '.join(steps)}, so {arith_result(op, a, b)}"
 
 
 def arith_reply(op: str, a: int, b: int, thinking: bool) -> str:
@@ -837,9 +851,12 @@ class Generator:
     def _tool(self, kind: str, param_kind: str | None = None) -> ToolSpec:
         """A weather or time tool with a name, parameter and descriptions of this split.
 
-        Training also makes up parameter names (random letters, with a
-        description that says what they take), so that the model learns to
-        copy whatever name the schema declares.
+        Training also makes up tool names and parameter names (random
+        letters, 40 % of the tools each; a made-up parameter has a description
+        that says what it takes, a made-up tool without "weather" or "time"
+        in its name one that says what it does), so that the model learns to
+        copy whatever names the schema declares instead of recalling the
+        names it has seen most.
         """
         rng = self.rng
         split = self.split
@@ -848,13 +865,19 @@ class Generator:
         name = rng.choice(TOOL_NAMES[kind][split])
         param = rng.choice(PARAM_NAMES[param_kind][split])
         param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind][split])
-        if split == "train" and rng.random() < 0.12:
+        made_up_name = split == "train" and rng.random() < 0.4
+        if split == "train" and rng.random() < 0.4:
             param = self._made_up_word().lower() + rng.choice(["", "", "_name", "_id", "_value"])
             param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind]["train"][2:])
-        if split == "train" and rng.random() < 0.08:
+        if made_up_name:
             stem = self._made_up_word().lower()
-            name = rng.choice([f"{stem}_{kind}", f"{kind}_{stem}", f"get_{kind}_{stem}"])
+            name = rng.choice(
+                [f"{stem}_{kind}", f"{kind}_{stem}", f"get_{kind}_{stem}", f"{stem}", f"get_{stem}"]
+            )
         description = rng.choice(TOOL_DESCRIPTIONS[kind][split])
+        if made_up_name and kind not in name:
+            # only the description says what the tool does
+            description = rng.choice([d for d in TOOL_DESCRIPTIONS[kind]["train"] if d])
         prop: dict[str, Any] = {"type": "string"}
         if param_note:
             prop["description"] = param_note
@@ -968,17 +991,37 @@ class Generator:
         """A numeric request other than one sum or difference of 0..999, and its category."""
         rng = self.rng
         split = self.split
-        categories = {"big": 0.36, "other_op": 0.22, "request": 0.27, "decimal": 0.07}
+        categories = {
+            "big": 0.30,
+            "other_op": 0.20,
+            "request": 0.22,
+            "decimal": 0.07,
+            "negative": 0.07,
+            "three": 0.06,
+        }
         if split == "train":
             categories["made_up"] = 0.12
         category = rng.choices(list(categories), weights=list(categories.values()), k=1)[0]
         small = {"a": self._operand(), "b": self._operand(), "c": self._operand()}
         if category == "big":
             op = rng.choice("+-")
-            a, b = (
-                self._big_number(),
-                (str(self._operand()) if rng.random() < 0.6 else self._big_number()),
-            )
+            a = self._big_number()
+            b = str(self._operand()) if rng.random() < 0.6 else self._big_number()
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "negative":
+            op = rng.choice("+-")
+            a, b = f"-{self._operand()}", str(self._operand())
+            if rng.random() < 0.3:
+                b = f"-{b}"
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "three":
+            op, inner = rng.choice("+-"), rng.choice("+-")
+            a = f"{self._operand()} {inner} {self._operand()}"
+            b = str(self._operand())
             if rng.random() < 0.5:
                 a, b = b, a
             return self._arith_question(op, a, b), category

@@ -207,14 +207,29 @@ def score(example: data.Example, text: str, stopped: bool, n_tokens: int, budget
 
 
 def evaluate(
-    model_dir: str, n: int = 200, seed: int = 0, batch: int = 256, kinds: list[str] | None = None
+    model_dir: str,
+    n: int = 200,
+    seed: int = 0,
+    batch: int = 256,
+    kinds: list[str] | None = None,
+    limit: int | None = None,
 ) -> dict[str, Any]:
+    """The report for ``model_dir``: ``limit`` keeps the first ``limit`` prompts
+    of each kind of the same draw (a subset for a slow machine)."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(model_dir)
     examples = data.heldout_set(n, seed=seed, weights=data.EVAL_WEIGHTS)
     if kinds:
         examples = [ex for ex in examples if ex.kind in kinds]
+    if limit is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for ex in examples:
+            seen[ex.kind] = seen.get(ex.kind, 0) + 1
+            if seen[ex.kind] <= limit:
+                kept.append(ex)
+        examples = kept
     longest_fixed = max((answer for _, _, answer in data.INTENTS.values()), key=len)
     prompts, budgets = [], []
     for ex in examples:
@@ -281,6 +296,7 @@ def evaluate(
     return {
         "model_dir": str(model_dir),
         "n_per_kind": n,
+        "limit_per_kind": limit,
         "weights": data.EVAL_WEIGHTS,
         "seed": seed,
         "metrics": metrics,
@@ -338,11 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="which held-out prompts to draw")
     parser.add_argument("--batch", type=int, default=256, help="sequences decoded at once")
     parser.add_argument("--kinds", nargs="*", default=None, help="only these kinds")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="only the first LIMIT prompts of each kind of the same draw (a CPU subset)",
+    )
     parser.add_argument("--json", default=None, help="report path (default MODEL_DIR/eval.json)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    report = evaluate(ns.model_dir, n=ns.n, seed=ns.seed, batch=ns.batch, kinds=ns.kinds)
+    report = evaluate(
+        ns.model_dir, n=ns.n, seed=ns.seed, batch=ns.batch, kinds=ns.kinds, limit=ns.limit
+    )
     path = pathlib.Path(ns.json) if ns.json else pathlib.Path(ns.model_dir) / "eval.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     sys.stdout.write(format_table(report) + "\n")

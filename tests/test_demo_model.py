@@ -163,7 +163,8 @@ async def test_three_digit_arithmetic_carries_and_borrows(client):
     choice = await chat(client, messages, chat_template_kwargs={"enable_thinking": False})
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"].strip() == (
-        "305 - 128: units 15 - 8 = 7, tens 10 - 2 - 1 = 7, hundreds 3 - 1 - 1 = 1, so 177"
+        "305 - 128: compare hundreds 3 > 1; "
+        "units 15 - 8 = 7, tens 10 - 2 - 1 = 7, hundreds 3 - 1 - 1 = 1, so 177"
     )
 
 
@@ -228,19 +229,34 @@ def test_split_is_disjoint():
 
 
 STEP = re.compile(r"(units|tens|hundreds) (\d+) ([+-]) (\d+)(?: [+-] (\d))? = (\d+)")
+RELATION = re.compile(r"(units|tens|hundreds) (\d) ([<>=]) (\d)")
+PLACES = ("units", "tens", "hundreds")
 
 
 def check_trace(op: str, a: int, b: int) -> None:
     """Each step reads the right digits and carry and computes right; the
-    result is assembled from the steps and is the true result."""
+    result is assembled from the steps and is the true result; a subtraction
+    compares the right digits from the top down to the first difference."""
     trace = data.arith_trace(op, a, b)
     result = a + b if op == "+" else a - b
     assert trace.endswith(f", so {result}"), trace
+    n = len(str(max(a, b)))
+    steps = trace
+    if op == "-":
+        comparison, steps = trace.split("; ", 1)
+        relations = RELATION.findall(comparison)
+        for k, (place, x, rel, y) in enumerate(relations):
+            i = n - 1 - k
+            assert place == PLACES[i]
+            assert (int(x), int(y)) == (a // 10**i % 10, b // 10**i % 10), trace
+            assert rel == ("<" if int(x) < int(y) else ">" if int(x) > int(y) else "=")
+            assert (rel == "=") == (k < len(relations) - 1 or a == b), trace
+        assert (f"so -({b} - {a})" in comparison) == (a < b), trace
     top, low = (a, b) if op == "+" or a >= b else (b, a)
     carry, digits = 0, []
-    for i, (place, x, sign, y, c, value) in enumerate(STEP.findall(trace)):
+    for i, (place, x, sign, y, c, value) in enumerate(STEP.findall(steps)):
         x, y, c, value = int(x), int(y), int(c or 0), int(value)
-        assert place == ("units", "tens", "hundreds")[i]
+        assert place == PLACES[i]
         assert (x % 10, y, c) == (top // 10**i % 10, low // 10**i % 10, carry), trace
         if sign == "+":
             assert value == x + y + c
@@ -249,7 +265,7 @@ def check_trace(op: str, a: int, b: int) -> None:
             assert 0 <= value == x - y - c <= 9 and x - top // 10**i % 10 in (0, 10)
             carry = int(x >= 10)
         digits.append(value)
-    assert len(digits) == len(str(max(top, low)))
+    assert len(digits) == n
     assembled = str(digits[-1]) + "".join(str(d % 10) for d in reversed(digits[:-1]))
     assert int(assembled) == abs(result), trace
 
@@ -264,7 +280,10 @@ def test_traces_are_right():
             check_trace(op, a, b)
     assert data.arith_trace("+", 47, 85) == "47 + 85: units 7 + 5 = 12, tens 4 + 8 + 1 = 13, so 132"
     assert data.arith_trace("-", 23, 58) == (
-        "23 - 58 = -(58 - 23): units 8 - 3 = 5, tens 5 - 2 - 0 = 3, so -35"
+        "23 - 58: compare tens 2 < 5, so -(58 - 23); units 8 - 3 = 5, tens 5 - 2 - 0 = 3, so -35"
+    )
+    assert data.arith_trace("-", 332, 332).startswith(
+        "332 - 332: compare hundreds 3 = 3, tens 3 = 3, units 2 = 2; units 2 - 2 = 0"
     )
     assert (
         data.arith_reply("+", 2, 3, thinking=True)
