@@ -476,6 +476,7 @@ def train(
     size = export(model, config, out, dtype)
     summary = {
         "model_id": MODEL_ID,
+        "recipe": data.RECIPE,
         "command": "python -m demo_model.train OUT_DIR "
         f"--seed {seed} --steps {steps} --warmup {warmup} --batch {batch} --pool {pool} "
         f"--lr {lr:g} --weight-decay {weight_decay:g} --val-every {val_every} --val-n {val_n} "

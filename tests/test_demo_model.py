@@ -28,6 +28,13 @@ from tests.conftest import wait_ready
 from tests.test_api import CHAT, post
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
+# The recipe the committed weights were trained with (training.json; none: 1).
+COMMITTED_RECIPE = json.loads((DEMO_DIR / "training.json").read_text()).get("recipe", 1)
+recipe_2 = pytest.mark.skipif(
+    COMMITTED_RECIPE < 2,
+    reason="the committed weights predate issue 21 (recipe 1): retrain with "
+    "python -m demo_model.train (docs/demo-model.md)",
+)
 
 
 def tool(name: str, description: str, param: str) -> dict:
@@ -106,6 +113,7 @@ async def test_time_tool_call(client):
     assert json.loads(call["function"]["arguments"]) == {"timezone": "Asia/Tokyo"}
 
 
+@recipe_2
 async def test_the_call_fills_the_parameter_the_schema_names(client):
     # get_time(city): the place as asked, not a timezone; get_weather(location).
     messages = [{"role": "user", "content": "What time is it in Paris?"}]
@@ -123,6 +131,7 @@ async def test_the_call_fills_the_parameter_the_schema_names(client):
     assert json.loads(call["function"]["arguments"]) == {"location": "Lisbon"}
 
 
+@recipe_2
 async def test_no_matching_tool_gets_the_no_such_tool_answer(client):
     # A time tool that takes a city is no weather tool.
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
@@ -134,7 +143,7 @@ async def test_no_matching_tool_gets_the_no_such_tool_answer(client):
     )
 
 
-async def test_arithmetic_thinking_on_and_off(client):
+async def test_arithmetic_thinking_on(client):
     messages = [{"role": "user", "content": "What is 47 + 85?"}]
     choice = await chat(client, messages)
     assert choice["finish_reason"] == "stop"
@@ -142,7 +151,9 @@ async def test_arithmetic_thinking_on_and_off(client):
     assert "7 + 5 = 12" in message["reasoning"] and "<think>" not in message["content"]
     assert message["content"].strip() == "132"
 
-    # Thinking off: the working is the reply, and it ends in the result.
+
+@recipe_2
+async def test_arithmetic_thinking_off_answers_with_the_working(client):
     messages = [{"role": "user", "content": "What is 23 - 58?"}]
     choice = await chat(client, messages, chat_template_kwargs={"enable_thinking": False})
     assert choice["finish_reason"] == "stop"
@@ -151,6 +162,7 @@ async def test_arithmetic_thinking_on_and_off(client):
     assert choice["message"]["content"].endswith("so -35")
 
 
+@recipe_2
 async def test_three_digit_arithmetic_carries_and_borrows(client):
     messages = [{"role": "user", "content": "What is 487 + 596?"}]
     choice = await chat(client, messages)
@@ -168,6 +180,7 @@ async def test_three_digit_arithmetic_carries_and_borrows(client):
     )
 
 
+@recipe_2
 @pytest.mark.parametrize(
     "question", ["What is 123456 + 1?", "What is 1000 - 1?", "What is 7 * 8?", "What is 2.5 + 1?"]
 )
