@@ -988,8 +988,10 @@ class Generator:
         return str(n)
 
     def _decimal(self) -> str:
+        """A decimal number; its whole part as often short as an operand's (``2.5``)."""
         rng = self.rng
-        return f"{rng.randint(0, 999)}.{rng.randint(0, 99):0{rng.choice([1, 2])}d}"
+        places = rng.choice([1, 1, 2])
+        return f"{self._operand()}.{rng.randint(0, 10**places - 1):0{places}d}"
 
     def _refusal_question(self) -> tuple[str, str]:
         """A numeric request other than one sum or difference of 0..999, and its category."""
@@ -997,9 +999,9 @@ class Generator:
         split = self.split
         categories = {
             "big": 0.30,
-            "other_op": 0.20,
+            "other_op": 0.18,
             "request": 0.22,
-            "decimal": 0.07,
+            "decimal": 0.09,
             "negative": 0.07,
             "three": 0.06,
         }
