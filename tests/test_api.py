@@ -106,9 +106,7 @@ async def test_greedy_is_deterministic_and_stream_matches(client):
     assert headers["Content-Type"].startswith("text/event-stream")
     payloads, _, done = parse_sse(raw)
     assert done
-    streamed = "".join(
-        p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"]
-    )
+    streamed = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"])
     assert streamed == (text or "")
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
     finals = [p for p in payloads if p["choices"] and p["choices"][0]["finish_reason"]]
@@ -119,9 +117,7 @@ async def test_greedy_is_deterministic_and_stream_matches(client):
 
 
 async def test_stream_options_without_usage_still_ends_with_done(client):
-    _, _, raw = await stream_post(
-        client, CHAT, chat_body(max_tokens=3, stream=True, stream_options={})
-    )
+    _, _, raw = await stream_post(client, CHAT, chat_body(max_tokens=3, stream=True, stream_options={}))
     payloads, _, done = parse_sse(raw)
     assert done
     assert not any(p.get("usage") for p in payloads)
@@ -153,9 +149,7 @@ async def test_stop_string_cuts_text_across_tokens(client):
             _, _, raw = await stream_post(client, CHAT, {**body, "stop": [stop], "stream": True})
             payloads, _, done = parse_sse(raw)
             assert done
-            got = "".join(
-                p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"]
-            )
+            got = "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"])
             reason = [p["choices"][0]["finish_reason"] for p in payloads if p["choices"]][-1]
         else:
             _, data, _ = await post(client, CHAT, {**body, "stop": [stop]})
@@ -166,12 +160,9 @@ async def test_stop_string_cuts_text_across_tokens(client):
 
 
 async def test_concurrent_greedy_requests_match_solo(client):
-    prompts = [
-        f"request number {i}: say something about {w}"
-        for i, w in enumerate(
-            ["cats", "dogs", "Paris", "rain", "seven", "time", "Rome", "snow"] * 2
-        )
-    ]
+    prompts = [f"request number {i}: say something about {w}" for i, w in enumerate(
+        ["cats", "dogs", "Paris", "rain", "seven", "time", "Rome", "snow"] * 2
+    )]
     solo = []
     for p in prompts:
         _, body, _ = await post(client, CHAT, chat_body(p, max_tokens=10))
@@ -198,17 +189,11 @@ async def test_concurrent_greedy_requests_match_solo(client):
         ({"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "seed": -1}, "seed"),
         ({"messages": [{"role": "user", "content": "x"}], "top_k": 100000}, "top_k"),
-        (
-            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 5}},
-            "logit_bias",
-        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999999": 5}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
         ({"messages": []}, "messages"),
         ({}, "messages"),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0].type",
-        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(client, body, param):
@@ -226,10 +211,7 @@ async def test_bad_input_is_a_400_naming_the_field(client, body, param):
     [
         (b"{not json", "application/json"),
         (b"[1, 2]", "application/json"),
-        (
-            b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
-            "application/json",
-        ),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "application/json"),
         (b"\xff\xfe\x00", "application/json"),
         (b'{"messages": [{"role": "user", "content": "x"}]}', "text/plain"),
     ],
@@ -334,45 +316,18 @@ async def test_content_parts_and_tool_messages_render(client):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "content": "weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18}'},
     ]
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ]
-    status, body, _ = await post(
-        client, CHAT, {"messages": messages, "tools": tools, "max_tokens": 4}
-    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    status, body, _ = await post(client, CHAT, {"messages": messages, "tools": tools, "max_tokens": 4})
     assert status == 200, body
-    status, body, _ = await post(
-        client,
-        CHAT,
-        {
-            "messages": [
-                {
-                    "role": "assistant",
-                    "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
-                },
-                {"role": "user", "content": "x"},
-            ]
-        },
-    )
+    status, body, _ = await post(client, CHAT, {"messages": [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "user", "content": "x"}]})
     assert status == 400 and "arguments" in body["error"]["param"]
 
 

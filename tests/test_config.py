@@ -13,48 +13,23 @@ def test_cli_defaults_match_mlx_lm_server():
     config = parse_config([])
     assert config == ServerConfig()
     assert (config.port, config.max_tokens, config.decode_concurrency) == (8080, 512, 32)
-    assert (config.prompt_concurrency, config.prefill_step_size, config.prompt_cache_size) == (
-        8,
-        2048,
-        10,
-    )
+    assert (config.prompt_concurrency, config.prefill_step_size, config.prompt_cache_size) == (8, 2048, 10)
 
 
 def test_cli_and_env_give_the_same_config():
-    cli = parse_config(
-        [
-            "--model",
-            "/m",
-            "--max-tokens",
-            "256",
-            "--allowed-origins",
-            "a,b",
-            "--chat-template-args",
-            '{"enable_thinking": false}',
-            "--prompt-cache-bytes",
-            "4GB",
-            "--trust-remote-code",
-            "--engine-mode",
-            "thread",
-            "--admission-window-ms",
-            "5",
-            "--prompt-cache-min-reuse",
-            "0",
-        ]
-    )
-    env = config_from_env(
-        {
-            "MLX_TRIO_MODEL": "/m",
-            "MLX_TRIO_MAX_TOKENS": "256",
-            "MLX_TRIO_ALLOWED_ORIGINS": "a,b",
-            "MLX_TRIO_CHAT_TEMPLATE_ARGS": '{"enable_thinking": false}',
-            "MLX_TRIO_PROMPT_CACHE_BYTES": "4GB",
-            "MLX_TRIO_TRUST_REMOTE_CODE": "1",
-            "MLX_TRIO_ENGINE_MODE": "thread",
-            "MLX_TRIO_ADMISSION_WINDOW_MS": "5",
-            "MLX_TRIO_PROMPT_CACHE_MIN_REUSE": "0",
-        }
-    )
+    cli = parse_config([
+        "--model", "/m", "--max-tokens", "256", "--allowed-origins", "a,b",
+        "--chat-template-args", '{"enable_thinking": false}', "--prompt-cache-bytes", "4GB",
+        "--trust-remote-code", "--engine-mode", "thread", "--admission-window-ms", "5",
+        "--prompt-cache-min-reuse", "0",
+    ])
+    env = config_from_env({
+        "MLX_TRIO_MODEL": "/m", "MLX_TRIO_MAX_TOKENS": "256", "MLX_TRIO_ALLOWED_ORIGINS": "a,b",
+        "MLX_TRIO_CHAT_TEMPLATE_ARGS": '{"enable_thinking": false}',
+        "MLX_TRIO_PROMPT_CACHE_BYTES": "4GB", "MLX_TRIO_TRUST_REMOTE_CODE": "1",
+        "MLX_TRIO_ENGINE_MODE": "thread", "MLX_TRIO_ADMISSION_WINDOW_MS": "5",
+        "MLX_TRIO_PROMPT_CACHE_MIN_REUSE": "0",
+    })
     assert cli == env
     assert env.prompt_cache_bytes == 4 * 10**9
     assert env.allowed_origins == ("a", "b")

@@ -36,18 +36,8 @@ def free_port() -> int:
 
 
 def server_command(model: str, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "runtime.cli",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--max-tokens",
-        "24",
-        *extra,
-    ]
+    return [sys.executable, "-m", "runtime.cli", "--model", model, "--port", str(port),
+            "--max-tokens", "24", *extra]
 
 
 def wait_healthy(base: str, procs: list[subprocess.Popen], seconds: float = 90) -> None:
@@ -64,22 +54,16 @@ class Group:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         hostfile = tmp / f"hosts-{self.port}.json"
-        hostfile.write_text(
-            json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]])
-        )
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
         self.logs = [tmp / f"rank{r}-{self.port}.log" for r in range(2)]
         self.procs = []
         for rank in range(2):
             env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
             with open(self.logs[rank], "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        server_command(model, self.port, "--distributed-backend", "ring", *extra),
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+                self.procs.append(subprocess.Popen(
+                    server_command(model, self.port, "--distributed-backend", "ring", *extra),
+                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                ))
         wait_healthy(self.base, self.procs)
 
     def log(self, rank: int) -> str:
@@ -148,9 +132,8 @@ def mode_model(request, tmp_path_factory, llama_model_path) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def solo_answers(mode_model) -> list:
     port = free_port()
-    proc = subprocess.Popen(
-        server_command(mode_model[1], port), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
+    proc = subprocess.Popen(server_command(mode_model[1], port),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, [proc])
@@ -173,10 +156,8 @@ def group(mode_model, tmp_path_factory):
 def _raw_stream(base: str, prompt: str) -> None:
     """Open a streaming request, read three chunks, and drop the connection."""
     host, port = base.removeprefix("http://").split(":")
-    request = raw_chat_request(
-        host,
-        {"messages": [{"role": "user", "content": prompt}], "max_tokens": 5000, "stream": True},
-    )
+    request = raw_chat_request(host, {"messages": [{"role": "user", "content": prompt}],
+                                      "max_tokens": 5000, "stream": True})
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request)
         read_sse_chunks(sock, 3)
@@ -206,9 +187,8 @@ def test_greedy_and_seeded_outputs_match_one_rank(group, solo_answers):
 
 def test_concurrent_requests_match_one_rank(group, solo_answers):
     with ThreadPoolExecutor(8) as pool:
-        got = list(
-            pool.map(lambda p: chat(group.base, p)["choices"][0]["message"]["content"], PROMPTS * 2)
-        )
+        got = list(pool.map(lambda p: chat(group.base, p)["choices"][0]["message"]["content"],
+                            PROMPTS * 2))
     assert got == solo_answers[: len(PROMPTS)] * 2
 
 
@@ -225,11 +205,8 @@ def test_disconnect_mid_stream_leaves_every_rank_in_step(group, solo_answers):
 
 
 def test_unknown_model_is_a_404_not_a_swap(group):
-    r = httpx.post(
-        f"{group.base}/v1/chat/completions",
-        timeout=30,
-        json={"model": "/nonexistent/model", "messages": [{"role": "user", "content": "hi"}]},
-    )
+    r = httpx.post(f"{group.base}/v1/chat/completions", timeout=30, json={
+        "model": "/nonexistent/model", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
     assert r.json()["error"]["param"] == "model"
 
@@ -258,11 +235,8 @@ def test_a_dead_rank_turns_health_503_and_requests_fail_fast(llama_model_path, t
             time.sleep(0.1)
         assert "distributed" in health(g.base)[1]["reason"]
         t0 = time.monotonic()
-        r = httpx.post(
-            f"{g.base}/v1/chat/completions",
-            timeout=30,
-            json={"messages": [{"role": "user", "content": "hi"}]},
-        )
+        r = httpx.post(f"{g.base}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503
         assert time.monotonic() - t0 < 5
         g.procs[0].send_signal(signal.SIGTERM)
@@ -275,18 +249,11 @@ def test_a_hung_rank_fails_the_running_stream_and_health(llama_model_path, tmp_p
     g = Group(llama_model_path, tmp_path, "--distributed-timeout", "3")
     try:
         with ThreadPoolExecutor(1) as pool:
-
             def stream() -> tuple[int, str]:
-                with httpx.stream(
-                    "POST",
-                    f"{g.base}/v1/chat/completions",
-                    timeout=60,
-                    json={
-                        "messages": [{"role": "user", "content": "a long story"}],
-                        "max_tokens": 100000,
-                        "stream": True,
-                    },
-                ) as r:
+                with httpx.stream("POST", f"{g.base}/v1/chat/completions", timeout=60, json={
+                    "messages": [{"role": "user", "content": "a long story"}],
+                    "max_tokens": 100000, "stream": True,
+                }) as r:
                     return r.status_code, "".join(r.iter_text())
 
             running = pool.submit(stream)
@@ -303,11 +270,8 @@ def test_a_hung_rank_fails_the_running_stream_and_health(llama_model_path, tmp_p
         assert text.rstrip().endswith("data: [DONE]")
         code, body = health(g.base)
         assert code == 503 and "stopped responding" in body["reason"]
-        r = httpx.post(
-            f"{g.base}/v1/chat/completions",
-            timeout=30,
-            json={"messages": [{"role": "user", "content": "hi"}]},
-        )
+        r = httpx.post(f"{g.base}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503
         g.procs[0].send_signal(signal.SIGTERM)
         assert g.procs[0].wait(30) == 0  # does not wait for ever on the frozen rank
@@ -326,20 +290,9 @@ def test_mlx_launch_starts_a_serving_group(llama_model_path, tmp_path):
     base = f"http://127.0.0.1:{port}"
     log = (tmp_path / "launch.log").open("wb")
     proc = subprocess.Popen(
-        [
-            str(launcher),
-            "--backend",
-            "ring",
-            "-n",
-            "2",
-            "--starting-port",
-            str(free_port()),
-            "--",
-            *server_command(llama_model_path, port, "--distributed-backend", "ring"),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+         "--", *server_command(llama_model_path, port, "--distributed-backend", "ring")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
         wait_healthy(base, [proc])

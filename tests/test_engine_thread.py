@@ -25,11 +25,9 @@ class RecordingCore:
     def __getattr__(self, name):
         attr = getattr(self._core, name)
         if callable(attr):
-
             def call(*args, **kwargs):
                 self.threads.add(threading.get_ident())
                 return attr(*args, **kwargs)
-
             return call
         return attr
 
@@ -126,16 +124,9 @@ def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
         prompt_cache=FakePromptCache(),
     )
     for rid in (1, 2):
-        core.handle_command(
-            Submit(
-                request_id=rid,
-                prompt=(5, 6, 7),
-                segments=((5, 6, 7),),
-                segment_types=("user",),
-                sampling=SamplingParams(),
-                max_tokens=50,
-            )
-        )
+        core.handle_command(Submit(request_id=rid, prompt=(5, 6, 7), segments=((5, 6, 7),),
+                                   segment_types=("user",), sampling=SamplingParams(),
+                                   max_tokens=50))
     core.step()
     posted = Abort(request_id=1)  # posted while the next step runs
     core.step()

@@ -83,19 +83,15 @@ def test_document_is_valid_openapi_31():
     chat = components["ChatCompletionRequest"]
     assert chat["required"] == ["messages"]
     assert chat["properties"]["top_p"] == {
-        "type": ["number", "null"],
-        "minimum": 0,
-        "maximum": 1,
-        "default": None,
+        "type": ["number", "null"], "minimum": 0, "maximum": 1, "default": None
     }
     assert components["CompletionRequest"]["required"] == ["prompt"]
     for status in ("400", "413", "429", "503"):
         response = doc["paths"]["/v1/completions"]["post"]["responses"][status]
         assert response["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "404" in doc["paths"]["/v1/models/{model_id}"]["get"]["responses"]
-    assert (
-        "text/event-stream"
-        in (doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"])
+    assert "text/event-stream" in (
+        doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     )
 
 
@@ -136,9 +132,7 @@ def _range_cases():
 
 def _body(cls, name, value):
     base = (
-        {"prompt": "hi"}
-        if cls is CompletionRequest
-        else {"messages": [{"role": "user", "content": "hi"}]}
+        {"prompt": "hi"} if cls is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
     )
     if name == "logit_bias":
         value = {"7": value}
@@ -189,16 +183,8 @@ class Server:
         }
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "hypercorn",
-                    "api:app",
-                    "--worker-class",
-                    "trio",
-                    "--bind",
-                    f"127.0.0.1:{port}",
-                ],
+                [sys.executable, "-m", "hypercorn", "api:app", "--worker-class", "trio",
+                 "--bind", f"127.0.0.1:{port}"],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -76,7 +76,7 @@ async def test_unknown_and_unloadable_models_are_404s_and_the_default_keeps_serv
     assert status == 404, body
     assert "could not be loaded" in body["error"]["message"]
     await wait_ready(client)
-    assert await answer(client, "default_model") is not None
+    assert await answer(client, "default_model")  is not None
 
 
 def build_lora_adapter(model_path: str, out_dir) -> str:

@@ -73,12 +73,8 @@ def schedules(draw):
     events = []
     for request_id in range(n):
         prompt = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6))
-        events.append(
-            (
-                draw(st.sampled_from([0.0, 0.0, 0.002, 0.03])),
-                submit(request_id, prompt, draw(st.integers(1, 12))),
-            )
-        )
+        events.append((draw(st.sampled_from([0.0, 0.0, 0.002, 0.03])),
+                       submit(request_id, prompt, draw(st.integers(1, 12)))))
         if draw(st.booleans()):
             events.append((draw(st.sampled_from([0.0, 0.001, 0.01])), Abort(request_id=request_id)))
     random.Random(draw(st.integers(0, 1000))).shuffle(events)

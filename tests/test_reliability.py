@@ -24,9 +24,7 @@ async def test_deadline_finishes_with_length_and_a_complete_stream(tiny_model_pa
         assert body["choices"][0]["finish_reason"] == "length"
         assert 0 < body["usage"]["completion_tokens"] < 100000
         with trio.fail_after(30):
-            _, _, raw = await stream_post(
-                client, CHAT, chat_body("go on", timeout=0.3, stream=True)
-            )
+            _, _, raw = await stream_post(client, CHAT, chat_body("go on", timeout=0.3, stream=True))
         payloads, _, done = parse_sse(raw)
         assert done
         assert payloads[-1]["choices"][0]["finish_reason"] == "length"
@@ -46,13 +44,8 @@ async def test_overload_is_answered_with_429_and_retry_after(tiny_model_path):
 
         async def one(i):
             response = await client.post(CHAT, json=chat_body(f"story {i}", max_tokens=200))
-            results.append(
-                (
-                    response.status_code,
-                    response.headers.get("Retry-After"),
-                    await response.get_json(),
-                )
-            )
+            results.append((response.status_code, response.headers.get("Retry-After"),
+                            await response.get_json()))
 
         async with trio.open_nursery() as nursery:
             for i in range(8):
@@ -184,9 +177,5 @@ async def test_metrics_report_the_runtime(tiny_model_path, path):
         }
         # The request took steps; at least one processed its prompt; they took time.
         assert values["mlx_trio_engine_steps_total"] >= 3
-        assert (
-            1
-            <= values["mlx_trio_engine_prefill_steps_total"]
-            < values["mlx_trio_engine_steps_total"]
-        )
+        assert 1 <= values["mlx_trio_engine_prefill_steps_total"] < values["mlx_trio_engine_steps_total"]
         assert values["mlx_trio_engine_busy_seconds_total"] > 0

@@ -57,9 +57,7 @@ async def test_quantized_kv_cache_serves_and_streams(wide_model_path):
     async with app.test_app() as test_app:
         client = test_app.test_client()
         await wait_ready(client)
-        _, _, raw = await stream_post(
-            client, CHAT, chat_body("stream it", max_tokens=6, stream=True)
-        )
+        _, _, raw = await stream_post(client, CHAT, chat_body("stream it", max_tokens=6, stream=True))
         payloads, _, done = parse_sse(raw)
         assert done and payloads[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 

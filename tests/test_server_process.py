@@ -42,17 +42,8 @@ def spawn_server(args, env: dict | None = None, *, log=subprocess.DEVNULL):
 
 
 def hypercorn_args(port: int) -> list[str]:
-    return [
-        "-m",
-        "hypercorn",
-        "api:app",
-        "--worker-class",
-        "trio",
-        "--bind",
-        f"127.0.0.1:{port}",
-        "--backlog",
-        "1024",
-    ]
+    return ["-m", "hypercorn", "api:app", "--worker-class", "trio",
+            "--bind", f"127.0.0.1:{port}", "--backlog", "1024"]
 
 
 def stop_server(proc) -> None:
@@ -100,19 +91,15 @@ def test_openai_sdk_chat_and_completions(server):
             usage = chunk.usage
     assert text == (chat.choices[0].message.content or "")
     assert usage.completion_tokens == chat.usage.completion_tokens
-    completion = client.completions.create(
-        model="default_model", prompt="the time in Rome", max_tokens=6
-    )
+    completion = client.completions.create(model="default_model", prompt="the time in Rome", max_tokens=6)
     assert completion.choices[0].finish_reason in ("length", "stop")
     models = client.models.list()
     assert len(models.data) >= 1
 
 
 def test_sixteen_concurrent_clients_get_their_solo_outputs(server):
-    prompts = [
-        f"client {i} asks about {w}"
-        for i, w in enumerate(["rain", "cats", "Paris", "time", "snow", "Rome", "dogs", "sun"] * 2)
-    ]
+    prompts = [f"client {i} asks about {w}" for i, w in enumerate(
+        ["rain", "cats", "Paris", "time", "snow", "Rome", "dogs", "sun"] * 2)]
 
     def ask(prompt):
         r = httpx.post(
@@ -133,14 +120,11 @@ def test_sixteen_concurrent_clients_get_their_solo_outputs(server):
 def test_client_disconnect_mid_stream_frees_the_engine(server):
     host, port = server.removeprefix("http://").split(":")
     # max_tokens beyond the server default is allowed: clients choose
-    request = raw_chat_request(
-        host,
-        {
-            "messages": [{"role": "user", "content": "tell me a very long story"}],
-            "max_tokens": 100000,
-            "stream": True,
-        },
-    )
+    request = raw_chat_request(host, {
+        "messages": [{"role": "user", "content": "tell me a very long story"}],
+        "max_tokens": 100000,
+        "stream": True,
+    })
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
@@ -170,12 +154,8 @@ def test_malformed_requests_then_still_serving(server):
         b"\xff\xfe",
     ]
     for raw in bad:
-        r = httpx.post(
-            f"{server}/v1/chat/completions",
-            content=raw,
-            headers={"Content-Type": "application/json"},
-            timeout=10,
-        )
+        r = httpx.post(f"{server}/v1/chat/completions", content=raw,
+                       headers={"Content-Type": "application/json"}, timeout=10)
         assert r.status_code == 400, (raw, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert health(server)["status"] == "ok"
@@ -202,11 +182,8 @@ def test_sigterm_lets_a_running_stream_finish_then_exits_zero(tiny_model_path):
         lambda port: ["-m", "runtime.cli", "--model", tiny_model_path, "--port", str(port)]
     )
     try:
-        body = {
-            "messages": [{"role": "user", "content": "a story"}],
-            "max_tokens": 300,
-            "stream": True,
-        }
+        body = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 300,
+                "stream": True}
         raw = b""
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             for chunk in r.iter_bytes():
@@ -243,14 +220,9 @@ def test_disconnect_during_a_long_prefill_stops_it(small_prefill_server):
     base = small_prefill_server
     host, port = base.removeprefix("http://").split(":")
     long_prompt = " ".join(f"word{i}" for i in range(600))
-    request = raw_chat_request(
-        host,
-        {
-            "messages": [{"role": "user", "content": long_prompt}],
-            "max_tokens": 50,
-            "stream": True,
-        },
-    )
+    request = raw_chat_request(host, {
+        "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 50, "stream": True,
+    })
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request)
         received = b""
@@ -267,14 +239,10 @@ def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):
     host, port = base.removeprefix("http://").split(":")
 
     def streaming_client(i):
-        request = raw_chat_request(
-            host,
-            {
-                "messages": [{"role": "user", "content": f"storm {i}"}],
-                "max_tokens": 2000,
-                "stream": True,
-            },
-        )
+        request = raw_chat_request(host, {
+            "messages": [{"role": "user", "content": f"storm {i}"}], "max_tokens": 2000,
+            "stream": True,
+        })
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
             received = b""
@@ -286,11 +254,8 @@ def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):
 
     def impatient_client(i):
         try:
-            httpx.post(
-                f"{base}/v1/chat/completions",
-                timeout=0.5,
-                json={"messages": [{"role": "user", "content": f"slow {i}"}], "max_tokens": 2000},
-            )
+            httpx.post(f"{base}/v1/chat/completions", timeout=0.5, json={
+                "messages": [{"role": "user", "content": f"slow {i}"}], "max_tokens": 2000})
         except httpx.TimeoutException:
             pass
 
@@ -299,22 +264,15 @@ def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):
         list(pool.map(impatient_client, range(16)))
     _wait_idle(base, 10)
     started = time.monotonic()
-    r = httpx.post(
-        f"{base}/v1/chat/completions",
-        timeout=30,
-        json={"messages": [{"role": "user", "content": "after the storm"}], "max_tokens": 4},
-    )
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "after the storm"}], "max_tokens": 4})
     assert r.status_code == 200
     assert time.monotonic() - started < 5
 
 
 def test_huge_body_is_a_413(server):
     body = b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}'
-    r = httpx.post(
-        f"{server}/v1/completions",
-        content=body,
-        headers={"Content-Type": "application/json"},
-        timeout=30,
-    )
+    r = httpx.post(f"{server}/v1/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413
     assert r.json()["error"]["type"] == "invalid_request_error"

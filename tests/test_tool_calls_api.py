@@ -20,15 +20,8 @@ from runtime.supervisor import Runtime
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
 GENERATION = (
     "<think>\nThe user wants the weather.\n</think>\n\n"
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -45,10 +38,7 @@ async def client(tiny_model_path, tiny_tokenizer, monkeypatch):
 
     def make_core():
         handle = ModelHandle(
-            model=None,
-            tokenizer=tiny_tokenizer,
-            model_key="scripted",
-            vocab_size=len(tiny_tokenizer),
+            model=None, tokenizer=tiny_tokenizer, model_key="scripted", vocab_size=len(tiny_tokenizer)
         )
         return EngineCore(
             handle,
@@ -66,11 +56,8 @@ async def client(tiny_model_path, tiny_tokenizer, monkeypatch):
         yield c
 
 
-BODY = {
-    "messages": [{"role": "user", "content": "weather in Paris?"}],
-    "tools": TOOLS,
-    "max_tokens": 200,
-}
+BODY = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS,
+        "max_tokens": 200}
 
 
 async def test_tool_call_and_reasoning_non_streaming(client):
