@@ -58,7 +58,9 @@ def test_responses_basic_with_reasoning(oai):
     response = oai.responses.create(model="default_model", input="What is 47 + 85?")
     assert response.status == "completed"
     assert [item.type for item in response.output] == ["reasoning", "message"]
-    assert response.output[0].content[0].text == "47 + 85: 7 + 5 = 12, 4 + 8 + 1 = 13, so 132"
+    assert response.output[0].content[0].text == (
+        "47 + 85: units 7 + 5 = 12, tens 4 + 8 + 1 = 13, so 132"
+    )
     assert response.output_text == "132"
     assert response.usage.output_tokens > 0
     assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
@@ -190,7 +192,9 @@ def test_messages_thinking_on_and_off(ant):
         model="claude-sonnet-4-5", max_tokens=100, thinking={"type": "disabled"},
         messages=[{"role": "user", "content": "What is 23 - 58?"}],
     )
-    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == "-35"
+    # Without thinking, the demo model answers with its working, ending in the result.
+    assert [b.type for b in plain.content] == ["text"]
+    assert plain.content[0].text.endswith("so -35")
 
 
 def test_messages_stop_sequences_and_max_tokens(ant):
