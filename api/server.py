@@ -8,7 +8,7 @@ handlers (every error is an OpenAI-style JSON body; 429 and 503 carry
 * ``api.routes.completions``: chat and text completions;
 * ``api.routes.models``: the model list;
 * ``api.routes.operations``: ``/health``, ``/metrics``, ``/openapi.json``;
-* ``api.agent_routes``: OpenAI Responses and Anthropic Messages;
+* ``api.agents``: OpenAI Responses and Anthropic Messages;
 * ``api.chat_page``: the chat page at ``/``.
 
 Every generating route goes through ``api.generation.generate``.
@@ -16,7 +16,6 @@ Every generating route goes through ``api.generation.generate``.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import trio
@@ -25,10 +24,9 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
-from api.agent_routes import register_agent_apis
+from api.agents.routes import register_agent_apis
 from api.chat_page import register_chat_page
-from api.generation import generate
-from api.http import error_response, read_json
+from api.http import error_response
 from api.routes.completions import completions_blueprint
 from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
@@ -63,15 +61,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     app.register_blueprint(models_blueprint(rt))
     app.register_blueprint(operations_blueprint(rt))
     register_chat_page(app)
-    register_agent_apis(
-        app,
-        rt,
-        config,
-        generate=functools.partial(
-            generate, stream_interval=config.stream_interval_ms / 1000
-        ),
-        read_json=read_json,
-    )
+    register_agent_apis(app, rt, config)
     return app
 
 
