@@ -6,7 +6,8 @@ Session's terminal ``Failed``, or a ``werkzeug`` ``HTTPException`` (Quart's
 ``Retry-After`` come from the app's one error builder
 (``api.errors.error_answer``); only the body's shape is Anthropic's:
 ``{"type": "error", "error": {"type", "message"}}``, its ``type`` named
-after the status. Emits the body (``error_body``, also an SSE ``error``
+after the status (Anthropic's names; another 4xx is ``invalid_request_error``,
+another 5xx ``api_error``). Emits the body (``error_body``, also an SSE ``error``
 event's data) or the whole JSON response (``error_response``).
 """
 
@@ -38,7 +39,8 @@ def is_messages_path(path: str) -> bool:
 
 
 def _shaped(answer: ErrorAnswer) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(answer.status, "api_error")
+    other = "invalid_request_error" if answer.status < 500 else "api_error"  # e.g. 405
+    kind = ERROR_TYPES.get(answer.status, other)
     return {"type": "error", "error": {"type": kind, "message": answer.body["error"]["message"]}}
 
 

@@ -21,7 +21,13 @@ from typing import Any
 import attrs
 
 from api.agents.blocks import ChatTurn, function_tool, merge_leading_system, tool_arguments
-from api.agents.responses_schema import ResponsesRequest, TextConfigIn
+from api.agents.responses_schema import (
+    IGNORED_TOOL_TYPES,
+    ITEM_ROLES,
+    TEXT_PARTS,
+    ResponsesRequest,
+    TextConfigIn,
+)
 from api.agents.responses_store import ResponseStore
 from api.generation import sampling_params
 from api.schemas import GenerationFields
@@ -29,11 +35,6 @@ from runtime.config import ServerConfig
 from runtime.errors import ClientError
 
 log = logging.getLogger(__name__)
-
-# Tool types some clients always send that a local model cannot serve: accepted
-# and left out of the prompt (see docs/api.md). Any other non-function type is a 400.
-IGNORED_TOOL_TYPES = frozenset({"web_search", "web_search_preview", "image_generation"})
-
 
 # ---------------------------------------------------- items -> chat messages
 
@@ -47,9 +48,6 @@ def _get(item: dict, key: str, path: str, kinds: type, *, required: bool = False
     if not isinstance(value, kinds):
         raise ClientError(f"{path}.{key}: has the wrong type", param=f"{path}.{key}")
     return value
-
-
-TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
 def _text(content, path: str) -> str:
@@ -101,7 +99,7 @@ class _Conversation:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = _get(item, "role", path, str, required=True)
-            if role not in ("user", "assistant", "system", "developer"):
+            if role not in ITEM_ROLES:
                 raise ClientError(
                     f"{path}.role must be user, assistant, system or developer", param=f"{path}.role"
                 )

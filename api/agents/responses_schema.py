@@ -19,6 +19,68 @@ from api.errors import InvalidParam
 
 TOOL_CHOICES = ("auto", "none", "required")
 TEXT_FORMATS = ("text", "json_schema", "json_object")
+ITEM_ROLES = ("user", "assistant", "system", "developer")  # developer: sent as system
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+# Tool types some clients always send that a local model cannot serve: accepted
+# and left out of the prompt (see docs/api.md). Any other non-function type is a 400.
+IGNORED_TOOL_TYPES = ("web_search", "web_search_preview", "image_generation")
+
+# What /openapi.json says of ``input`` and ``tools``, which api.agents.responses_input
+# checks as it reads them (documentation only: the statement of what it accepts).
+_PARTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": list(TEXT_PARTS)}, "text": {"type": "string"}},
+    },
+}
+_TEXT = {"anyOf": [{"type": "string"}, _PARTS]}
+
+
+def _item(kind: str, required: list[str], **properties: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": required,
+        "properties": {"type": {"const": kind}, **properties},
+    }
+
+
+INPUT_DOC = {
+    "*": {"description": "a string (one user message) or input items; empty only with "
+          "previous_response_id"},
+    "string": {"minLength": 1},
+    "array": {
+        "minItems": 1,
+        "items": {"anyOf": [
+            _item("message", ["role", "content"], role={"enum": list(ITEM_ROLES)}, content=_TEXT),
+            _item("function_call", ["type", "call_id", "name", "arguments"],
+                  call_id={"type": "string"}, name={"type": "string"},
+                  arguments={"type": "string", "contentMediaType": "application/json",
+                             "contentSchema": {"type": "object"}}),
+            _item("function_call_output", ["type", "call_id", "output"],
+                  call_id={"type": "string"}, output=_TEXT),
+            _item("reasoning", ["type"], content=_PARTS, summary=_PARTS),
+        ]},
+    },
+}
+TOOLS_DOC = {
+    "array": {
+        "items": {
+            "type": "object",
+            "required": ["type"],
+            "properties": {
+                "type": {"enum": ["function", "namespace", *IGNORED_TOOL_TYPES]},
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+                "tools": {"type": "array", "items": {"type": "object"}},
+            },
+            "description": "a function tool; a namespace of function tools (name, tools); "
+            "or a tool type accepted and left out",
+        }
+    }
+}
 
 
 def unsupported(message: str) -> Any:
@@ -66,9 +128,9 @@ class ResponsesRequest:
     """POST /v1/responses. Unknown fields are ignored; see docs/api.md (Agent APIs)."""
 
     model: str = "default_model"
-    input: str | list[dict[str, Any]] = ""
+    input: str | list[dict[str, Any]] = constrained("", schema=INPUT_DOC)
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = constrained(None, schema=TOOLS_DOC)
     tool_choice: str | dict[str, Any] | None = constrained(
         None, check=_tool_choice, schema={"string": {"enum": list(TOOL_CHOICES)}}
     )
