@@ -2,8 +2,9 @@
 
 Owns the app's lifecycle (its serving starts the ``Runtime``, every actor and
 the engine, in the app's nursery, and cancels it on shutdown), the error
-handlers (every error is an OpenAI-style JSON body; 429 and 503 carry
-``Retry-After``), CORS, and which routes exist:
+handlers (every error is an OpenAI-style JSON body, Anthropic's under
+``/v1/messages``; 429 and 503 carry ``Retry-After``), CORS, and which routes
+exist:
 
 * ``api.routes.completions``: chat and text completions;
 * ``api.routes.models``: the model list;
@@ -24,6 +25,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
+from api.agents import messages_errors
 from api.agents.routes import register_agent_apis
 from api.chat_page import register_chat_page
 from api.http import error_response
@@ -85,24 +87,30 @@ def _lifecycle(app: QuartTrio, rt: Runtime) -> None:
 
 
 def _error_handlers(app: QuartTrio, config: ServerConfig) -> None:
+    def respond(error: ServerError | HTTPException) -> Response:
+        """The answer in the shape of the API the path belongs to (routing errors too)."""
+        if messages_errors.is_messages_path(request.path):
+            return messages_errors.error_response(error)
+        return error_response(error)
+
     @app.errorhandler(ServerError)
     async def on_server_error(error: ServerError):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(RequestEntityTooLarge)
     async def on_too_large(error):
-        return error_response(
+        return respond(
             PayloadTooLarge(f"the request body is larger than {config.max_request_bytes} bytes")
         )
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception):
         log.exception("unexpected error while serving %s %s", request.method, request.path)
-        return error_response(ServerError(f"internal error: {type(error).__name__}"))
+        return respond(ServerError(f"internal error: {type(error).__name__}"))
 
 
 def _cors(app: QuartTrio, rt: Runtime, config: ServerConfig) -> None:

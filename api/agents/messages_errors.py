@@ -2,7 +2,8 @@
 
 Receives what can go wrong there, as everywhere: a ``ServerError``, a
 Session's terminal ``Failed``, or a ``werkzeug`` ``HTTPException`` (Quart's
-404 and 405, decided before a route is chosen). The status, message and
+404 and 405, decided before a route is chosen); the app's error handlers
+(``api.server``) send every error under ``PATH`` here. The status, message and
 ``Retry-After`` come from the app's one error builder
 (``api.errors.error_answer``); only the body's shape is Anthropic's:
 ``{"type": "error", "error": {"type", "message"}}``, its ``type`` named

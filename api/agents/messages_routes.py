@@ -7,9 +7,8 @@ starting with ``claude`` that names no local model is served by the default
 model; any other unknown name is a 404) and hands the Session and a
 ``MessagesRenderer`` to ``api.generation.generate``, the path chat
 completions take. ``count_tokens`` renders the prompt only and answers
-``{"input_tokens"}``. Every error raised here is answered in Anthropic's
-shape (``api.agents.messages_errors``); routing errors under the same path
-are answered so by ``api.agents.routes``.
+``{"input_tokens"}``. The app's error handlers answer every error under
+``/v1/messages`` in Anthropic's shape (``api.agents.messages_errors``).
 
 Headers (``x-api-key``, ``anthropic-version``, ``anthropic-beta``) and the
 ``?beta=true`` query are accepted and ignored.
@@ -21,11 +20,9 @@ import logging
 
 import trio
 from quart import Blueprint
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
 from api.agents.blocks import open_session, prepare_turn, prompt_length
-from api.agents.messages_errors import error_response
 from api.agents.messages_input import chat_turn, counted_turn
 from api.agents.messages_render import MessagesRenderer
 from api.agents.messages_schema import CountTokensRequest, MessagesRequest
@@ -33,7 +30,7 @@ from api.convert import structure_or_400
 from api.generation import generate
 from api.http import json_response, read_json
 from runtime.config import ServerConfig
-from runtime.errors import NotFound, PayloadTooLarge, ServerError
+from runtime.errors import NotFound
 from runtime.models import ModelKey
 
 log = logging.getLogger(__name__)
@@ -52,25 +49,6 @@ async def resolve_model(rt: Runtime, name: str) -> ModelKey:
 
 def messages_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     bp = Blueprint("anthropic_messages", __name__)
-
-    @bp.errorhandler(ServerError)
-    async def on_server_error(error: ServerError):
-        return error_response(error)
-
-    @bp.errorhandler(RequestEntityTooLarge)
-    async def on_too_large(error):
-        return error_response(
-            PayloadTooLarge(f"the request body is larger than {config.max_request_bytes} bytes")
-        )
-
-    @bp.errorhandler(HTTPException)
-    async def on_http_error(error: HTTPException):
-        return error_response(error)
-
-    @bp.errorhandler(Exception)
-    async def on_unexpected(error: Exception):
-        log.exception("unexpected error while serving an Anthropic request")
-        return error_response(ServerError(f"internal error: {type(error).__name__}"))
 
     @bp.post("/v1/messages")
     async def messages():
