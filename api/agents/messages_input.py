@@ -28,8 +28,6 @@ from api.schemas import GenerationFields
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 
-# ------------------------------------------------------- request -> ChatTurn
-
 
 def _tool_result_text(block: ContentBlockIn, where: str) -> str:
     content = block.content
