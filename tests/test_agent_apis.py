@@ -292,3 +292,26 @@ def test_messages_errors_in_anthropic_shape(ant, server):
         b"x" * (9 * 2**20)) + b'"}]}'
     r = httpx.post(f"{server}/v1/messages", content=huge, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/messages", 405), ("DELETE", "/v1/messages/count_tokens", 405),
+     ("POST", "/v1/messages/batches", 404), ("GET", "/v1/messages/x/y", 404)],
+)
+def test_routing_errors_under_messages_in_anthropic_shape(server, method, path, status):
+    r = httpx.request(method, f"{server}{path}", timeout=10)
+    assert r.status_code == status
+    kind = {404: "not_found_error", 405: "invalid_request_error"}[status]
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind, r.text
+    assert set(r.json()["error"]) == {"type", "message"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/responses", 405), ("GET", "/v1/messagesx", 404), ("POST", "/v1/nothing", 404)],
+)
+def test_routing_errors_elsewhere_in_openai_shape(server, method, path, status):
+    r = httpx.request(method, f"{server}{path}", timeout=10)
+    assert r.status_code == status
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "param", "code"}
