@@ -131,3 +131,19 @@ async def test_an_evicted_entry_misses_with_evicted(one_entry_client):
     figures = health["prompt_cache"]
     assert figures["entries"] == 1 and figures["evictions"] >= 1
     assert figures["misses"]["evicted"] == 1
+
+
+async def test_the_agent_apis_carry_the_header(client):
+    long = "Tell me about the weather in Paris today, please. " * 6
+    body = {"model": "default_model", "max_tokens": 4, "messages": [{"role": "user", "content": long}]}
+    response = await client.post("/v1/messages", json=body)
+    assert response.status_code == 200, await response.get_data()
+    assert response.headers["x-prompt-cache"] == "miss; reason=no_entry"
+    response = await client.post("/v1/messages", json=body)
+    usage = (await response.get_json())["usage"]
+    cached = usage["cache_read_input_tokens"]
+    assert cached > 64 and response.headers["x-prompt-cache"] == f"hit; reused={cached}"
+    response = await client.post("/v1/responses", json={"input": long, "max_output_tokens": 4})
+    usage = (await response.get_json())["usage"]
+    cached = usage["input_tokens_details"]["cached_tokens"]
+    assert cached > 64 and response.headers["x-prompt-cache"] == f"hit; reused={cached}"
