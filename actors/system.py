@@ -223,15 +223,15 @@ class Runtime:
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
-        outlook = self.prompt_cache.open(
-            submit.request_id,
-            handle.model_key,
-            submit.prompt,
-            template_key=template_key,
-            conversation_keys=conversation_keys,
-        )
         core.open(submit.request_id, spec, outbox, handle.tokenizer)
         try:
+            outlook = self.prompt_cache.open(
+                submit.request_id,
+                handle.model_key,
+                submit.prompt,
+                template_key=template_key,
+                conversation_keys=conversation_keys,
+            )
             self.scheduler.submit(submit)
         except BaseException:
             core.close(submit.request_id)
