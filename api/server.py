@@ -8,10 +8,13 @@ handlers (every error is an OpenAI-style JSON body; 429 and 503 carry
 * ``api.routes.completions``: chat and text completions;
 * ``api.routes.models``: the model list;
 * ``api.routes.operations``: ``/health``, ``/metrics``, ``/openapi.json``;
+* ``api.routes.tokenizer``: ``/tokenize``, ``/detokenize``;
 * ``api.agent_routes``: OpenAI Responses and Anthropic Messages;
 * ``api.chat_page``: the chat page at ``/``.
 
-Every generating route goes through ``api.generation.generate``.
+Every generating route goes through ``api.generation.generate``. Around them:
+API keys (``api.auth``) and, wrapping the whole ASGI app, request ids, the
+access log and the HTTP metrics (``api.observability``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
 from api.agent_routes import register_agent_apis
+from api.auth import ApiKeys, register_auth
 from api.chat_page import register_chat_page
 from api.generation import generate
 from api.http import error_response, read_json
+from api.observability import RequestObserver, note_route
 from api.routes.completions import completions_blueprint
 from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
+from api.routes.tokenizer import tokenizer_blueprint
 from runtime.config import ServerConfig
 from runtime.distributed import is_follower
 from runtime.errors import PayloadTooLarge, ServerError
@@ -48,6 +54,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         )
     if problems:
         raise SystemExit("mlx-trio-server: " + "; ".join(problems))
+    api_keys = ApiKeys.from_config(config)
 
     app = QuartTrio("mlx_trio_server", static_folder=None)  # no ./static from the cwd
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
@@ -57,11 +64,13 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     app.extensions["runtime"] = rt
     _lifecycle(app, rt)
     _error_handlers(app, config)
-    _cors(app, rt, config)
+    _cors(app, config)
+    register_auth(app, api_keys, config)
 
     app.register_blueprint(completions_blueprint(rt, config))
     app.register_blueprint(models_blueprint(rt))
     app.register_blueprint(operations_blueprint(rt))
+    app.register_blueprint(tokenizer_blueprint(rt, config))
     register_chat_page(app)
     register_agent_apis(
         app,
@@ -72,6 +81,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         ),
         read_json=read_json,
     )
+    app.asgi_app = RequestObserver(app.asgi_app, rt.metrics)
     return app
 
 
@@ -115,11 +125,10 @@ def _error_handlers(app: QuartTrio, config: ServerConfig) -> None:
         return error_response(ServerError(f"internal error: {type(error).__name__}"))
 
 
-def _cors(app: QuartTrio, rt: Runtime, config: ServerConfig) -> None:
+def _cors(app: QuartTrio, config: ServerConfig) -> None:
     @app.after_request
     async def add_cors(response: Response):
-        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        rt.count_response(rule, response.status_code)
+        note_route()  # for the access log and the metrics, counted when the response ends
         origins = config.allowed_origins
         origin = request.headers.get("Origin")
         if "*" in origins:
