@@ -18,7 +18,7 @@ in one process) and two kinds of metric:
 
 The engine's counters start again from 0 when a new engine starts (a restart or
 a model swap); Prometheus's ``rate()`` and ``increase()`` treat that as a
-counter reset. ``render()`` is the text exposition ``GET /metrics`` answers.
+counter reset. ``render(accept)`` is what ``GET /metrics`` answers.
 """
 
 from __future__ import annotations
@@ -27,20 +27,14 @@ from collections.abc import Callable, Iterator
 
 import attrs
 import prometheus_client
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from actors.session import RequestTiming
@@ -136,9 +130,11 @@ class ServerMetrics:
     def observe_load(self, seconds: float) -> None:
         self.model_load.observe(seconds)
 
-    def render(self) -> tuple[bytes, str]:
-        """The text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition the scraper's ``Accept`` header asks for, and its content type
+        (by default Prometheus's text format 0.0.4; OpenMetrics when asked)."""
+        encode, content_type = choose_encoder(accept)
+        return encode(self.registry), content_type
 
 
 # ------------------------------------------------------------ read at scrape

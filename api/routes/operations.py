@@ -8,7 +8,7 @@ metrics (``actors.metrics``: prometheus-client, the runtime's own registry); ``/
 
 from __future__ import annotations
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from actors.system import Runtime
 from api.http import json_response
@@ -24,7 +24,7 @@ def operations_blueprint(rt: Runtime) -> Blueprint:
 
     @routes.get("/metrics")
     async def metrics():
-        body, content_type = rt.metrics.render()
+        body, content_type = rt.metrics.render(request.headers.get("Accept", ""))
         return Response(body, content_type=content_type)
 
     @routes.get("/openapi.json")
