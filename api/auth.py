@@ -5,9 +5,10 @@
 With none configured, nothing is checked. ``register_auth(app, keys,
 config)`` adds a ``before_request`` hook that, when keys are set, checks every
 request's ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` header
-before its body is read: a missing or wrong key is a 401 in the OpenAI error
-shape (``code: "invalid_api_key"``, with ``WWW-Authenticate: Bearer``), or in
-Anthropic's (``authentication_error``) on ``/v1/messages`` and below.
+before its body is read: a missing or wrong key raises ``Unauthorized``, which
+the app's error handlers answer like any error (a 401 in the OpenAI shape,
+``code: "invalid_api_key"``, or Anthropic's ``authentication_error`` on
+``/v1/messages`` and below); every 401 carries ``WWW-Authenticate: Bearer``.
 
 Open without a key: ``/health``, the chat page (``/`` and ``/assets/...``:
 the page sends the key it is given), CORS preflights (``OPTIONS``), and
@@ -22,18 +23,15 @@ The comparison is constant-time: every presented key is compared with
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Iterable
 
 from quart import Response, request
 
-from api.http import error_response
 from runtime.config import ServerConfig, flag
 from runtime.errors import ServerError
 
 OPEN_RULES = frozenset({"/health", "/", "/assets/<path:name>"})
 METRICS_RULE = "/metrics"
-ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class Unauthorized(ServerError):
@@ -105,19 +103,14 @@ def register_auth(app, keys: ApiKeys, config: ServerConfig) -> None:
         if keys.accepts(presented):
             return None
         if presented:
-            message = "invalid API key"
-        else:
-            message = "an API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-        return unauthorized(message, anthropic=request.path.startswith(ANTHROPIC_PREFIX))
-
-
-def unauthorized(message: str, *, anthropic: bool) -> Response:
-    headers = {"WWW-Authenticate": "Bearer"}
-    if anthropic:
-        body = {"type": "error", "error": {"type": "authentication_error", "message": message}}
-        return Response(
-            json.dumps(body), status=401, headers=headers, content_type="application/json"
+            raise Unauthorized("invalid API key", code="invalid_api_key")
+        raise Unauthorized(
+            "an API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            code="invalid_api_key",
         )
-    response = error_response(Unauthorized(message, code="invalid_api_key"))
-    response.headers.update(headers)
-    return response
+
+    @app.after_request
+    async def challenge(response: Response) -> Response:
+        if response.status_code == 401:
+            response.headers.setdefault("WWW-Authenticate", "Bearer")
+        return response
