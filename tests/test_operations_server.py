@@ -14,7 +14,7 @@ import time
 import httpx
 
 from tests.conftest import raw_chat_request, read_sse_chunks
-from tests.test_server_process import spawn_server, stop_server
+from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 
 KEY = "sk-test-operations"
 
@@ -76,3 +76,25 @@ def test_auth_request_ids_and_one_log_line_per_event(tiny_model_path, tmp_path):
             assert ("finish=length " in line or "finish=stop " in line), line
             assert "prompt_tokens=" in line and "ttft_ms=" in line, line
     assert KEY not in output
+
+
+def test_under_hypercorn_the_key_comes_from_the_environment_and_lines_print_once(
+    tiny_model_path, tmp_path
+):
+    log_path = tmp_path / "hypercorn.log"
+    with open(log_path, "wb") as log:
+        proc, base = spawn_server(
+            hypercorn_args,
+            {"MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_API_KEY": KEY},
+            log=log,
+        )
+        try:
+            assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
+            listed = httpx.get(f"{base}/v1/models", timeout=10, headers={"x-api-key": KEY})
+            assert listed.status_code == 200
+            assert [card["id"] for card in listed.json()["data"]] == [tiny_model_path]
+        finally:
+            stop_server(proc)
+    output = log_path.read_text()
+    assert output.count("Running on http://") == 1, output
+    assert output.count("mlx_trio.access:") == 2 + output.count("endpoint=/health"), output
