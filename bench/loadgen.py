@@ -82,6 +82,9 @@ class Workload:
     disconnect_fraction: float = 1.0  # of the requests, the share that leaves early
     seed: int = 0
     timeout_s: float = 600.0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    mixed_sampling: bool = False  # vary temperature / top_p from request to request
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "text"):
@@ -157,7 +160,10 @@ class PromptBuilder:
         return user if system is None else f"{system}\n\n{user}"
 
     def payload(self, w: Workload, index: int) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"max_tokens": w.max_tokens, "temperature": 0.0}
+        temperature, top_p = sampling_of(w, index)
+        body: dict[str, Any] = {"max_tokens": w.max_tokens, "temperature": temperature}
+        if top_p < 1.0:
+            body["top_p"] = top_p
         if w.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -670,6 +676,21 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=("chat", "text"), default="chat")
     p.add_argument("--system-prompt-tokens", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--mixed-sampling",
+        action="store_true",
+        help="vary temperature and top_p around the given values, request by request",
+    )
+
+
+def sampling_of(w: Workload, index: int) -> tuple[float, float]:
+    """Request ``index``'s temperature and top_p (the same in every process)."""
+    if not w.mixed_sampling or w.temperature == 0:
+        return w.temperature, w.top_p
+    step = index % 4
+    return round(w.temperature * (0.75 + 0.125 * step), 4), min(1.0, w.top_p + 0.02 * step)
 
 
 def workload_from_args(ns: argparse.Namespace) -> Workload:
@@ -682,6 +703,9 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
         disconnect_after=getattr(ns, "disconnect_after", None),
         disconnect_fraction=getattr(ns, "disconnect_fraction", 1.0),
         seed=ns.seed,
+        temperature=getattr(ns, "temperature", 0.0),
+        top_p=getattr(ns, "top_p", 1.0),
+        mixed_sampling=getattr(ns, "mixed_sampling", False),
     )
 
 
