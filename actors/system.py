@@ -17,12 +17,13 @@ and starts every actor with ``nursery.start``; cancelling it stops them all,
 the engine included (it sees the cancellation at its next step or idle wait).
 An actor that crashes marks the runtime dead, so ``/health`` answers 503.
 ``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
-``/health`` and ``/metrics`` figures from the actors.
+``/health`` and ``/metrics`` figures from the actors (``metrics``: its
+``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
+request may name (``resolve``).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import os
@@ -31,6 +32,7 @@ from collections.abc import Callable
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
     EngineProcessSpec,
@@ -40,7 +42,7 @@ from actors.model_loader import (
 )
 from actors.prompt_cache import PromptCacheActor, PromptCacheCore
 from actors.scheduler import Scheduler, SchedulerCore
-from actors.session import Session
+from actors.session import RequestTiming, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
@@ -55,7 +57,14 @@ from runtime.messages import (
     Submit,
     TextSpec,
 )
-from runtime.models import ModelKey, RealEngineCore, default_key, resolve_key, resolve_model
+from runtime.models import (
+    ModelKey,
+    ModelPolicy,
+    RealEngineCore,
+    default_key,
+    resolve_key,
+    resolve_model,
+)
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -96,6 +105,8 @@ class Runtime:
             def make_core_for(key: ModelKey) -> EngineCore:
                 return make_core()
 
+        self.model_policy = ModelPolicy.from_config(config)
+        self.metrics = ServerMetrics(self.figures)
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
@@ -127,11 +138,11 @@ class Runtime:
                 if make_core is None and not self.distributed and config.engine_mode == "process"
                 else None
             ),
+            on_loaded=self.metrics.observe_load,
         )
         self.dead: str | None = None
         self.accepting = True
         self._nursery: trio.Nursery | None = None
-        self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -153,7 +164,7 @@ class Runtime:
     async def resolve(
         self, model: str | None, adapters: str | None = None, draft_model: str | None = None
     ) -> ModelKey:
-        """The model a request names (404 if it is not on this machine).
+        """The model a request names (404 if it is not allowed or not on this machine).
 
         Looking on disk and in the Hugging Face cache is blocking work: a worker thread."""
         key = await trio.to_thread.run_sync(
@@ -165,6 +176,7 @@ class Runtime:
                 model=model,
                 adapters=adapters,
                 draft_model=draft_model,
+                policy=self.model_policy,
             )
         )
         if not self.switchable and key != self.default_model:
@@ -248,61 +260,34 @@ class Runtime:
     def expire_request(self, request_id: int) -> None:
         self.detokenizer.core.expire(request_id)
 
+    def record_request(self, timing: RequestTiming) -> None:
+        self.metrics.observe_request(timing)
+
     def session(self, **kwargs) -> Session:
         return Session(self, **kwargs)
 
     # ---------------------------------------------------------------- health
-
-    def count_response(self, route: str, status: int) -> None:
-        self.responses[(route, status)] += 1
 
     def prompt_cache_figures(self) -> dict:
         """The PromptCacheActor's figures: entries, bytes, hits, cached (reused) tokens,
         misses by reason, evictions and evicted bytes, limits (``/health``, ``/metrics``)."""
         return self.prompt_cache.figures()
 
-    def metrics_text(self) -> str:
-        """Prometheus text exposition of the runtime's state."""
-        stats = self.scheduler.last_stats
-        cache = self.prompt_cache_figures()
+    def figures(self) -> RuntimeFigures:
+        """The state ``/metrics`` reads at each scrape."""
         core = self.scheduler.core
         loader = self.model_loader.core
-        gauges = {
-            "mlx_trio_model_ready": int(loader.state is ModelState.READY and not self.dead),
-            "mlx_trio_requests_in_flight": core.load,
-            "mlx_trio_requests_waiting": len(core.waiting),
-            "mlx_trio_active_sequences": stats.active_sequences,
-            "mlx_trio_kv_reserved_bytes": core.kv_reserved,
-            "mlx_trio_kv_budget_bytes": core.kv_budget or 0,
-            "mlx_trio_prompt_cache_entries": cache["entries"],
-            "mlx_trio_prompt_cache_bytes": cache["bytes"],
-        }
-        counters = {
-            "mlx_trio_engine_steps_total": stats.steps,
-            "mlx_trio_engine_prefill_steps_total": stats.prefill_steps,
-            "mlx_trio_engine_busy_seconds_total": round(stats.busy_seconds, 6),
-            "mlx_trio_engine_restarts_total": loader.restarts,
-            "mlx_trio_prompt_cache_hits_total": cache["hits"],
-            "mlx_trio_prompt_cache_cached_tokens_total": cache["cached_tokens"],
-            "mlx_trio_prompt_cache_evictions_total": cache["evictions"],
-            "mlx_trio_prompt_cache_evicted_bytes_total": cache["evicted_bytes"],
-            "mlx_trio_engine_aborts_total": stats.aborts,
-            "mlx_trio_engine_abort_wait_ms_total": round(stats.abort_wait_ms_total, 3),
-        }
-        gauges["mlx_trio_engine_abort_wait_ms_max"] = round(stats.abort_wait_ms_max, 3)
-        gauges["mlx_trio_engine_abort_wait_steps_max"] = stats.abort_wait_steps_max
-        lines = []
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, value in counters.items():
-            lines += [f"# TYPE {name} counter", f"{name} {value}"]
-        lines.append("# TYPE mlx_trio_prompt_cache_misses_total counter")
-        for reason, n in cache["misses"].items():
-            lines.append(f'mlx_trio_prompt_cache_misses_total{{reason="{reason}"}} {n}')
-        lines.append("# TYPE mlx_trio_http_responses_total counter")
-        for (route, status), n in sorted(self.responses.items()):
-            lines.append(f'mlx_trio_http_responses_total{{route="{route}",status="{status}"}} {n}')
-        return "\n".join(lines) + "\n"
+        return RuntimeFigures(
+            model_ready=loader.state is ModelState.READY and not self.dead,
+            requests_in_flight=core.load,
+            requests_running=len(core.in_engine),
+            requests_waiting=len(core.waiting),
+            kv_reserved_bytes=core.kv_reserved,
+            kv_budget_bytes=core.kv_budget or 0,
+            engine_restarts=loader.restarts,
+            stats=self.scheduler.last_stats,
+            prompt_cache=self.prompt_cache_figures(),
+        )
 
     def health(self) -> tuple[int, dict]:
         loader = self.model_loader.core
