@@ -131,6 +131,9 @@ async def test_an_evicted_entry_misses_with_evicted(one_entry_client):
     figures = health["prompt_cache"]
     assert figures["entries"] == 1 and figures["evictions"] >= 1
     assert figures["misses"]["evicted"] == 1
+    scrape = (await (await client.get("/metrics")).get_data()).decode()
+    assert 'mlx_trio_prompt_cache_misses_total{reason="evicted"} 1.0' in scrape
+    assert f"mlx_trio_prompt_cache_evictions_total {float(figures['evictions'])}" in scrape
 
 
 async def test_the_agent_apis_carry_the_header(client):
