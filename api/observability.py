@@ -119,7 +119,9 @@ class RequestObserver:
         status = record.status if record.status is not None else CLIENT_CLOSED
         self._metrics.observe_response(record.route, status)
         fields = access_fields(record, status)
-        ACCESS_LOG.info("%s", access_line(fields), extra={"access": fields})
+        # Health probes every few seconds would drown the requests: DEBUG for them.
+        level = logging.DEBUG if fields.get("endpoint") == "/health" else logging.INFO
+        ACCESS_LOG.log(level, "%s", access_line(fields), extra={"access": fields})
 
 
 def access_fields(record: RequestRecord, status: int) -> dict[str, Any]:

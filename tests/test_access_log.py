@@ -71,7 +71,7 @@ async def test_the_clients_request_id_is_echoed_on_streams_too(client, caplog):
 
 
 async def test_errors_and_other_routes_get_a_line(client, caplog):
-    caplog.set_level(logging.INFO, logger="mlx_trio.access")
+    caplog.set_level(logging.DEBUG, logger="mlx_trio.access")  # /health's line is DEBUG
     caplog.clear()
     status, _, _ = await post(client, CHAT, chat_body(temperature=-1))
     assert status == 400
@@ -83,6 +83,8 @@ async def test_errors_and_other_routes_get_a_line(client, caplog):
     ]
     assert "prompt_tokens" not in lines[0]  # no generation happened
     assert lines[2]["path"] == "/nowhere\nforged=1"
+    levels = [r.levelno for r in caplog.records if r.name == "mlx_trio.access"]
+    assert levels == [logging.INFO, logging.DEBUG, logging.INFO]  # probes do not drown requests
     message = [r.getMessage() for r in caplog.records if r.name == "mlx_trio.access"][2]
     assert "\n" not in message and 'path="/nowhere\\nforged=1"' in message
 
