@@ -1,4 +1,4 @@
-"""Structured outputs and tool choice (runtime/grammar.py) with real models on the CPU.
+"""Structured outputs and tool choice (runtime/grammar/) with real models on the CPU.
 
 A constrained decoding loop written here (mlx-lm forward, the rows' packed
 bitmasks filled in one ``fill_bitmasks`` call per step, masked argmax,
