@@ -310,7 +310,7 @@ def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
 
 
 def chat_tool_choice(choice: ToolChoiceIn | None) -> str | dict | None:
-    """Anthropic's tool_choice in the chat-completions form (passed on, not enforced)."""
+    """Anthropic's tool_choice in the chat-completions form (enforced: api.structured)."""
     if choice is None:
         return None
     if choice.type == "tool":
@@ -330,6 +330,7 @@ def chat_turn(req: MessagesRequest, config: ServerConfig) -> ChatTurn:
         messages=chat_messages(req),
         tools=chat_tools(req),
         tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         template_args=template_args(req, config),
         max_tokens=req.max_tokens,
         sampling=sampling_params(config, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k),
