@@ -487,14 +487,14 @@ class MessagesRenderer(AgentRenderer):
 # -------------------------------------------------------------------- routes
 
 
-def resolve_model(rt, name: str):
+async def resolve_model(rt, name: str):
     """The model for ``name``: a local one if it names one, else (for Claude names) the default."""
     try:
-        return rt.resolve(name)
+        return await rt.resolve(name)
     except NotFound:
         if name.lower().startswith("claude"):
             log.debug("Anthropic model name %r served by the default model", name)
-            return rt.resolve(None)
+            return await rt.resolve(None)
         raise
 
 
@@ -533,7 +533,7 @@ def messages_blueprint(
     async def messages():
         req = structure_or_400(await read_json(), MessagesRequest)
         turn = chat_turn(req, config)
-        session = open_session(rt, config, turn, model=resolve_model(rt, req.model), timeout=req.timeout)
+        session = open_session(rt, config, turn, model=await resolve_model(rt, req.model), timeout=req.timeout)
         renderer = MessagesRenderer(model=req.model, prompt_tokens=lambda: _prompt_length(session))
         return await generate(session, renderer, req.stream)
 
@@ -547,7 +547,7 @@ def messages_blueprint(
             max_tokens=1,
             sampling=sampling_params(config, temperature=None, top_p=None),
         )
-        handle = await rt.acquire(resolve_model(rt, req.model))
+        handle = await rt.acquire(await resolve_model(rt, req.model))
         try:
             prompt = await trio.to_thread.run_sync(
                 lambda: prepare_turn(handle.tokenizer, turn=turn), limiter=rt.tokenize_limiter

@@ -619,7 +619,7 @@ def responses_blueprint(
         req = structure_or_400(await read_json(), ResponsesRequest)
         prepared = prepare_request(req, config, responses)
         session = open_session(
-            rt, config, prepared.turn, model=rt.resolve(req.model), timeout=req.timeout
+            rt, config, prepared.turn, model=await rt.resolve(req.model), timeout=req.timeout
         )
         renderer = ResponsesRenderer(
             req=req, prepared=prepared, store=responses,

@@ -172,7 +172,7 @@ class EngineCore:
         self._prompt_cache_bytes = prompt_cache_bytes
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
-        self._batch_sampler = batch_sampler
+        self.batch_sampler = batch_sampler
         self._constraint_factory = constraint_factory
         self._insert_options = insert_options or (lambda submit: {})
         self._stop_sequences = stop_sequences
@@ -273,9 +273,9 @@ class EngineCore:
             stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
             **options,
         )
-        if self._batch_sampler is not None:
+        if self.batch_sampler is not None:
             try:
-                self._batch_sampler.register(uid, sub.sampling, constraint)
+                self.batch_sampler.register(uid, sub.sampling, constraint)
             except Exception:
                 self._batch.remove([uid])
                 raise
@@ -292,7 +292,7 @@ class EngineCore:
                 raise ValueError("this engine cannot enforce structured outputs or tool_choice")
             constraint = self._constraint_factory(sub.constraint)
         processors = self._logits_processors_factory(sub.sampling)
-        if self._batch_sampler is not None:
+        if self.batch_sampler is not None:
             from runtime.batch_sampling import validate_params
 
             validate_params(sub.sampling)  # before inserting: a bad request fails alone
@@ -332,8 +332,8 @@ class EngineCore:
     def _forget(self, seq: _Sequence) -> None:
         del self._by_uid[seq.uid]
         del self._by_request[seq.request_id]
-        if self._batch_sampler is not None:
-            self._batch_sampler.forget(seq.uid)
+        if self.batch_sampler is not None:
+            self.batch_sampler.forget(seq.uid)
 
     # ---------------------------------------------------------------- steps
 
@@ -441,8 +441,8 @@ class EngineCore:
             self._held.clear()
         self._by_uid.clear()
         self._by_request.clear()
-        if self._batch_sampler is not None:
-            self._batch_sampler.clear()  # a new generator's uids start again at 0
+        if self.batch_sampler is not None:
+            self.batch_sampler.clear()  # a new generator's uids start again at 0
         self._close_batch()
         if not closing:
             self._batch = self._new_batch_generator()
