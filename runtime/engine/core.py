@@ -11,9 +11,10 @@ that cannot share a batch: both have the same interface, so there is one
 path), the registrations of its rows with the batch sampler (the one sampler
 every row of a batched generator shares, ``runtime.batch_sampling``: a
 sequence is registered when inserted and forgotten when it finishes, is
-aborted or fails), the prompt cache (``fetch_nearest_cache`` when a request is admitted,
-``insert_cache`` at segment ends and when a sequence finishes), the requests
-held by the admission window, and the counters of ``EngineStats``.
+aborted or fails), the prompt cache (``fetch_nearest_cache`` when a request
+is admitted, ``insert_cache`` at segment ends and when a sequence finishes),
+the requests held by the admission window, and the counters of
+``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
