@@ -10,10 +10,12 @@ A field's bounds come from the same ``Constraint`` its attrs validator
 enforces (``api.constraints``): ranges become ``minimum``/``maximum``, allowed
 values ``enum``/``const``, and so on, applied to the union member of the JSON
 type they concern. The error body every non-2xx answer carries is
-``ErrorResponse`` (``api.errors``); ``/health`` answers with ``Health`` (200
-or 503). Streams (``stream: true``) are documented as ``text/event-stream``
-whose schema describes one event, as OpenAPI before 3.2 does. Nothing here is
-imported by the server until ``/openapi.json`` is first asked for.
+``ErrorResponse`` (``api.errors``; ``AnthropicError`` under ``/v1/messages``);
+``/health`` answers with ``Health`` (200 or 503). Streams (``stream: true``)
+are documented as ``text/event-stream`` whose schema describes one event, as
+OpenAPI before 3.2 does. The agent APIs' paths and answers come from
+``api.agents.openapi``. Nothing here is imported by the server until
+``/openapi.json`` is first asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import attrs
 
 import api.responses as responses
 import api.schemas as schemas
+from api.agents.openapi import AGENT_COMPONENTS, agent_paths
 from api.constraints import Constraint, constraint_of
 from api.errors import ErrorResponse
 
@@ -321,8 +324,10 @@ def openapi_document() -> dict[str, Any]:
         ErrorResponse,
     ):
         builder.ref(cls)
+    agents = agent_paths(builder.ref)
     components = dict(sorted(builder.components.items()))
     components["Health"] = _HEALTH
+    components.update(AGENT_COMPONENTS)
 
     paths = {
         "/v1/chat/completions": _generation(
@@ -402,6 +407,7 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        **agents,
     }
     return {
         "openapi": OPENAPI_VERSION,
@@ -409,7 +415,8 @@ def openapi_document() -> dict[str, Any]:
             "title": "mlx-trio-server",
             "version": _version(),
             "description": "An OpenAI-compatible server for MLX models. Every error answer is "
-            '`{"error": {"message", "type", "param", "code"}}`; 429 and 503 carry Retry-After.',
+            '`{"error": {"message", "type", "param", "code"}}`, under /v1/messages Anthropic\'s '
+            '`{"type": "error", "error": {"type", "message"}}`; 429 and 503 carry Retry-After.',
         },
         "paths": paths,
         "components": {"schemas": components},

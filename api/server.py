@@ -2,13 +2,14 @@
 
 Owns the app's lifecycle (its serving starts the ``Runtime``, every actor and
 the engine, in the app's nursery, and cancels it on shutdown), the error
-handlers (every error is an OpenAI-style JSON body; 429 and 503 carry
-``Retry-After``), CORS, and which routes exist:
+handlers (every error is an OpenAI-style JSON body, Anthropic's under
+``/v1/messages``; 429 and 503 carry ``Retry-After``), CORS, and which routes
+exist:
 
 * ``api.routes.completions``: chat and text completions;
 * ``api.routes.models``: the model list;
 * ``api.routes.operations``: ``/health``, ``/metrics``, ``/openapi.json``;
-* ``api.agent_routes``: OpenAI Responses and Anthropic Messages;
+* ``api.agents``: OpenAI Responses and Anthropic Messages;
 * ``api.chat_page``: the chat page at ``/``.
 
 Every generating route goes through ``api.generation.generate``.
@@ -16,7 +17,6 @@ Every generating route goes through ``api.generation.generate``.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import trio
@@ -25,10 +25,10 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
-from api.agent_routes import register_agent_apis
+from api.agents import messages_errors
+from api.agents.routes import register_agent_apis
 from api.chat_page import register_chat_page
-from api.generation import generate
-from api.http import error_response, read_json
+from api.http import error_response
 from api.routes.completions import completions_blueprint
 from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
@@ -63,15 +63,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     app.register_blueprint(models_blueprint(rt))
     app.register_blueprint(operations_blueprint(rt))
     register_chat_page(app)
-    register_agent_apis(
-        app,
-        rt,
-        config,
-        generate=functools.partial(
-            generate, stream_interval=config.stream_interval_ms / 1000
-        ),
-        read_json=read_json,
-    )
+    register_agent_apis(app, rt, config)
     return app
 
 
@@ -95,24 +87,30 @@ def _lifecycle(app: QuartTrio, rt: Runtime) -> None:
 
 
 def _error_handlers(app: QuartTrio, config: ServerConfig) -> None:
+    def respond(error: ServerError | HTTPException) -> Response:
+        """The answer in the shape of the API the path belongs to (routing errors too)."""
+        if messages_errors.is_messages_path(request.path):
+            return messages_errors.error_response(error)
+        return error_response(error)
+
     @app.errorhandler(ServerError)
     async def on_server_error(error: ServerError):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(RequestEntityTooLarge)
     async def on_too_large(error):
-        return error_response(
+        return respond(
             PayloadTooLarge(f"the request body is larger than {config.max_request_bytes} bytes")
         )
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception):
         log.exception("unexpected error while serving %s %s", request.method, request.path)
-        return error_response(ServerError(f"internal error: {type(error).__name__}"))
+        return respond(ServerError(f"internal error: {type(error).__name__}"))
 
 
 def _cors(app: QuartTrio, rt: Runtime, config: ServerConfig) -> None:

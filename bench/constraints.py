@@ -8,7 +8,9 @@ machine hits them alike:
 
 * ``greedy``: temperature 0;
 * ``sampled``: temperature 0.7, top_p 0.9, the same for every request;
-* ``mixed``: each request its own temperature, top_p and top_k;
+* ``mixed``: temperature and top_p varied over four sets (``--mixed-sampling``);
+* ``distinct``: each request its own temperature, top_p and top_k, drawn at
+  random (``--distinct-sampling``: no two requests alike, as arbitrary clients);
 * ``constrained``: greedy, every request with ``response_format`` json_schema
   (``loadgen.BENCH_SCHEMA``: never finished within max_tokens, so every token
   is masked and a request is as long as a free one);
@@ -52,7 +54,8 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 MODES = {
     "greedy": {},
     "sampled": SAMPLED,
-    "mixed": {"temperature": 0.7, "vary_sampling": True},
+    "mixed": {"temperature": 0.7, "top_p": 0.9, "mixed_sampling": True},
+    "distinct": {"temperature": 0.7, "distinct_sampling": True},
     "constrained": {"constrained": "json_schema"},
     "half-constrained": {"constrained": "json_schema", "constrained_fraction": 0.5},
     "constrained-sampled": {"constrained": "json_schema", **SAMPLED},

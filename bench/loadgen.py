@@ -6,9 +6,10 @@ Owns the client side of the benchmark and the pieces every bench script shares:
   from a word list (counted with the model's ``tokenizer.json`` when given, so the
   engine-ceiling runner can rebuild exactly the same prompts), an optional shared
   long system prompt, chat or text endpoint, streaming on/off, max_tokens, the
-  sampling (greedy by default; ``temperature`` / ``top_p``, and per request a
-  different one with ``vary_sampling``) and structured outputs (``constrained``:
-  a ``response_format`` on a share of the chat requests, ``BENCH_SCHEMA``).
+  sampling (greedy by default; ``temperature`` / ``top_p``, varied over four
+  sets with ``mixed_sampling`` or drawn per request with ``distinct_sampling``)
+  and structured outputs (``constrained``: a ``response_format`` on a share of
+  the chat requests, ``BENCH_SCHEMA``).
 * ``run_level``: keeps ``concurrency`` requests in flight (a closed loop: each client
   sends its next request as soon as the previous one ends) until ``requests`` are
   done, with ``httpx.AsyncClient`` on trio. A disconnect-storm mode makes clients
@@ -109,9 +110,11 @@ class Workload:
     disconnect_fraction: float = 1.0  # of the requests, the share that leaves early
     seed: int = 0
     timeout_s: float = 600.0
-    temperature: float = 0.0
-    top_p: float | None = None
-    vary_sampling: bool = False  # each request its own temperature / top_p (one batch, mixed)
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    mixed_sampling: bool = False  # vary temperature / top_p from request to request
+    # every request its own temperature, top_p, top_k, drawn at random (as arbitrary clients)
+    distinct_sampling: bool = False
     constrained: str | None = None  # "json_schema" (BENCH_SCHEMA) or "json_object"
     constrained_fraction: float = 1.0  # of the requests, the share with a response_format
 
@@ -129,16 +132,6 @@ class Workload:
         if self.constrained is None:
             return False
         return random.Random(f"{self.seed}-constrain-{index}").random() < self.constrained_fraction
-
-    def sampling(self, index: int) -> dict[str, float]:
-        fields = {"temperature": self.temperature}
-        if self.top_p is not None:
-            fields["top_p"] = self.top_p
-        if self.vary_sampling and self.temperature > 0:
-            rng = random.Random(f"{self.seed}-sampling-{index}")
-            fields = {"temperature": round(self.temperature * rng.uniform(0.7, 1.3), 3),
-                      "top_p": round(rng.uniform(0.8, 1.0), 3), "top_k": rng.choice([0, 20, 50])}
-        return fields
 
     def leaves_early(self, index: int) -> bool:
         if self.disconnect_after is None:
@@ -208,7 +201,12 @@ class PromptBuilder:
         return user if system is None else f"{system}\n\n{user}"
 
     def payload(self, w: Workload, index: int) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"max_tokens": w.max_tokens, **w.sampling(index)}
+        temperature, top_p = sampling_of(w, index)
+        body: dict[str, Any] = {"max_tokens": w.max_tokens, "temperature": temperature}
+        if top_p < 1.0:
+            body["top_p"] = top_p
+        if w.distinct_sampling and temperature > 0:
+            body["top_k"] = random.Random(f"{w.seed}-top-k-{index}").choice([0, 20, 50])
         if w.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -718,13 +716,30 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=("chat", "text"), default="chat")
     p.add_argument("--system-prompt-tokens", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--vary-sampling", action="store_true",
-                   help="each request its own temperature (x0.7-1.3), top_p, top_k")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--mixed-sampling",
+        action="store_true",
+        help="vary temperature and top_p around the given values, request by request",
+    )
+    p.add_argument("--distinct-sampling", action="store_true",
+                   help="every request its own temperature (x0.7-1.3), top_p (0.8-1) and "
+                   "top_k (0, 20 or 50; HTTP only)")
     p.add_argument("--constrained", choices=("json_schema", "json_object"), default=None,
                    help="chat requests with this response_format (json_schema: BENCH_SCHEMA)")
     p.add_argument("--constrained-fraction", type=float, default=1.0)
+
+
+def sampling_of(w: Workload, index: int) -> tuple[float, float]:
+    """Request ``index``'s temperature and top_p (the same in every process)."""
+    if w.temperature == 0 or not (w.mixed_sampling or w.distinct_sampling):
+        return w.temperature, w.top_p
+    if w.distinct_sampling:
+        rng = random.Random(f"{w.seed}-sampling-{index}")
+        return round(w.temperature * rng.uniform(0.7, 1.3), 4), round(rng.uniform(0.8, 1.0), 4)
+    step = index % 4
+    return round(w.temperature * (0.75 + 0.125 * step), 4), min(1.0, w.top_p + 0.02 * step)
 
 
 def workload_from_args(ns: argparse.Namespace) -> Workload:
@@ -738,8 +753,9 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
         disconnect_fraction=getattr(ns, "disconnect_fraction", 1.0),
         seed=ns.seed,
         temperature=getattr(ns, "temperature", 0.0),
-        top_p=getattr(ns, "top_p", None),
-        vary_sampling=getattr(ns, "vary_sampling", False),
+        top_p=getattr(ns, "top_p", 1.0),
+        mixed_sampling=getattr(ns, "mixed_sampling", False),
+        distinct_sampling=getattr(ns, "distinct_sampling", False),
         constrained=getattr(ns, "constrained", None),
         constrained_fraction=getattr(ns, "constrained_fraction", 1.0),
     )

@@ -103,8 +103,13 @@ def _same_path(a: str, b: str) -> bool:
 
 def locate(name: str, *, param: str, want: str = "config.json") -> str:
     """A local directory holding ``want``, or the local HF cache's snapshot of repo ``name``."""
-    path = Path(name).expanduser()
-    if path.is_dir():
+    path = Path(name)
+    try:
+        path = path.expanduser()
+        is_dir = path.is_dir()
+    except (OSError, RuntimeError):  # too long for a file name; ~user of no such user
+        is_dir = False
+    if is_dir:
         if (path / want).exists():
             return str(path)
         raise NotFound(f"{param} {name!r}: the directory has no {want}", param=param)
