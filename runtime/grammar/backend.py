@@ -34,6 +34,10 @@ class GrammarBackend:
     def fill_bitmasks(self, rows: Sequence[tuple[RowMatcher, int]], bitmask: np.ndarray) -> None:
         fill_bitmasks([matcher for matcher, _ in rows], bitmask, [row for _, row in rows])
 
+    def preferred_tokens(self, rows: Sequence[tuple[RowMatcher, int]]) -> list[tuple[int, int]]:
+        """(row, token): allowed only if the row's unmasked argmax (``preferred_opening``)."""
+        return [(row, m.preferred_opening) for m, row in rows if m.preferred_opening is not None]
+
 
 def constraint_processor(matcher: RowMatcher, tokenizer: GrammarTokenizer):
     """An mlx-lm logits processor ``(tokens, logits) -> logits`` enforcing ``matcher``.
@@ -42,8 +46,9 @@ def constraint_processor(matcher: RowMatcher, tokenizer: GrammarTokenizer):
     token so far: the first call sees the prompt, each later one the prompt
     and the samples, the newest last, which is fed to the matcher. Tokens
     the matcher does not allow get ``-inf``, as do logits columns past the
-    tokenizer's vocabulary. One synchronisation per token (the serial path
-    has no overlap to lose).
+    tokenizer's vocabulary; a thinking block may open first only where the
+    model prefers it (``RowMatcher.preferred_opening``). One synchronisation
+    per token (the serial path has no overlap to lose).
     """
     import mlx.core as mx
 
@@ -62,6 +67,9 @@ def constraint_processor(matcher: RowMatcher, tokenizer: GrammarTokenizer):
         allowed = allowed[:, : min(width, tokenizer.vocab_size)]
         if allowed.shape[1] < width:
             allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[1])))
+        opening = matcher.preferred_opening
+        if opening is not None and int(mx.argmax(logits[-1]).item()) == opening:
+            allowed[:, opening] = 1
         return mx.where(mx.array(allowed.astype(bool)), logits, -mx.inf)
 
     return process

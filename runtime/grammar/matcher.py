@@ -9,8 +9,9 @@ a step in ONE llguidance call (parallel over its thread pool). Layout: int32
 words, bit ``j`` of word ``i`` allows token ``32 * i + j``.
 
 A row goes through phases: ``reasoning`` (the prompt ends inside a thinking
-block, or the model opened one: anything but end-of-sequence until the
-think-end marker), ``grammar`` (llguidance decides; once the grammar is
+block, or the model opened one as its first token, where it would have
+unconstrained: ``RowMatcher.preferred_opening``; anything but end-of-sequence
+until the think-end marker), ``grammar`` (llguidance decides; once the grammar is
 complete only end-of-sequence tokens are allowed) and, for
 ``tool_choice: "none"``, ``free`` (everything but the tool-call start marker).
 A grammar that cannot finish within ``max_tokens`` simply runs out of tokens
@@ -156,6 +157,19 @@ class RowMatcher:
     def may_open_thinking(self) -> bool:
         return self.phase == "grammar" and self.spec.think_start is not None and not self._started
 
+    @property
+    def preferred_opening(self) -> int | None:
+        """A token allowed next only if it is the model's own first choice, or None.
+
+        Before its first token a row may open a thinking block (``think_start``)
+        instead of the constrained text, but only where the model would have
+        done so unconstrained: the mask leaves the bit clear and the sampler
+        sets it for rows whose unmasked argmax is this token. (A model that
+        would have chatted, offered only the constrained text or a thinking
+        block, otherwise escapes into thinking that nothing bounds.)
+        """
+        return self.spec.think_start if self.may_open_thinking else None
+
     def _remember(self, token: int) -> None:
         self._recent.append(token)
         keep = max([len(self.spec.think_end)] + [len(s) for s in self.spec.banned])
@@ -167,11 +181,8 @@ class RowMatcher:
         self.phase, self.error = "failed", reason
 
     def _fix_row(self, row: np.ndarray) -> None:
-        """Bits the grammar alone does not set: an optional thinking opening, banned sequences."""
+        """Bits the grammar alone does not clear: banned sequences (see ``preferred_opening``)."""
         bits = row.view(np.uint32)
-        if self.may_open_thinking:
-            t = self.spec.think_start
-            bits[t // 32] |= np.uint32(1 << (t % 32))
         if self.phase in ("free", "reasoning"):
             for seq in self.spec.banned:
                 if len(seq) > 1 and tuple(self._recent[-(len(seq) - 1):]) == seq[:-1]:
@@ -223,7 +234,7 @@ def fill_bitmasks(
                 matcher._fail(ll.get_error())
                 bitmask[row] = matcher._tokenizer.eos_only_row
     for matcher, row in zip(matchers, rows, strict=True):
-        if matcher.spec.think_start is not None or matcher.spec.banned:
+        if matcher.spec.banned:
             matcher._fix_row(bitmask[row])
 
 
