@@ -21,18 +21,28 @@ finishes the request with ``finish_reason: "length"`` and withdraws it.
 Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
 raises ``Cancelled`` if the task is cancelled, and waits only when nothing is
 pending; exiting is not a checkpoint.
+
+Timing: a Session notes when the request began (entering), when its first
+output and its terminal reached it (``RequestTiming``, the response edge: what
+the client sees, stop-string hold-back included) and the terminal's token
+counts; leaving hands the record to ``SessionPort.record_request`` (metrics)
+and keeps it as ``timing`` (the access log).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
+import attrs
 import trio
 
 from runtime.errors import ClientError
 from runtime.messages import (
     Delta,
+    Failed,
+    Finished,
     ModelHandle,
     PreparedPrompt,
     Progress,
@@ -43,6 +53,53 @@ from runtime.messages import (
 )
 from runtime.models import ModelKey
 from runtime.outbox import Outbox
+
+
+@attrs.define
+class RequestTiming:
+    """One request's milestones (``time.monotonic()`` seconds) and token counts.
+
+    ``outcome``: the finish reason, ``"error"`` for a ``Failed`` terminal, or
+    None while none arrived (a client that left before the end)."""
+
+    started: float = attrs.field(factory=time.monotonic)
+    first_output: float | None = None
+    ended: float | None = None  # the terminal reached the Session
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    outcome: str | None = None
+
+    def note(self, items, now: float) -> None:
+        for item in items:
+            if isinstance(item, Delta):
+                if self.first_output is None and (
+                    item.content or item.reasoning or item.tool_calls
+                ):
+                    self.first_output = now
+            elif isinstance(item, Finished | Failed):
+                self.ended = now
+                self.outcome = "error" if isinstance(item, Failed) else str(item.finish_reason)
+                if item.usage is not None:
+                    self.prompt_tokens = item.usage.prompt_tokens
+                    self.completion_tokens = item.usage.completion_tokens
+                    self.cached_tokens = item.usage.cached_tokens
+
+    @property
+    def time_to_first_output(self) -> float | None:
+        return None if self.first_output is None else self.first_output - self.started
+
+    @property
+    def duration(self) -> float | None:
+        """Entering to the terminal (None: no terminal arrived)."""
+        return None if self.ended is None else self.ended - self.started
+
+    @property
+    def inter_token(self) -> float | None:
+        """Mean time between generated tokens, first output to the terminal."""
+        if self.first_output is None or self.ended is None or self.completion_tokens < 2:
+            return None
+        return (self.ended - self.first_output) / (self.completion_tokens - 1)
 
 
 class SessionPort(Protocol):
@@ -71,6 +128,9 @@ class SessionPort(Protocol):
 
     def expire_request(self, request_id: int) -> None:
         """The deadline passed: finish with "length"."""
+
+    def record_request(self, timing: RequestTiming) -> None:
+        """The Session left: its timing and tokens (metrics); synchronous, never raises."""
 
 
 class Session:
@@ -113,8 +173,11 @@ class Session:
         self.outbox = Outbox()
         self.request_id: int | None = None
         self.prompt: PreparedPrompt | None = None
+        self.timing = RequestTiming()
+        self._recorded = False
 
     async def __aenter__(self) -> Session:
+        self.timing.started = time.monotonic()
         key = self._model or self._runtime.default_model
         handle = await self._runtime.acquire(key)
         self._leased = True
@@ -185,6 +248,9 @@ class Session:
         if self._leased:
             self._leased = False
             self._runtime.release()
+            if not self._recorded:
+                self._recorded = True
+                self._runtime.record_request(self.timing)
 
     async def receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         """The next events; raises ``trio.EndOfChannel`` after the terminal one.
@@ -192,6 +258,11 @@ class Session:
         Past the request's deadline the request is finished with "length" (its
         text so far, then the terminal): a deadline never truncates a stream.
         """
+        items = await self._receive()
+        self.timing.note(items, time.monotonic())
+        return items
+
+    async def _receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._deadline == float("inf"):  # no deadline: no cancel scope per chunk
             return await self.outbox.get()

@@ -16,12 +16,13 @@ and starts every actor with ``nursery.start``; cancelling it stops them all,
 the engine included (it sees the cancellation at its next step or idle wait).
 An actor that crashes marks the runtime dead, so ``/health`` answers 503.
 ``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
-``/health`` and ``/metrics`` figures from the actors.
+``/health`` and ``/metrics`` figures from the actors (``metrics``: its
+``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
+request may name (``resolve``).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import os
@@ -30,6 +31,7 @@ from collections.abc import Callable
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
     EngineProcessSpec,
@@ -39,7 +41,7 @@ from actors.model_loader import (
 )
 from actors.prompt_cache import PromptCacheActor, cache_figures
 from actors.scheduler import Scheduler, SchedulerCore
-from actors.session import Session
+from actors.session import RequestTiming, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
@@ -54,7 +56,14 @@ from runtime.messages import (
     Submit,
     TextSpec,
 )
-from runtime.models import ModelKey, RealEngineCore, default_key, resolve_key, resolve_model
+from runtime.models import (
+    ModelKey,
+    ModelPolicy,
+    RealEngineCore,
+    default_key,
+    resolve_key,
+    resolve_model,
+)
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -95,6 +104,8 @@ class Runtime:
             def make_core_for(key: ModelKey) -> EngineCore:
                 return make_core()
 
+        self.model_policy = ModelPolicy.from_config(config)
+        self.metrics = ServerMetrics(self.figures)
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
@@ -121,11 +132,11 @@ class Runtime:
                 if make_core is None and not self.distributed and config.engine_mode == "process"
                 else None
             ),
+            on_loaded=self.metrics.observe_load,
         )
         self.dead: str | None = None
         self.accepting = True
         self._nursery: trio.Nursery | None = None
-        self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -147,7 +158,7 @@ class Runtime:
     async def resolve(
         self, model: str | None, adapters: str | None = None, draft_model: str | None = None
     ) -> ModelKey:
-        """The model a request names (404 if it is not on this machine).
+        """The model a request names (404 if it is not allowed or not on this machine).
 
         Looking on disk and in the Hugging Face cache is blocking work: a worker thread."""
         key = await trio.to_thread.run_sync(
@@ -159,6 +170,7 @@ class Runtime:
                 model=model,
                 adapters=adapters,
                 draft_model=draft_model,
+                policy=self.model_policy,
             )
         )
         if not self.switchable and key != self.default_model:
@@ -224,50 +236,28 @@ class Runtime:
     def expire_request(self, request_id: int) -> None:
         self.detokenizer.core.expire(request_id)
 
+    def record_request(self, timing: RequestTiming) -> None:
+        self.metrics.observe_request(timing)
+
     def session(self, **kwargs) -> Session:
         return Session(self, **kwargs)
 
     # ---------------------------------------------------------------- health
 
-    def count_response(self, route: str, status: int) -> None:
-        self.responses[(route, status)] += 1
-
-    def metrics_text(self) -> str:
-        """Prometheus text exposition of the runtime's state."""
-        stats = self.scheduler.last_stats
+    def figures(self) -> RuntimeFigures:
+        """The state ``/metrics`` reads at each scrape."""
         core = self.scheduler.core
         loader = self.model_loader.core
-        gauges = {
-            "mlx_trio_model_ready": int(loader.state is ModelState.READY and not self.dead),
-            "mlx_trio_requests_in_flight": core.load,
-            "mlx_trio_requests_waiting": len(core.waiting),
-            "mlx_trio_active_sequences": stats.active_sequences,
-            "mlx_trio_kv_reserved_bytes": core.kv_reserved,
-            "mlx_trio_kv_budget_bytes": core.kv_budget or 0,
-            "mlx_trio_prompt_cache_entries": stats.prompt_cache_entries,
-            "mlx_trio_prompt_cache_bytes": stats.prompt_cache_bytes,
-        }
-        counters = {
-            "mlx_trio_engine_steps_total": stats.steps,
-            "mlx_trio_engine_prefill_steps_total": stats.prefill_steps,
-            "mlx_trio_engine_busy_seconds_total": round(stats.busy_seconds, 6),
-            "mlx_trio_engine_restarts_total": loader.restarts,
-            "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,
-            "mlx_trio_prompt_cache_cached_tokens_total": stats.prompt_cache_cached_tokens,
-            "mlx_trio_engine_aborts_total": stats.aborts,
-            "mlx_trio_engine_abort_wait_ms_total": round(stats.abort_wait_ms_total, 3),
-        }
-        gauges["mlx_trio_engine_abort_wait_ms_max"] = round(stats.abort_wait_ms_max, 3)
-        gauges["mlx_trio_engine_abort_wait_steps_max"] = stats.abort_wait_steps_max
-        lines = []
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, value in counters.items():
-            lines += [f"# TYPE {name} counter", f"{name} {value}"]
-        lines.append("# TYPE mlx_trio_http_responses_total counter")
-        for (route, status), n in sorted(self.responses.items()):
-            lines.append(f'mlx_trio_http_responses_total{{route="{route}",status="{status}"}} {n}')
-        return "\n".join(lines) + "\n"
+        return RuntimeFigures(
+            model_ready=loader.state is ModelState.READY and not self.dead,
+            requests_in_flight=core.load,
+            requests_running=len(core.in_engine),
+            requests_waiting=len(core.waiting),
+            kv_reserved_bytes=core.kv_reserved,
+            kv_budget_bytes=core.kv_budget or 0,
+            engine_restarts=loader.restarts,
+            stats=self.scheduler.last_stats,
+        )
 
     def health(self) -> tuple[int, dict]:
         loader = self.model_loader.core

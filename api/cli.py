@@ -10,7 +10,8 @@ structured into ``ServerConfig`` by ``config_from_mapping``, as the
 environment's are. ``--markdown`` prints the settings table of
 docs/configuration.md (made from the same metadata) and exits.
 
-``main`` serves the app with Hypercorn's trio worker in this process.
+``main`` serves the app with Hypercorn's trio worker in this process, its
+log lines through this process's one logging set-up (one line per event).
 SIGINT/SIGTERM trigger a graceful shutdown: the app stops admitting, then the
 runtime is cancelled.
 """
@@ -62,6 +63,8 @@ def _argument(s: Setting) -> dict[str, Any]:
             raise TypeError(f"{s.flag}: a store_true flag needs the default False")
         return {"action": "store_true", "help": help_text}
     out: dict[str, Any] = {"type": _argparse_type(s.format), "help": help_text}
+    if s.repeatable:
+        out["action"] = "extend"  # --api-key a --api-key b,c: (a, b, c)
     if s.choices is not None:
         out["choices"] = s.choices
     return out
@@ -126,7 +129,10 @@ async def _serve(app, config) -> None:
     hyper.backlog = 1024
     hyper.graceful_timeout = 10
     hyper.startup_timeout = 600
+    # One line per event: Hypercorn logs through our handlers (given a Logger, it adds
+    # none of its own), and the access log is ours (api.observability: mlx_trio.access).
     hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("hypercorn.error")
 
     async def shutdown_trigger() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -28,6 +28,7 @@ from quart import Response
 from actors.session import Session
 from api.errors import error_answer
 from api.http import SSE_HEADERS, json_response
+from api.observability import note_timing
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
 from runtime.messages import Failed, Finished, SamplingParams
@@ -87,6 +88,7 @@ async def generate(
     session: Session, renderer, stream: bool, *, stream_interval: float = 0.0
 ) -> Response:
     """Enter ``session`` and answer with ``renderer``'s stream or body."""
+    note_timing(session.timing)  # the access log reports its tokens and times
     await session.__aenter__()
     if stream:
         try:

@@ -309,6 +309,24 @@ def _generation(
     }
 
 
+def _tokenizer_path(
+    *, operation_id: str, summary: str, request: type, answer: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json({"$ref": COMPONENTS + request.__name__})},
+            "responses": {
+                "200": {"description": "the answer", "content": _json(answer)},
+                "400": _error("a field is missing, of the wrong type or out of range (param names it)"),
+                "404": _error("the model is not served here"),
+                "default": _error("any other error"),
+            },
+        }
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (cached: callers must not mutate it)."""
@@ -321,6 +339,8 @@ def openapi_document() -> dict[str, Any]:
         responses.TextCompletion,
         responses.ModelList,
         responses.ModelCard,
+        schemas.TokenizeRequest,
+        schemas.DetokenizeRequest,
         ErrorResponse,
     ):
         builder.ref(cls)
@@ -370,6 +390,30 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/tokenize": _tokenizer_path(
+            operation_id="tokenize",
+            summary="Prompt text, or chat messages through the chat template, to token ids",
+            request=schemas.TokenizeRequest,
+            answer={
+                "type": "object",
+                "required": ["tokens", "count"],
+                "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "count": {"type": "integer"},
+                    "max_model_len": {"type": "integer"},
+                },
+            },
+        ),
+        "/detokenize": _tokenizer_path(
+            operation_id="detokenize",
+            summary="Token ids to text",
+            request=schemas.DetokenizeRequest,
+            answer={
+                "type": "object",
+                "required": ["prompt"],
+                "properties": {"prompt": {"type": "string"}},
+            },
+        ),
         "/health": {
             "get": {
                 "operationId": "health",

@@ -194,3 +194,27 @@ class CompletionRequest(GenerationFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+@attrs.frozen(kw_only=True)
+class TokenizeRequest:
+    """``POST /tokenize``: ``prompt`` (text, as completions encode it) or ``messages``
+    (rendered by the chat template, as chat completions do), not both."""
+
+    model: str = "default_model"
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = constrained(None, nonempty=True)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = constrained(None, check=_function_tools)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DetokenizeRequest:
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str = "default_model"
+    tokens: list[int] = constrained(
+        schema={"array": {"items": {"type": "integer", "minimum": 0}}}
+    )

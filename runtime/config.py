@@ -254,6 +254,50 @@ class ServerConfig:
         "mlx_lm.server does.",
     )
 
+    api_key: tuple[str, ...] = setting(
+        (),
+        help="API key that clients must send, as `Authorization: Bearer KEY` or `x-api-key: "
+        "KEY`; repeat the flag or separate keys with commas (none: no authentication)",
+        ours=True,
+        repeatable=True,
+        secret=True,
+        default_text="none",
+        notes="Checked on every API route; a missing or wrong key is a 401 (`invalid_api_key`; "
+        "Anthropic's error shape on `/v1/messages`). `/health`, the chat page (`/`, "
+        "`/assets/`) and CORS preflights stay open; `/metrics` too unless "
+        "`--metrics-require-key`. See [operations.md](operations.md#authentication).",
+    )
+    api_key_file: str | None = setting(
+        None,
+        help="file of API keys, one per line (blank lines and lines starting with # are "
+        "skipped); adds to --api-key",
+        ours=True,
+        notes="Read once at start-up; a file that cannot be read stops the start.",
+    )
+    metrics_require_key: bool = setting(
+        False, help="/metrics also requires an API key (when keys are set)", ours=True
+    )
+    allowed_models: tuple[str, ...] = setting(
+        (),
+        help="models (names, local paths or Hugging Face repos) that requests may name besides "
+        "the served one; `*`: any model on this machine",
+        ours=True,
+        repeatable=True,
+        default_text="none: only the served model",
+        notes="The served model, its `--adapter-path` and `--draft-model` are always allowed. "
+        "Applies to a request's `model`, `adapters` and `draft_model`; anything else is a 404 "
+        "before anything is loaded. `GET /v1/models` lists exactly what is allowed. See "
+        "[api.md](api.md#model-selection).",
+    )
+    models_dir: str | None = setting(
+        None,
+        help="a folder of models: requests may name any model directory inside it, by its path "
+        "or by its path relative to the folder",
+        ours=True,
+        notes="Listed by `GET /v1/models` (directories with a `config.json`, up to two levels "
+        "deep, e.g. `org/model`).",
+    )
+
     def unsupported(self, *, distributed: bool | None = None) -> list[str]:
         """Settings this process cannot honour: start-up refuses them.
 

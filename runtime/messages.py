@@ -186,6 +186,12 @@ class SequenceFailed:
     retryable: bool = False  # the engine stopped, not the request: 503, try again
 
 
+# Upper bounds of the engine's histogram buckets (Prometheus ``le``; +Inf is implied):
+# the engine counts each step into one bucket, ``EngineStats`` carries the counts.
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 @attrs.frozen(kw_only=True)
 class EngineStats:
     active_sequences: int = 0
@@ -202,6 +208,15 @@ class EngineStats:
     abort_wait_ms_total: float = 0.0
     abort_wait_ms_max: float = 0.0
     abort_wait_steps_max: int = 0
+    # Tokens: of the prompts admitted (cached ones included), and generated.
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    # Steps with sequences in the batch: their duration and batch size, counted per
+    # bucket (one count per bound of STEP_SECONDS_BUCKETS / BATCH_SIZE_BUCKETS, then +Inf).
+    step_seconds_counts: tuple[int, ...] = ()
+    step_seconds_sum: float = 0.0
+    batch_size_counts: tuple[int, ...] = ()
+    batch_size_sum: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -97,7 +97,9 @@ def prepare_chat(
     tools: list[dict[str, Any]] | None,
     template_args: Mapping[str, Any],
     role_mapping: Mapping[str, str] | None = None,
+    add_generation_prompt: bool = True,
 ) -> PreparedPrompt:
+    """``add_generation_prompt=False``: the conversation alone (``POST /tokenize``)."""
     if not getattr(tokenizer, "has_chat_template", False):
         tokens = tuple(tokenizer.encode(convert_chat(messages, role_mapping)))
         return PreparedPrompt(
@@ -108,7 +110,11 @@ def prepare_chat(
     kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
     try:
-        tokens = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+        tokens = tuple(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        )
     except Exception as exc:  # templates raise on messages they cannot render
         raise ClientError(f"the chat template rejected the messages: {exc}", param="messages") from None
 

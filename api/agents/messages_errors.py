@@ -28,6 +28,7 @@ PATH = "/v1/messages"  # this path and every path below it answer errors in this
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",

@@ -22,6 +22,7 @@ place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import time
@@ -32,6 +33,8 @@ import attrs
 
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.messages import (
+    BATCH_SIZE_BUCKETS,
+    STEP_SECONDS_BUCKETS,
     Abort,
     EngineCommand,
     EngineStats,
@@ -80,18 +83,45 @@ class EngineCounters:
     recent_step_ends: collections.deque[float] = attrs.field(
         factory=lambda: collections.deque(maxlen=RECENT_STEPS)
     )
+    prompt_tokens: int = 0  # of the sequences admitted, cached ones included
+    generated_tokens: int = 0
+    # Steps with sequences in the batch, per bucket (the bounds, then +Inf).
+    step_seconds_counts: list[int] = attrs.field(
+        factory=lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1)
+    )
+    step_seconds_sum: float = 0.0
+    batch_size_counts: list[int] = attrs.field(
+        factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1)
+    )
+    batch_size_sum: int = 0
 
-    def started(self, cached_tokens: int) -> None:
+    def started(self, cached_tokens: int, prompt_tokens: int = 0) -> None:
+        self.prompt_tokens += prompt_tokens
         if cached_tokens:
             self.cache_hits += 1
             self.cached_tokens += cached_tokens
 
-    def stepped(self, seconds: float, *, prefill: bool, worked: bool) -> None:
+    def stepped(
+        self,
+        seconds: float,
+        *,
+        prefill: bool,
+        worked: bool,
+        batch_size: int = 0,
+        generated: int = 0,
+    ) -> None:
+        """One ``step()``; ``batch_size``: the sequences it ran (0: an empty step)."""
         self.steps += 1
         self.prefill_steps += prefill
         self.busy_seconds += seconds
+        self.generated_tokens += generated
         if worked:
             self.recent_step_ends.append(time.monotonic())
+        if batch_size:
+            self.step_seconds_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+            self.step_seconds_sum += seconds
+            self.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, batch_size)] += 1
+            self.batch_size_sum += batch_size
 
     def aborted(self, posted_at: float) -> None:
         """An abort was applied: how long it waited, in ms and in engine steps finished."""
@@ -235,7 +265,7 @@ class EngineCore:
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
-        self.counters.started(cached)
+        self.counters.started(cached, len(sub.prompt))
         self._started.append(
             SequenceStarted(
                 request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
@@ -344,6 +374,7 @@ class EngineCore:
         self._admit_held()
         progress: list[PromptProgress] = []
         tokens: list[TokenEvent] = []
+        batch_size = len(self._by_uid)
         if self._by_uid:
             try:
                 self._run_step(progress, tokens)
@@ -356,6 +387,8 @@ class EngineCore:
             time.perf_counter() - began,
             prefill=bool(progress),
             worked=bool(self._by_uid or tokens or progress),
+            batch_size=batch_size,
+            generated=len(tokens),
         )
         outputs = StepOutputs(
             started=tuple(self._started),
@@ -471,6 +504,12 @@ class EngineCore:
             abort_wait_ms_total=c.abort_wait_ms_total,
             abort_wait_ms_max=c.abort_wait_ms_max,
             abort_wait_steps_max=c.abort_wait_steps_max,
+            prompt_tokens=c.prompt_tokens,
+            generated_tokens=c.generated_tokens,
+            step_seconds_counts=tuple(c.step_seconds_counts),
+            step_seconds_sum=c.step_seconds_sum,
+            batch_size_counts=tuple(c.batch_size_counts),
+            batch_size_sum=c.batch_size_sum,
         )
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
