@@ -59,8 +59,9 @@ async def _client(config: ServerConfig):
 
 @pytest.fixture
 async def demo():
+    # any local model: a request may name the demo model as its own draft model
     async for c in _client(ServerConfig(model=str(DEMO_DIR), max_tokens=64,
-                                        engine_mode="thread")):
+                                        engine_mode="thread", allowed_models=("*",))):
         yield c
 
 
