@@ -1,7 +1,9 @@
 """Session: one HTTP request's view of the runtime.
 
 An async context manager. Entering it prepares the prompt (chat template and
-tokenizer in a worker thread), registers the request with the Detokenizer and
+tokenizer in a worker thread; in the same thread, right after, the request's
+output constraint, if the route gave a ``constrain`` step: structured outputs,
+enforced tool choice), registers the request with the Detokenizer and
 submits it to the Scheduler, which may refuse with ``Overloaded`` (429) or
 ``Unavailable`` (503) before any byte of the response is sent. Inside, the
 route calls ``receive()`` for the request's events: ``Progress``, ``Delta``,
@@ -156,9 +158,15 @@ class Session:
         timeout: float | None = None,
         model: ModelKey | None = None,
         num_draft_tokens: int | None = None,
+        constrain: Callable[[object, PreparedPrompt], object] | None = None,
     ):
+        """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
+        (optional) the ``Submit.constraint`` (``None``: free output). Both run
+        in a worker thread, tokenizer-only; a ``ClientError`` from either is a
+        400 before any byte is sent."""
         self._runtime = runtime
         self._prepare = prepare
+        self._constrain = constrain
         self.sampling = sampling
         self.max_tokens = max_tokens
         self._stop = stop
@@ -186,18 +194,24 @@ class Session:
         handle = await self._runtime.acquire(key)
         self._leased = True
         try:
-            return await self._enter(handle)
+            return await self._enter(handle, key)
         except BaseException:
             self._leased = False
             self._runtime.release()
             raise
 
-    async def _enter(self, handle: ModelHandle) -> Session:
+    async def _enter(self, handle: ModelHandle, key: ModelKey) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
-        self.prompt = await trio.to_thread.run_sync(
-            self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
+        self.prompt, constraint = await trio.to_thread.run_sync(
+            self._prepare_and_constrain, handle.tokenizer, limiter=self._runtime.tokenize_limiter
         )
         prompt = self.prompt
+        if constraint is not None and key.draft is not None:
+            raise ClientError(
+                "structured outputs and tool_choice cannot be enforced with speculative "
+                "decoding (a draft model)",
+                param=getattr(constraint, "param", None),
+            )
         if prompt.tokens and not 0 <= min(prompt.tokens) <= max(prompt.tokens) < handle.vocab_size:
             raise ClientError(
                 f"prompt token ids must be in 0..{handle.vocab_size - 1}", param="prompt"
@@ -220,6 +234,7 @@ class Session:
             top_logprobs=self._top_logprobs,
             kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
             num_draft_tokens=self._num_draft_tokens,
+            constraint=constraint,
         )
         self.prompt_cache = self._runtime.open_request(
             submit,
@@ -233,6 +248,11 @@ class Session:
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self
+
+    def _prepare_and_constrain(self, tokenizer) -> tuple[PreparedPrompt, object]:
+        prompt = self._prepare(tokenizer)
+        constraint = self._constrain(tokenizer, prompt) if self._constrain is not None else None
+        return prompt, constraint
 
     async def __aexit__(self, *exc_info) -> None:
         self.leave()

@@ -136,6 +136,8 @@ class Submit:
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
+    # Structured outputs / tool choice: a runtime.grammar.ConstraintSpec (picklable), or None
+    constraint: Any = None
 
 
 @attrs.frozen(kw_only=True)

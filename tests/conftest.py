@@ -96,6 +96,7 @@ SERVER_MODULES = {
     "test_chat_page",
     "test_agent_apis",
     "test_agent_clis",
+    "test_structured_outputs_server",
     "test_operations_server",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}

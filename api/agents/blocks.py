@@ -9,9 +9,9 @@ emits ``Opened`` / ``Appended`` / ``Closed`` block events in output order.
 ``AgentRenderer`` drives it for both wire formats, streaming or not.
 
 Requests of both APIs become a ``ChatTurn``: chat-template messages, tools in
-the chat-completions form, and what is passed on but not enforced here
-(``tool_choice``, ``response_format``). ``open_session`` turns a ``ChatTurn``
-into a Session the way the chat route does.
+the chat-completions form, and what the engine enforces (``tool_choice``,
+``response_format``: ``api.structured``). ``open_session`` turns a
+``ChatTurn`` into a Session the way the chat route does.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import attrs
 
 from api.generation import deadline
 from api.responses import dumps
+from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, ToolCall
@@ -38,16 +39,19 @@ class ChatTurn:
     """One request of an agent API, as the chat template and the Session take it.
 
     ``tool_choice`` is in the chat-completions form (``"auto"``, ``"none"``,
-    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
-    ``response_format`` in its form (``{"type": "json_schema", "json_schema":
-    {...}}``): both are passed on, not enforced (constrained decoding is
-    another component's work).
+    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``);
+    ``response_format`` in the shape of the field ``response_format_param``
+    names (chat's ``{"type": "json_schema", "json_schema": {...}}`` or the
+    Responses API's flat ``text.format``). Both are enforced by constrained
+    decoding (``api.structured``); ``parallel_tool_calls`` false allows one call.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    response_format_param: str = "response_format"
+    parallel_tool_calls: bool = True
     template_args: dict[str, Any] = attrs.field(factory=dict)
     max_tokens: int
     sampling: SamplingParams
@@ -107,6 +111,14 @@ def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: fl
         markup=True,
         timeout=deadline(timeout, config),
         model=model,
+        constrain=constrain_step(
+            response_format=turn.response_format,
+            tools=turn.tools,
+            tool_choice=turn.tool_choice,
+            parallel_tool_calls=turn.parallel_tool_calls,
+            template_args=turn.template_args,
+            response_format_param=turn.response_format_param,
+        ),
     )
 
 

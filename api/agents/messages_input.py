@@ -7,7 +7,7 @@ Receives a validated ``MessagesRequest`` or ``CountTokensRequest``
 assistant message with ``reasoning_content`` and ``tool_calls``,
 ``tool_result`` blocks as ``tool`` messages in place, tools with
 ``input_schema`` as chat-completions function tools, ``tool_choice`` in the
-chat-completions form (passed on), and ``thinking`` as the chat template's
+chat-completions form (enforced: ``api.structured``), and ``thinking`` as the chat template's
 ``enable_thinking``. A block it cannot serve is a ``ClientError`` naming it
 (``messages[0].content[1].type``).
 """
@@ -153,7 +153,7 @@ def chat_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
 
 
 def chat_tool_choice(choice: ToolChoiceIn | None) -> str | dict | None:
-    """Anthropic's tool_choice in the chat-completions form (passed on, not enforced)."""
+    """Anthropic's tool_choice in the chat-completions form (enforced: api.structured)."""
     if choice is None:
         return None
     if choice.type == "tool":
@@ -173,6 +173,7 @@ def chat_turn(req: MessagesRequest, config: ServerConfig) -> ChatTurn:
         messages=chat_messages(req),
         tools=chat_tools(req),
         tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use),
         template_args=template_args(req, config),
         max_tokens=req.max_tokens,
         sampling=sampling_params(

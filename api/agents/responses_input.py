@@ -3,7 +3,8 @@
 Receives a validated ``ResponsesRequest`` (``api.agents.responses_schema``)
 and the ``ResponseStore``; emits a ``PreparedRequest``: the ``ChatTurn`` to
 generate (chat-template messages, function tools in the chat-completions
-form, ``tool_choice`` and ``text.format`` as ``response_format``, passed on)
+form, ``tool_choice`` and ``text.format`` as ``response_format``: enforced,
+``api.structured``)
 and what the response echoes. Input items are messages, ``function_call``,
 ``function_call_output`` and ``reasoning`` items; a request naming
 ``previous_response_id`` gets the stored conversation first. Output items are
@@ -198,26 +199,17 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict] | None, d
 
 
 def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    """The Responses tool_choice in the chat-completions form (passed on, not enforced)."""
+    """The Responses tool_choice in the chat-completions form (enforced: api.structured)."""
     if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name"):
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 
 def response_format(text: TextConfigIn | None) -> dict | None:
-    """``text.format`` in the chat-completions ``response_format`` form (passed on)."""
+    """``text.format`` as given (the flat shape; enforced: api.structured), None for text."""
     if text is None or text.format is None or text.format.type == "text":
         return None
-    fmt = text.format
-    if fmt.type == "json_object":
-        return {"type": "json_object"}
-    schema = {"name": fmt.name, "schema": fmt.schema}
-    if fmt.strict is not None:
-        schema["strict"] = fmt.strict
-    if fmt.description is not None:
-        schema["description"] = fmt.description
-    return {"type": "json_schema", "json_schema": schema}
-
+    return {k: v for k, v in attrs.asdict(text.format).items() if v is not None}
 
 
 # ------------------------------------------------------------------ the turn
@@ -257,6 +249,8 @@ def prepare_request(req: ResponsesRequest, config: ServerConfig, store: Response
         tools=tools,
         tool_choice=chat_tool_choice(req.tool_choice),
         response_format=response_format(req.text),
+        response_format_param="text.format",
+        parallel_tool_calls=req.parallel_tool_calls,
         template_args=template_args,
         max_tokens=req.max_output_tokens or config.max_tokens,
         sampling=sampling_params(

@@ -2,7 +2,8 @@
 
 Receives the request body, structured and validated at the edge
 (``api.schemas``, 400 naming the field); resolves the model (404) in a worker
-thread; builds a ``Session`` (prompt preparation, sampling, limits) and hands
+thread; builds a ``Session`` (prompt preparation, sampling, limits, and for
+chat the constraint of ``response_format`` / ``tool_choice``) and hands
 it to ``api.generation.generate`` with the chat or text renderer. Emits the
 OpenAI chat / text completion body or its SSE stream.
 """
@@ -21,6 +22,7 @@ from api.generation import deadline, generate, sampling_params
 from api.http import fingerprint, read_json
 from api.responses import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.prompts import prepare_chat, prepare_text
@@ -76,6 +78,13 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             template_args=template_args,
             role_mapping=req.role_mapping,
         )
+        constrain = constrain_step(
+            response_format=req.response_format,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            template_args=template_args,
+        )
         want_logprobs = req.logprobs or bool(req.top_logprobs)
         return await serve(
             req,
@@ -85,6 +94,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             tools=req.tools,
             logprobs=want_logprobs,
             top_logprobs=req.top_logprobs or 0,
+            constrain=constrain,
         )
 
     @routes.post("/v1/completions")
@@ -101,7 +111,15 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         )
 
     async def serve(
-        req: GenerationFields, renderer_class, prepare, *, markup, logprobs, top_logprobs, tools=None
+        req: GenerationFields,
+        renderer_class,
+        prepare,
+        *,
+        markup,
+        logprobs,
+        top_logprobs,
+        tools=None,
+        constrain=None,
     ):
         """The part of a chat or text completion that does not depend on which."""
         key = await rt.resolve(req.model, req.adapters, req.draft_model)
@@ -117,6 +135,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             timeout=deadline(req.timeout, config),
             model=key,
             num_draft_tokens=req.num_draft_tokens,
+            constrain=constrain,
         )
         renderer = renderer_class(
             # The id /v1/models lists for the served model, whatever alias named it.

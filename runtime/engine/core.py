@@ -8,7 +8,10 @@ nothing of threads, trio or the distributed group, so tests drive it directly
 It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
 that cannot share a batch: both have the same interface, so there is one
-path), the prompt cache's arrays (through ``runtime.prompt_cache_store.CacheEntries``:
+path), the registrations of its rows with the batch sampler (the one sampler
+every row of a batched generator shares, ``runtime.batch_sampling``: a
+sequence is registered when inserted and forgotten when it finishes, is
+aborted or fails), the prompt cache's arrays (through ``runtime.prompt_cache_store.CacheEntries``:
 a lookup when a request is admitted, an insert at segment ends and when a
 sequence finishes, reported as ``cache_events``; ``EvictCache`` commands from
 the PromptCacheActor remove entries between steps: the engine evicts nothing by
@@ -158,6 +161,8 @@ class EngineCore:
         prompt_cache: Any,
         sampler_factory: Callable[[Any], Any] | None = None,
         logits_processors_factory: Callable[[Any], list] | None = None,
+        batch_sampler: Any = None,
+        constraint_factory: Callable[[Any], Any] | None = None,
         insert_options: Callable[[Submit], dict[str, Any]] | None = None,
         stop_sequences: Any = None,
         commands: CommandSource | None = None,
@@ -168,6 +173,17 @@ class EngineCore:
 
         ``prompt_cache``: a ``runtime.prompt_cache_store.PromptCacheStore`` (or
         a test double with its methods), without limits of its own.
+
+        Sampling: with a ``batch_sampler`` (``BatchSampler``: ``register(uid,
+        params, constraint)``, ``forget(uid)``) every sequence is inserted
+        with ``samplers=[None]`` (the generator's fallback, that sampler) and
+        registered under its uid; without one, ``sampler_factory(params)``
+        gives each sequence its own sampler (``None``: the generator's).
+        ``logits_processors_factory(params)``: a sequence's processors.
+        ``constraint_factory(spec)`` turns a ``Submit.constraint`` into the
+        sequence's constraint: with a ``batch_sampler``, its ``RowConstraint``;
+        without, a logits processor added to the sequence's. Without a
+        ``constraint_factory`` a constrained request fails alone.
 
         ``insert_options(submit)``: further per-sequence arguments of the
         generator's ``insert_segments`` (``SerialGenerator`` takes
@@ -193,6 +209,8 @@ class EngineCore:
         self.cache_entries = CacheEntries(prompt_cache)
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
+        self.batch_sampler = batch_sampler
+        self._constraint_factory = constraint_factory
         self._insert_options = insert_options or (lambda submit: {})
         self._stop_sequences = stop_sequences
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
@@ -268,6 +286,7 @@ class EngineCore:
     def _insert(self, sub: Submit) -> tuple[int, int, list[str], int]:
         """Into the generator, after the prompt cache: (uid, tokens cached, segment
         types, the batch's KV bytes now: the prompt cache's byte budget gives way to them)."""
+        sampler, processors, constraint = self._sampling_of(sub)
         prompt = list(sub.prompt)
         cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
         if cache is not None and not rest:
@@ -292,12 +311,35 @@ class EngineCore:
             max_tokens=[sub.max_tokens],
             caches=[cache],
             all_tokens=[prompt[:cached]],
-            samplers=[self._sampler_factory(sub.sampling)],
-            logits_processors=[self._logits_processors_factory(sub.sampling)],
+            samplers=[sampler],
+            logits_processors=[processors],
             stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
             **options,
         )
+        if self.batch_sampler is not None:
+            try:
+                self.batch_sampler.register(uid, sub.sampling, constraint)
+            except Exception:
+                self._batch.remove([uid])
+                raise
         return uid, cached, types, int(self._batch.prompt_cache_nbytes)
+
+    def _sampling_of(self, sub: Submit) -> tuple[Any, list, Any]:
+        """(sampler, logits processors, constraint) of a new sequence; raises if it cannot run."""
+        constraint = None
+        if sub.constraint is not None:
+            if self._constraint_factory is None:
+                raise ValueError("this engine cannot enforce structured outputs or tool_choice")
+            constraint = self._constraint_factory(sub.constraint)
+        processors = self._logits_processors_factory(sub.sampling)
+        if self.batch_sampler is not None:
+            from runtime.batch_sampling import validate_params
+
+            validate_params(sub.sampling)  # before inserting: a bad request fails alone
+            return None, processors, constraint
+        if constraint is not None:
+            processors = [*processors, constraint]
+        return self._sampler_factory(sub.sampling), processors, None
 
     def _admit_held(self) -> None:
         """Hand the held requests to the batch once the window is over (or it is full)."""
@@ -330,6 +372,8 @@ class EngineCore:
     def _forget(self, seq: _Sequence) -> None:
         del self._by_uid[seq.uid]
         del self._by_request[seq.request_id]
+        if self.batch_sampler is not None:
+            self.batch_sampler.forget(seq.uid)
 
     # ---------------------------------------------------------------- steps
 
@@ -447,6 +491,8 @@ class EngineCore:
             self._held.clear()
         self._by_uid.clear()
         self._by_request.clear()
+        if self.batch_sampler is not None:
+            self.batch_sampler.clear()  # a new generator's uids start again at 0
         self._close_batch()
         if not closing:
             self._batch = self._new_batch_generator()
