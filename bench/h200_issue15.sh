@@ -13,15 +13,15 @@ mkdir -p /tmp/m "$OUT"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
   --format=csv -lms 200 > "$OUT/smi.csv" 2>&1 &
 SMI=$!
-[ -f $M/config.json ] || python3 bench/make_shaped_model.py llama3-8b $M > "$OUT/make.log" 2>&1
+[ -f $M/config.json ] || timeout 150 python3 bench/make_shaped_model.py llama3-8b $M > "$OUT/make.log" 2>&1
 echo "== one client $(date +%T)"
-python3 bench/one_client.py --model $M --reps ${REPS:-6} --json-out "$OUT/one-client.json" 2>&1 | tee "$OUT/one-client.txt"
+timeout 170 python3 bench/one_client.py --model $M --reps ${REPS:-6} --json-out "$OUT/one-client.json" 2>&1 | tee "$OUT/one-client.txt"
 W="--max-tokens 128 --prompt-tokens 136 --rounds 1 --only engine,ours --no-plot"
 echo "== greedy $(date +%T)"
-python3 bench/side_by_side.py --model $M --levels ${LEVELS:-32,64} $W --results-dir "$OUT/greedy" > "$OUT/greedy.txt" 2>&1
+timeout 200 python3 bench/side_by_side.py --model $M --levels ${LEVELS:-32,64} $W --results-dir "$OUT/greedy" > "$OUT/greedy.txt" 2>&1
 tail -n 12 "$OUT/greedy.txt"
 echo "== sampled $(date +%T)"
-python3 bench/side_by_side.py --model $M --levels ${LEVELS:-32,64} $W --temperature 0.7 --top-p 0.9 \
+timeout 200 python3 bench/side_by_side.py --model $M --levels ${LEVELS:-32,64} $W --temperature 0.7 --top-p 0.9 \
   --mixed-sampling --results-dir "$OUT/sampled" > "$OUT/sampled.txt" 2>&1
 tail -n 12 "$OUT/sampled.txt"
 kill $SMI
