@@ -26,6 +26,12 @@ tokens, or prefixes a longer trimmable entry covers), and removes entries by
 id (``evict``). Ids are assigned in insertion order, so in a distributed
 group, where every rank inserts the same entries in the same steps, every
 rank gives the same ids and an ``EvictCache`` names the same entries on all.
+
+Every entry is computed as it is stored (``own_arrays``): mlx-lm hands a
+sequence's KV cache over lazily, as slices of the whole batch's arrays
+(``BatchKVCache.extract``), and an unevaluated slice keeps the batch's arrays
+alive: stored as it comes, each entry would hold a whole batch's KV cache (as
+it was at that step) while counting only its own rows, until first used.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
@@ -76,6 +84,29 @@ class PromptCacheStore(LRUPromptCache):
         return remove_prompt_cache_entry(self, model, tokens)
 
 
+def own_arrays(cache: list) -> None:
+    """Start computing a KV cache's arrays (``mx.async_eval``: nothing waits for them).
+
+    A finished sequence's cache from mlx-lm's ``BatchGenerator`` is, per layer,
+    ``contiguous(keys[row, :, start:end])`` of the batch's arrays, unevaluated
+    (the bare engine drops it unused). Evaluated, it is a copy of its own rows
+    and the batch's arrays of that step are freed as the batch moves on; left
+    lazy, it holds them, and every stored entry pins another version of the
+    whole batch's KV cache (tens of MB each on the CPU's test models, GBs at
+    batch 64 on an 8B model) that no byte count sees. The copy is queued on
+    the arrays' stream behind the step in flight, so the engine does not wait.
+    Layers without ``state`` (test doubles) are left as they are.
+    """
+    arrays = [
+        leaf
+        for layer in cache
+        for _, leaf in tree_flatten(getattr(layer, "state", ()))
+        if isinstance(leaf, mx.array)
+    ]
+    if arrays:
+        mx.async_eval(arrays)
+
+
 class CacheEntries:
     """The engine's record of its prompt-cache entries, by id, and what changed.
 
@@ -110,6 +141,7 @@ class CacheEntries:
             del self._keys[replaced]
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
         trimmable = can_trim_prompt_cache(cache)
+        own_arrays(cache)
         self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
         if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
             for other, entry_id in list(by_tokens.items()):

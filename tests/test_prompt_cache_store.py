@@ -134,3 +134,34 @@ def test_the_store_has_no_limits_of_its_own():
     for i in range(30):
         store.insert_cache(MODEL, [1000 + i, i], _cache(2))
     assert len(store) == 30
+
+
+def test_a_stored_entry_holds_its_own_rows_not_the_batchs_arrays():
+    """mlx-lm hands a finished row's cache over as a lazy slice of the batch's arrays;
+    stored, the entry must not keep the whole batch alive (issue 15)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    rows, heads, tokens, dim = 16, 2, 96, 32
+    mx.synchronize()
+    before = mx.get_active_memory()
+    batch = [BatchKVCache([0] * rows) for _ in range(2)]  # two layers
+    for layer in batch:
+        kv = mx.ones((rows, heads, tokens, dim))
+        layer.update_and_fetch(kv, kv)
+    mx.eval([layer.state[:2] for layer in batch])
+    batch_bytes = sum(layer.nbytes for layer in batch)
+    entry = [layer.extract(5) for layer in batch]
+    own_bytes = sum(layer.nbytes for layer in entry)
+    assert own_bytes * rows <= batch_bytes
+
+    store = PromptCacheStore()
+    CacheEntries(store).insert(
+        MODEL, list(range(tokens)), entry, cache_type="assistant", request_id=1
+    )
+    del batch, entry, kv, layer
+    mx.synchronize()
+    held = mx.get_active_memory() - before
+    assert held < batch_bytes / 4, (held, own_bytes, batch_bytes)
+    cache, rest = store.fetch_nearest_cache(MODEL, list(range(tokens)))
+    assert rest == [] and cache[0].keys.shape == (1, heads, tokens, dim)
+    assert mx.all(cache[0].keys == 1).item()
