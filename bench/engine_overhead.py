@@ -71,22 +71,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-def step_summary(
-    step_s: list[float], inner_s: list[float], decode_only: list[bool], tokens: int, wall: float
-) -> dict[str, Any]:
-    """Per-run figures from the per-step wall times (``inner_s``: inside ``next()``)."""
-    decode = [s for s, d in zip(step_s, decode_only, strict=True) if d]
-    return {
-        "tok_s": round(tokens / wall, 1) if wall else None,
-        "steps": len(step_s),
-        "ms_per_step": round(1000 * sum(step_s) / len(step_s), 3) if step_s else None,
-        "decode_step_p50_ms": round(1000 * statistics.median(decode), 3) if decode else None,
-        "decode_step_p90_ms": round(1000 * percentile(decode, 90), 3) if decode else None,
-        "next_share_pct": round(100 * sum(inner_s) / sum(step_s), 1) if step_s else None,
-        "outside_next_ms_per_step": (
-            round(1000 * (sum(step_s) - sum(inner_s)) / len(step_s), 3) if step_s else None
-        ),
-    }
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 3)
 
 
 class Timed:
@@ -123,11 +109,100 @@ def memory_figures() -> dict[str, float]:
     }
 
 
+class Driven:
+    """What the closed loop needs of an in-process system (``Ceiling``, ``Core``).
+
+    ``admit(i)``: request ``i`` of the run arrives; ``has_work``; ``step()`` ->
+    (whether it processed prompt tokens, [(request, finished)] per token);
+    ``inner``: the generator's ``next()``, timed (None: the step is ``next()``);
+    ``extra``: figures of the run besides the common ones.
+    """
+
+    inner: Timed | None = None
+
+    def start(self, w: Workload, requests: int, first: int) -> None: ...
+    def admit(self, i: int) -> None: ...
+    def step(self) -> tuple[bool, list[tuple[int, bool]]]: ...
+    def finish(self) -> dict[str, Any]: ...
+
+    has_work: bool
+
+
+def closed_loop(
+    system: Driven, w: Workload, concurrency: int, requests: int, first: int, delay: float
+) -> dict[str, Any]:
+    """``concurrency`` requests in flight; a finished one's replacement arrives ``delay``
+    seconds later (0: before the next step, as ``engine_ceiling.py`` does)."""
+    system.start(w, requests, first)
+    arrivals: deque[tuple[float, int]] = deque()  # (due, request), in order
+    arrived: dict[int, float] = {}
+    first_token: dict[int, float] = {}
+    todo = deque(range(requests))
+    for _ in range(min(concurrency, requests)):
+        arrivals.append((0.0, todo.popleft()))
+    tokens = 0
+    step_s: list[float] = []
+    decode_only: list[bool] = []
+    thread = 0.0
+    reset_memory_figures()
+    cpu0, t0 = self_cpu_s(), time.perf_counter()
+    while arrivals or system.has_work:
+        now = time.perf_counter()
+        while arrivals and arrivals[0][0] <= now:
+            i = arrivals.popleft()[1]
+            arrived[i] = now
+            system.admit(i)
+        if not system.has_work:
+            time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
+            continue
+        began, began_thread = time.perf_counter(), time.thread_time()
+        prefill, events = system.step()
+        ended = time.perf_counter()
+        thread += time.thread_time() - began_thread
+        step_s.append(ended - began)
+        decode_only.append(not prefill)
+        for i, finished in events:
+            tokens += 1
+            first_token.setdefault(i, ended)
+            if finished and todo:
+                arrivals.append((ended + delay, todo.popleft()))
+    wall = time.perf_counter() - t0
+    cpu = self_cpu_s() - cpu0
+    memory = memory_figures()
+    ttft = [first_token[i] - arrived[i] for i in first_token]
+    decode = [s for s, d in zip(step_s, decode_only, strict=True) if d]
+    inner = system.inner.calls if system.inner is not None else None
+    out = {
+        "tok_s": round(tokens / wall, 1) if wall else None,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "steps": len(step_s),
+        "prefill_steps": len(step_s) - len(decode),
+        "ms_per_step": _ms(sum(step_s) / len(step_s)) if step_s else None,
+        "decode_step_p50_ms": _ms(statistics.median(decode)) if decode else None,
+        "decode_step_p90_ms": _ms(percentile(decode, 90)),
+        # Outside the generator's next(): our engine's own work in each step.
+        "outside_next_ms_per_step": (
+            _ms((sum(step_s) - sum(inner)) / len(step_s)) if inner and step_s else None
+        ),
+        "thread_ms_per_step": _ms(thread / len(step_s)) if step_s else None,
+        "cpu_ms_per_token": round(1000 * cpu / tokens, 3) if tokens else None,
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        **memory,
+    }
+    out.update(system.finish())
+    return out
+
+
 # ------------------------------------------------------------------- ceiling
 
 
-class Ceiling:
-    """mlx-lm's ``BatchGenerator``, driven as ``engine_ceiling.Engine.run`` does, timed per step."""
+class Ceiling(Driven):
+    """mlx-lm's ``BatchGenerator``, as ``engine_ceiling.Engine.run`` drives it.
+
+    A finished sequence's KV cache (which mlx-lm extracts for every finished
+    sequence) is dropped, and every row uses the generator's greedy sampler."""
 
     name = "ceiling"
 
@@ -136,64 +211,45 @@ class Ceiling:
 
         self.engine = Engine(model_path, decode_concurrency, prompt_concurrency)
 
-    def prompt_ids(self, w: Workload, index: int) -> list[int]:
-        return self.engine.prompt_ids(w, index)
-
-    def run(self, w: Workload, concurrency: int, requests: int, first: int) -> dict[str, Any]:
+    def start(self, w: Workload, requests: int, first: int) -> None:
         from mlx_lm.generate import BatchGenerator
 
         e = self.engine
-        prompts = [self.prompt_ids(w, first + i) for i in range(requests)]
-        gen = BatchGenerator(
+        self.max_tokens = w.max_tokens
+        self.prompts = [e.prompt_ids(w, first + i) for i in range(requests)]
+        self.gen = BatchGenerator(
             e.model,
             completion_batch_size=e.decode_concurrency,
             prefill_batch_size=e.prompt_concurrency,
             stream=e.stream,
         )
-        todo = deque(range(requests))
-        live: set[int] = set()
-        tokens = 0
-        step_s: list[float] = []
-        decode_only: list[bool] = []
+        self.by_uid: dict[int, int] = {}
 
-        def submit() -> None:
-            i = todo.popleft()
-            (uid,) = gen.insert([prompts[i]], max_tokens=[w.max_tokens], stop_sequences=[e.stop])
-            live.add(uid)
+    @property
+    def has_work(self) -> bool:
+        return bool(self.by_uid)
 
-        for _ in range(min(concurrency, requests)):
-            submit()
-        reset_memory_figures()
-        cpu0, t0 = self_cpu_s(), time.perf_counter()
-        while live:
-            began = time.perf_counter()
-            prompt_responses, responses = gen.next()
-            for r in responses:
-                tokens += 1
-                if r.finish_reason is not None:
-                    live.discard(r.uid)
-                    if todo:
-                        submit()
-            step_s.append(time.perf_counter() - began)
-            decode_only.append(not prompt_responses)
-        wall = time.perf_counter() - t0
-        cpu = self_cpu_s() - cpu0
-        memory = memory_figures()
-        gen.close()
-        out = step_summary(step_s, step_s, decode_only, tokens, wall)
-        out.update(
-            prefill_steps=len(step_s) - sum(decode_only),
-            tokens=tokens,
-            wall_s=round(wall, 3),
-            cpu_ms_per_token=round(1000 * cpu / tokens, 3),
-            **memory,
+    def admit(self, i: int) -> None:
+        (uid,) = self.gen.insert(
+            [self.prompts[i]], max_tokens=[self.max_tokens], stop_sequences=[self.engine.stop]
         )
-        out["next_share_pct"] = None  # the loop is next() and nothing else
-        return out
+        self.by_uid[uid] = i
+
+    def step(self) -> tuple[bool, list[tuple[int, bool]]]:
+        prompt_responses, responses = self.gen.next()
+        events = []
+        for r in responses:
+            finished = r.finish_reason is not None
+            events.append((self.by_uid.pop(r.uid) if finished else self.by_uid[r.uid], finished))
+        return bool(prompt_responses), events
+
+    def finish(self) -> dict[str, Any]:
+        self.gen.close()
+        self.gen = None
+        return {}
 
 
 # ---------------------------------------------------------------------- core
-
 
 CORE_VARIANTS = {
     "core": "as the server builds it",
@@ -203,8 +259,13 @@ CORE_VARIANTS = {
 }
 
 
-class Core:
-    """Our ``EngineCore``, built as the server builds it, driven in-process (or a variant)."""
+class Core(Driven):
+    """Our ``EngineCore``, built as the server builds it, driven in-process (or a variant).
+
+    Each step's ``StepOutputs`` is pickled as the engine process sends it (timed
+    apart from the step), and the PromptCacheActor's decisions are applied
+    between steps (``actors.prompt_cache.PromptCacheCore``, the server's limits),
+    as the Scheduler hands them over."""
 
     def __init__(
         self,
@@ -257,75 +318,60 @@ class Core:
             self.next_request_id += 1
         return out
 
-    def run(self, w: Workload, concurrency: int, requests: int, first: int) -> dict[str, Any]:
-        from multiprocessing.reduction import ForkingPickler
-
+    def start(self, w: Workload, requests: int, first: int) -> None:
         from actors.prompt_cache import PromptCacheCore
-        from runtime.messages import EvictCache
 
-        core = self.core
-        # The PromptCacheActor's decisions (the server's limits), applied between
-        # steps as the Scheduler hands them over; its own time is not the engine's.
-        policy = PromptCacheCore(
+        self.todo = self.submits(w, first, requests)
+        self.index = {sub.request_id: i for i, sub in enumerate(self.todo)}
+        self.policy = PromptCacheCore(
             max_entries=self.config.prompt_cache_size,
             max_bytes=self.config.prompt_cache_bytes,
             min_reuse=self.config.prompt_cache_min_reuse,
         )
-        policy.engine_changed(core.handle.model_key)
-        todo = deque(self.submits(w, first, requests))
-        live = 0
-        tokens = 0
-        step_s: list[float] = []
-        inner = Timed(core._batch.next)
-        core._batch.next = inner
-        pickle_s = 0.0
-        decode_only: list[bool] = []
-        for _ in range(min(concurrency, requests)):
-            core.handle_command(todo.popleft())
-            live += 1
-        reset_memory_figures()
-        cpu0, t0 = self_cpu_s(), time.perf_counter()
-        inner_before = 0
-        while live:
+        self.policy.engine_changed(self.core.handle.model_key)
+        self.inner = Timed(self.core._batch.next)
+        self.core._batch.next = self.inner
+        self.pickle_s = 0.0
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work
+
+    def admit(self, i: int) -> None:
+        self.core.handle_command(self.todo[i])
+
+    def step(self) -> tuple[bool, list[tuple[int, bool]]]:
+        from multiprocessing.reduction import ForkingPickler
+
+        from runtime.messages import EvictCache
+
+        calls = len(self.inner.calls)
+        outputs = self.core.step()
+        if len(self.inner.calls) == calls:
+            self.inner.calls.append(0.0)  # no generator call (the window held everything)
+        self.steps += 1
+        if self.pickle_outputs:
             began = time.perf_counter()
-            outputs = core.step()
-            step_s.append(time.perf_counter() - began)
-            decode_only.append(not outputs.progress)
-            if len(inner.calls) == inner_before:
-                inner.calls.append(0.0)  # a step without a generator call (window closed)
-            inner_before = len(inner.calls)
-            if self.pickle_outputs:
-                p0 = time.perf_counter()
-                ForkingPickler.dumps(outputs)
-                pickle_s += time.perf_counter() - p0
-            outputs, evicted = policy.on_step(outputs)
-            if evicted:
-                core.handle_command(EvictCache(entry_ids=evicted))
-            for event in outputs.tokens:
-                tokens += 1
-                if event.finish_reason is not None:
-                    live -= 1
-                    if todo:
-                        core.handle_command(todo.popleft())
-                        live += 1
-            live -= len(outputs.failed) + len(outputs.aborted)
-        wall = time.perf_counter() - t0
-        cpu = self_cpu_s() - cpu0
-        memory = memory_figures()
-        core._batch.next = inner.fn
+            ForkingPickler.dumps(outputs)
+            self.pickle_s += time.perf_counter() - began
+        outputs, evicted = self.policy.on_step(outputs)
+        if evicted:
+            self.core.handle_command(EvictCache(entry_ids=evicted))
+        if outputs.failed or outputs.aborted:
+            raise RuntimeError(f"requests failed: {outputs.failed or outputs.aborted}")
+        events = [(self.index[e.request_id], e.finish_reason is not None) for e in outputs.tokens]
+        return bool(outputs.progress), events
+
+    def finish(self) -> dict[str, Any]:
+        from runtime.messages import EvictCache
+
+        core = self.core
+        core._batch.next = self.inner.fn
         # Every run starts with an empty prompt cache.
         core.handle_command(EvictCache(entry_ids=tuple(core.cache_entries.held())))
         core.cache_entries.take_events()
-        out = step_summary(step_s, inner.calls, decode_only, tokens, wall)
-        out.update(
-            prefill_steps=len(step_s) - sum(decode_only),
-            tokens=tokens,
-            wall_s=round(wall, 3),
-            cpu_ms_per_token=round(1000 * cpu / tokens, 3),
-            pickle_ms_per_step=round(1000 * pickle_s / len(step_s), 3) if step_s else None,
-            **memory,
-        )
-        return out
+        return {"pickle_ms_per_step": _ms(self.pickle_s / self.steps) if self.steps else None}
 
 
 def _lazy(insert):
@@ -385,11 +431,14 @@ class Server:
         busy = r.get("engine_busy_s")
         return {
             "tok_s": round(tokens / r["wall_s"], 1),
-            "steps": steps,
-            "prefill_steps": int(r.get("engine_prefill_steps") or 0),
-            "ms_per_step": round(1000 * busy / steps, 3) if steps and busy else None,
             "tokens": tokens,
             "wall_s": round(r["wall_s"], 3),
+            "steps": steps,
+            "prefill_steps": int(r.get("engine_prefill_steps") or 0),
+            "ms_per_step": _ms(busy / steps) if steps and busy else None,
+            "cpu_ms_per_token": round(1000 * r["cpu_s"] / tokens, 3) if r.get("cpu_s") else None,
+            "ttft_p50_ms": _ms(percentile(r["ttft_s"], 50)),
+            "ttft_p99_ms": _ms(percentile(r["ttft_s"], 99)),
             "errors": r["errors"],
         }
 
@@ -417,15 +466,50 @@ def format_row(level: int, system: str, r: dict[str, Any]) -> str:
         f"{level:>4} {system:<13} {f('tok_s'):>8} {f('steps', 'd'):>6} {f('prefill_steps', 'd'):>5} "
         f"{f('ms_per_step', '.2f'):>8} {f('decode_step_p50_ms', '.2f'):>8} "
         f"{f('outside_next_ms_per_step', '.2f'):>8} {f('pickle_ms_per_step', '.2f'):>7} "
-        f"{f('cpu_ms_per_token', '.3f'):>8} {f('peak_mib', '.0f'):>7} {f('active_mib', '.0f'):>7}"
+        f"{f('thread_ms_per_step', '.2f'):>7} {f('cpu_ms_per_token', '.3f'):>8} "
+        f"{f('ttft_p50_ms', '.1f'):>7} {f('ttft_p99_ms', '.1f'):>7} "
+        f"{f('peak_mib', '.0f'):>7} {f('active_mib', '.0f'):>7}"
     )
 
 
 HEADER = (
     f"{'conc':>4} {'system':<13} {'tok/s':>8} {'steps':>6} {'pre':>5} "
-    f"{'ms/step':>8} {'dec p50':>8} {'outside':>8} {'pickle':>7} {'cpu/tok':>8} "
-    f"{'peakMiB':>7} {'actMiB':>7}"
+    f"{'ms/step':>8} {'dec p50':>8} {'outside':>8} {'pickle':>7} {'thr/st':>7} {'cpu/tok':>8} "
+    f"{'ttft50':>7} {'ttft99':>7} {'peakMiB':>7} {'actMiB':>7}"
 )
+LEGEND = """\
+tok/s: output tokens per second; steps, pre: engine steps, of which prefill;
+ms/step: mean step; dec p50: median decode-only step; outside: ms per step in our
+engine outside mlx-lm's next(); pickle: ms per step to pickle StepOutputs (the
+engine process's send); thr/st: engine thread CPU ms per step; cpu/tok: process
+CPU ms per token; ttft50/99: ms from arrival to first token; peak/actMiB: MLX
+memory, peak during the run and active at its end (the server: tok/s, steps,
+ms/step from /metrics, TTFT and CPU at the client)."""
+
+
+def summary(results: dict[str, dict[str, list]]) -> str:
+    keys = (
+        "tok_s",
+        "ms_per_step",
+        "decode_step_p50_ms",
+        "thread_ms_per_step",
+        "ttft_p50_ms",
+        "peak_mib",
+    )
+    lines = ["medians over rounds (min-max): " + ", ".join(keys)]
+    for level, by_system in results.items():
+        for name, runs in by_system.items():
+            cells = []
+            for key in keys:
+                values = [r[key] for r in runs if r.get(key) is not None]
+                if not values:
+                    cells.append("-")
+                    continue
+                cells.append(
+                    f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+                )
+            lines.append(f"{level:>4} {name:<13} " + " | ".join(cells))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,6 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-concurrency", type=int, default=64)
     p.add_argument("--prompt-concurrency", type=int, default=8)
     p.add_argument("--admission-window-ms", type=float, default=None, help="the core's")
+    p.add_argument(
+        "--arrival-delay-ms",
+        type=float,
+        default=0.0,
+        help="in-process systems: a finished request's replacement arrives this much later "
+        "(0: before the next step; an HTTP client comes back after a few ms)",
+    )
     p.add_argument("--no-pickle", action="store_true", help="do not pickle the core's outputs")
     p.add_argument("--profile", default=None, help="write cProfile stats of the last round here")
     p.add_argument("--json-out", default=None)
@@ -491,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "server":
                 system.warm_up(w)
             else:
-                system.run(warm, 2, 2, 10_000_000)
-        sys.stdout.write(HEADER + "\n")
+                closed_loop(system, warm, 2, 2, 10_000_000, 0.0)
+        sys.stdout.write(LEGEND + "\n\n" + HEADER + "\n")
         for level in ns.levels:
             requests = ns.requests or max(8, 2 * level)
             for rnd in range(ns.rounds):
@@ -502,7 +593,11 @@ def main(argv: list[str] | None = None) -> int:
                     if profile_dir and rnd == ns.rounds - 1 and name != "server":
                         profiler = cProfile.Profile()
                         profiler.enable()
-                    r = systems[name].run(w, level, requests, first)
+                    if name == "server":
+                        r = systems[name].run(w, level, requests, first)
+                    else:
+                        delay = ns.arrival_delay_ms / 1000
+                        r = closed_loop(systems[name], w, level, requests, first, delay)
                     if profiler is not None:
                         profiler.disable()
                         path = profile_dir / f"{name}-c{level}.prof"
@@ -515,8 +610,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "server" in systems:
             systems["server"].close()
+    sys.stdout.write("\n" + summary(results) + "\n")
     if ns.json_out:
-        meta = {"model": model, "workload": w.__dict__, "levels": ns.levels, "rounds": ns.rounds}
+        meta = {
+            "model": model,
+            "workload": w.__dict__,
+            "levels": ns.levels,
+            "rounds": ns.rounds,
+            "arrival_delay_ms": ns.arrival_delay_ms,
+            "argv": sys.argv,
+        }
         Path(ns.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
 
