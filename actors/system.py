@@ -25,7 +25,7 @@ import collections
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -169,6 +169,22 @@ class Runtime:
     def default_model(self) -> ModelKey:
         return self.model_loader.core.default
 
+    @property
+    def kv_budget(self) -> int | None:
+        return self.scheduler.core.kv_budget
+
+    def context_window(self, key: ModelKey | None = None) -> int | None:
+        """The context window of ``key`` (default: the served model), once it has loaded."""
+        return self.model_loader.core.context_windows.get(key or self.default_model)
+
+    @property
+    def startup_failure(self) -> str | None:
+        """Why the served model could not be loaded at start (it never was), else None."""
+        loader = self.model_loader.core
+        if loader.state is ModelState.FAILED and not loader.context_windows:
+            return loader.reason or "the model failed to load"
+        return None
+
     def allocate_id(self) -> int:
         return self.scheduler.core.allocate_id()
 
@@ -204,16 +220,18 @@ class Runtime:
             self.scheduler.withdraw(request_id)
 
     def open_request(
-        self, submit: Submit, spec: TextSpec, outbox: Outbox, handle: ModelHandle
+        self, submit: Submit, spec: TextSpec, outboxes: Sequence[Outbox], handle: ModelHandle
     ) -> None:
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
-        core.open(submit.request_id, spec, outbox, handle.tokenizer)
+        for request_id, outbox in zip(submit.request_ids, outboxes, strict=True):
+            core.open(request_id, spec, outbox, handle.tokenizer)
         try:
             self.scheduler.submit(submit)
         except BaseException:
-            core.close(submit.request_id)
+            for request_id in submit.request_ids:
+                core.close(request_id)
             raise
 
     def close_request(self, request_id: int) -> None:
@@ -286,6 +304,8 @@ class Runtime:
             "mode": "process" if self.model_loader.engine_process is not None else "thread",
             "pid": (loader.handle.engine_pid or os.getpid()) if loader.handle is not None else None,
         }
+        if loader.handle is not None:
+            body["max_model_len"] = loader.handle.context_window
         if loader.handle is not None and loader.handle.ranks > 1:
             body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}
         if self.dead or loader.state is not ModelState.READY or not self.accepting:

@@ -47,6 +47,7 @@ class SessionStream:
         self._session = session
         self._renderer = renderer
         self._interval = interval
+        self._open_choices = session.n  # the stream ends when each has ended (or one failed)
         self._next_send = -math.inf
         self._done = False
         self._close = weakref.finalize(self, _leave_session, session)
@@ -63,7 +64,8 @@ class SessionStream:
             except trio.EndOfChannel:
                 self._finish()
                 break
-            if any(isinstance(i, Finished | Failed) for i in items):
+            self._open_choices -= sum(isinstance(i, Finished) for i in items)
+            if self._open_choices <= 0 or any(isinstance(i, Failed) for i in items):
                 self._finish()
             frames = self._renderer.stream_frames(items)
             if frames:  # an empty body chunk would read as the end of the stream

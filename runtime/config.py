@@ -253,6 +253,37 @@ class ServerConfig:
         "up to this much later final chunk. 0 sends every engine step's tokens at once, as "
         "mlx_lm.server does.",
     )
+    max_model_len: int | None = setting(
+        None,
+        help="the context window: most tokens (prompt + generated) one sequence may hold",
+        above=0,
+        ours=True,
+        default_text="the model's",
+        notes="The model's is its config's `max_position_embeddings`, or its tokenizer's "
+        "`model_max_length` where that is smaller (and not the 'no limit' sentinel). A longer "
+        "prompt (or one that leaves no room for a token) is a 400 `context_length_exceeded`; "
+        "`max_tokens` is lowered to what the window leaves "
+        "([api.md](api.md#the-context-window)). As vLLM names it.",
+    )
+    max_choices: int = setting(
+        8,
+        help="largest n a request may ask for (choices generated from one prompt)",
+        above=0,
+        ours=True,
+        notes="The choices run as n sequences of the batch; the prompt is processed once "
+        "([api.md](api.md#several-choices-n)).",
+    )
+    shutdown_grace: float = setting(
+        8.0,
+        help="seconds open requests get to finish after SIGTERM or SIGINT; then each ends "
+        "properly (finish_reason \"abort\", an error event and [DONE] for a stream, 503 for a "
+        "waiting request)",
+        minimum=0,
+        ours=True,
+        notes="`mlx-trio-server` gives Hypercorn a graceful timeout 2 s longer, so that no "
+        "stream is cut. Under `hypercorn api:app` see "
+        "[operations.md](operations.md#signals-and-shutdown).",
+    )
 
     def unsupported(self, *, distributed: bool | None = None) -> list[str]:
         """Settings this process cannot honour: start-up refuses them.

@@ -117,6 +117,14 @@ class Submit:
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
+    # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
+    # once and starts each from a copy of choice 0's cache (runtime.engine.core).
+    choice_ids: tuple[int, ...] = ()
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        """Every sequence this Submit starts: choice 0 (``request_id``), then the others."""
+        return (self.request_id, *self.choice_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -189,6 +197,7 @@ class EngineStats:
     active_sequences: int = 0
     steps: int = 0
     prefill_steps: int = 0  # steps that processed prompt tokens
+    prompt_tokens: int = 0  # prompt tokens fed to the model (those from a cache are not)
     busy_seconds: float = 0.0  # time spent stepping (the rest: idle or waiting for commands)
     prompt_cache_entries: int = 0
     prompt_cache_bytes: int = 0
@@ -243,6 +252,7 @@ class ModelHandle:
     engine_pid: int | None = None  # the process that runs the engine (None: this one)
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"
+    context_window: int | None = None  # most tokens a sequence may hold (None: unknown)
 
 
 @attrs.frozen(kw_only=True)
@@ -275,6 +285,7 @@ class EngineReady:
     kv_budget: int
     eos_token_ids: tuple[int, ...]
     pid: int
+    context_window: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -328,6 +339,7 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice (n > 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -341,6 +353,7 @@ class Finished:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
+    index: int = 0  # the choice (n > 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -350,6 +363,7 @@ class Failed:
     type: str = "server_error"
     retry_after: int | None = None  # seconds, for a 429 or 503
     usage: Usage | None = None  # what was generated before the failure, if it had started
+    index: int = 0  # the choice (n > 1)
 
 
 Terminal = Finished | Failed

@@ -1,7 +1,9 @@
 """``GET /v1/models`` and ``GET /v1/models/<id>``: the models this server can serve.
 
-Emits OpenAI's model list: the served model first, then the MLX models found
-in the local Hugging Face cache (as mlx_lm.server lists them). Walking the
+Emits OpenAI's model list: the served model first (with its context window,
+as ``context_length`` and vLLM's ``max_model_len``, once it has loaded), then
+the MLX models found in the local Hugging Face cache (as mlx_lm.server lists
+them). Walking the
 cache is blocking disk work: it runs in a worker thread, at most every
 ``LISTING_TTL`` seconds (``CachedListing``), never on the event loop.
 """
@@ -63,7 +65,17 @@ def models_blueprint(rt: Runtime) -> Blueprint:
 
 def model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
     created = int(time.time())
-    cards = [ModelCard(id=rt.model_id, object="model", created=created, owned_by="mlx-trio-server")]
+    window = rt.context_window()  # known once the served model has loaded
+    cards = [
+        ModelCard(
+            id=rt.model_id,
+            object="model",
+            created=created,
+            owned_by="mlx-trio-server",
+            context_length=window,
+            max_model_len=window,
+        )
+    ]
     seen = {rt.model_id}
     for repo_id in cached_models:
         if repo_id not in seen:

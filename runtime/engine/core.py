@@ -14,6 +14,8 @@ held by the admission window, and the counters of ``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
+Several choices of one request (n > 1) share its prompt's prefill
+(``runtime.engine.choices``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from runtime.engine.choices import PendingChoices, further_choices, starts, without_choice
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.messages import (
     Abort,
@@ -66,6 +69,7 @@ class EngineCounters:
 
     steps: int = 0
     prefill_steps: int = 0  # steps that processed prompt tokens
+    prompt_tokens: int = 0  # prompt tokens given to the generator to compute
     busy_seconds: float = 0.0  # wall time inside step()
     cache_hits: int = 0  # requests that reused a prompt-cache entry
     cached_tokens: int = 0  # prompt tokens those entries covered
@@ -106,6 +110,7 @@ class _Sequence:
     logprobs: bool
     top_logprobs: int
     segment_types: list[str]  # reversed: pop() gives the next segment's type
+    save_final: bool = True  # its cache goes to the prompt cache when it finishes
 
     @property
     def wants_logprobs(self) -> bool:
@@ -161,6 +166,7 @@ class EngineCore:
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
         self._admission_batch = admission_batch
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
+        self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._by_uid: dict[int, _Sequence] = {}
         self._by_request: dict[int, _Sequence] = {}
         self._started: list[SequenceStarted] = []
@@ -173,8 +179,9 @@ class EngineCore:
     def _request_ids(self, *, held: bool = True) -> list[int]:
         """The requests the engine holds: in the generator, then (``held``) in the window."""
         ids = list(self._by_request)
+        ids += self._clones.request_ids()
         if held:
-            ids += [sub.request_id for _, sub in self._held]
+            ids += [i for _, sub in self._held for i in sub.request_ids]
         return ids
 
     @property
@@ -198,38 +205,59 @@ class EngineCore:
         else:
             raise TypeError(f"unexpected engine command {command!r}")
 
-    def _submit(self, sub: Submit) -> None:
+    def _submit(self, sub: Submit, *, start: list | None = None, clone: bool = False) -> None:
+        """Insert ``sub`` (``start``: a KV cache of all its prompt but the last token,
+        instead of the prompt cache's nearest entry; ``clone``: a further choice)."""
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
         try:
-            uid, cached, segment_types = self._insert(sub)
+            uid, cached, segment_types = self._insert(sub, start)
         except Exception as exc:  # one bad request must not take the engine down
             log.exception("request %s could not be admitted", sub.request_id)
-            self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+            for request_id in sub.request_ids:
+                self._failed.append(SequenceFailed(request_id=request_id, message=str(exc)))
             return
         seq = _Sequence(
             request_id=sub.request_id,
             uid=uid,
             logprobs=sub.logprobs,
             top_logprobs=sub.top_logprobs,
-            segment_types=segment_types[::-1],
+            segment_types=[] if clone else segment_types[::-1],
+            save_final=not clone,
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
-        self.counters.started(cached)
+        if start is None:
+            self.counters.started(cached)
+        self.counters.prompt_tokens += len(sub.prompt) - cached
         self._started.append(
             SequenceStarted(
                 request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
             )
         )
+        if sub.choice_ids and len(sub.prompt) - cached > 1:
+            self._clones.wait_for(sub)  # until its prompt is processed
+        elif sub.choice_ids:  # nothing to share: the prompt cache (if anything) serves each
+            for choice in further_choices(sub):
+                self._submit(choice, clone=True)
 
-    def _insert(self, sub: Submit) -> tuple[int, int, list[str]]:
+    def _start_clones(self, request_id: int, cache: list | None) -> None:
+        """Start the choices waiting for ``request_id``'s prompt: from copies of
+        ``cache`` (its prompt but the last token), or, without one, the ordinary way."""
+        clones = self._clones.take(request_id)
+        for choice, start in zip(clones, starts(cache, len(clones)), strict=True):
+            self._submit(choice, start=start, clone=True)
+
+    def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str]]:
         """Into the generator, after the prompt cache: (uid, tokens cached, segment types)."""
         prompt = list(sub.prompt)
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
-        if cache is not None and not rest:
-            # An exact hit leaves nothing to feed the model: give back one token.
-            cache, rest = _back_off_one_token(cache, prompt)
+        if start is not None:
+            cache, rest = start, prompt[-1:]
+        else:
+            cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+            if cache is not None and not rest:
+                # An exact hit leaves nothing to feed the model: give back one token.
+                cache, rest = _back_off_one_token(cache, prompt)
         cached = len(prompt) - len(rest)
 
         segments = [list(s) for s in sub.segments]
@@ -273,18 +301,31 @@ class EngineCore:
             self._submit(self._held.popleft()[1])
 
     def _abort(self, request_id: int) -> bool:
-        """Remove a sequence now; returns whether there was one to remove."""
-        for i, (_, sub) in enumerate(self._held):
+        """Remove a sequence now; returns whether there was one to remove.
+
+        The first choice of several takes with it the choices still waiting
+        for its prompt (they are withdrawn together)."""
+        for i, (held_at, sub) in enumerate(self._held):
             if sub.request_id == request_id:
                 del self._held[i]
+                self._aborted.extend(SequenceAborted(request_id=r) for r in sub.request_ids)
+                return True
+            rest = without_choice(sub, request_id)
+            if rest is not None:
+                self._held[i] = (held_at, rest)
                 self._aborted.append(SequenceAborted(request_id=request_id))
                 return True
+        if self._clones.drop(request_id):
+            self._aborted.append(SequenceAborted(request_id=request_id))
+            return True
         seq = self._by_request.get(request_id)
         if seq is None:
             return False  # already finished: its terminal event has been emitted
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
+        for clone in self._clones.take(request_id):
+            self._aborted.append(SequenceAborted(request_id=clone.request_id))
         return True
 
     def _forget(self, seq: _Sequence) -> None:
@@ -330,6 +371,7 @@ class EngineCore:
         key = self.handle.model_key
 
         save = []
+        share = []  # first choices whose prompt is processed up to its last token
         for r in prompt_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
@@ -338,6 +380,13 @@ class EngineCore:
             progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
             if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
                 save.append(r.uid)
+            if (
+                seq.request_id in self._clones
+                and r.end_of_segment
+                and not r.end_of_prompt
+                and done == total - 1
+            ):
+                share.append(r.uid)
         if save:
             for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
                 self.prompt_cache.insert_cache(
@@ -346,15 +395,20 @@ class EngineCore:
                     cache,
                     cache_type=self._by_uid[uid].segment_types.pop(),
                 )
+        if share:
+            for uid, (cache, _) in self._batch.extract_cache(share).items():
+                self._start_clones(self._by_uid[uid].request_id, cache)
 
         for r in generation_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
                 continue
+            if seq.request_id in self._clones:  # its prompt ended with no point to share
+                self._start_clones(seq.request_id, None)
             tokens.append(self._token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
-                if r.prompt_cache is not None and r.all_tokens is not None:
+                if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
                     self.prompt_cache.insert_cache(
                         key, list(r.all_tokens), r.prompt_cache, cache_type="assistant"
                     )
@@ -386,6 +440,10 @@ class EngineCore:
         if seq is not None:
             self._forget(seq)
             self._failed.append(SequenceFailed(request_id=seq.request_id, message=error.message))
+            for clone in self._clones.take(seq.request_id):
+                self._failed.append(
+                    SequenceFailed(request_id=clone.request_id, message=error.message)
+                )
 
     def _fail_all(self, message: str, *, retryable: bool = False, closing: bool = False) -> None:
         """Fail what the generator holds, and (``closing``) what the window holds."""
@@ -395,6 +453,7 @@ class EngineCore:
             )
         if closing:
             self._held.clear()
+        self._clones.clear()
         self._by_uid.clear()
         self._by_request.clear()
         self._close_batch()
@@ -415,6 +474,7 @@ class EngineCore:
             active_sequences=len(self._request_ids()),
             steps=c.steps,
             prefill_steps=c.prefill_steps,
+            prompt_tokens=c.prompt_tokens,
             busy_seconds=c.busy_seconds,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
