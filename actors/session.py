@@ -72,6 +72,9 @@ class SessionPort(Protocol):
     def release(self) -> None:
         """Give the lease back; synchronous."""
 
+    def drain_before(self, deadline: float) -> None:
+        """The HTTP server cuts open requests at ``deadline``: end them properly before."""
+
     def allocate_id(self) -> int: ...
 
     def open_request(
@@ -204,6 +207,10 @@ class Session:
         if self._leased:
             self._leased = False
             self._runtime.release()
+
+    def server_closing(self, deadline: float) -> None:
+        """The HTTP server will cut this request at ``deadline`` (it is shutting down)."""
+        self._runtime.drain_before(deadline)
 
     async def receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         """The next events; raises ``trio.EndOfChannel`` after the terminal one.

@@ -60,6 +60,7 @@ from runtime.outbox import Outbox
 log = logging.getLogger(__name__)
 
 SHUTDOWN_RETRY_AFTER = 5  # seconds: a restarted server is back in about that long
+DRAIN_MARGIN = 1.0  # seconds between ending open requests and the HTTP server cutting them
 
 
 def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
@@ -207,6 +208,14 @@ class Runtime:
         self.accepting = False
         if self._nursery is not None:
             self._nursery.start_soon(self._end_open_requests, grace)
+
+    def drain_before(self, deadline: float) -> None:
+        """The HTTP server will cut open requests at ``deadline`` (trio time): drain,
+        so that they end properly ``DRAIN_MARGIN`` seconds before (once)."""
+        if self.accepting:
+            grace = max(0.0, deadline - trio.current_time() - DRAIN_MARGIN)
+            log.info("the HTTP server is shutting down: open requests end in %.1f s", grace)
+            self.drain(grace)
 
     async def _end_open_requests(self, grace: float) -> None:
         await trio.sleep(grace)

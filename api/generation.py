@@ -13,6 +13,14 @@ Leaving is synchronous and withdraws the sequence from the engine. A
 non-streaming request leaves its Session in ``finally``; cancellation while
 waiting (the client left) withdraws it the same way.
 
+Shutdown under ``hypercorn api:app`` (``WATCH_SERVER_DEADLINE`` in the app's
+config): Hypercorn tells the app nothing when it begins a graceful shutdown,
+but it puts a deadline (its graceful timeout) on every request's task. A
+request that sees one while it waits for its next events tells the runtime
+(``Session.server_closing``), which ends every open request properly a
+little before (``Runtime.drain_before``). ``mlx-trio-server`` drains on the
+signal itself (``api.cli``).
+
 Also here: what both completion endpoints and the agent APIs take from a
 request's sampling fields (``sampling_params``) and deadline (``deadline``).
 """
@@ -23,7 +31,7 @@ import math
 import weakref
 
 import trio
-from quart import Response
+from quart import Response, current_app
 
 from actors.session import Session
 from api.errors import error_answer
@@ -31,6 +39,15 @@ from api.http import SSE_HEADERS, json_response
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
 from runtime.messages import Failed, Finished, SamplingParams
+
+WATCH_SERVER_DEADLINE = "MLX_TRIO_WATCH_SERVER_DEADLINE"  # app config key (hypercorn api:app)
+
+
+def _notice_server_deadline(session: Session) -> None:
+    """A finite deadline on this task is the HTTP server's graceful timeout: it is closing."""
+    deadline = trio.current_effective_deadline()
+    if deadline != math.inf:
+        session.server_closing(deadline)
 
 
 class SessionStream:
@@ -43,10 +60,13 @@ class SessionStream:
     The first chunk is never held back.
     """
 
-    def __init__(self, session: Session, renderer, interval: float = 0.0):
+    def __init__(
+        self, session: Session, renderer, interval: float = 0.0, *, watch_deadline: bool = False
+    ):
         self._session = session
         self._renderer = renderer
         self._interval = interval
+        self._watch_deadline = watch_deadline
         self._open_choices = session.n  # the stream ends when each has ended (or one failed)
         self._next_send = -math.inf
         self._done = False
@@ -59,6 +79,8 @@ class SessionStream:
         while not self._done:
             if self._interval and trio.current_time() < self._next_send:
                 await trio.sleep_until(self._next_send)  # the outbox merges meanwhile
+            if self._watch_deadline:
+                _notice_server_deadline(self._session)
             try:
                 items = await self._session.receive()
             except trio.EndOfChannel:
@@ -90,9 +112,10 @@ async def generate(
 ) -> Response:
     """Enter ``session`` and answer with ``renderer``'s stream or body."""
     await session.__aenter__()
+    watch = bool(current_app.config.get(WATCH_SERVER_DEADLINE))
     if stream:
         try:
-            body = SessionStream(session, renderer, stream_interval)
+            body = SessionStream(session, renderer, stream_interval, watch_deadline=watch)
         except BaseException:
             session.leave()
             raise
@@ -101,6 +124,8 @@ async def generate(
         return response
     try:
         while renderer.terminal is None:
+            if watch:
+                _notice_server_deadline(session)
             try:
                 items = await session.receive()
             except trio.EndOfChannel:

@@ -195,11 +195,13 @@ class ServerConfig:
     )
     distributed_timeout: float = setting(
         60.0,
-        help="seconds without an engine step or heartbeat before rank 0 reports the group lost",
+        help="seconds without an engine step or heartbeat before rank 0 reports the group lost "
+        "(and a follower rank, not hearing from rank 0, leaves)",
         above=0,
         ours=True,
         notes="A rank died or hung: `/health` 503, requests 503. Keep it above your slowest "
-        "single step (a long prefill chunk).",
+        "single step (a long prefill chunk). A rank whose launcher is gone leaves within a "
+        "second, whatever this is ([distributed.md](distributed.md#failures)).",
     )
     engine_mode: str = setting(
         "process",
