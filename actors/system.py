@@ -277,6 +277,7 @@ class Runtime:
         counters = {
             "mlx_trio_engine_steps_total": stats.steps,
             "mlx_trio_engine_prefill_steps_total": stats.prefill_steps,
+            "mlx_trio_engine_prompt_tokens_total": stats.prompt_tokens,
             "mlx_trio_engine_busy_seconds_total": round(stats.busy_seconds, 6),
             "mlx_trio_engine_restarts_total": loader.restarts,
             "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,

@@ -297,8 +297,11 @@ def _bytes(text: str) -> list[int]:
 
 
 def _legacy_top(entry: TokenLogprob) -> dict[str, float]:
-    """The N most likely, best first, then the sampled token if it is not among them."""
-    top = {text: lp for _, text, lp in entry.top}
+    """The N most likely, best first, then the sampled token if it is not among them
+    (tokens that read the same keep the best logprob: the keys are texts)."""
+    top: dict[str, float] = {}
+    for _, text, lp in entry.top:
+        top.setdefault(text, lp)
     top.setdefault(entry.text, entry.logprob)
     return top
 

@@ -96,6 +96,8 @@ SERVER_MODULES = {
     "test_chat_page",
     "test_agent_apis",
     "test_agent_clis",
+    "test_limits",
+    "test_shutdown",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}
 
