@@ -35,11 +35,12 @@ def further_choices(first: Submit) -> list[Submit]:
     return [choice_submit(first, i, r) for i, r in enumerate(first.choice_ids, 1)]
 
 
-def starts(cache: list | None, n: int) -> list[list | None]:
-    """``n`` caches to start choices from: copies of ``cache`` (the last one takes it)."""
+def starts(cache: list | None, n: int, *, own: bool = False) -> list[list | None]:
+    """``n`` caches to start choices from: copies of ``cache`` (``own``: nobody else
+    holds it, so the last choice takes it itself)."""
     if cache is None:
         return [None] * n
-    return [cache if i == n - 1 else copy.deepcopy(cache) for i in range(n)]
+    return [cache if own and i == n - 1 else copy.deepcopy(cache) for i in range(n)]
 
 
 class PendingChoices:

@@ -241,11 +241,12 @@ class EngineCore:
             for choice in further_choices(sub):
                 self._submit(choice, clone=True)
 
-    def _start_clones(self, request_id: int, cache: list | None) -> None:
+    def _start_clones(self, request_id: int, cache: list | None, own: bool = False) -> None:
         """Start the choices waiting for ``request_id``'s prompt: from copies of
-        ``cache`` (its prompt but the last token), or, without one, the ordinary way."""
+        ``cache`` (its prompt but the last token; ``own``: the last may take it), or,
+        without one, the ordinary way."""
         clones = self._clones.take(request_id)
-        for choice, start in zip(clones, starts(cache, len(clones)), strict=True):
+        for choice, start in zip(clones, starts(cache, len(clones), own=own), strict=True):
             self._submit(choice, start=start, clone=True)
 
     def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str]]:
@@ -387,17 +388,15 @@ class EngineCore:
                 and done == total - 1
             ):
                 share.append(r.uid)
-        if save:
-            for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
-                self.prompt_cache.insert_cache(
-                    key,
-                    list(cache_tokens),
-                    cache,
-                    cache_type=self._by_uid[uid].segment_types.pop(),
-                )
-        if share:
-            for uid, (cache, _) in self._batch.extract_cache(share).items():
-                self._start_clones(self._by_uid[uid].request_id, cache)
+        wanted = sorted(set(save) | set(share))
+        extracted = self._batch.extract_cache(wanted) if wanted else {}
+        for uid in save:
+            cache, cache_tokens = extracted[uid]
+            self.prompt_cache.insert_cache(
+                key, list(cache_tokens), cache, cache_type=self._by_uid[uid].segment_types.pop()
+            )
+        for uid in share:  # the prompt cache may hold this very cache: only copies then
+            self._start_clones(self._by_uid[uid].request_id, extracted[uid][0], uid not in save)
 
         for r in generation_responses:
             seq = self._by_uid.get(r.uid)
