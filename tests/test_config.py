@@ -142,6 +142,7 @@ TEXT_VALUES = {
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "admission_window_ms": "5", "prompt_cache_min_reuse": "0", "stream_interval_ms": "40",
+    "max_model_len": "4096", "max_choices": "2", "shutdown_grace": "3.5",
 }
 
 
