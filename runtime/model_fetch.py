@@ -67,24 +67,46 @@ def _patterns() -> list[str]:
 
 
 def _cached(repo: str) -> bool:
+    return cached_snapshot(repo) is not None
+
+
+def cached_snapshot(name: str) -> str | None:
+    """The local cache's complete snapshot directory of repository ``name``, or None.
+
+    The server loads a fetched model from there: no Hub request (nor progress
+    bar) at each start, and a cached model loads offline."""
+    if Path(name).expanduser().exists() or not _looks_like_repo_id(name):
+        return None
     from huggingface_hub import snapshot_download
 
     try:
-        snapshot_download(repo, local_files_only=True, allow_patterns=_patterns())
+        return snapshot_download(name, local_files_only=True, allow_patterns=_patterns())
     except Exception:  # not there, or incomplete
-        return False
-    return True
+        return None
 
 
 def _download(repo: str) -> None:
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
         disable_progress_bars,
         enable_progress_bars,
     )
 
-    cache = constants.HF_HUB_CACHE
+    quiet = not sys.stderr.isatty()  # a progress bar only on a terminal
+    was_disabled = are_progress_bars_disabled()
+    if quiet:
+        disable_progress_bars()
+    try:
+        _download_files(repo, constants.HF_HUB_CACHE)
+    finally:
+        if quiet and not was_disabled:
+            enable_progress_bars()
+
+
+def _download_files(repo: str, cache: str) -> None:
+    from huggingface_hub import snapshot_download
+
     try:
         plan = snapshot_download(repo, allow_patterns=_patterns(), dry_run=True)
     except Exception as exc:
@@ -101,17 +123,10 @@ def _download(repo: str) -> None:
         _human(size),
         cache,
     )
-    quiet = not sys.stderr.isatty()  # a progress bar only on a terminal
-    was_disabled = are_progress_bars_disabled()
-    if quiet:
-        disable_progress_bars()
     try:
         snapshot_download(repo, allow_patterns=_patterns())
     except Exception as exc:
         raise ModelUnavailable(_not_found(repo, cache, exc, started=True)) from None
-    finally:
-        if quiet and not was_disabled:
-            enable_progress_bars()
     log.info("downloaded %s (%s)", repo, _human(size))
 
 

@@ -24,6 +24,7 @@ import attrs
 
 from runtime.config import ServerConfig
 from runtime.errors import NotFound
+from runtime.model_fetch import cached_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
     lacks its weights, a tiny random model built on first use.
     """
     if config.model:
-        return config.model, config.model
+        # A Hugging Face repository fetched at start (runtime.model_fetch) loads
+        # from its snapshot in the local cache, under the id the user gave.
+        return config.model, cached_snapshot(config.model) or config.model
     demo = demo_model_dir()
     if (demo / "model.safetensors").exists():
         return DEMO_MODEL_ID, str(demo)

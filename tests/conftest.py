@@ -98,6 +98,7 @@ SERVER_MODULES = {
     "test_agent_clis",
     "test_limits",
     "test_shutdown",
+    "test_model_fetch",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}
 
