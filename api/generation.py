@@ -44,9 +44,11 @@ WATCH_SERVER_DEADLINE = "MLX_TRIO_WATCH_SERVER_DEADLINE"  # app config key (hype
 
 
 def _notice_server_deadline(session: Session) -> None:
-    """A finite deadline on this task is the HTTP server's graceful timeout: it is closing."""
+    """A finite deadline on this task is the HTTP server's graceful timeout: it is closing.
+
+    (A task already cancelled, its client gone, reads -inf: that is no shutdown.)"""
     deadline = trio.current_effective_deadline()
-    if deadline != math.inf:
+    if math.isfinite(deadline):
         session.server_closing(deadline)
 
 

@@ -168,3 +168,33 @@ def test_the_leader_watch_leaves_when_rank0_falls_silent_or_the_launcher_goes():
 
     gone = LeaderWatch(ParentWatch(pid=2**22 + 12345), timeout=60)
     assert "the launcher" in gone.reason()
+
+
+# ------------------------------------------------- Hypercorn's shutdown deadline
+
+
+class ClosingSession:
+    def __init__(self):
+        self.deadlines = []
+
+    def server_closing(self, deadline: float) -> None:
+        self.deadlines.append(deadline)
+
+
+async def test_a_deadline_on_the_request_is_a_shutdown_but_a_cancelled_request_is_not():
+    import trio
+
+    from api.generation import _notice_server_deadline
+
+    session = ClosingSession()
+    _notice_server_deadline(session)  # no deadline: serving as usual
+    deadline = trio.current_time() + 3
+    with trio.move_on_at(deadline):  # Hypercorn's graceful timeout, as a request sees it
+        _notice_server_deadline(session)
+        await trio.lowlevel.checkpoint()
+    assert session.deadlines == [deadline]
+    with trio.CancelScope() as scope:
+        scope.cancel()  # the client left: the effective deadline reads -inf
+        _notice_server_deadline(session)
+        await trio.lowlevel.checkpoint()
+    assert session.deadlines == [deadline]
