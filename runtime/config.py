@@ -212,11 +212,11 @@ class ServerConfig:
         choices=ENGINE_MODES,
         ours=True,
         notes="`process`: each model's engine runs in a child process of the server "
-        "(`runtime/engine_process.py`): a crash of native code there (a segfault in MLX) is an "
+        "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
         "engine crash that restarts, not the end of the server, and a swapped-out model's "
         "memory goes back to the system with its process. `thread`: the engine runs on a "
         "thread of the server process, as before. Throughput is the same within the noise of "
-        "our measurements ([performance.md](performance.md#engine-process-or-engine-thread)). "
+        "our measurements ([lab notes](benchmarks/2026-11-29-issue5.md#engine-process-or-engine-thread)). "
         "A distributed launch always uses `thread`.",
     )
     admission_window_ms: float = setting(
@@ -231,7 +231,7 @@ class ServerConfig:
         "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
         "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
         "tokens/s, TTFT p50 from 692-760 to 401-411 ms "
-        "([performance.md](performance.md#the-admission-window)). Always off in a "
+        "([lab notes](benchmarks/2026-11-29-issue5.md#the-admission-window)). Always off in a "
         "distributed launch (each rank's clock would end it at a different step).",
     )
     prompt_cache_min_reuse: int = setting(
