@@ -29,6 +29,7 @@ import trio
 from mlx_lm.generate import TextStateMachine
 
 from runtime.messages import (
+    CacheMissReason,
     Failed,
     Finished,
     FinishReason,
@@ -105,6 +106,7 @@ class RequestText:
         self.made_tool_call = False
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.cache_miss_reason: CacheMissReason | None = None
 
     def add(self, token: int, *, final: str | None) -> tuple[list[tuple[str, str]], bool]:
         """Feed one token. Returns (pieces in text order, stop string hit).
@@ -213,6 +215,7 @@ class DetokenizerCore:
             entry = self._requests.get(started.request_id)
             if entry is not None:
                 entry[0].cached_tokens = started.cached_tokens
+                entry[0].cache_miss_reason = started.miss_reason
         for p in outputs.progress:
             entry = self._requests.get(p.request_id)
             if entry is not None:
@@ -304,6 +307,7 @@ class DetokenizerCore:
             prompt_tokens=text.spec.prompt_tokens,
             completion_tokens=text.completion_tokens,
             cached_tokens=text.cached_tokens,
+            cache_miss_reason=text.cache_miss_reason,
         )
 
     def _parse_tool(self, tokenizer, tool_text: str, tools) -> list[ToolCall] | None:

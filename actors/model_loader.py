@@ -174,6 +174,7 @@ class ModelLoader:
         distributed: bool = False,
         step_timeout: float = 60.0,
         engine_process: EngineProcessSpec | None = None,
+        on_loaded: Callable[[float], None] = lambda seconds: None,
     ):
         """``distributed``: this is rank 0 of a group (``runtime.distributed``):
         no engine restarts (the group cannot be rebuilt in-process), a watchdog
@@ -183,7 +184,10 @@ class ModelLoader:
 
         ``engine_process``: run each engine in a child process
         (``runtime.engine.process``); the engine thread slot then holds the
-        thread that relays its messages."""
+        thread that relays its messages.
+
+        ``on_loaded(seconds)``: an engine became ready, ``seconds`` after it was
+        started (the model load: a restart's backoff is not counted)."""
         self.core = core or ModelLoaderCore()
         self._make_core = make_core
         self._handover = handover
@@ -193,6 +197,8 @@ class ModelLoader:
         self.step_timeout = step_timeout
         self.last_tick = time.monotonic()  # written by the engine thread
         self.engine_process = engine_process
+        self._on_loaded = on_loaded
+        self._engine_started = time.monotonic()
         if distributed:
             self.core.max_restarts = 0
 
@@ -299,6 +305,7 @@ class ModelLoader:
             self._notify()
 
     async def _run_engine_thread(self, inbox: queue.SimpleQueue) -> None:
+        self._engine_started = time.monotonic()
         if not self.distributed:
             # trio waits for the thread: no orphan keeps a model in memory.
             await trio.to_thread.run_sync(
@@ -405,6 +412,8 @@ class ModelLoader:
         await self._handover.put(ModelReady(handle=handle, inbox=inbox))
         self.inbox = inbox
         self.core.ready(handle)
-        log.info("model ready: %s", handle.model_key)
+        seconds = time.monotonic() - self._engine_started
+        self._on_loaded(seconds)
+        log.info("model ready: %s (loaded in %.1f s)", handle.model_key, seconds)
         self._notify()
         self._maybe_swap()

@@ -1,78 +1,421 @@
-"""PromptCacheActor: the prompt cache's policy and statistics.
+"""PromptCacheActor: the prompt cache's policy, its explanations and its statistics.
 
-The cache's data (mlx-lm's ``LRUPromptCache``: a token trie of KV caches with
-three LRUs by segment type and count/byte limits) lives on the engine thread,
-because every lookup copies or trims MLX arrays. This actor owns the rest:
+The cache's data, the KV arrays, stays with the engine
+(``runtime.prompt_cache_store``: mlx-lm's ``LRUPromptCache`` with a reuse
+floor), which looks entries up when a request is admitted and stores them at
+segment ends and when a sequence finishes. This actor decides the rest
+(``PromptCacheCore``, sans-IO):
 
-* the statistics: it receives an ``EngineStats`` snapshot per engine step
-  from the Scheduler and logs what changed, at most every 30 s.
-  ``cache_figures`` renders a snapshot's cache part for ``/health``.
+* an index of the engine's entries (tokens in a radix trie, bytes, segment
+  type, the template arguments and conversation of the request that stored
+  each), fed by the ``CacheEntryStored`` / ``CacheEntryRemoved`` events each
+  ``StepOutputs`` carries;
+* what to keep: the count limit (``--prompt-cache-size``) after every store,
+  the byte limit (``--prompt-cache-bytes``) after every store and, shared with
+  the running sequences, after every admission, in mlx-lm's eviction order
+  (``runtime.mlx_lm_internals.new_eviction_order``: one LRU per segment type,
+  as ``LRUPromptCache`` evicts). Evicted ids
+  go back to the engine as one ``EvictCache`` command, applied between steps
+  (distributed: on every rank alike);
+* the explanation of each lookup (``PromptCacheOutlook``): predicted when a
+  request is opened, from the index, for the response's header; and, when it
+  starts, the reason it reused nothing (``SequenceStarted.miss_reason``, which
+  the Detokenizer puts into ``Usage``). Evicted and lost entries are
+  remembered (tokens only, bounded) to tell ``evicted`` from ``no_entry``;
+* the statistics (``figures``, for ``/health`` and ``/metrics``), logged at
+  most every 30 s when they changed.
+
+Receives: synchronous calls from the Runtime (``open``, ``close``) and from
+the Scheduler (``on_step``, ``engine_changed``). Emits: ``EvictCache``
+commands (returned to the Scheduler, which puts them into the engine's
+inbox), annotated ``StepOutputs``, ``PromptCacheOutlook``s and a log line.
+Its task (``run``) is where asynchronous work of a later disk tier goes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 
+import attrs
 import trio
 
-from runtime.messages import EngineStats
+from actors.prompt_cache_index import TokenTrie, Walk, tokens_array
+from runtime.messages import (
+    CacheEntryRemoved,
+    CacheEntryStored,
+    CacheMissReason,
+    EvictCache,
+    PromptCacheOutlook,
+    StepOutputs,
+)
+from runtime.mlx_lm_internals import new_eviction_order
 
 log = logging.getLogger(__name__)
 
-
-def cache_figures(s: EngineStats) -> dict[str, int]:
-    return {
-        "entries": s.prompt_cache_entries,
-        "bytes": s.prompt_cache_bytes,
-        "hits": s.prompt_cache_hits,
-        "cached_tokens": s.prompt_cache_cached_tokens,
-    }
+GHOST_TOKENS = 1 << 20  # tokens of evicted entries remembered, to explain misses (4 MB)
+CLOSED_KEPT = 1024  # requests closed before they started, still remembered
 
 
+def predicted_reuse(walk: Walk, n: int, min_reuse: int) -> int:
+    """The prompt tokens mlx-lm's lookup (and the engine's one-token back-off after
+    an exact hit) reuses, given what the index shows for a prompt of ``n`` tokens."""
+    if walk.depth == 0 or walk.depth < min_reuse:
+        return 0
+    if walk.exact is not None:
+        return n - 1 if walk.exact and n > 1 else 0
+    if walk.beyond and walk.depth > walk.prefix:
+        return min(n - 1, walk.depth)
+    return walk.prefix
+
+
+@attrs.define
+class _Entry:
+    model: str
+    nbytes: int
+    cache_type: str
+    template_key: str | None
+    conversation_key: str | None
+
+
+@attrs.define
+class _Ghost:
+    """An entry that is gone: why, and what the explanation compares."""
+
+    reason: CacheMissReason
+    ntokens: int
+    template_key: str | None
+    conversation_key: str | None
+
+
+@attrs.define
+class _Request:
+    model: str
+    tokens: tuple[int, ...]
+    template_key: str | None
+    conversation_keys: tuple[str, ...]
+    predicted: PromptCacheOutlook
+    started: bool = False
+
+
+@attrs.define
 class PromptCacheStats:
-    """Sans-IO: the latest engine snapshot, and what changed since the last log line."""
+    """Totals since the server started (``figures`` adds the index's size)."""
 
-    def __init__(self) -> None:
-        self.latest = EngineStats()
-        self._logged = EngineStats()
+    hits: int = 0
+    cached_tokens: int = 0  # prompt tokens the hits reused
+    misses: collections.Counter = attrs.field(factory=collections.Counter)
+    evictions: int = 0
+    evicted_bytes: int = 0
+    header_mismatches: int = 0  # the prediction at admission differed from the engine's lookup
 
-    def update(self, stats: EngineStats) -> None:
-        self.latest = stats
 
-    def log_line(self) -> str | None:
-        s = self.latest
-        if (s.prompt_cache_entries, s.prompt_cache_bytes, s.prompt_cache_hits) == (
-            self._logged.prompt_cache_entries,
-            self._logged.prompt_cache_bytes,
-            self._logged.prompt_cache_hits,
+class PromptCacheCore:
+    """Sans-IO: the index of the engine's entries, the keep/evict decisions, the explanations."""
+
+    def __init__(
+        self,
+        *,
+        max_entries: int,
+        max_bytes: int | None = None,
+        min_reuse: int = 0,
+        ghost_tokens: int = GHOST_TOKENS,
+    ):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.min_reuse = min_reuse
+        self.model: str | None = None  # the engine whose entries the index holds
+        self.bytes = 0
+        self.stats = PromptCacheStats()
+        self._live = TokenTrie()
+        self._entries: dict[int, _Entry] = {}
+        self._order = new_eviction_order()  # last use: when stored, per segment type
+        self._by_conversation: dict[str, set[int]] = collections.defaultdict(set)
+        self._ghost_limit = ghost_tokens
+        self._ghosts = TokenTrie()
+        self._ghost_info: dict[int, _Ghost] = {}
+        self._ghost_fifo: collections.deque[int] = collections.deque()
+        self._ghost_tokens = 0
+        self._next_ghost = 1
+        self._ghosts_by_conversation: dict[str, set[int]] = collections.defaultdict(set)
+        self._requests: dict[int, _Request] = {}
+        self._closed: collections.deque[int] = collections.deque()
+
+    # ---------------------------------------------------------------- reading
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def remembered_requests(self) -> int:
+        """Requests opened and not yet forgotten (ended, or closed and aged out)."""
+        return len(self._requests)
+
+    def entries(self) -> dict[int, tuple[tuple[int, ...], int, str]]:
+        """The index: entry id -> (tokens, bytes, segment type)."""
+        return {
+            i: (tuple(self._live.tokens(i)), e.nbytes, e.cache_type)
+            for i, e in self._entries.items()
+        }
+
+    def explain(
+        self,
+        model: str,
+        tokens: tuple[int, ...],
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
+        """What a lookup of ``tokens`` would reuse now, and if nothing, why."""
+        if self.max_entries <= 0:
+            return PromptCacheOutlook(reused_tokens=0, miss_reason=CacheMissReason.DISABLED)
+        prompt = tokens_array(tokens)
+        walk = self._live.walk(model, prompt)
+        reused = predicted_reuse(walk, len(prompt), self.min_reuse)
+        if reused:
+            return PromptCacheOutlook(
+                reused_tokens=reused, miss_reason=None, shared_tokens=walk.depth
+            )
+        reason = self._miss_reason(model, prompt, walk, template_key, conversation_keys)
+        return PromptCacheOutlook(reused_tokens=0, miss_reason=reason, shared_tokens=walk.depth)
+
+    def _miss_reason(self, model, prompt, walk: Walk, template_key, conversation_keys):
+        if template_key is not None:
+            for key in conversation_keys:
+                for i in self._by_conversation.get(key, ()):
+                    if self._entries[i].template_key not in (None, template_key):
+                        return CacheMissReason.TEMPLATE_ARGS
+                for i in self._ghosts_by_conversation.get(key, ()):
+                    if self._ghost_info[i].template_key not in (None, template_key):
+                        return CacheMissReason.TEMPLATE_ARGS
+        enough = max(self.min_reuse, 1)
+        ghost = self._ghosts.walk(model, prompt)
+        if ghost.depth >= enough and ghost.depth > walk.depth and ghost.nearest is not None:
+            return self._ghost_info[ghost.nearest].reason
+        if walk.depth >= enough:
+            return CacheMissReason.NOT_REUSABLE
+        return CacheMissReason.BELOW_FLOOR if walk.depth else CacheMissReason.NO_ENTRY
+
+    def figures(self) -> dict:
+        """The numbers ``/health`` shows under ``prompt_cache`` (and ``/metrics`` exports)."""
+        s = self.stats
+        return {
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "hits": s.hits,
+            "cached_tokens": s.cached_tokens,
+            "misses": {reason.value: s.misses[reason] for reason in CacheMissReason},
+            "evictions": s.evictions,
+            "evicted_bytes": s.evicted_bytes,
+            "header_mismatches": s.header_mismatches,
+            "max_entries": self.max_entries,
+            "max_bytes": self.max_bytes,
+        }
+
+    # --------------------------------------------------------------- requests
+
+    def open(
+        self,
+        request_id: int,
+        model: str,
+        tokens: tuple[int, ...],
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
+        """A request is submitted: its predicted outlook; remembered until it ends."""
+        outlook = self.explain(
+            model, tokens, template_key=template_key, conversation_keys=conversation_keys
+        )
+        self._requests[request_id] = _Request(
+            model, tokens, template_key, conversation_keys, outlook
+        )
+        return outlook
+
+    def close(self, request_id: int) -> None:
+        """The request's Session left. One that never started (withdrawn while it
+        waited, or about to start) is kept a while for a late ``SequenceStarted``."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.started:
+            del self._requests[request_id]
+            return
+        self._closed.append(request_id)
+        while len(self._closed) > CLOSED_KEPT:
+            self._requests.pop(self._closed.popleft(), None)
+
+    # ------------------------------------------------------------ the engine
+
+    def engine_changed(self, model: str | None) -> None:
+        """A new engine (empty cache), or none: every indexed entry is gone with the old one."""
+        for entry_id in list(self._entries):
+            self._remove(entry_id, ghost=CacheMissReason.ENGINE_RESTARTED)
+        self._order = new_eviction_order()
+        self.model = model
+
+    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, tuple[int, ...]]:
+        """Account for one engine step; returns it with the miss reasons filled in,
+        and the entries to evict (in order)."""
+        evicted: list[int] = []
+        started = []
+        # Every lookup of this step happened before the trims below: explain them first.
+        for event in outputs.started:
+            reason = self._started(event.request_id, event.cached_tokens)
+            started.append(attrs.evolve(event, miss_reason=reason) if reason else event)
+        for event in outputs.started:
+            if self.max_bytes is not None:  # the cache gives way to the running sequences
+                evicted += self._evict_to(nbytes=self.max_bytes - event.batch_kv_bytes)
+        for event in outputs.cache_events:
+            if isinstance(event, CacheEntryStored):
+                self._store(event)
+                evicted += self._evict_to(entries=self.max_entries, nbytes=self.max_bytes)
+            elif isinstance(event, CacheEntryRemoved) and event.entry_id in self._entries:
+                self._remove(event.entry_id, ghost=None)
+        for request_id in outputs.terminal_ids():
+            self._requests.pop(request_id, None)
+        if outputs.started:
+            outputs = attrs.evolve(outputs, started=tuple(started))
+        return outputs, tuple(evicted)
+
+    def _started(self, request_id: int, cached: int) -> CacheMissReason | None:
+        request = self._requests.get(request_id)
+        reason = None
+        if cached:
+            self.stats.hits += 1
+            self.stats.cached_tokens += cached
+        elif request is None:  # closed long before it started: nothing left to compare
+            reason = CacheMissReason.NO_ENTRY
+            self.stats.misses[reason] += 1
+        else:
+            outlook = self.explain(
+                request.model,
+                request.tokens,
+                template_key=request.template_key,
+                conversation_keys=request.conversation_keys,
+            )
+            # No reason: the index saw a reusable entry that the engine could not use.
+            reason = outlook.miss_reason or CacheMissReason.NOT_REUSABLE
+            self.stats.misses[reason] += 1
+        if request is not None:
+            self.stats.header_mismatches += request.predicted.reused_tokens != cached
+            request.started = True
+            request.tokens = ()
+        return reason
+
+    def _store(self, event: CacheEntryStored) -> None:
+        request = self._requests.get(event.request_id) if event.request_id is not None else None
+        model = self.model or ""
+        conversation = None
+        if request is not None and request.conversation_keys:
+            conversation = request.conversation_keys[-1]
+        self._entries[event.entry_id] = _Entry(
+            model=model,
+            nbytes=event.nbytes,
+            cache_type=event.cache_type,
+            template_key=request.template_key if request else None,
+            conversation_key=conversation,
+        )
+        self._live.add(model, event.tokens, event.entry_id, event.trimmable)
+        self._order.push(model, event.entry_id, event.cache_type)
+        self.bytes += event.nbytes
+        if conversation is not None:
+            self._by_conversation[conversation].add(event.entry_id)
+
+    def _evict_to(self, *, entries: int | None = None, nbytes: int | None = None) -> list[int]:
+        """Evict in mlx-lm's order until at most ``entries`` entries and ``nbytes`` bytes remain."""
+        evicted = []
+        while self._entries and (
+            (entries is not None and len(self._entries) > max(0, entries))
+            or (nbytes is not None and self.bytes > max(0, nbytes))
         ):
-            return None
-        self._logged = s
+            _, entry_id = self._order.pop()
+            self._remove(entry_id, ghost=CacheMissReason.EVICTED, ordered=False)
+            self.stats.evictions += 1
+            evicted.append(entry_id)
+        return evicted
+
+    def _remove(
+        self, entry_id: int, *, ghost: CacheMissReason | None, ordered: bool = True
+    ) -> None:
+        entry = self._entries.pop(entry_id)
+        if ordered:
+            self._order.remove(entry.model, entry_id)
+        model, tokens = self._live.remove(entry_id)
+        self.bytes -= entry.nbytes
+        if ghost is CacheMissReason.EVICTED:
+            self.stats.evicted_bytes += entry.nbytes
+        if entry.conversation_key is not None:
+            keep = self._by_conversation[entry.conversation_key]
+            keep.discard(entry_id)
+            if not keep:
+                del self._by_conversation[entry.conversation_key]
+        if ghost is not None:
+            info = _Ghost(ghost, len(tokens), entry.template_key, entry.conversation_key)
+            self._remember(model, tokens, info)
+
+    def _remember(self, model: str, tokens, ghost: _Ghost) -> None:
+        """Keep a gone entry's tokens (oldest forgotten first, within ``ghost_tokens``)."""
+        if ghost.ntokens > self._ghost_limit:
+            return
+        ghost_id = self._next_ghost
+        self._next_ghost += 1
+        self._ghosts.add(model, tokens, ghost_id, True)
+        self._ghost_info[ghost_id] = ghost
+        self._ghost_fifo.append(ghost_id)
+        self._ghost_tokens += ghost.ntokens
+        if ghost.conversation_key is not None:
+            self._ghosts_by_conversation[ghost.conversation_key].add(ghost_id)
+        while self._ghost_tokens > self._ghost_limit:
+            old = self._ghost_fifo.popleft()
+            self._ghosts.remove(old)
+            info = self._ghost_info.pop(old)
+            self._ghost_tokens -= info.ntokens
+            if info.conversation_key is not None:
+                keep = self._ghosts_by_conversation[info.conversation_key]
+                keep.discard(old)
+                if not keep:
+                    del self._ghosts_by_conversation[info.conversation_key]
+
+    def log_line(self) -> str:
+        s = self.stats
+        misses = ", ".join(f"{r} {n}" for r, n in sorted(s.misses.items()) if n) or "none"
         return (
-            f"prompt cache: {s.prompt_cache_entries} entries, "
-            f"{s.prompt_cache_bytes / 1e6:.1f} MB, {s.prompt_cache_hits} hits, "
-            f"{s.prompt_cache_cached_tokens} tokens reused"
+            f"prompt cache: {len(self._entries)} entries, {self.bytes / 1e6:.1f} MB, "
+            f"{s.hits} hits ({s.cached_tokens} tokens reused), misses: {misses}, "
+            f"{s.evictions} evicted"
         )
 
 
 class PromptCacheActor:
-    def __init__(self, stats: PromptCacheStats | None = None, *, log_every: float = 30.0):
-        self.stats = stats or PromptCacheStats()
+    """The trio shell: synchronous calls into the core, and a task that logs."""
+
+    def __init__(self, core: PromptCacheCore, *, log_every: float = 30.0):
+        self.core = core
         self._log_every = log_every
 
-    async def run(
-        self,
-        reports: trio.MemoryReceiveChannel[EngineStats],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
+    def open(self, request_id: int, model: str, tokens, **keys) -> PromptCacheOutlook:
+        return self.core.open(request_id, model, tokens, **keys)
+
+    def close(self, request_id: int) -> None:
+        self.core.close(request_id)
+
+    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, tuple[EvictCache, ...]]:
+        outputs, evicted = self.core.on_step(outputs)
+        return outputs, ((EvictCache(entry_ids=evicted),) if evicted else ())
+
+    def engine_changed(self, model: str | None) -> None:
+        self.core.engine_changed(model)
+
+    def figures(self) -> dict:
+        return self.core.figures()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        next_log = trio.current_time() + self._log_every
-        async with reports:
-            async for stats in reports:
-                self.stats.update(stats)
-                if trio.current_time() >= next_log:
-                    next_log = trio.current_time() + self._log_every
-                    line = self.stats.log_line()
-                    if line:
-                        log.info(line)
+        logged = None
+        while True:
+            await trio.sleep(self._log_every)
+            line = self.core.log_line()
+            if line != logged:
+                log.info(line)
+                logged = line

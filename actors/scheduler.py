@@ -17,10 +17,13 @@ nothing, and the prompt-cache lookup happens when the request is started.
 
 The ``Scheduler`` shell receives each engine step's ``StepOutputs`` (and the
 ModelLoader's ``ModelReady`` / ``ModelLost``, in order with them) from the
-engine hand-over, updates the core, refills the engine, and forwards the step
-to the Detokenizer and its statistics to the PromptCacheActor. Submissions and withdrawals are
-synchronous calls (``submit``/``withdraw``) so that a Session can withdraw in
-cleanup without awaiting; the commands they produce go straight into the
+engine hand-over, updates the core, hands the step to the PromptCacheActor
+(synchronously: its index follows the engine's entries before any client sees
+the step's results, and it answers with the step's miss reasons filled in and
+its evictions), puts those evictions into the engine's inbox, refills the
+engine, and forwards the step to the Detokenizer. Submissions and withdrawals
+are synchronous calls (``submit``/``withdraw``) so that a Session can withdraw
+in cleanup without awaiting; the commands they produce go straight into the
 engine's thread-safe inbox.
 """
 
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
@@ -35,6 +40,7 @@ from runtime.errors import Overloaded, PayloadTooLarge, Unavailable
 from runtime.handover import HandedOver
 from runtime.messages import (
     Abort,
+    EngineCommand,
     EngineStats,
     ModelLost,
     ModelReady,
@@ -143,6 +149,16 @@ class SchedulerCore:
         return lost
 
 
+class PromptCachePort(Protocol):
+    """What the Scheduler needs of the PromptCacheActor."""
+
+    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, Sequence[EngineCommand]]:
+        """Account for one step: the step to forward, and commands for the engine."""
+
+    def engine_changed(self, model: str | None) -> None:
+        """A new engine (its model key) or none: the old one's cache is gone."""
+
+
 class Scheduler:
     """The trio shell around ``SchedulerCore``.
 
@@ -157,12 +173,12 @@ class Scheduler:
         core: SchedulerCore,
         *,
         to_detokenizer: trio.MemorySendChannel[StepOutputs],
-        to_prompt_cache: trio.MemorySendChannel[EngineStats],
+        prompt_cache: PromptCachePort,
         kv_budget_override: int | None = None,
     ):
         self.core = core
         self._to_detokenizer = to_detokenizer
-        self._to_prompt_cache = to_prompt_cache
+        self._prompt_cache = prompt_cache
         self._kv_budget_override = kv_budget_override
         self._engine_inbox = None
         self._gone: str | None = None  # no engine is coming back: why
@@ -206,11 +222,13 @@ class Scheduler:
             self.core.kv_budget = handle.kv_budget
         self._gone = None
         self._engine_inbox = ready.inbox
+        self._prompt_cache.engine_changed(handle.model_key)
         self._start_waiting()
 
     def on_model_lost(self, lost: ModelLost) -> StepOutputs:
         """Detach the engine; returns the failures for the Detokenizer."""
         self._engine_inbox = None
+        self._prompt_cache.engine_changed(None)
         ids = self.core.engine_lost()
         if lost.permanent:
             self._gone = lost.reason
@@ -226,14 +244,16 @@ class Scheduler:
             )
         )
 
-    def on_step(self, outputs: StepOutputs) -> None:
+    def on_step(self, outputs: StepOutputs) -> StepOutputs:
+        """Account for one engine step; returns it as the Detokenizer gets it."""
         self.core.on_outputs(outputs)
+        outputs, commands = self._prompt_cache.on_step(outputs)
+        if self._engine_inbox is not None:
+            for command in commands:  # before new submits: they are looked up after it
+                self._engine_inbox.put(command)
         self._start_waiting()
         self.last_stats = outputs.stats
-        try:
-            self._to_prompt_cache.send_nowait(outputs.stats)
-        except trio.WouldBlock:
-            pass  # statistics are snapshots: a newer one follows
+        return outputs
 
     # ------------------------------------------------------------ the actor
 
@@ -248,7 +268,7 @@ class Scheduler:
             async for item in engine:
                 message = item.taken()  # the engine may run one more step ahead
                 if isinstance(message, StepOutputs):
-                    self.on_step(message)
+                    message = self.on_step(message)
                 elif isinstance(message, ModelReady):
                     self.on_model_ready(message)
                     continue

@@ -1,7 +1,9 @@
 """Session: one HTTP request's view of the runtime.
 
 An async context manager. Entering it prepares the prompt (chat template and
-tokenizer in a worker thread), registers the request with the Detokenizer and
+tokenizer in a worker thread; in the same thread, right after, the request's
+output constraint, if the route gave a ``constrain`` step: structured outputs,
+enforced tool choice), registers the request with the Detokenizer and
 submits it to the Scheduler, which may refuse with ``Overloaded`` (429) or
 ``Unavailable`` (503) before any byte of the response is sent. Inside, the
 route calls ``receive()`` for the request's events: ``Progress``, ``Delta``,
@@ -29,10 +31,17 @@ processes the prompt once); each has its own request id and ``Outbox``, and
 Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
 raises ``Cancelled`` if the task is cancelled, and waits only when nothing is
 pending; exiting is not a checkpoint.
+
+Timing: a Session notes when the request began (entering), when its first
+output and its terminal reached it (``RequestTiming``, the response edge: what
+the client sees, stop-string hold-back included) and the terminal's token
+counts; leaving hands the record to ``SessionPort.record_request`` (metrics)
+and keeps it as ``timing`` (the access log).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -42,9 +51,12 @@ import trio
 from runtime.errors import ClientError, PayloadTooLarge
 from runtime.messages import (
     Delta,
+    Failed,
+    Finished,
     ModelHandle,
     PreparedPrompt,
     Progress,
+    PromptCacheOutlook,
     SamplingParams,
     Submit,
     Terminal,
@@ -52,6 +64,53 @@ from runtime.messages import (
 )
 from runtime.models import ModelKey
 from runtime.outbox import Outbox
+
+
+@attrs.define
+class RequestTiming:
+    """One request's milestones (``time.monotonic()`` seconds) and token counts.
+
+    ``outcome``: the finish reason, ``"error"`` for a ``Failed`` terminal, or
+    None while none arrived (a client that left before the end)."""
+
+    started: float = attrs.field(factory=time.monotonic)
+    first_output: float | None = None
+    ended: float | None = None  # the terminal reached the Session
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    outcome: str | None = None
+
+    def note(self, items, now: float) -> None:
+        for item in items:
+            if isinstance(item, Delta):
+                if self.first_output is None and (
+                    item.content or item.reasoning or item.tool_calls
+                ):
+                    self.first_output = now
+            elif isinstance(item, Finished | Failed):
+                self.ended = now
+                self.outcome = "error" if isinstance(item, Failed) else str(item.finish_reason)
+                if item.usage is not None:
+                    self.prompt_tokens = item.usage.prompt_tokens
+                    self.completion_tokens = item.usage.completion_tokens
+                    self.cached_tokens = item.usage.cached_tokens
+
+    @property
+    def time_to_first_output(self) -> float | None:
+        return None if self.first_output is None else self.first_output - self.started
+
+    @property
+    def duration(self) -> float | None:
+        """Entering to the terminal (None: no terminal arrived)."""
+        return None if self.ended is None else self.ended - self.started
+
+    @property
+    def inter_token(self) -> float | None:
+        """Mean time between generated tokens, first output to the terminal."""
+        if self.first_output is None or self.ended is None or self.completion_tokens < 2:
+            return None
+        return (self.ended - self.first_output) / (self.completion_tokens - 1)
 
 
 class SessionPort(Protocol):
@@ -78,16 +137,27 @@ class SessionPort(Protocol):
     def allocate_id(self) -> int: ...
 
     def open_request(
-        self, submit: Submit, spec: TextSpec, outboxes: Sequence[Outbox], handle: ModelHandle
-    ) -> None:
+        self,
+        submit: Submit,
+        spec: TextSpec,
+        outboxes: Sequence[Outbox],
+        handle: ModelHandle,
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
         """Register each of ``submit.request_ids`` with the Detokenizer (with its
-        outbox) and submit to the Scheduler (429 / 413 / 503)."""
+        outbox) and submit to the Scheduler (429 / 413 / 503); returns what the
+        prompt cache expects the lookup to reuse, or why not."""
 
     def close_request(self, request_id: int) -> None:
         """Withdraw; synchronous and idempotent."""
 
     def expire_request(self, request_id: int) -> None:
         """The deadline passed: finish with "length"."""
+
+    def record_request(self, timing: RequestTiming) -> None:
+        """The Session left: its timing and tokens (metrics); synchronous, never raises."""
 
 
 class Session:
@@ -106,12 +176,18 @@ class Session:
         timeout: float | None = None,
         model: ModelKey | None = None,
         num_draft_tokens: int | None = None,
+        constrain: Callable[[object, PreparedPrompt], object] | None = None,
         n: int = 1,
         prompt_param: str = "messages",
     ):
-        """``prompt_param``: the request field a too-long prompt is blamed on."""
+        """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
+        (optional) the ``Submit.constraint`` (``None``: free output). Both run
+        in a worker thread, tokenizer-only; a ``ClientError`` from either is a
+        400 before any byte is sent. ``n``: choices generated from the prompt;
+        ``prompt_param``: the request field a too-long prompt is blamed on."""
         self._runtime = runtime
         self._prepare = prepare
+        self._constrain = constrain
         self.sampling = sampling
         self.max_tokens = max_tokens
         self._stop = stop
@@ -132,24 +208,36 @@ class Session:
         self.request_id: int | None = None  # choice 0's
         self.request_ids: tuple[int, ...] = ()
         self.prompt: PreparedPrompt | None = None
+        # Predicted when the request was submitted (the engine's actual lookup
+        # comes with the usage: ``Usage.cached_tokens``, ``cache_miss_reason``).
+        self.prompt_cache: PromptCacheOutlook | None = None
+        self.timing = RequestTiming()
+        self._recorded = False
 
     async def __aenter__(self) -> Session:
+        self.timing.started = time.monotonic()
         key = self._model or self._runtime.default_model
         handle = await self._runtime.acquire(key)
         self._leased = True
         try:
-            return await self._enter(handle)
+            return await self._enter(handle, key)
         except BaseException:
             self._leased = False
             self._runtime.release()
             raise
 
-    async def _enter(self, handle: ModelHandle) -> Session:
+    async def _enter(self, handle: ModelHandle, key: ModelKey) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
-        self.prompt = await trio.to_thread.run_sync(
-            self._prepare, handle.tokenizer, limiter=self._runtime.tokenize_limiter
+        self.prompt, constraint = await trio.to_thread.run_sync(
+            self._prepare_and_constrain, handle.tokenizer, limiter=self._runtime.tokenize_limiter
         )
         prompt = self.prompt
+        if constraint is not None and key.draft is not None:
+            raise ClientError(
+                "structured outputs and tool_choice cannot be enforced with speculative "
+                "decoding (a draft model)",
+                param=getattr(constraint, "param", None),
+            )
         if prompt.tokens and not 0 <= min(prompt.tokens) <= max(prompt.tokens) < handle.vocab_size:
             raise ClientError(
                 f"prompt token ids must be in 0..{handle.vocab_size - 1}", param="prompt"
@@ -184,13 +272,26 @@ class Session:
             top_logprobs=self._top_logprobs,
             kv_bytes=handle.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
             num_draft_tokens=self._num_draft_tokens,
+            constraint=constraint,
         )
-        self._runtime.open_request(submit, spec, self.outboxes, handle)
+        self.prompt_cache = self._runtime.open_request(
+            submit,
+            spec,
+            self.outboxes,
+            handle,
+            template_key=prompt.template_key,
+            conversation_keys=prompt.conversation_keys,
+        )
         self.request_id = submit.request_id
         self.request_ids = submit.request_ids
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self
+
+    def _prepare_and_constrain(self, tokenizer) -> tuple[PreparedPrompt, object]:
+        prompt = self._prepare(tokenizer)
+        constraint = self._constrain(tokenizer, prompt) if self._constrain is not None else None
+        return prompt, constraint
 
     async def __aexit__(self, *exc_info) -> None:
         self.leave()
@@ -207,6 +308,9 @@ class Session:
         if self._leased:
             self._leased = False
             self._runtime.release()
+            if not self._recorded:
+                self._recorded = True
+                self._runtime.record_request(self.timing)
 
     def server_closing(self, deadline: float) -> None:
         """The HTTP server will cut this request at ``deadline`` (it is shutting down)."""
@@ -218,6 +322,11 @@ class Session:
         Past the request's deadline the request is finished with "length" (its
         text so far, then the terminal): a deadline never truncates a stream.
         """
+        items = await self._receive()
+        self.timing.note(items, time.monotonic())
+        return items
+
+    async def _receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._deadline == float("inf"):  # no deadline: no cancel scope per chunk
             return await self._get()

@@ -7,8 +7,9 @@
     Scheduler --Submit/Abort (inbox, sync put)--> engine (thread or process)
     engine --StepOutputs--> Handover (bounded by credits) --> Scheduler
     ModelLoader --ModelReady / ModelLost--> Handover (in order with the steps) --> Scheduler
+    Scheduler --StepOutputs (sync)--> PromptCacheActor --EvictCache--> Scheduler (inbox)
     Scheduler --StepOutputs (4)--> Detokenizer --Outbox (merging)--> Session
-    Scheduler --EngineStats (1)--> PromptCacheActor
+    Session --open_request (sync)--> PromptCacheActor: the lookup's predicted outlook
 
 It lives above the actors because it wires them (``runtime/`` is the kernel
 and knows neither actors nor the HTTP edge). ``Runtime.run`` opens the nursery
@@ -16,12 +17,13 @@ and starts every actor with ``nursery.start``; cancelling it stops them all,
 the engine included (it sees the cancellation at its next step or idle wait).
 An actor that crashes marks the runtime dead, so ``/health`` answers 503.
 ``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
-``/health`` and ``/metrics`` figures from the actors.
+``/health`` and ``/metrics`` figures from the actors (``metrics``: its
+``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
+request may name (``resolve``).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import os
@@ -30,6 +32,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
     EngineProcessSpec,
@@ -37,9 +40,9 @@ from actors.model_loader import (
     ModelLoaderCore,
     ModelState,
 )
-from actors.prompt_cache import PromptCacheActor, cache_figures
+from actors.prompt_cache import PromptCacheActor, PromptCacheCore
 from actors.scheduler import Scheduler, SchedulerCore
-from actors.session import Session
+from actors.session import RequestTiming, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
@@ -47,14 +50,21 @@ from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
 from runtime.messages import (
     EngineReady,
-    EngineStats,
     Failed,
     ModelHandle,
+    PromptCacheOutlook,
     StepOutputs,
     Submit,
     TextSpec,
 )
-from runtime.models import ModelKey, RealEngineCore, default_key, resolve_key, resolve_model
+from runtime.models import (
+    ModelKey,
+    ModelPolicy,
+    RealEngineCore,
+    default_key,
+    resolve_key,
+    resolve_model,
+)
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -96,21 +106,28 @@ class Runtime:
             def make_core_for(key: ModelKey) -> EngineCore:
                 return make_core()
 
+        self.model_policy = ModelPolicy.from_config(config)
+        self.metrics = ServerMetrics(self.figures)
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
-        self._stats_send, self._stats_recv = trio.open_memory_channel[EngineStats](1)
+        self.prompt_cache = PromptCacheActor(
+            PromptCacheCore(
+                max_entries=config.prompt_cache_size,
+                max_bytes=config.prompt_cache_bytes,
+                min_reuse=config.prompt_cache_min_reuse,
+            )
+        )
         self.scheduler = Scheduler(
             SchedulerCore(
                 max_in_engine=config.decode_concurrency + config.prompt_concurrency,
                 max_waiting=config.max_queued_requests,
             ),
             to_detokenizer=self._detok_send,
-            to_prompt_cache=self._stats_send,
+            prompt_cache=self.prompt_cache,
             kv_budget_override=config.kv_cache_budget_bytes,
         )
         self.detokenizer = Detokenizer(DetokenizerCore(withdraw=self.scheduler.withdraw))
-        self.prompt_cache = PromptCacheActor()
         self.model_loader = ModelLoader(
             make_core_for,
             handover=self._handover,
@@ -122,11 +139,11 @@ class Runtime:
                 if make_core is None and not self.distributed and config.engine_mode == "process"
                 else None
             ),
+            on_loaded=self.metrics.observe_load,
         )
         self.dead: str | None = None
         self.accepting = True
         self._nursery: trio.Nursery | None = None
-        self.responses: collections.Counter[tuple[str, int]] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -136,7 +153,7 @@ class Runtime:
                 self._nursery = nursery
                 await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
-                await nursery.start(self.prompt_cache.run, self._stats_recv)
+                await nursery.start(self.prompt_cache.run)
                 await nursery.start(self.model_loader.run)
                 task_status.started(self)
         except Exception as exc:
@@ -148,7 +165,7 @@ class Runtime:
     async def resolve(
         self, model: str | None, adapters: str | None = None, draft_model: str | None = None
     ) -> ModelKey:
-        """The model a request names (404 if it is not on this machine).
+        """The model a request names (404 if it is not allowed or not on this machine).
 
         Looking on disk and in the Hugging Face cache is blocking work: a worker thread."""
         key = await trio.to_thread.run_sync(
@@ -160,6 +177,7 @@ class Runtime:
                 model=model,
                 adapters=adapters,
                 draft_model=draft_model,
+                policy=self.model_policy,
             )
         )
         if not self.switchable and key != self.default_model:
@@ -229,73 +247,75 @@ class Runtime:
             self.scheduler.withdraw(request_id)
 
     def open_request(
-        self, submit: Submit, spec: TextSpec, outboxes: Sequence[Outbox], handle: ModelHandle
-    ) -> None:
+        self,
+        submit: Submit,
+        spec: TextSpec,
+        outboxes: Sequence[Outbox],
+        handle: ModelHandle,
+        *,
+        template_key: str | None = None,
+        conversation_keys: tuple[str, ...] = (),
+    ) -> PromptCacheOutlook:
+        """Register and submit (each of ``submit.request_ids`` with its outbox);
+        returns the prompt cache's predicted outlook."""
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
         for request_id, outbox in zip(submit.request_ids, outboxes, strict=True):
             core.open(request_id, spec, outbox, handle.tokenizer)
         try:
+            outlook = self.prompt_cache.open(
+                submit.request_id,
+                handle.model_key,
+                submit.prompt,
+                template_key=template_key,
+                conversation_keys=conversation_keys,
+            )
             self.scheduler.submit(submit)
         except BaseException:
             for request_id in submit.request_ids:
                 core.close(request_id)
+            self.prompt_cache.close(submit.request_id)
             raise
+        return outlook
 
     def close_request(self, request_id: int) -> None:
         """Synchronous: called from cleanup, possibly while cancelled."""
         self.detokenizer.core.close(request_id)
         self.scheduler.withdraw(request_id)
+        self.prompt_cache.close(request_id)
 
     def expire_request(self, request_id: int) -> None:
         self.detokenizer.core.expire(request_id)
+
+    def record_request(self, timing: RequestTiming) -> None:
+        self.metrics.observe_request(timing)
 
     def session(self, **kwargs) -> Session:
         return Session(self, **kwargs)
 
     # ---------------------------------------------------------------- health
 
-    def count_response(self, route: str, status: int) -> None:
-        self.responses[(route, status)] += 1
+    def prompt_cache_figures(self) -> dict:
+        """The PromptCacheActor's figures: entries, bytes, hits, cached (reused) tokens,
+        misses by reason, evictions and evicted bytes, limits (``/health``, ``/metrics``)."""
+        return self.prompt_cache.figures()
 
-    def metrics_text(self) -> str:
-        """Prometheus text exposition of the runtime's state."""
-        stats = self.scheduler.last_stats
+    def figures(self) -> RuntimeFigures:
+        """The state ``/metrics`` reads at each scrape."""
         core = self.scheduler.core
         loader = self.model_loader.core
-        gauges = {
-            "mlx_trio_model_ready": int(loader.state is ModelState.READY and not self.dead),
-            "mlx_trio_requests_in_flight": core.load,
-            "mlx_trio_requests_waiting": len(core.waiting),
-            "mlx_trio_active_sequences": stats.active_sequences,
-            "mlx_trio_kv_reserved_bytes": core.kv_reserved,
-            "mlx_trio_kv_budget_bytes": core.kv_budget or 0,
-            "mlx_trio_prompt_cache_entries": stats.prompt_cache_entries,
-            "mlx_trio_prompt_cache_bytes": stats.prompt_cache_bytes,
-        }
-        counters = {
-            "mlx_trio_engine_steps_total": stats.steps,
-            "mlx_trio_engine_prefill_steps_total": stats.prefill_steps,
-            "mlx_trio_engine_prompt_tokens_total": stats.prompt_tokens,
-            "mlx_trio_engine_busy_seconds_total": round(stats.busy_seconds, 6),
-            "mlx_trio_engine_restarts_total": loader.restarts,
-            "mlx_trio_prompt_cache_hits_total": stats.prompt_cache_hits,
-            "mlx_trio_prompt_cache_cached_tokens_total": stats.prompt_cache_cached_tokens,
-            "mlx_trio_engine_aborts_total": stats.aborts,
-            "mlx_trio_engine_abort_wait_ms_total": round(stats.abort_wait_ms_total, 3),
-        }
-        gauges["mlx_trio_engine_abort_wait_ms_max"] = round(stats.abort_wait_ms_max, 3)
-        gauges["mlx_trio_engine_abort_wait_steps_max"] = stats.abort_wait_steps_max
-        lines = []
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        for name, value in counters.items():
-            lines += [f"# TYPE {name} counter", f"{name} {value}"]
-        lines.append("# TYPE mlx_trio_http_responses_total counter")
-        for (route, status), n in sorted(self.responses.items()):
-            lines.append(f'mlx_trio_http_responses_total{{route="{route}",status="{status}"}} {n}')
-        return "\n".join(lines) + "\n"
+        return RuntimeFigures(
+            model_ready=loader.state is ModelState.READY and not self.dead,
+            requests_in_flight=core.load,
+            requests_running=len(core.in_engine),
+            requests_waiting=len(core.waiting),
+            kv_reserved_bytes=core.kv_reserved,
+            kv_budget_bytes=core.kv_budget or 0,
+            engine_restarts=loader.restarts,
+            stats=self.scheduler.last_stats,
+            prompt_cache=self.prompt_cache_figures(),
+        )
 
     def health(self) -> tuple[int, dict]:
         loader = self.model_loader.core
@@ -308,7 +328,7 @@ class Runtime:
             "requests_in_flight": self.scheduler.core.load,
             "waiting": len(self.scheduler.core.waiting),
             "engine_restarts": loader.restarts,
-            "prompt_cache": cache_figures(stats),
+            "prompt_cache": self.prompt_cache_figures(),
         }
         body["engine"] = {
             "mode": "process" if self.model_loader.engine_process is not None else "thread",

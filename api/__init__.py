@@ -5,7 +5,8 @@ first call (the lifespan startup), from ``MLX_TRIO_<SETTING>`` environment
 variables, after making sure the served model is on this machine
 (``runtime.model_fetch``: downloaded on first use); so importing
 ``api.schemas`` or ``api.server`` has no side effects, and a bad setting or
-a model that cannot be had fails the server's start-up loudly.
+a model that cannot be had fails the server's start-up loudly. Its logging
+set-up prints each of Hypercorn's lines once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _AppFromEnvironment:
                 level=config.log_level.upper(),
                 format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             )
+            _one_line_per_event()
             fetch_served_model(config)  # before serving: a missing model fails the start-up
             self._app = create_app(config)
             # Hypercorn's shutdown shows only as a deadline on the requests' tasks.
@@ -46,6 +48,22 @@ class _AppFromEnvironment:
                 return
             raise RuntimeError(message) from None
         await app(scope, receive, send)
+
+
+def _one_line_per_event() -> None:
+    """Hypercorn's CLI gives its error logger a console handler of its own (when it
+    first logs, after this runs) and lets it propagate too: each of its lines would
+    be printed twice. Our root handlers skip the records of a Hypercorn logger that
+    has a handler of its own, so each line is printed once, by that handler."""
+    import logging
+
+    def not_printed_yet(record: logging.LogRecord) -> bool:
+        return not (
+            record.name.startswith("hypercorn.") and logging.getLogger(record.name).handlers
+        )
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(not_printed_yet)
 
 
 app = _AppFromEnvironment()

@@ -13,9 +13,10 @@ docs/configuration.md (made from the same metadata) and exits.
 ``main`` first makes sure the served model is on this machine
 (``runtime.model_fetch``: downloaded on first use, or a plain message and
 exit status 1 when it cannot be had), then serves the app with Hypercorn's
-trio worker in this process. A shutdown begins on SIGINT or SIGTERM, when
-the served model fails to load at start (exit status 1), or, for a rank of
-a distributed launch, when the launcher that started it is gone (exit
+trio worker in this process, its log lines through this process's one
+logging set-up (one line per event). A shutdown begins on SIGINT or SIGTERM,
+when the served model fails to load at start (exit status 1), or, for a rank
+of a distributed launch, when the launcher that started it is gone (exit
 status 1): Hypercorn stops accepting, and ``Runtime.drain`` refuses new
 requests and, ``--shutdown-grace`` seconds later, ends every open one
 properly, before Hypercorn's graceful timeout (2 s longer) would cut them.
@@ -70,6 +71,8 @@ def _argument(s: Setting) -> dict[str, Any]:
             raise TypeError(f"{s.flag}: a store_true flag needs the default False")
         return {"action": "store_true", "help": help_text}
     out: dict[str, Any] = {"type": _argparse_type(s.format), "help": help_text}
+    if s.repeatable:
+        out["action"] = "extend"  # --api-key a --api-key b,c: (a, b, c)
     if s.choices is not None:
         out["choices"] = s.choices
     return out
@@ -139,7 +142,10 @@ async def _serve(app, config, parent: ParentWatch | None = None) -> int:
     hyper.backlog = 1024
     hyper.graceful_timeout = config.shutdown_grace + DRAIN_MARGIN
     hyper.startup_timeout = 600
+    # One line per event: Hypercorn logs through our handlers (given a Logger, it adds
+    # none of its own), and the access log is ours (api.observability: mlx_trio.access).
     hyper.accesslog = None
+    hyper.errorlog = logging.getLogger("hypercorn.error")
     runtime = app.extensions["runtime"]
     status = [0]
 

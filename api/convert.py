@@ -245,11 +245,15 @@ def structure_or_400(data: Any, cls: type[T]) -> T:
     if not isinstance(data, dict):
         raise ClientError("the request body must be a JSON object", param=None)
     try:
-        return converter.structure(data, cls)
+        value = converter.structure(data, cls)
     except (ClassValidationError, IterableValidationError) as exc:
         raise client_error(exc) from None
     except (TypeError, ValueError) as exc:
         raise ClientError(str(exc)) from None
+    validate = getattr(value, "validate", None)  # checks across fields, where a type has them
+    if validate is not None:
+        validate()
+    return value
 
 
 response_converter = cattrs.Converter(omit_if_default=True)

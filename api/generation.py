@@ -13,6 +13,11 @@ Leaving is synchronous and withdraws the sequence from the engine. A
 non-streaming request leaves its Session in ``finally``; cancellation while
 waiting (the client left) withdraws it the same way.
 
+Every successful answer carries the ``x-prompt-cache`` header
+(``prompt_cache_header``): a streaming one what the PromptCacheActor predicted
+when the request was submitted (the headers go out before the engine looks),
+a JSON one what the engine's lookup did (``Usage``).
+
 Shutdown under ``hypercorn api:app`` (``WATCH_SERVER_DEADLINE`` in the app's
 config): Hypercorn tells the app nothing when it begins a graceful shutdown,
 but it puts a deadline (its graceful timeout) on every request's task. A
@@ -36,9 +41,31 @@ from quart import Response, current_app
 from actors.session import Session
 from api.errors import error_answer
 from api.http import SSE_HEADERS, json_response
+from api.observability import note_timing
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
-from runtime.messages import Failed, Finished, SamplingParams
+from runtime.messages import (
+    CacheMissReason,
+    Failed,
+    Finished,
+    PromptCacheOutlook,
+    SamplingParams,
+)
+
+PROMPT_CACHE_HEADER = "x-prompt-cache"
+
+
+def prompt_cache_header(reused_tokens: int, miss_reason: CacheMissReason | None) -> str:
+    """``hit; reused=123`` or ``miss; reason=evicted`` (docs/api.md#prompt-cache)."""
+    if reused_tokens:
+        return f"hit; reused={reused_tokens}"
+    return f"miss; reason={miss_reason or CacheMissReason.NO_ENTRY}"
+
+
+def _outlook_headers(outlook: PromptCacheOutlook | None) -> dict[str, str]:
+    if outlook is None:
+        return {}
+    return {PROMPT_CACHE_HEADER: prompt_cache_header(outlook.reused_tokens, outlook.miss_reason)}
 
 WATCH_SERVER_DEADLINE = "MLX_TRIO_WATCH_SERVER_DEADLINE"  # app config key (hypercorn api:app)
 
@@ -113,6 +140,7 @@ async def generate(
     session: Session, renderer, stream: bool, *, stream_interval: float = 0.0
 ) -> Response:
     """Enter ``session`` and answer with ``renderer``'s stream or body."""
+    note_timing(session.timing)  # the access log reports its tokens and times
     await session.__aenter__()
     watch = bool(current_app.config.get(WATCH_SERVER_DEADLINE))
     if stream:
@@ -121,7 +149,8 @@ async def generate(
         except BaseException:
             session.leave()
             raise
-        response = Response(body, status=200, headers=SSE_HEADERS)
+        headers = {**SSE_HEADERS, **_outlook_headers(session.prompt_cache)}
+        response = Response(body, status=200, headers=headers)
         response.timeout = None  # our deadline is the request's own (Session)
         return response
     try:
@@ -142,7 +171,10 @@ async def generate(
         return json_response(
             renderer.failure_body(terminal), status=answer.status, headers=answer.headers
         )
-    return json_response(renderer.body())
+    body = renderer.body()
+    usage = terminal.usage
+    header = prompt_cache_header(usage.cached_tokens, usage.cache_miss_reason)
+    return json_response(body, headers={PROMPT_CACHE_HEADER: header})
 
 
 def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:

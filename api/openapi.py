@@ -10,10 +10,12 @@ A field's bounds come from the same ``Constraint`` its attrs validator
 enforces (``api.constraints``): ranges become ``minimum``/``maximum``, allowed
 values ``enum``/``const``, and so on, applied to the union member of the JSON
 type they concern. The error body every non-2xx answer carries is
-``ErrorResponse`` (``api.errors``); ``/health`` answers with ``Health`` (200
-or 503). Streams (``stream: true``) are documented as ``text/event-stream``
-whose schema describes one event, as OpenAPI before 3.2 does. Nothing here is
-imported by the server until ``/openapi.json`` is first asked for.
+``ErrorResponse`` (``api.errors``; ``AnthropicError`` under ``/v1/messages``);
+``/health`` answers with ``Health`` (200 or 503). Streams (``stream: true``)
+are documented as ``text/event-stream`` whose schema describes one event, as
+OpenAPI before 3.2 does. The agent APIs' paths and answers come from
+``api.agents.openapi``. Nothing here is imported by the server until
+``/openapi.json`` is first asked for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import attrs
 
 import api.responses as responses
 import api.schemas as schemas
+from api.agents.openapi import AGENT_COMPONENTS, agent_paths
 from api.constraints import Constraint, constraint_of
 from api.errors import ErrorResponse
 
@@ -306,6 +309,24 @@ def _generation(
     }
 
 
+def _tokenizer_path(
+    *, operation_id: str, summary: str, request: type, answer: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": operation_id,
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json({"$ref": COMPONENTS + request.__name__})},
+            "responses": {
+                "200": {"description": "the answer", "content": _json(answer)},
+                "400": _error("a field is missing, of the wrong type or out of range (param names it)"),
+                "404": _error("the model is not served here"),
+                "default": _error("any other error"),
+            },
+        }
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (cached: callers must not mutate it)."""
@@ -318,11 +339,15 @@ def openapi_document() -> dict[str, Any]:
         responses.TextCompletion,
         responses.ModelList,
         responses.ModelCard,
+        schemas.TokenizeRequest,
+        schemas.DetokenizeRequest,
         ErrorResponse,
     ):
         builder.ref(cls)
+    agents = agent_paths(builder.ref)
     components = dict(sorted(builder.components.items()))
     components["Health"] = _HEALTH
+    components.update(AGENT_COMPONENTS)
 
     paths = {
         "/v1/chat/completions": _generation(
@@ -365,6 +390,30 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/tokenize": _tokenizer_path(
+            operation_id="tokenize",
+            summary="Prompt text, or chat messages through the chat template, to token ids",
+            request=schemas.TokenizeRequest,
+            answer={
+                "type": "object",
+                "required": ["tokens", "count"],
+                "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "count": {"type": "integer"},
+                    "max_model_len": {"type": "integer"},
+                },
+            },
+        ),
+        "/detokenize": _tokenizer_path(
+            operation_id="detokenize",
+            summary="Token ids to text",
+            request=schemas.DetokenizeRequest,
+            answer={
+                "type": "object",
+                "required": ["prompt"],
+                "properties": {"prompt": {"type": "string"}},
+            },
+        ),
         "/health": {
             "get": {
                 "operationId": "health",
@@ -402,6 +451,7 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        **agents,
     }
     return {
         "openapi": OPENAPI_VERSION,
@@ -409,7 +459,8 @@ def openapi_document() -> dict[str, Any]:
             "title": "mlx-trio-server",
             "version": _version(),
             "description": "An OpenAI-compatible server for MLX models. Every error answer is "
-            '`{"error": {"message", "type", "param", "code"}}`; 429 and 503 carry Retry-After.',
+            '`{"error": {"message", "type", "param", "code"}}`, under /v1/messages Anthropic\'s '
+            '`{"type": "error", "error": {"type", "message"}}`; 429 and 503 carry Retry-After.',
         },
         "paths": paths,
         "components": {"schemas": components},

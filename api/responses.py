@@ -7,7 +7,9 @@ always sent (``content: null``, ``finish_reason: null``, ``logprobs: null``).
 ``ChatRenderer`` and ``TextRenderer`` turn a Session's events (``Delta``,
 ``Progress``, ``Finished``, ``Failed``) into SSE frames or one JSON body, the
 same way for streaming and non-streaming requests, for one choice
-(``index``); ``api.choices`` combines several.
+(``index``); ``api.choices`` combines several. Our one extension field,
+``prompt_cache`` (``PromptCacheOut``), is in the body and in a stream's chunk
+that carries the ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ from runtime.messages import (
 @attrs.frozen(kw_only=True)
 class PromptTokensDetails:
     cached_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class PromptCacheOut:
+    """How much of the prompt the prompt cache covered and, if nothing, why (docs/api.md)."""
+
+    reused_tokens: int
+    miss_reason: str | None
+
+    @classmethod
+    def of(cls, usage: Usage) -> PromptCacheOut:
+        reason = None if usage.cached_tokens else usage.cache_miss_reason
+        return cls(reused_tokens=usage.cached_tokens, miss_reason=reason)
 
 
 @attrs.frozen(kw_only=True)
@@ -134,6 +149,7 @@ class ChatCompletion:
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageOut
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -145,6 +161,7 @@ class ChatCompletionChunk:
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: UsageOut | None = None
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -172,6 +189,7 @@ class TextCompletion:
     system_fingerprint: str
     choices: list[TextChoice]
     usage: UsageOut | None = None
+    prompt_cache: PromptCacheOut | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -352,7 +370,9 @@ class ChatRenderer(_Renderer):
             return None
         return chat_logprobs(entries)
 
-    def _chunk(self, delta: ChatDelta, finish_reason, logprobs=None, usage=None) -> ChatCompletionChunk:
+    def _chunk(
+        self, delta: ChatDelta, finish_reason, logprobs=None, usage=None, prompt_cache=None
+    ) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=self.id,
             object="chat.completion.chunk",
@@ -367,6 +387,7 @@ class ChatRenderer(_Renderer):
             if usage is None
             else [],
             usage=usage,
+            prompt_cache=prompt_cache,
         )
 
     def delta_chunk(self, item: Delta) -> ChatCompletionChunk | None:
@@ -385,7 +406,9 @@ class ChatRenderer(_Renderer):
         return self._chunk(delta, None, logprobs)
 
     def final_chunk(self, finished: Finished) -> ChatCompletionChunk:
-        return self._chunk(ChatDelta(), finished.finish_reason)
+        return self._chunk(
+            ChatDelta(), finished.finish_reason, prompt_cache=PromptCacheOut.of(finished.usage)
+        )
 
     def usage_chunk(self, finished: Finished) -> ChatCompletionChunk:
         return self._chunk(ChatDelta(), None, usage=UsageOut.of(finished.usage))
@@ -417,6 +440,7 @@ class ChatRenderer(_Renderer):
                     )
                 ],
                 usage=UsageOut.of(self.terminal.usage),
+                prompt_cache=PromptCacheOut.of(self.terminal.usage),
             )
         )
 
@@ -450,7 +474,9 @@ class TextRenderer(_Renderer):
             text_offset=offsets,
         )
 
-    def _completion(self, text: str, finish_reason, logprobs=None, usage=None) -> TextCompletion:
+    def _completion(
+        self, text: str, finish_reason, logprobs=None, usage=None, prompt_cache=None
+    ) -> TextCompletion:
         return TextCompletion(
             id=self.id,
             object="text_completion",
@@ -465,6 +491,7 @@ class TextRenderer(_Renderer):
             if usage is None or finish_reason is not None
             else [],
             usage=usage,
+            prompt_cache=prompt_cache,
         )
 
     def delta_chunk(self, item: Delta) -> TextCompletion | None:
@@ -474,7 +501,8 @@ class TextRenderer(_Renderer):
         return self._completion(item.content, None, logprobs)
 
     def final_chunk(self, finished: Finished) -> TextCompletion:
-        return self._completion("", finished.finish_reason)
+        prompt_cache = PromptCacheOut.of(finished.usage)
+        return self._completion("", finished.finish_reason, prompt_cache=prompt_cache)
 
     def usage_chunk(self, finished: Finished) -> TextCompletion:
         return self._completion("", None, usage=UsageOut.of(finished.usage))
@@ -487,5 +515,6 @@ class TextRenderer(_Renderer):
                 self.terminal.finish_reason,
                 self._logprobs_out(self.logprobs),
                 UsageOut.of(self.terminal.usage),
+                PromptCacheOut.of(self.terminal.usage),
             )
         )

@@ -16,6 +16,12 @@ import attrs
 
 from api.constraints import bounded, constrained
 from api.errors import InvalidParam
+from api.structured import (
+    RESPONSE_FORMAT_TYPES,
+    TOOL_CHOICE_MODES,
+    check_response_format,
+    check_tool_choice,
+)
 
 MAX_TOP_LOGPROBS = 20
 MAX_CONTEXT_SIZE = 2**31 - 1  # penalty windows are sliced with 32-bit indices
@@ -135,6 +141,44 @@ class ChatCompletionRequest(GenerationFields):
             }
         },
     )
+    # Enforced by constrained decoding (docs/structured-outputs.md); compiled against
+    # the model's tokenizer when the prompt is prepared (400s name what cannot be enforced).
+    response_format: dict[str, Any] | None = constrained(
+        None,
+        check=check_response_format,
+        schema={
+            "object": {
+                "properties": {
+                    "type": {"enum": list(RESPONSE_FORMAT_TYPES)},
+                    "json_schema": {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string"},
+                            "schema": {"type": "object"},
+                            "strict": {"type": "boolean"},
+                        },
+                    },
+                },
+                "required": ["type"],
+                "description": "text, any JSON object, or a document valid against a JSON Schema",
+            }
+        },
+    )
+    tool_choice: str | dict[str, Any] | None = constrained(
+        None,
+        check=check_tool_choice,
+        schema={
+            "string": {"enum": list(TOOL_CHOICE_MODES)},
+            "object": {
+                "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                },
+                "description": "exactly one call of the named function",
+            },
+        },
+    )
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     role_mapping: dict[str, str] | None = None
 
@@ -166,3 +210,27 @@ class CompletionRequest(GenerationFields):
         if self.logprobs_form == "legacy":
             return int(self.logprobs)
         return self.top_logprobs or 0
+
+
+@attrs.frozen(kw_only=True)
+class TokenizeRequest:
+    """``POST /tokenize``: ``prompt`` (text, as completions encode it) or ``messages``
+    (rendered by the chat template, as chat completions do), not both."""
+
+    model: str = "default_model"
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = constrained(None, nonempty=True)
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = constrained(None, check=_function_tools)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DetokenizeRequest:
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str = "default_model"
+    tokens: list[int] = constrained(
+        schema={"array": {"items": {"type": "integer", "minimum": 0}}}
+    )

@@ -2,21 +2,24 @@
 
 Owns the app's lifecycle (its serving starts the ``Runtime``, every actor and
 the engine, in the app's nursery, and cancels it on shutdown), the error
-handlers (every error is an OpenAI-style JSON body; 429 and 503 carry
-``Retry-After``), CORS, and which routes exist:
+handlers (every error is an OpenAI-style JSON body, Anthropic's under
+``/v1/messages``; 429 and 503 carry ``Retry-After``), CORS, and which routes
+exist:
 
 * ``api.routes.completions``: chat and text completions;
 * ``api.routes.models``: the model list;
 * ``api.routes.operations``: ``/health``, ``/metrics``, ``/openapi.json``;
-* ``api.agent_routes``: OpenAI Responses and Anthropic Messages;
+* ``api.routes.tokenizer``: ``/tokenize``, ``/detokenize``;
+* ``api.agents``: OpenAI Responses and Anthropic Messages;
 * ``api.chat_page``: the chat page at ``/``.
 
-Every generating route goes through ``api.generation.generate``.
+Every generating route goes through ``api.generation.generate``. Around them:
+API keys (``api.auth``) and, wrapping the whole ASGI app, request ids, the
+access log and the HTTP metrics (``api.observability``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import trio
@@ -25,13 +28,16 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from actors.system import Runtime
-from api.agent_routes import register_agent_apis
+from api.agents import messages_errors
+from api.agents.routes import register_agent_apis
+from api.auth import ApiKeys, register_auth
 from api.chat_page import register_chat_page
-from api.generation import generate
-from api.http import error_response, read_json
+from api.http import error_response
+from api.observability import RequestObserver, note_route
 from api.routes.completions import completions_blueprint
 from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
+from api.routes.tokenizer import tokenizer_blueprint
 from runtime.config import ServerConfig
 from runtime.distributed import is_follower
 from runtime.errors import PayloadTooLarge, ServerError
@@ -48,6 +54,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
         )
     if problems:
         raise SystemExit("mlx-trio-server: " + "; ".join(problems))
+    api_keys = ApiKeys.from_config(config)
 
     app = QuartTrio("mlx_trio_server", static_folder=None)  # no ./static from the cwd
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
@@ -57,21 +64,16 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     app.extensions["runtime"] = rt
     _lifecycle(app, rt)
     _error_handlers(app, config)
-    _cors(app, rt, config)
+    _cors(app, config)
+    register_auth(app, api_keys, config)
 
     app.register_blueprint(completions_blueprint(rt, config))
     app.register_blueprint(models_blueprint(rt))
     app.register_blueprint(operations_blueprint(rt))
+    app.register_blueprint(tokenizer_blueprint(rt, config))
     register_chat_page(app)
-    register_agent_apis(
-        app,
-        rt,
-        config,
-        generate=functools.partial(
-            generate, stream_interval=config.stream_interval_ms / 1000
-        ),
-        read_json=read_json,
-    )
+    register_agent_apis(app, rt, config)
+    app.asgi_app = RequestObserver(app.asgi_app, rt.metrics)
     return app
 
 
@@ -95,31 +97,36 @@ def _lifecycle(app: QuartTrio, rt: Runtime) -> None:
 
 
 def _error_handlers(app: QuartTrio, config: ServerConfig) -> None:
+    def respond(error: ServerError | HTTPException) -> Response:
+        """The answer in the shape of the API the path belongs to (routing errors too)."""
+        if messages_errors.is_messages_path(request.path):
+            return messages_errors.error_response(error)
+        return error_response(error)
+
     @app.errorhandler(ServerError)
     async def on_server_error(error: ServerError):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(RequestEntityTooLarge)
     async def on_too_large(error):
-        return error_response(
+        return respond(
             PayloadTooLarge(f"the request body is larger than {config.max_request_bytes} bytes")
         )
 
     @app.errorhandler(HTTPException)
     async def on_http_error(error: HTTPException):
-        return error_response(error)
+        return respond(error)
 
     @app.errorhandler(Exception)
     async def on_unexpected(error: Exception):
         log.exception("unexpected error while serving %s %s", request.method, request.path)
-        return error_response(ServerError(f"internal error: {type(error).__name__}"))
+        return respond(ServerError(f"internal error: {type(error).__name__}"))
 
 
-def _cors(app: QuartTrio, rt: Runtime, config: ServerConfig) -> None:
+def _cors(app: QuartTrio, config: ServerConfig) -> None:
     @app.after_request
     async def add_cors(response: Response):
-        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        rt.count_response(rule, response.status_code)
+        note_route()  # for the access log and the metrics, counted when the response ends
         origins = config.allowed_origins
         origin = request.headers.get("Origin")
         if "*" in origins:

@@ -95,9 +95,16 @@ class Engine:
         ttft, itl, e2e, tpot = [], [], [], []
         tokens = 0
 
+        samplers = self.samplers(w, first_index, requests)
+
         def submit() -> None:
             i = todo.popleft()
-            (uid,) = gen.insert([prompts[i]], max_tokens=[w.max_tokens], stop_sequences=[self.stop])
+            (uid,) = gen.insert(
+                [prompts[i]],
+                max_tokens=[w.max_tokens],
+                stop_sequences=[self.stop],
+                samplers=[samplers[i]],
+            )
             live[uid] = {"start": time.perf_counter(), "times": []}
 
         cpu0 = self_cpu_s()
@@ -153,6 +160,26 @@ class Engine:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 
+    @staticmethod
+    def samplers(w: Workload, first_index: int, requests: int) -> list:
+        """Per request, mlx-lm's sampler for its parameters; requests with the same
+        parameters share one object, so mlx-lm samples them in one call (its best case:
+        the ceiling for sampled workloads). Greedy: ``None`` (the batch's own)."""
+        from loadgen import sampling_of
+        from mlx_lm.sample_utils import make_sampler
+
+        shared: dict[tuple[float, float], object] = {}
+        out = []
+        for i in range(requests):
+            params = sampling_of(w, first_index + i)
+            if params[0] == 0:
+                out.append(None)
+                continue
+            if params not in shared:
+                shared[params] = make_sampler(params[0], top_p=params[1])
+            out.append(shared[params])
+        return out
+
     def warm_up(self, w: Workload) -> None:
         warm = Workload(
             prompt_tokens=w.prompt_tokens,
@@ -160,6 +187,9 @@ class Engine:
             endpoint=w.endpoint,
             system_prompt_tokens=w.system_prompt_tokens,
             seed=w.seed + 1000,
+            temperature=w.temperature,
+            top_p=w.top_p,
+            mixed_sampling=w.mixed_sampling,
         )
         self.run(warm, 2, 2)
 

@@ -5,7 +5,11 @@ Owns the client side of the benchmark and the pieces every bench script shares:
 * ``Workload`` and ``PromptBuilder``: deterministic prompts of about N tokens built
   from a word list (counted with the model's ``tokenizer.json`` when given, so the
   engine-ceiling runner can rebuild exactly the same prompts), an optional shared
-  long system prompt, chat or text endpoint, streaming on/off, max_tokens.
+  long system prompt, chat or text endpoint, streaming on/off, max_tokens, the
+  sampling (greedy by default; ``temperature`` / ``top_p``, varied over four
+  sets with ``mixed_sampling`` or drawn per request with ``distinct_sampling``)
+  and structured outputs (``constrained``: a ``response_format`` on a share of
+  the chat requests, ``BENCH_SCHEMA``).
 * ``run_level``: keeps ``concurrency`` requests in flight (a closed loop: each client
   sends its next request as soon as the previous one ends) until ``requests`` are
   done, with ``httpx.AsyncClient`` on trio. A disconnect-storm mode makes clients
@@ -41,7 +45,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,30 @@ WORDS = (
 
 # ----------------------------------------------------------------------- workload
 
+# The constrained requests' schema: a list of weather reports (strings, a bounded
+# integer, an enum) that cannot be finished within a benchmark's max_tokens
+# (minItems), so a constrained request is masked at every token and generates as
+# many tokens as a free one; any model can follow it (random weights included).
+BENCH_SCHEMA = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city", "temp", "sky"],
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "temp": {"type": "integer", "minimum": -50, "maximum": 50},
+            "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
+        },
+    },
+}
+RESPONSE_FORMATS = {
+    "json_schema": {"type": "json_schema",
+                    "json_schema": {"name": "reports", "schema": BENCH_SCHEMA, "strict": True}},
+    "json_object": {"type": "json_object"},
+}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -82,12 +110,28 @@ class Workload:
     disconnect_fraction: float = 1.0  # of the requests, the share that leaves early
     seed: int = 0
     timeout_s: float = 600.0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    mixed_sampling: bool = False  # vary temperature / top_p from request to request
+    # every request its own temperature, top_p, top_k, drawn at random (as arbitrary clients)
+    distinct_sampling: bool = False
+    constrained: str | None = None  # "json_schema" (BENCH_SCHEMA) or "json_object"
+    constrained_fraction: float = 1.0  # of the requests, the share with a response_format
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "text"):
             raise ValueError(f"endpoint must be chat or text, got {self.endpoint!r}")
         if self.disconnect_after is not None and not self.stream:
             raise ValueError("the disconnect storm needs streaming")
+        if self.constrained not in (None, "json_schema", "json_object"):
+            raise ValueError(f"constrained must be json_schema or json_object, not {self.constrained!r}")
+        if self.constrained and self.endpoint != "chat":
+            raise ValueError("constrained requests need the chat endpoint")
+
+    def is_constrained(self, index: int) -> bool:
+        if self.constrained is None:
+            return False
+        return random.Random(f"{self.seed}-constrain-{index}").random() < self.constrained_fraction
 
     def leaves_early(self, index: int) -> bool:
         if self.disconnect_after is None:
@@ -157,12 +201,20 @@ class PromptBuilder:
         return user if system is None else f"{system}\n\n{user}"
 
     def payload(self, w: Workload, index: int) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"max_tokens": w.max_tokens, "temperature": 0.0}
+        temperature, top_p = sampling_of(w, index)
+        body: dict[str, Any] = {"max_tokens": w.max_tokens, "temperature": temperature}
+        if top_p < 1.0:
+            body["top_p"] = top_p
+        if w.distinct_sampling and temperature > 0:
+            body["top_k"] = random.Random(f"{w.seed}-top-k-{index}").choice([0, 20, 50])
         if w.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         if w.endpoint == "chat":
             body["messages"] = self.messages(w, index)
+            if w.is_constrained(index):
+                body["response_format"] = RESPONSE_FORMATS[w.constrained]
+                body["chat_template_kwargs"] = {"enable_thinking": False}
             return "/v1/chat/completions", body
         body["prompt"] = self.text_prompt(w, index)
         return "/v1/completions", body
@@ -562,14 +614,8 @@ def run_level(
 
 def warm_up(url: str, w: Workload, builder: PromptBuilder | None = None) -> dict[str, Any]:
     """Two short requests shaped like ``w`` (own prompt seed): first-call costs off the clock."""
-    warm = Workload(
-        prompt_tokens=w.prompt_tokens,
-        max_tokens=4,
-        stream=w.stream,
-        endpoint=w.endpoint,
-        system_prompt_tokens=w.system_prompt_tokens,
-        seed=w.seed + 1000,
-    )
+    # the same sampling and constraints (their first-call costs too), no disconnects
+    warm = replace(w, max_tokens=4, seed=w.seed + 1000, disconnect_after=None)
     result = run_level(url, warm, 2, 2, builder)
     if result["errors"]:
         raise RuntimeError(f"{url}: warm-up failed: {result['errors']}")
@@ -670,6 +716,30 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=("chat", "text"), default="chat")
     p.add_argument("--system-prompt-tokens", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--mixed-sampling",
+        action="store_true",
+        help="vary temperature and top_p around the given values, request by request",
+    )
+    p.add_argument("--distinct-sampling", action="store_true",
+                   help="every request its own temperature (x0.7-1.3), top_p (0.8-1) and "
+                   "top_k (0, 20 or 50; HTTP only)")
+    p.add_argument("--constrained", choices=("json_schema", "json_object"), default=None,
+                   help="chat requests with this response_format (json_schema: BENCH_SCHEMA)")
+    p.add_argument("--constrained-fraction", type=float, default=1.0)
+
+
+def sampling_of(w: Workload, index: int) -> tuple[float, float]:
+    """Request ``index``'s temperature and top_p (the same in every process)."""
+    if w.temperature == 0 or not (w.mixed_sampling or w.distinct_sampling):
+        return w.temperature, w.top_p
+    if w.distinct_sampling:
+        rng = random.Random(f"{w.seed}-sampling-{index}")
+        return round(w.temperature * rng.uniform(0.7, 1.3), 4), round(rng.uniform(0.8, 1.0), 4)
+    step = index % 4
+    return round(w.temperature * (0.75 + 0.125 * step), 4), min(1.0, w.top_p + 0.02 * step)
 
 
 def workload_from_args(ns: argparse.Namespace) -> Workload:
@@ -682,6 +752,12 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
         disconnect_after=getattr(ns, "disconnect_after", None),
         disconnect_fraction=getattr(ns, "disconnect_fraction", 1.0),
         seed=ns.seed,
+        temperature=getattr(ns, "temperature", 0.0),
+        top_p=getattr(ns, "top_p", 1.0),
+        mixed_sampling=getattr(ns, "mixed_sampling", False),
+        distinct_sampling=getattr(ns, "distinct_sampling", False),
+        constrained=getattr(ns, "constrained", None),
+        constrained_fraction=getattr(ns, "constrained_fraction", 1.0),
     )
 
 

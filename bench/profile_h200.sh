@@ -14,7 +14,7 @@ MLX_TRIO_ENGINE_PROFILE=/tmp/engine.prof python3 -m api.cli --model /tmp/m/$SHAP
 SERVER=$!
 for i in $(seq 120); do curl -sf localhost:8400/health > /dev/null && break; sleep 1; done
 python3 bench/loadgen.py --url http://127.0.0.1:8400 --pid $SERVER --model /tmp/m/$SHAPE --levels 64 --requests 256 $W > "$OUT/loadgen.txt" 2>&1
-curl -s localhost:8400/metrics | grep engine > "$OUT/metrics.txt"
+curl -s localhost:8400/metrics | grep "^mlx_trio_engine" | grep -v _bucket > "$OUT/metrics.txt"
 kill -TERM $SERVER; wait $SERVER
 python3 -m cProfile -o /tmp/ceiling.prof bench/engine_ceiling.py --model /tmp/m/$SHAPE --levels 64 --requests 256 $W > "$OUT/ceiling.txt" 2>&1
 for f in /tmp/engine.prof.* /tmp/ceiling.prof; do

@@ -139,6 +139,11 @@ def run_engine(
             str(w.system_prompt_tokens),
             "--seed",
             str(w.seed),
+            "--temperature",
+            str(w.temperature),
+            "--top-p",
+            str(w.top_p),
+            *(["--mixed-sampling"] if w.mixed_sampling else []),
             "--json-out",
             str(out),
         ]

@@ -18,7 +18,7 @@ for variant in "$@"; do
   SERVER=$!
   for i in $(seq 120); do curl -sf localhost:8400/health > /dev/null && break; sleep 1; done
   echo "ours, $label ($flags): $($PY bench/loadgen.py --url http://127.0.0.1:8400 --pid $SERVER --model $MODEL $W 2>&1 | tail -n 1)" | tee -a "$OUT/variants.txt"
-  curl -s localhost:8400/metrics | grep -E "engine_(busy|steps|prefill)|prompt_cache_(hits|cached)" | grep -v TYPE | tee -a "$OUT/variants.txt"
+  curl -s localhost:8400/metrics | grep -E "^mlx_trio_(engine_(busy|steps|prefill)|prompt_cache_hit)" | tee -a "$OUT/variants.txt"
   kill -TERM $SERVER; wait $SERVER
 done
 echo "ceiling: $($PY bench/engine_ceiling.py --model $MODEL $W 2>&1 | tail -n 1)" | tee -a "$OUT/variants.txt"

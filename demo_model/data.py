@@ -2,9 +2,10 @@
 
 Everything here is a pure function of its seeds:
 
-* ``Split`` fixes which cities, number pairs and phrasings are for training
-  and which are held out for evaluation. It depends only on ``SPLIT_SEED``, so
-  every training seed is scored on the same held-out prompts.
+* ``Split`` fixes which cities, number pairs, phrasings, tool names,
+  parameter names and operations are for training and which are held out
+  for evaluation. It depends only on ``SPLIT_SEED``, so every training seed
+  is scored on the same held-out prompts.
 * ``Generator(split, seed)`` draws ``Example``s (a conversation that ends on a
   user or tool turn, the tools, the thinking mode, and the assistant reply the
   model should produce) with ``random.Random(seed)``.
@@ -16,6 +17,17 @@ Everything here is a pure function of its seeds:
   does (``apply_chat_template(..., add_generation_prompt=True)``), tokenizes
   the prompt and the reply separately, and masks everything but the reply and
   its ``<|im_end|>``.
+
+What the model is taught (docs/demo-model.md has the whole story):
+
+* addition and subtraction of two whole numbers from 0 to 999, digit by
+  digit with the carry or borrow written out (``arith_trace``): in the think
+  block with thinking on, as the reply itself with thinking off;
+* ``ARITH_REFUSAL`` for every other numeric request: a number of 1000 or
+  more, decimals, negative numbers, three numbers, any other operation;
+* tool calls that read the schema they are given: the tool's own name and
+  the parameter name it declares (city, location, place, timezone, tz, ...),
+  with a place name or an IANA timezone as that parameter asks.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import json
 import os
 import pathlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -46,10 +58,14 @@ from tokenizers import (  # noqa: E402
 from runtime.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
 SPLIT_SEED = 20240601
+# What the data teaches, recorded in training.json: 1 = issue 6 (0-99,
+# get_weather(city) / get_time(timezone) only); 2 = issue 21 (0-999 digit by
+# digit, honest refusals, tool schemas read from the request).
+RECIPE = 2
 VOCAB_SIZE = 1024
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
-MAX_NUMBER = 99
+MAX_NUMBER = 999  # operands from 0 to MAX_NUMBER are added and subtracted
 
 # Qwen2's pre-tokenizer split (single digits, words with one leading
 # non-letter, punctuation runs, newlines), except that a capitalised word
@@ -77,7 +93,9 @@ CITIES = [
 ]  # fmt: skip
 N_HELDOUT_CITIES = 8
 
-# get_time: a dozen IANA timezones, and the places a user names them by.
+# get_time with a timezone parameter: a dozen IANA timezones, and the places
+# a user names them by. (A time tool whose parameter is a place takes any
+# place name, copied like a weather city.)
 TIMEZONE_PLACES = {
     "London": "Europe/London",
     "Paris": "Europe/Paris",
@@ -167,7 +185,8 @@ TIME_PHRASINGS = {
     ],
 }
 # "{x}" is an operator symbol (+ or -), "{w}" an operator word (plus/minus);
-# "+:" / "-:" prefixes restrict a phrasing to one operation.
+# "+:" / "-:" prefixes restrict a phrasing to one operation. The refusals
+# reuse the phrasings with "{x}" or "{w}" for other operations.
 ARITH_PHRASINGS = {
     "train": [
         "What is {a} {x} {b}?",
@@ -198,6 +217,9 @@ ARITH_PHRASINGS = {
         "+:Add {b} to {a}.",
         "-:What do you get if you subtract {b} from {a}?",
         "-:{a} take away {b}?",
+        "Can you do {a} {x} {b}?",
+        "{a} {x} {b}?",
+        "What is {a} {w} {b}",
     ],
     "heldout": [
         "Please work out {a} {x} {b}.",
@@ -205,31 +227,105 @@ ARITH_PHRASINGS = {
         "Quick question: what is {a} {w} {b}?",
         "-:Could you subtract {b} from {a}?",
         "I need {a} {x} {b}.",
+        "Would you tell me what {a} {w} {b} is?",
     ],
 }
+# Other operations, written where "{x}" (a symbol) or "{w}" (words) stands
+# in an arithmetic phrasing. The held-out ones never occur in training.
+OTHER_OPS = {
+    "train": {
+        "x": ["*", "x", "×", "/", "÷", "^", "&", "|", "@", "#"],
+        "w": ["times", "divided by", "to the power of", "over", "and", "x"],
+    },
+    "heldout": {
+        "x": ["%", "**", "//"],
+        "w": ["multiplied by", "mod", "raised to"],
+    },
+}
+# Whole requests about numbers that are not one addition or subtraction:
+# "{a}", "{b}" whole numbers, "{d}" a decimal.
+NUMERIC_REQUESTS = {
+    "train": [
+        "What is {a} times {b}?",
+        "Multiply {a} by {b}.",
+        "Divide {a} by {b}.",
+        "What is {a} divided by {b}?",
+        "What is the square root of {a}?",
+        "What is {a} squared?",
+        "What is {a} to the power of {b}?",
+        "Is {a} a prime number?",
+        "What is half of {a}?",
+        "Double {a}.",
+        "What is {a} percent of {b}?",
+        "How many minutes are in {a} hours?",
+        "Count from {a} to {b}.",
+        "Round {d} to the nearest whole number.",
+        "What is {a} plus {b} plus {c}?",
+        "Add {a}, {b} and {c}.",
+        "{a} + {b} + {c}",
+        "{a} - {b} + {c} = ?",
+        "What is {d} + {a}?",
+        "{d} - {d2}",
+        "What is -{a} + {b}?",
+        "{a} - -{b}",
+        "Compute {a} * {b} + {c}.",
+        "What is {a} x {b}?",
+        "How many seconds are in {a} minutes?",
+        "What is the sum of {a}, {b} and {c}?",
+        "Convert {a} km to miles.",
+    ],
+    "heldout": [
+        "Can you multiply {a} and {b} for me?",
+        "Could you divide {a} by {b}?",
+        "What is {a} factorial?",
+        "What is the average of {a} and {b}?",
+        "What is {a}% of {b}?",
+        "Quick question: what is {a} cubed?",
+        "What is the remainder when {a} is divided by {b}?",
+        "Please work out {d} {x} {d2}.",
+        "I need {a} {x} {b} {x} {c}.",
+        "Could you subtract -{b} from {a}?",
+        "What is the cube root of {a}?",
+        "What is {a} multiplied by {b}?",
+    ],
+}
+# A made-up word in the place of the operation (training only): whatever the
+# model cannot read as plus or minus gets the refusal, not a number.
+MADE_UP_OPERATIONS = [
+    "What is {a} {op} {b}?",
+    "{a} {op} {b}",
+    "What is the {op} of {a} and {b}?",
+    "{Op} {a} and {b}.",
+    "{Op} {a} by {b}.",
+    "What is {a} {op}?",
+    "Calculate the {op} of {a}.",
+    "How much is {a} {op} {b}?",
+]
 
 # Fixed-answer intents: training phrasings, held-out phrasings, the answer.
+ARITH_REFUSAL = "I can only add or subtract two whole numbers below 1000."
 SKILLS_ANSWER = (
-    "I can greet you, answer a few questions about myself, add and subtract "
-    "whole numbers from 0 to 99, and call the get_weather and get_time tools "
-    "when you provide them."
+    "I can greet you, answer a few questions about myself, add and subtract two "
+    "whole numbers below 1000, and call weather and time tools when you provide them."
 )
 FALLBACK_ANSWER = (
     "Sorry, I can't help with that. I can only chat a little, add and subtract "
-    "numbers from 0 to 99, and use the weather and time tools."
+    "whole numbers below 1000, and use weather and time tools."
 )
 INTENTS: dict[str, tuple[list[str], list[str], str]] = {
     "greet": (
         ["Hello", "Hi", "Hey", "Hello there", "Hi there", "Good morning", "Good evening",
          "Hey there", "Greetings", "Hello!", "Hi!", "Howdy", "Hello again", "Hey hey",
-         "Hi friend", "Morning", "Hey assistant", "Yo", "Hi, bot"],
+         "Hi friend", "Morning", "Hey assistant", "Yo", "Hi, bot", "Good day", "Evening",
+         "Hello, bot", "Hi, assistant", "Hiya, friend"],
         ["Good afternoon", "Hiya", "Hello, assistant"],
         "Hello! How can I help you today?",
     ),
     "how": (
         ["How are you?", "How are you doing?", "How's it going?", "How do you do?",
          "How have you been?", "How is your day?", "You doing okay?", "Are you well?",
-         "How are you feeling?"],
+         "How are you feeling?", "How are you this morning?", "How is everything?",
+         "How are things going with you?"],
         ["How are you today?", "How are things?"],
         "I'm doing well, thank you! How can I help you today?",
     ),
@@ -237,7 +333,8 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
         ["Who are you?", "What are you?", "What is your name?", "What's your name?",
          "Introduce yourself.", "Tell me about yourself.", "Are you a bot?", "Who is this?",
          "Who made you?", "What model are you?", "Are you human?", "Identify yourself.",
-         "Which assistant is this?", "Who is speaking?", "Do you have a name?"],
+         "Which assistant is this?", "Who is speaking?", "Do you have a name?",
+         "Who am I chatting with?", "What do I call you?"],
         ["Who am I talking to?", "What should I call you?", "Who are you exactly?"],
         "I am mlx-trio-demo, a tiny language model trained to demo mlx-trio-server.",
     ),
@@ -246,20 +343,22 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
          "What do you know how to do?", "What are you able to do?", "What do you do?",
          "Tell me what you can do.", "What are you good at?", "What can I ask you?",
          "Show me what you can do.", "What are your abilities?", "Any skills?",
-         "How are you useful?", "What is your job?"],
+         "How are you useful?", "What is your job?", "What can you help with?",
+         "What tasks can you handle?", "What can you do for us?"],
         ["What can you help me with?", "Which tasks can you do?", "What can you do for me?"],
         SKILLS_ANSWER,
     ),
     "thanks": (
         ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!", "Cheers",
-         "Appreciate it", "Thank you kindly", "Great, thanks", "Perfect, thank you", "Ta"],
+         "Appreciate it", "Thank you kindly", "Great, thanks", "Perfect, thank you", "Ta",
+         "Thanks so much", "Many thanks to you", "Thank you a lot"],
         ["Many thanks", "Thank you so much"],
         "You're welcome!",
     ),
     "bye": (
         ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell",
          "Catch you later", "See ya", "Later!", "I have to go now", "That's all for now",
-         "Bye bye"],
+         "Bye bye", "Talk soon", "Bye then"],
         ["Bye for now", "Talk to you later"],
         "Goodbye! Have a nice day.",
     ),
@@ -267,14 +366,14 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
         ["Tell me a joke.", "Write a poem about the sea.", "What is the capital of France?",
          "Who won the World Cup?", "Translate hello into Spanish.",
          "What is the meaning of life?", "Can you write some Python code?",
-         "Recommend a good book.", "What is {a} times {b}?", "Divide {a} by {b}.",
-         "What is the square root of {a}?", "Tell me a story.", "What's the news today?",
+         "Recommend a good book.", "Tell me a story.", "What's the news today?",
          "Play some music.", "Book a flight for me.", "Order a pizza.",
          "Set an alarm for {a} minutes.", "What is the population of Japan?",
          "Explain quantum physics.", "Write an email to my boss.", "How do I cook pasta?",
          "What's a good movie?", "Draw a cat.", "Remind me to call mom.",
-         "What is {a} to the power of {b}?", "Give me a recipe.", "Who is the president?"],
-        ["Sing me a song.", "What is {a} multiplied by {b}?", "Who painted the Mona Lisa?"],
+         "Give me a recipe.", "Who is the president?", "Sing along with me.",
+         "Who wrote Hamlet?"],
+        ["Sing me a song.", "Who painted the Mona Lisa?"],
         FALLBACK_ANSWER,
     ),
 }  # fmt: skip
@@ -287,6 +386,65 @@ SYSTEM_PROMPTS = [
 ]
 
 HELDOUT_PAIR_FRACTION = 0.1
+
+# Tool schemas: names, parameter names and descriptions, training and held
+# out. A place parameter takes the place as the user names it; a timezone
+# parameter an IANA name.
+TOOL_NAMES = {
+    "weather": {
+        "train": ["get_weather", "weather", "get_current_weather", "current_weather",
+                  "fetch_weather", "weather_lookup", "lookup_weather", "get_forecast",
+                  "weather_now", "getWeather", "get_weather_data"],
+        "heldout": ["check_weather", "weather_report", "query_weather", "get_weather_info"],
+    },
+    "time": {
+        "train": ["get_time", "get_current_time", "current_time", "local_time",
+                  "get_local_time", "time_now", "clock", "fetch_time", "getTime",
+                  "world_clock"],
+        "heldout": ["check_time", "lookup_time", "get_clock_time", "time_lookup"],
+    },
+}  # fmt: skip
+PARAM_NAMES = {
+    "place": {
+        "train": ["city", "location", "place", "town", "city_name", "location_name",
+                  "place_name", "cityName", "where", "name"],
+        "heldout": ["locality", "destination", "city_or_town", "loc", "area"],
+    },
+    "tz": {
+        "train": ["timezone", "tz", "zone", "timezone_name", "iana_timezone", "tz_name",
+                  "timeZone"],
+        "heldout": ["time_zone", "tz_id", "iana_zone", "zone_name"],
+    },
+}  # fmt: skip
+TOOL_DESCRIPTIONS = {
+    "weather": {
+        "train": ["Get the current weather in a city.", "Get the weather for a city.",
+                  "Look up the current weather conditions for a given city.",
+                  "Get the weather for a location.", "Returns the temperature and conditions.",
+                  "Weather lookup.", "Current weather at a place.", None],
+        "heldout": ["Fetch today's weather for somewhere.",
+                    "Report the weather conditions at a location."],
+    },
+    "time": {
+        "train": ["Get the current local time in a timezone.",
+                  "Get the current time for an IANA timezone.",
+                  "Return the local time in the given timezone.", "Get the current time in a city.",
+                  "Look up what time it is somewhere.", "Local time lookup.", None],
+        "heldout": ["Tells the time at a location.", "Current clock time for a place or zone."],
+    },
+}  # fmt: skip
+PARAM_DESCRIPTIONS = {
+    "place": {
+        "train": [None, None, "The city name", "Name of the city, e.g. Paris", "City or town",
+                  "The location to look up", "Where to look", "A place name"],
+        "heldout": [None, "A place name such as Lisbon", "The city, for example Rome"],
+    },
+    "tz": {
+        "train": [None, None, "IANA timezone name, e.g. Europe/Paris", "The timezone",
+                  "Timezone such as America/New_York", "An IANA timezone"],
+        "heldout": [None, "An IANA time zone like Asia/Tokyo", "Time zone identifier"],
+    },
+}  # fmt: skip
 
 # Syllables for made-up place names: weather questions about them teach the
 # model to copy any city name into the tool call, not only the known ones.
@@ -321,6 +479,8 @@ _FILLER_PREFIXES = [
 ]  # fmt: skip
 _FILLER_SUFFIXES = [" please", ", please", " thanks", ", thanks!", " thx", " :)", " ?", "!!",
                     " now", " ok?", " asap", ", mate", None, None]  # fmt: skip
+# Words that must never be made up as an operation: they mean one.
+_OPERATION_WORDS = {"plus", "minus", "add", "and", "sum", "take", "away", "subtract", "from"}
 
 
 # ---------------------------------------------------------------------------
@@ -328,45 +488,50 @@ _FILLER_SUFFIXES = [" please", ", please", " thanks", ", thanks!", " thx", " :)"
 # ---------------------------------------------------------------------------
 
 
-def _function(name: str, description: str, params: dict[str, dict], required: list[str]):
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": description,
-            "parameters": {"type": "object", "properties": params, "required": required},
-        },
-    }
+def _function(name: str, description: str | None, params: dict[str, dict], required: list[str]):
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = {"type": "object", "properties": params, "required": required}
+    return {"type": "function", "function": function}
 
 
-def weather_tool(rng: random.Random) -> dict:
-    description = rng.choice(
-        [
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    """One weather or time tool as the request declares it.
+
+    ``param_kind`` is "place" (the argument is the place as the user names
+    it) or "tz" (an IANA timezone name).
+    """
+
+    kind: str  # "weather" or "time"
+    name: str
+    param: str
+    param_kind: str
+    schema: dict
+
+    def call(self, place: str, tz: str | None = None) -> dict:
+        value = tz if self.param_kind == "tz" else place
+        return {"name": self.name, "arguments": {self.param: value}}
+
+
+def standard_tool(kind: str) -> ToolSpec:
+    """``get_weather(city)`` or ``get_time(timezone)``, as README.md and the tests declare them."""
+    if kind == "weather":
+        schema = _function(
+            "get_weather",
             "Get the current weather in a city.",
-            "Get the weather for a city.",
-            "Look up the current weather conditions for a given city.",
-        ]
+            {"city": {"type": "string"}},
+            ["city"],
+        )
+        return ToolSpec("weather", "get_weather", "city", "place", schema)
+    schema = _function(
+        "get_time",
+        "Get the current local time in a timezone.",
+        {"timezone": {"type": "string"}},
+        ["timezone"],
     )
-    city: dict[str, Any] = {"type": "string"}
-    note = rng.choice([None, "The city name", "Name of the city, e.g. Paris"])
-    if note:
-        city["description"] = note
-    return _function("get_weather", description, {"city": city}, ["city"])
-
-
-def time_tool(rng: random.Random) -> dict:
-    description = rng.choice(
-        [
-            "Get the current local time in a timezone.",
-            "Get the current time for an IANA timezone.",
-            "Return the local time in the given timezone.",
-        ]
-    )
-    tz: dict[str, Any] = {"type": "string"}
-    note = rng.choice([None, "IANA timezone name, e.g. Europe/Paris", "The timezone"])
-    if note:
-        tz["description"] = note
-    return _function("get_time", description, {"timezone": tz}, ["timezone"])
+    return ToolSpec("time", "get_time", "timezone", "tz", schema)
 
 
 def distractor_tools() -> list[dict]:
@@ -383,12 +548,107 @@ def distractor_tools() -> list[dict]:
             {"amount": {"type": "number"}, "from_currency": s, "to_currency": s},
             ["amount", "from_currency", "to_currency"],
         ),
+        _function(
+            "translate",
+            "Translate text into a language.",
+            {"text": s, "language": s},
+            ["text", "language"],
+        ),  # fmt: skip
+        _function("get_news", "Get the latest news headlines.", {"topic": s}, []),
     ]
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
     """The reply for one tool call, exactly as the chat template renders it."""
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>'
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic
+# ---------------------------------------------------------------------------
+
+_PLACES = ("units", "tens", "hundreds")
+
+
+def arith_result(op: str, a: int, b: int) -> int:
+    return a + b if op == "+" else a - b
+
+
+def arith_trace(op: str, a: int, b: int) -> str:
+    """The working for ``a op b`` (0 <= a, b <= 999): digit by digit, units first.
+
+    ``47 + 85: units 7 + 5 = 12, tens 4 + 8 + 1 = 13, so 132``;
+    ``305 - 128: compare hundreds 3 > 1; units 15 - 8 = 7, tens 10 - 2 - 1 = 7,
+    hundreds 3 - 1 - 1 = 1, so 177``;
+    ``23 - 58: compare tens 2 < 5, so -(58 - 23); units 8 - 3 = 5, tens 5 - 2 - 0 = 3,
+    so -35``.
+    Each step names its place, reads one digit of each number (0 where a
+    number has no such digit) and the carry (or borrow) of the step before;
+    a subtraction step that borrows writes its top digit plus 10. A
+    subtraction first compares the numbers digit by digit from the highest
+    place down to the first difference (all of them when they are equal) and
+    swaps them when the first is smaller. The result is the last step's
+    value followed by the last digits of the steps before, leading zeros
+    dropped. Every step is a lookup that a small model learns for all pairs,
+    which the whole sum (or the comparison) at once is not.
+    """
+    if not (0 <= a <= MAX_NUMBER and 0 <= b <= MAX_NUMBER):
+        raise ValueError(f"operands must be 0..{MAX_NUMBER}: {a}, {b}")
+    n = len(str(max(a, b)))
+    head = f"{a} {op} {b}: "
+    top, low = a, b
+    if op == "-":
+        relations = []
+        for i in reversed(range(n)):
+            x, y = a // 10**i % 10, b // 10**i % 10
+            relations.append(f"{_PLACES[i]} {x} {'<' if x < y else '>' if x > y else '='} {y}")
+            if x != y:
+                break
+        head += "compare " + ", ".join(relations)
+        if a < b:
+            top, low = b, a
+            head += f", so -({b} - {a}); "
+        else:
+            head += "; "
+    steps = []
+    carry = 0
+    for i in range(n):
+        x, y = top // 10**i % 10, low // 10**i % 10
+        if op == "+":
+            value = x + y + carry
+            expr = f"{x} + {y}" if i == 0 else f"{x} + {y} + {carry}"
+            carry = value // 10
+        else:
+            borrow = int(x - y - carry < 0)
+            shown = x + 10 * borrow
+            value = shown - y - carry
+            expr = f"{shown} - {y}" if i == 0 else f"{shown} - {y} - {carry}"
+            carry = borrow
+        steps.append(f"{_PLACES[i]} {expr} = {value}")
+    return f"{head}{', '.join(steps)}, so {arith_result(op, a, b)}"
+
+
+def arith_reply(op: str, a: int, b: int, thinking: bool) -> str:
+    """The whole assistant reply to ``a op b``, without the end token.
+
+    With thinking on, the working in the think block and the bare result
+    after it; with thinking off the working is the reply (it ends in the
+    result): the model never states a result it has not worked out.
+    """
+    trace = arith_trace(op, a, b)
+    if thinking:
+        return f"<think>\n{trace}\n</think>\n\n{arith_result(op, a, b)}"
+    return trace
+
+
+def is_heldout_pair(op: str, a: int, b: int) -> bool:
+    """Whether ``(op, a, b)`` is kept for evaluation: a fixed hash, 10 % of all pairs."""
+    h = ((a * 1000 + b) * 2 + (op == "-")) * 0x9E3779B1 + SPLIT_SEED
+    h &= 0xFFFFFFFF
+    h ^= h >> 15
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    return h % 1000 < HELDOUT_PAIR_FRACTION * 1000
 
 
 # ---------------------------------------------------------------------------
@@ -407,10 +667,11 @@ def _split_list(rng: random.Random, items: Sequence, n_held: int) -> tuple[list,
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Disjoint training / held-out cities, number pairs and phrasings.
+    """Disjoint training / held-out cities, phrasings and tool vocabulary.
 
-    Cities and number pairs are drawn from ``seed``; phrasings are the fixed
-    lists above.
+    Cities are drawn from ``seed``; number pairs are split by
+    ``is_heldout_pair``; phrasings, operations, tool names, parameter names
+    and descriptions are the fixed lists above.
     """
 
     cities: dict[str, list[str]]
@@ -418,7 +679,6 @@ class Split:
     time: dict[str, list[str]]
     arith: dict[str, list[str]]
     intents: dict[str, dict[str, list[str]]]
-    heldout_pairs: frozenset[tuple[str, int, int]]
 
     @classmethod
     def make(cls, seed: int = SPLIT_SEED) -> Split:
@@ -429,18 +689,10 @@ class Split:
             "train": [c for c in CITIES if c not in held_cities],
             "heldout": held_cities,
         }
-
-        weather = WEATHER_PHRASINGS
-        time = TIME_PHRASINGS
-        arith = ARITH_PHRASINGS
         intents = {
             name: {"train": train, "heldout": held} for name, (train, held, _) in INTENTS.items()
         }
-        pairs = [
-            (op, a, b) for op in "+-" for a in range(MAX_NUMBER + 1) for b in range(MAX_NUMBER + 1)
-        ]
-        held_pairs = frozenset(rng.sample(pairs, round(len(pairs) * HELDOUT_PAIR_FRACTION)))
-        return cls(cities, weather, time, arith, intents, held_pairs)
+        return cls(cities, WEATHER_PHRASINGS, TIME_PHRASINGS, ARITH_PHRASINGS, intents)
 
 
 @functools.cache
@@ -472,25 +724,37 @@ class Example:
 # (no tool block most of the time) and need the most repetitions, so they
 # are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "arith": 0.70,
-    "chat": 0.085,
-    "weather_call": 0.085,
-    "weather_answer": 0.045,
-    "time_call": 0.035,
+    "arith": 0.50,
+    "arith_refuse": 0.12,
+    "chat": 0.10,
+    "weather_call": 0.09,
+    "weather_answer": 0.04,
+    "time_call": 0.08,
     "time_answer": 0.03,
-    "no_tool": 0.02,
+    "no_tool": 0.04,
 }
 THINKING_SHARE = 0.5  # thinking on (the template default) vs off
-ARITH_THINKING_SHARE = 0.4  # the bare answer is the harder skill: more of it
+ARITH_THINKING_SHARE = 0.45
+# Held-out kinds. "weather_call" / "time_call" declare the standard tools
+# (get_weather(city), get_time(timezone)) with held-out phrasings and
+# cities; the "_schema" kinds declare tools with held-out names, parameter
+# names and descriptions.
 EVAL_KINDS = (
     "weather_call",
     "time_call",
+    "weather_call_schema",
+    "time_call_schema",
     "weather_answer",
     "time_answer",
+    "no_tool",
     "arith_think",
     "arith_nothink",
+    "arith_refuse",
     "chat",
 )
+# How many held-out examples of a kind per "n" of the evaluation.
+EVAL_WEIGHTS = {"arith_think": 4, "arith_nothink": 4, "arith_refuse": 3}
+ARITH_KINDS = ("arith_think", "arith_nothink", "arith_refuse")
 
 
 class Generator:
@@ -502,17 +766,6 @@ class Generator:
         self.split = split
         self.rng = random.Random(f"{split}-{seed}")
         self.s = splits or _default_split()
-        self._train_pairs: list[tuple[str, int, int]] | None = None
-        if split == "train":
-            pairs = [
-                (op, a, b)
-                for op in "+-"
-                for a in range(MAX_NUMBER + 1)
-                for b in range(MAX_NUMBER + 1)
-            ]
-            self._pairs = [p for p in pairs if p not in self.s.heldout_pairs]
-        else:
-            self._pairs = sorted(self.s.heldout_pairs)
 
     # -- small helpers -------------------------------------------------------
 
@@ -597,36 +850,117 @@ class Generator:
             return [{"role": "system", "content": self.rng.choice(SYSTEM_PROMPTS)}]
         return []
 
-    def _tools(self, need: Iterable[str] = (), p_any: float = 1.0) -> list[dict] | None:
-        """A shuffled tool list holding ``need`` and maybe others, or None."""
+    # -- tools ---------------------------------------------------------------
+
+    def _tool(self, kind: str, param_kind: str | None = None) -> ToolSpec:
+        """A weather or time tool with a name, parameter and descriptions of this split.
+
+        Training also makes up tool names and parameter names (random
+        letters, 40 % of the tools each; a made-up parameter has a description
+        that says what it takes, a made-up tool without "weather" or "time"
+        in its name one that says what it does), so that the model learns to
+        copy whatever names the schema declares instead of recalling the
+        names it has seen most.
+        """
         rng = self.rng
-        need = set(need)
-        if not need and rng.random() >= p_any:
+        split = self.split
+        if param_kind is None:
+            param_kind = "place" if kind == "weather" or rng.random() < 0.5 else "tz"
+        name = rng.choice(TOOL_NAMES[kind][split])
+        param = rng.choice(PARAM_NAMES[param_kind][split])
+        param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind][split])
+        made_up_name = split == "train" and rng.random() < 0.4
+        if split == "train" and rng.random() < 0.4:
+            param = self._made_up_word().lower() + rng.choice(["", "", "_name", "_id", "_value"])
+            param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind]["train"][2:])
+        if made_up_name:
+            stem = self._made_up_word().lower()
+            name = rng.choice(
+                [f"{stem}_{kind}", f"{kind}_{stem}", f"get_{kind}_{stem}", f"{stem}", f"get_{stem}"]
+            )
+        description = rng.choice(TOOL_DESCRIPTIONS[kind][split])
+        if made_up_name and kind not in name:
+            # only the description says what the tool does
+            description = rng.choice([d for d in TOOL_DESCRIPTIONS[kind]["train"] if d])
+        prop: dict[str, Any] = {"type": "string"}
+        if param_note:
+            prop["description"] = param_note
+        props = {param: prop}
+        if rng.random() < 0.2:  # an optional parameter, never filled in
+            if kind == "weather":
+                extra = rng.choice(["unit", "units"])
+                props[extra] = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+            else:
+                props[rng.choice(["format", "hour_format"])] = {
+                    "type": "string",
+                    "enum": ["12h", "24h"],
+                }
+            if rng.random() < 0.5:
+                props = dict(reversed(list(props.items())))
+        schema = _function(name, description, props, [param])
+        return ToolSpec(kind, name, param, param_kind, schema)
+
+    def _tools(
+        self, need: ToolSpec | None = None, avoid: str | None = None, p_any: float = 1.0
+    ) -> list[dict] | None:
+        """A shuffled tool list holding ``need`` and maybe others (never a tool of
+        kind ``avoid``), or None."""
+        rng = self.rng
+        if need is None and rng.random() >= p_any:
             return None
-        names = set(need)
-        for name in ("get_weather", "get_time"):
-            if name not in names and rng.random() < 0.5:
-                names.add(name)
-        tools = []
-        if "get_weather" in names:
-            tools.append(weather_tool(rng))
-        if "get_time" in names:
-            tools.append(time_tool(rng))
-        if rng.random() < 0.3:
-            tools.append(rng.choice(distractor_tools()))
-        if not tools:
+        tools = [need.schema] if need is not None else []
+        have = {need.kind} if need is not None else set()
+        for kind in ("weather", "time"):
+            if kind not in have and kind != avoid and rng.random() < 0.5:
+                tools.append(self._tool(kind).schema)
+        if rng.random() < 0.3 or not tools:
             tools.append(rng.choice(distractor_tools()))
         rng.shuffle(tools)
         return tools
 
+    def _call_tool(self, kind: str, standard: bool = False) -> ToolSpec:
+        return standard_tool(kind) if standard else self._tool(kind)
+
+    # -- arithmetic ----------------------------------------------------------
+
+    def _operand(self) -> int:
+        r = self.rng.random()
+        if r < 0.15:
+            return self.rng.randint(0, 9)
+        if r < 0.45:
+            return self.rng.randint(10, 99)
+        return self.rng.randint(100, MAX_NUMBER)
+
+    def _hard_pair(self, op: str) -> tuple[int, int]:
+        """Pairs with long carry or borrow chains and results near 0 or 1000."""
+        rng = self.rng
+        a = self._operand()
+        if op == "+":
+            k = rng.choice([1, 2, 3])
+            b = 10**k - a % 10**k + rng.randint(-2, 2)
+        elif rng.random() < 0.5:
+            b = a + rng.randint(-12, 12)
+        else:
+            a = rng.choice([10, 100]) * rng.randint(1, 9) + rng.randint(0, 1)
+            b = rng.randint(0, 120)
+        return a, min(max(b, 0), MAX_NUMBER)
+
     def _pair(self) -> tuple[str, int, int]:
-        return self.rng.choice(self._pairs)
+        rng = self.rng
+        want_heldout = self.split == "heldout"
+        while True:
+            op = rng.choice("+-")
+            if rng.random() < 0.2:
+                a, b = self._hard_pair(op)
+            else:
+                a, b = self._operand(), self._operand()
+            if rng.random() < 0.5:
+                a, b = b, a
+            if is_heldout_pair(op, a, b) == want_heldout:
+                return op, a, b
 
-    @staticmethod
-    def _result(op: str, a: int, b: int) -> int:
-        return a + b if op == "+" else a - b
-
-    def _arith_question(self, op: str, a: int, b: int) -> str:
+    def _arith_template(self, op: str | None) -> str:
+        """A phrasing of this split; ``op`` None: one with an operator slot."""
         rng = self.rng
         while True:
             template = rng.choice(self.s.arith[self.split])
@@ -634,10 +968,96 @@ class Generator:
                 if template[0] != op:
                     continue
                 template = template[2:]
-            break
-        template = self._casing(template)
+            elif op is None and "{x}" not in template and "{w}" not in template:
+                continue
+            return self._casing(template)
+
+    def _arith_question(self, op: str, a: int | str, b: int | str) -> str:
+        template = self._arith_template(op)
         word = "plus" if op == "+" else "minus"
         return self._wrap(template.format(a=a, b=b, x=op, w=word))
+
+    def _big_number(self) -> str:
+        rng = self.rng
+        digits = rng.choice([4, 4, 4, 5, 5, 6, 7, 8, 9])
+        n = rng.randint(10 ** (digits - 1), 10**digits - 1)
+        if rng.random() < 0.3:
+            n = rng.choice([1000, 1001, 9999, 10000, 999999, 1000000, 1999, 2000, 100000])
+        if self.split == "train" and rng.random() < 0.15:
+            return f"{n:,}"
+        return str(n)
+
+    def _decimal(self) -> str:
+        """A decimal number; its whole part as often short as an operand's (``2.5``)."""
+        rng = self.rng
+        places = rng.choice([1, 1, 2])
+        return f"{self._operand()}.{rng.randint(0, 10**places - 1):0{places}d}"
+
+    def _refusal_question(self) -> tuple[str, str]:
+        """A numeric request other than one sum or difference of 0..999, and its category."""
+        rng = self.rng
+        split = self.split
+        categories = {
+            "big": 0.30,
+            "other_op": 0.18,
+            "request": 0.22,
+            "decimal": 0.09,
+            "negative": 0.07,
+            "three": 0.06,
+        }
+        if split == "train":
+            categories["made_up"] = 0.12
+        category = rng.choices(list(categories), weights=list(categories.values()), k=1)[0]
+        small = {"a": self._operand(), "b": self._operand(), "c": self._operand()}
+        if category == "big":
+            op = rng.choice("+-")
+            a = self._big_number()
+            b = str(self._operand()) if rng.random() < 0.6 else self._big_number()
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "negative":
+            op = rng.choice("+-")
+            a, b = f"-{self._operand()}", str(self._operand())
+            if rng.random() < 0.3:
+                b = f"-{b}"
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "three":
+            op, inner = rng.choice("+-"), rng.choice("+-")
+            a = f"{self._operand()} {inner} {self._operand()}"
+            b = str(self._operand())
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "decimal":
+            op = rng.choice("+-")
+            a = self._decimal()
+            b = self._decimal() if rng.random() < 0.5 else str(self._operand())
+            if rng.random() < 0.5:
+                a, b = b, a
+            return self._arith_question(op, a, b), category
+        if category == "other_op":
+            template = self._arith_template(None)
+            ops = OTHER_OPS[split]
+            x, w = rng.choice(ops["x"]), rng.choice(ops["w"])
+            return self._wrap(template.format(**small, x=x, w=w)), category
+        if category == "made_up":
+            op = self._made_up_word().lower()
+            while op in _OPERATION_WORDS:
+                op = self._made_up_word().lower()
+            template = self._casing(rng.choice(MADE_UP_OPERATIONS))
+            fields = {**small, "op": op, "Op": op[:1].upper() + op[1:]}
+            return self._wrap(template.format(**fields)), category
+        template = self._casing(rng.choice(NUMERIC_REQUESTS[split]))
+        x = rng.choice(OTHER_OPS[split]["x"] + ["+", "-"])
+        fields = {**small, "d": self._decimal(), "d2": self._decimal(), "x": x}
+        if rng.random() < 0.2:
+            fields["a"] = self._big_number()
+        return self._wrap(template.format(**fields)), category
+
+    # -- other requests ------------------------------------------------------
 
     def _intent(self, name: str | None = None) -> tuple[str, str]:
         rng = self.rng
@@ -673,11 +1093,19 @@ class Generator:
             result = dict(items)
         return result
 
-    def _time_place(self) -> tuple[str, str]:
+    def _time_place(self, tool: ToolSpec | None = None) -> tuple[str, str]:
+        """A place to ask the time of, and its IANA zone ("" when it has none).
+
+        For a tool that takes a place, any city (or a made-up one); for one
+        that takes a timezone, a place of ``TIMEZONE_PLACES`` or the zone itself.
+        """
         rng = self.rng
+        if tool is not None and tool.param_kind == "place" and rng.random() < 0.6:
+            place = self._city()
+            return place, TIMEZONE_PLACES.get(place, "")
         place = rng.choice(sorted(TIMEZONE_PLACES))
         tz = TIMEZONE_PLACES[place]
-        if place != "UTC" and rng.random() < 0.15:
+        if (tool is None or tool.param_kind == "tz") and place != "UTC" and rng.random() < 0.15:
             place = tz  # the user names the timezone itself
         return place, tz
 
@@ -696,14 +1124,14 @@ class Generator:
                 op, a, b = self._pair()
                 history += [
                     {"role": "user", "content": self._arith_question(op, a, b)},
-                    {"role": "assistant", "content": str(self._result(op, a, b))},
+                    {"role": "assistant", "content": str(arith_result(op, a, b))},
                 ]
             else:
-                messages, _, _, answer = self._weather_exchange()
+                messages, _, _, answer = self._weather_exchange(self._tool("weather"))
                 history += [*messages, {"role": "assistant", "content": answer}]
         return history
 
-    def _weather_exchange(self) -> tuple[list[dict], str, dict, str]:
+    def _weather_exchange(self, tool: ToolSpec) -> tuple[list[dict], str, dict, str]:
         """user ask, assistant tool call, tool result; and the final answer."""
         rng = self.rng
         city = self._city()
@@ -712,7 +1140,7 @@ class Generator:
         answer = f"It is {result['temperature']} degrees and {result['condition']} in {city}."
         messages = [
             {"role": "user", "content": question},
-            _assistant_call(rng, "get_weather", {"city": city}),
+            _assistant_call(rng, tool.call(city)),
             {"role": "tool", "content": json.dumps(result)},
         ]
         return messages, city, result, answer
@@ -730,10 +1158,13 @@ class Generator:
             kind, thinking = "arith", True
         elif kind == "arith_nothink":
             kind, thinking = "arith", False
-        if kind == "arith":
+        if kind in ("arith", "arith_refuse"):
             system, history = self._system(0.15), self._history(0.15)
         else:
             system, history = self._system(), self._history(0.4)
+        # Held-out calls: the standard tools, or ("_schema") held-out schemas.
+        standard = self.split == "heldout" and not kind.endswith("_schema")
+        kind = kind.removesuffix("_schema")
 
         if kind == "chat":
             question, answer = self._intent()
@@ -743,25 +1174,35 @@ class Generator:
 
         if kind == "arith":
             op, a, b = self._pair()
-            r = self._result(op, a, b)
+            r = arith_result(op, a, b)
             tools = self._tools(p_any=0.1)
             messages = [
                 *system,
                 *history,
                 {"role": "user", "content": self._arith_question(op, a, b)},
             ]
-            target = f"<think>\n{arith_trace(op, a, b)}\n</think>\n\n{r}" if thinking else str(r)
+            target = arith_reply(op, a, b, thinking)
             name = "arith_think" if thinking else "arith_nothink"
-            return Example(name, messages, tools, thinking, target, {"answer": r})
+            expect = {"answer": r, "op": op, "a": a, "b": b}
+            return Example(name, messages, tools, thinking, target, expect)
+
+        if kind == "arith_refuse":
+            question, category = self._refusal_question()
+            tools = self._tools(p_any=0.1)
+            messages = [*system, *history, {"role": "user", "content": question}]
+            expect = {"answer": ARITH_REFUSAL, "category": category}
+            return Example(kind, messages, tools, thinking, ARITH_REFUSAL, expect)
 
         if kind in ("weather_call", "weather_answer"):
-            exchange, city, result, answer = self._weather_exchange()
-            tools = self._tools(need=["get_weather"])
+            tool = self._call_tool("weather", standard)
+            exchange, city, result, answer = self._weather_exchange(tool)
+            tools = self._tools(need=tool)
             if kind == "weather_call":
                 messages = [*system, *history, exchange[0]]
-                call = {"name": "get_weather", "arguments": {"city": city}}
+                call = tool.call(city)
                 target = tool_call_text(**call)
-                return Example(kind, messages, tools, thinking, target, {"call": call})
+                name = kind if standard or self.split == "train" else "weather_call_schema"
+                return Example(name, messages, tools, thinking, target, {"call": call})
             messages = [*system, *history, *exchange]
             expect = {
                 "answer": answer,
@@ -770,26 +1211,31 @@ class Generator:
             return Example(kind, messages, tools, thinking, answer, expect)
 
         if kind in ("time_call", "time_answer"):
-            place, tz = self._time_place()
+            tool = self._call_tool("time", standard)
+            place, tz = self._time_place(tool)
             question = self._question(self.s.time[self.split], place=place)
-            tools = self._tools(need=["get_time"])
-            call = {"name": "get_time", "arguments": {"timezone": tz}}
+            tools = self._tools(need=tool)
+            call = tool.call(place, tz)
             if kind == "time_call":
                 messages = [*system, *history, {"role": "user", "content": question}]
+                name = kind if standard or self.split == "train" else "time_call_schema"
                 return Example(
-                    kind, messages, tools, thinking, tool_call_text(**call), {"call": call}
+                    name, messages, tools, thinking, tool_call_text(**call), {"call": call}
                 )
             hh, mm = rng.randint(0, 23), rng.randint(0, 59)
             clock = f"{hh:02d}:{mm:02d}"
-            result = {"timezone": tz, "time": clock}
+            where = tz if tool.param_kind == "tz" else place
+            result = {tool.param if rng.random() < 0.5 else "timezone": where, "time": clock}
             if rng.random() < 0.2:
-                result = {"time": clock, "timezone": tz}
+                result = {"time": clock}
+            elif rng.random() < 0.2:
+                result = dict(reversed(list(result.items())))
             answer = f"It is {clock} in {place}."
             messages = [
                 *system,
                 *history,
                 {"role": "user", "content": question},
-                _assistant_call(rng, "get_time", {"timezone": tz}),
+                _assistant_call(rng, call),
                 {"role": "tool", "content": json.dumps(result)},
             ]
             return Example(
@@ -797,54 +1243,30 @@ class Generator:
             )
 
         if kind == "no_tool":
-            # asked for weather or time without the tool for it
-            if rng.random() < 0.6:
+            # asked for weather or time without a tool for it
+            if rng.random() < 0.55:
                 city = self._city()
                 question = self._question(self.s.weather[self.split], city=city)
                 answer = (
                     f"I can't check the weather in {city} because no weather tool is available."
                 )
-                tools = self._tools(p_any=0.4)
-                tools = [t for t in tools or [] if t["function"]["name"] != "get_weather"] or None
+                tools = self._tools(avoid="weather", p_any=0.6)
             else:
-                place, _ = self._time_place()
+                place, _ = self._time_place(
+                    None if rng.random() < 0.5 else self._tool("time", "place")
+                )
                 question = self._question(self.s.time[self.split], place=place)
                 answer = f"I can't check the time in {place} because no time tool is available."
-                tools = self._tools(p_any=0.4)
-                tools = [t for t in tools or [] if t["function"]["name"] != "get_time"] or None
+                tools = self._tools(avoid="time", p_any=0.6)
             messages = [*system, *history, {"role": "user", "content": question}]
             return Example(kind, messages, tools, thinking, answer, {"answer": answer})
 
         raise ValueError(f"unknown example kind {kind!r}")
 
 
-def arith_trace(op: str, a: int, b: int) -> str:
-    """The reasoning for ``a op b``: digit by digit, units first, then the result.
-
-    ``47 + 85: 7 + 5 = 12, 4 + 8 + 1 = 13, so 132``;
-    ``85 - 47: 15 - 7 = 8, 8 - 4 - 1 = 3, so 38``;
-    ``47 - 85 = -(85 - 47): 15 - 7 = 8, 8 - 4 - 1 = 3, so -38``.
-    Every step reads a digit or two and a carry, which a small model learns
-    far sooner than the whole sum at once.
-    """
-    if op == "+":
-        a1, a0 = divmod(a, 10)
-        b1, b0 = divmod(b, 10)
-        carry = (a0 + b0) // 10
-        steps = f"{a0} + {b0} = {a0 + b0}, {a1} + {b1} + {carry} = {a1 + b1 + carry}"
-        return f"{a} + {b}: {steps}, so {a + b}"
-    hi, lo = (a, b) if a >= b else (b, a)
-    h1, h0 = divmod(hi, 10)
-    l1, l0 = divmod(lo, 10)
-    borrow = int(h0 < l0)
-    top = h0 + 10 * borrow
-    steps = f"{top} - {l0} = {top - l0}, {h1} - {l1} - {borrow} = {h1 - l1 - borrow}"
-    head = f"{a} - {b}" if a >= b else f"{a} - {b} = -({b} - {a})"
-    return f"{head}: {steps}, so {a - b}"
-
-
-def _assistant_call(rng: random.Random, name: str, arguments: dict) -> dict:
+def _assistant_call(rng: random.Random, call: dict) -> dict:
     """An assistant tool-call message as an OpenAI client sends it back."""
+    arguments = call["arguments"]
     args: Any = json.dumps(arguments) if rng.random() < 0.7 else dict(arguments)
     return {
         "role": "assistant",
@@ -853,7 +1275,7 @@ def _assistant_call(rng: random.Random, name: str, arguments: dict) -> dict:
             {
                 "id": f"call_{rng.getrandbits(32):08x}",
                 "type": "function",
-                "function": {"name": name, "arguments": args},
+                "function": {"name": call["name"], "arguments": args},
             }
         ],
     }
@@ -864,10 +1286,16 @@ def generate(n: int, seed: int = 0, split: str = "train", kind: str | None = Non
     return [gen.example(kind) for _ in range(n)]
 
 
-def heldout_set(n_per_kind: int, seed: int = 0) -> list[Example]:
-    """``n_per_kind`` held-out examples of each kind in ``EVAL_KINDS``."""
+def heldout_set(
+    n_per_kind: int, seed: int = 0, weights: dict[str, int] | None = None
+) -> list[Example]:
+    """Held-out examples of each kind in ``EVAL_KINDS``: ``n_per_kind`` each,
+    times ``weights[kind]`` where given (``EVAL_WEIGHTS`` for the evaluation)."""
     gen = Generator("heldout", seed)
-    return [gen.example(kind) for kind in EVAL_KINDS for _ in range(n_per_kind)]
+    weights = weights or {}
+    return [
+        gen.example(kind) for kind in EVAL_KINDS for _ in range(n_per_kind * weights.get(kind, 1))
+    ]
 
 
 # ---------------------------------------------------------------------------

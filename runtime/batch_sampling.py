@@ -88,6 +88,11 @@ class ConstraintBackend(Protocol):
     array, every word -1 on entry); write those rows, leave the others. This is
     llguidance's ``fill_next_token_bitmask_par(executor, rows, bitmask)`` and
     xgrammar's per-matcher ``fill_next_token_bitmask(bitmask, index)``.
+
+    Optional: ``preferred_tokens(rows)`` -> ``(row, token)`` pairs that are
+    allowed only where the token is the row's own first choice (the argmax
+    of its unmasked logprobs): a thinking model may open its thinking block
+    before the constrained text only where it would have unconstrained.
     """
 
     vocab_size: int
@@ -360,10 +365,18 @@ class BatchSampler:
             self._bitmask = np.empty((n, words), dtype=np.int32)
         bitmask = self._bitmask
         bitmask.fill(-1)
-        backend.fill_bitmasks([(plan.rows[i].constraint, i) for i in plan.constrained], bitmask)
+        rows = [(plan.rows[i].constraint, i) for i in plan.constrained]
+        backend.fill_bitmasks(rows, bitmask)
         for i in plan.constrained:
             plan.rows[i].sampled = True
         allowed = unpack_bitmask(mx.array(bitmask), min(backend.vocab_size, vocab), vocab)
+        preferred = getattr(backend, "preferred_tokens", None)
+        pairs = preferred(rows) if preferred is not None else ()
+        if pairs:  # allowed only as the row's own first choice (no synchronisation)
+            index = mx.array([r for r, _ in pairs], dtype=mx.int32)
+            tokens = mx.array([t for _, t in pairs], dtype=mx.int32)
+            first_choice = mx.argmax(x[index], axis=-1).astype(mx.int32) == tokens
+            allowed[index, tokens] = allowed[index, tokens] | first_choice
         return mx.where(allowed | plan.free_rows, x, -mx.inf)
 
 

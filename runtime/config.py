@@ -118,14 +118,19 @@ class ServerConfig:
     )
     prefill_step_size: int = setting(2048, help="prompt tokens per prefill step", above=0)
     prompt_cache_size: int = setting(
-        10, help="most KV caches kept in the prompt cache (LRUPromptCache max_size)"
+        10,
+        help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
+        notes="0 keeps none (every response says `miss; reason=disabled`).",
     )
     prompt_cache_bytes: int | None = setting(
         None,
         help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
         format=SIZE.or_none(),
         notes="When set, the limit is shared with the running sequences: after each admission "
-        "the cache is trimmed to this value minus the bytes of the batch's KV caches.",
+        "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
+        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
+        "in mlx-lm's order) and the engine applies them between steps; in a distributed "
+        "launch every rank evicts what rank 0's byte counts decide.",
     )
     kv_bits: int | None = setting(
         None,
@@ -209,11 +214,11 @@ class ServerConfig:
         choices=ENGINE_MODES,
         ours=True,
         notes="`process`: each model's engine runs in a child process of the server "
-        "(`runtime/engine_process.py`): a crash of native code there (a segfault in MLX) is an "
+        "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
         "engine crash that restarts, not the end of the server, and a swapped-out model's "
         "memory goes back to the system with its process. `thread`: the engine runs on a "
         "thread of the server process, as before. Throughput is the same within the noise of "
-        "our measurements ([performance.md](performance.md#engine-process-or-engine-thread)). "
+        "our measurements ([lab notes](benchmarks/2026-11-29-issue5.md#engine-process-or-engine-thread)). "
         "A distributed launch always uses `thread`.",
     )
     admission_window_ms: float = setting(
@@ -228,7 +233,7 @@ class ServerConfig:
         "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
         "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
         "tokens/s, TTFT p50 from 692-760 to 401-411 ms "
-        "([performance.md](performance.md#the-admission-window)). Always off in a "
+        "([lab notes](benchmarks/2026-11-29-issue5.md#the-admission-window)). Always off in a "
         "distributed launch (each rank's clock would end it at a different step).",
     )
     prompt_cache_min_reuse: int = setting(
@@ -285,6 +290,50 @@ class ServerConfig:
         notes="`mlx-trio-server` gives Hypercorn a graceful timeout 2 s longer, so that no "
         "stream is cut. Under `hypercorn api:app` see "
         "[operations.md](operations.md#signals-and-shutdown).",
+    )
+
+    api_key: tuple[str, ...] = setting(
+        (),
+        help="API key that clients must send, as `Authorization: Bearer KEY` or `x-api-key: "
+        "KEY`; repeat the flag or separate keys with commas (none: no authentication)",
+        ours=True,
+        repeatable=True,
+        secret=True,
+        default_text="none",
+        notes="Checked on every API route; a missing or wrong key is a 401 (`invalid_api_key`; "
+        "Anthropic's error shape on `/v1/messages`). `/health`, the chat page (`/`, "
+        "`/assets/`) and CORS preflights stay open; `/metrics` too unless "
+        "`--metrics-require-key`. See [operations.md](operations.md#authentication).",
+    )
+    api_key_file: str | None = setting(
+        None,
+        help="file of API keys, one per line (blank lines and lines starting with # are "
+        "skipped); adds to --api-key",
+        ours=True,
+        notes="Read once at start-up; a file that cannot be read stops the start.",
+    )
+    metrics_require_key: bool = setting(
+        False, help="/metrics also requires an API key (when keys are set)", ours=True
+    )
+    allowed_models: tuple[str, ...] = setting(
+        (),
+        help="models (names, local paths or Hugging Face repos) that requests may name besides "
+        "the served one; `*`: any model on this machine",
+        ours=True,
+        repeatable=True,
+        default_text="none: only the served model",
+        notes="The served model, its `--adapter-path` and `--draft-model` are always allowed. "
+        "Applies to a request's `model`, `adapters` and `draft_model`; anything else is a 404 "
+        "before anything is loaded. `GET /v1/models` lists exactly what is allowed. See "
+        "[api.md](api.md#model-selection).",
+    )
+    models_dir: str | None = setting(
+        None,
+        help="a folder of models: requests may name any model directory inside it, by its path "
+        "or by its path relative to the folder",
+        ours=True,
+        notes="Listed by `GET /v1/models` (directories with a `config.json`, up to two levels "
+        "deep, e.g. `org/model`).",
     )
 
     def unsupported(self, *, distributed: bool | None = None) -> list[str]:

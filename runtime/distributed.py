@@ -6,7 +6,7 @@ the engine thread (MLX streams belong to the thread that made them, so the
 group, the sharded load and every step run on that one thread), seeding the
 random state identically on every rank, and ``CommandExchange``: once per
 engine step, rank 0 shares the engine commands it drained from its inbox
-(``Submit`` / ``Abort`` / ``Shutdown``, pickled) with every other rank through
+(``Submit`` / ``Abort`` / ``EvictCache`` / ``Shutdown``, pickled) with every other rank through
 two ``all_sum`` collectives, so all ranks apply the same commands in the same
 order and run identical batch steps.
 

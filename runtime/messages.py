@@ -7,16 +7,19 @@ classes carrying a ``request_id`` where they concern one request.
 Directions:
   * Session -> worker thread -> Session: a ``PreparedPrompt`` (tokens and the
     prompt cache's ``SegmentPlan``); Session -> Detokenizer: a ``TextSpec``.
-  * Scheduler -> engine: ``Submit``, ``Abort``; ModelLoader -> engine:
-    ``Shutdown`` (to swap models).
+  * Scheduler -> engine: ``Submit``, ``Abort``, and the PromptCacheActor's
+    ``EvictCache``; ModelLoader -> engine: ``Shutdown`` (to swap models).
   * engine -> Scheduler (through ``runtime.handover``): ``StepOutputs`` (one
     per engine step) holding ``SequenceStarted``, ``PromptProgress``,
-    ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events plus
+    ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events, the
+    prompt cache's ``CacheEntryStored`` / ``CacheEntryRemoved`` and
     ``EngineStats``; ModelLoader -> Scheduler on the same carrier, in order
     with the steps: ``ModelReady`` and ``ModelLost``.
   * engine process -> its proxy thread, besides the ``StepOutputs``:
     ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
-  * Scheduler -> PromptCacheActor: ``EngineStats`` snapshots.
+  * Scheduler -> PromptCacheActor (synchronous calls): each ``StepOutputs``,
+    which comes back with ``SequenceStarted.miss_reason`` filled in.
+  * PromptCacheActor -> Session: a ``PromptCacheOutlook`` when it opens.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
     ``Progress`` and exactly one ``Terminal``: ``Finished`` or ``Failed``.
 """
@@ -35,6 +38,18 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     TOOL_CALLS = "tool_calls"
     ABORT = "abort"
+
+
+class CacheMissReason(enum.StrEnum):
+    """Why a request reused nothing from the prompt cache (docs/api.md#prompt-cache)."""
+
+    DISABLED = "disabled"  # --prompt-cache-size 0
+    NO_ENTRY = "no_entry"  # no entry shares a token with the prompt
+    BELOW_FLOOR = "below_floor"  # one does, but fewer than --prompt-cache-min-reuse tokens
+    TEMPLATE_ARGS = "template_args"  # this conversation is cached, rendered with other args
+    EVICTED = "evicted"  # the entry that would have served it was evicted for the budget
+    ENGINE_RESTARTED = "engine_restarted"  # it was lost with the engine (crash, model swap)
+    NOT_REUSABLE = "not_reusable"  # an entry matched, but its cache cannot be cut to the prefix
 
 
 # ------------------------------------------------------ prepared on the trio side
@@ -58,6 +73,10 @@ class PreparedPrompt:
     tokens: tuple[int, ...]
     plan: SegmentPlan
     initial_state: str = "normal"  # "reasoning" when the prompt opens a thinking block
+    # What the prompt cache's explanation compares (runtime.prompts): a hash of
+    # the chat template's arguments, and one hash per message prefix.
+    template_key: str | None = None
+    conversation_keys: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -117,8 +136,10 @@ class Submit:
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
+    # Structured outputs / tool choice: a runtime.grammar.ConstraintSpec (picklable), or None
+    constraint: Any = None
     # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
-    # once and starts each from a copy of choice 0's cache (runtime.engine.core).
+    # once and starts each from a copy of choice 0's cache (runtime.engine.choices).
     choice_ids: tuple[int, ...] = ()
 
     @property
@@ -134,12 +155,19 @@ class Abort:
     posted_at: float = attrs.field(factory=time.monotonic, eq=False)  # abort-latency figures
 
 
+@attrs.frozen(kw_only=True)
+class EvictCache:
+    """The PromptCacheActor's decision: drop these prompt-cache entries (ids the engine gave)."""
+
+    entry_ids: tuple[int, ...]
+
+
 @attrs.frozen
 class Shutdown:
     """Ask the engine loop to return."""
 
 
-EngineCommand = Submit | Abort | Shutdown
+EngineCommand = Submit | Abort | EvictCache | Shutdown
 
 
 # -------------------------------------------------------------- from the engine
@@ -152,6 +180,8 @@ class SequenceStarted:
     request_id: int
     prompt_tokens: int
     cached_tokens: int
+    batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
+    miss_reason: CacheMissReason | None = None  # set by the PromptCacheActor (trio side)
 
 
 @attrs.frozen(kw_only=True)
@@ -192,12 +222,41 @@ class SequenceFailed:
     retryable: bool = False  # the engine stopped, not the request: 503, try again
 
 
+# Upper bounds of the engine's histogram buckets (Prometheus ``le``; +Inf is implied):
+# the engine counts each step into one bucket, ``EngineStats`` carries the counts.
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@attrs.frozen(kw_only=True)
+class CacheEntryStored:
+    """The engine's prompt cache took an entry (``request_id``: the sequence it came from)."""
+
+    entry_id: int
+    request_id: int | None
+    tokens: tuple[int, ...]
+    nbytes: int
+    cache_type: str  # "system", "user" or "assistant": the eviction order's classes
+    trimmable: bool  # its cache can be cut to a shorter prefix
+
+
+@attrs.frozen(kw_only=True)
+class CacheEntryRemoved:
+    """An entry left by the store's own rules: ``replaced`` (the same tokens were
+    stored again) or ``superseded`` (a longer entry that can be cut covers it)."""
+
+    entry_id: int
+    reason: str
+
+
+CacheEvent = CacheEntryStored | CacheEntryRemoved
+
+
 @attrs.frozen(kw_only=True)
 class EngineStats:
     active_sequences: int = 0
     steps: int = 0
     prefill_steps: int = 0  # steps that processed prompt tokens
-    prompt_tokens: int = 0  # prompt tokens fed to the model (those from a cache are not)
     busy_seconds: float = 0.0  # time spent stepping (the rest: idle or waiting for commands)
     prompt_cache_entries: int = 0
     prompt_cache_bytes: int = 0
@@ -209,6 +268,16 @@ class EngineStats:
     abort_wait_ms_total: float = 0.0
     abort_wait_ms_max: float = 0.0
     abort_wait_steps_max: int = 0
+    # Tokens: of the prompts admitted (cached ones included), and generated.
+    prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)
+    generated_tokens: int = 0
+    # Steps with sequences in the batch: their duration and batch size, counted per
+    # bucket (one count per bound of STEP_SECONDS_BUCKETS / BATCH_SIZE_BUCKETS, then +Inf).
+    step_seconds_counts: tuple[int, ...] = ()
+    step_seconds_sum: float = 0.0
+    batch_size_counts: tuple[int, ...] = ()
+    batch_size_sum: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -220,6 +289,7 @@ class StepOutputs:
     tokens: tuple[TokenEvent, ...] = ()
     aborted: tuple[SequenceAborted, ...] = ()
     failed: tuple[SequenceFailed, ...] = ()
+    cache_events: tuple[CacheEvent, ...] = ()  # in the order they happened
     stats: EngineStats = EngineStats()
 
     def terminal_ids(self) -> set[int]:
@@ -229,7 +299,14 @@ class StepOutputs:
         return ids
 
     def __bool__(self) -> bool:
-        return bool(self.started or self.progress or self.tokens or self.aborted or self.failed)
+        return bool(
+            self.started
+            or self.progress
+            or self.tokens
+            or self.aborted
+            or self.failed
+            or self.cache_events
+        )
 
 
 # --------------------------------------------------- the model's life (ModelLoader)
@@ -306,6 +383,19 @@ class EngineExited:
 
 
 @attrs.frozen(kw_only=True)
+class PromptCacheOutlook:
+    """The PromptCacheActor's explanation of one request's prompt-cache lookup.
+
+    Given when the request is opened (a prediction, for the response's header)
+    and again when it starts (``SequenceStarted.miss_reason``, ``Usage``)."""
+
+    reused_tokens: int
+    miss_reason: CacheMissReason | None  # None: a hit
+    shared_tokens: int = 0  # the longest prefix any entry shares with the prompt
+
+
+
+@attrs.frozen(kw_only=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -325,6 +415,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cache_miss_reason: CacheMissReason | None = None  # why cached_tokens is 0
 
     @property
     def total_tokens(self) -> int:

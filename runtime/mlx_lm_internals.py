@@ -9,6 +9,12 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 
 * ``shared_prefix_length``: walks ``LRUPromptCache._trie._trie`` (the prompt
   cache's reuse floor, ``runtime.prompt_cache_store``).
+* ``prompt_cache_has_entry`` and ``remove_prompt_cache_entry``: one named
+  entry of an ``LRUPromptCache`` (``_trie``, ``_lru``, ``_n_bytes``,
+  ``_n_bytes_by_type``): the engine applies the PromptCacheActor's evictions
+  and reports what mlx-lm's ``insert_cache`` dropped by itself.
+* ``new_eviction_order``: ``LRUPromptCache.CacheOrder``, mlx-lm's eviction
+  order (one LRU per segment type), which the PromptCacheActor decides with.
 * ``keep_leading_space``: a text completion keeps its first space; sets
   ``SPMStreamingDetokenizer.trim_space`` or defeats
   ``BPEStreamingDetokenizer._maybe_trim_space`` (``actors.detokenizer``).
@@ -56,6 +62,55 @@ def shared_prefix_length(cache: Any, model: Any, tokens: Sequence[int]) -> int |
         node = node.get(tok)
         shared += node is not None
     return shared
+
+
+def _trie_node(cache: Any, model: Any, tokens: Sequence[int]) -> dict | None:
+    """The node of ``cache``'s trie at the end of ``tokens`` (None: no such path)."""
+    node = cache._trie._trie.get(model)
+    for tok in tokens:
+        if node is None:
+            return None
+        node = node.get(tok)
+    return node
+
+
+def prompt_cache_has_entry(cache: Any, model: Any, tokens: Sequence[int]) -> bool:
+    """Whether an ``LRUPromptCache`` holds an entry for exactly ``tokens``.
+
+    Relies on ``cache._trie._trie``: nested dicts keyed by token id, an entry
+    stored under the key ``"__value__"`` of its last token's node."""
+    node = _trie_node(cache, model, tokens)
+    return node is not None and "__value__" in node
+
+
+def remove_prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> int | None:
+    """Remove the entry for exactly ``tokens`` from an ``LRUPromptCache``; its bytes, or
+    None if there was none.
+
+    What ``LRUPromptCache.trim_to`` does for the entry its order picks, for a
+    named one: ``_trie.pop``, ``_lru.remove`` and the byte counters
+    ``_n_bytes`` and ``_n_bytes_by_type``."""
+    tokens = list(tokens)
+    if not prompt_cache_has_entry(cache, model, tokens):
+        return None
+    entry = cache._trie.pop(model, tokens)
+    cache._lru.remove(model, tokens)
+    cache._n_bytes -= entry.nbytes
+    cache._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+    return entry.nbytes
+
+
+def new_eviction_order() -> Any:
+    """mlx-lm's eviction order: ``push(model, key, cache_type)``, ``remove(model, key)``,
+    ``pop() -> (model, key)``, ``len()``.
+
+    ``LRUPromptCache.CacheOrder``: one LRU per segment type ("assistant",
+    "user", "system"); ``pop`` takes from the first type's LRU that is not
+    shorter than the next one's, else from the last (a nested class of
+    ``LRUPromptCache``, not documented API)."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    return LRUPromptCache.CacheOrder()
 
 
 # ---------------------------------------------------------------- detokenizing

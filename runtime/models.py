@@ -12,10 +12,20 @@ and the served id or path mean the configured model), except that a request
 can only name models that are already on this machine: a local directory, or
 a repository in the local Hugging Face cache. A request never starts a
 download; anything else is a 404 that names the model.
+
+``ModelPolicy`` says which models a request may name at all (mlx-lm #1892:
+a server should not load whatever path a client sends): by default only the
+served model with its configured adapters and draft model; more with
+``--allowed-models`` (names, paths, repos; ``*`` for anything on this machine)
+or ``--models-dir`` (any model directory inside it). A name it refuses is a
+404 before any disk or cache lookup for it. ``allowed_model_ids`` lists what
+it allows (for ``GET /v1/models``).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -70,6 +80,84 @@ def default_key(config: ServerConfig, served_path: str) -> ModelKey:
     return ModelKey(served_path, config.adapter_path, config.draft_model)
 
 
+ANY_MODEL = "*"
+MODELS_DIR_DEPTH = 2  # listing a models folder: ``name`` or ``org/name``
+
+
+@attrs.frozen
+class ModelPolicy:
+    """Which models, adapters and draft models a request may name besides the served ones."""
+
+    anything: bool = False  # ``*``: whatever is on this machine
+    names: frozenset[str] = frozenset()  # entries as written (names, repos, paths)
+    models_dir: Path | None = None  # resolved
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> ModelPolicy:
+        entries = set(config.allowed_models)
+        folder = Path(config.models_dir).expanduser().resolve() if config.models_dir else None
+        return cls(ANY_MODEL in entries, frozenset(entries - {ANY_MODEL}), folder)
+
+    def allowed(self, name: str, *, param: str) -> str:
+        """What to look up for ``name`` (``name`` itself, or its path inside the models
+        folder); a 404 if the policy does not allow it. Only stats the disk."""
+        if self.anything or name in self.names:
+            return name
+        try:
+            path = Path(name).expanduser()
+        except RuntimeError:  # ~user of no such user: no path of ours
+            path = None
+        if path is not None and self.models_dir is not None:
+            inside = path if path.is_absolute() else self.models_dir / path
+            if _within(inside, self.models_dir):
+                return str(inside)
+        if any(_same_path(name, entry) for entry in self.names):
+            return name
+        raise NotFound(
+            f"{param} {name!r} is not served here (this server serves its own model and those "
+            "its --allowed-models and --models-dir allow; see GET /v1/models)",
+            param=param,
+        )
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path``, symbolic links resolved, is strictly inside ``folder``."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):
+        return False
+    return resolved != folder and resolved.is_relative_to(folder)
+
+
+def allowed_model_ids(policy: ModelPolicy) -> list[str]:
+    """The models ``policy`` names that are on this machine (blocking disk work): its
+    entries that can be found, then the model directories of its models folder."""
+    found = []
+    for name in sorted(policy.names):
+        try:
+            locate(name, param="model")
+        except NotFound:
+            continue
+        found.append(name)
+    folder = policy.models_dir
+    if folder is not None and folder.is_dir():
+        level = [folder]
+        for _ in range(MODELS_DIR_DEPTH):
+            below = []
+            for parent in level:
+                try:
+                    children = sorted(p for p in parent.iterdir() if p.is_dir())
+                except OSError:
+                    continue
+                for child in children:
+                    if (child / "config.json").exists():
+                        found.append(child.relative_to(folder).as_posix())
+                    else:
+                        below.append(child)
+            level = below
+    return found
+
+
 def resolve_key(
     config: ServerConfig,
     served_id: str,
@@ -78,7 +166,10 @@ def resolve_key(
     model: str | None,
     adapters: str | None = None,
     draft_model: str | None = None,
+    policy: ModelPolicy,
 ) -> ModelKey:
+    """The ``ModelKey`` a request names; 404 if ``policy`` refuses a part of it or it is
+    not on this machine."""
     default = default_key(config, served_path)
     aliases = {*DEFAULT_ALIASES, served_id, served_path}
     if config.model:
@@ -87,12 +178,18 @@ def resolve_key(
         path = served_path
         adapter = adapters if adapters is not None else default.adapter
     else:
-        path = locate(model, param="model")
+        path = locate(policy.allowed(model, param="model"), param="model")
         adapter = adapters
     if adapter is not None and adapter != default.adapter:
+        if default.adapter is None or not _same_path(adapter, default.adapter):
+            adapter = policy.allowed(adapter, param="adapters")
         adapter = str(locate(adapter, param="adapters", want="adapter_config.json"))
     draft = default.draft
     if draft_model is not None and draft_model not in DEFAULT_ALIASES:
+        if draft_model != default.draft and not (
+            default.draft is not None and _same_path(draft_model, default.draft)
+        ):
+            draft_model = policy.allowed(draft_model, param="draft_model")
         draft = locate(draft_model, param="draft_model")
     return ModelKey(path, adapter, draft)
 
@@ -100,14 +197,19 @@ def resolve_key(
 def _same_path(a: str, b: str) -> bool:
     try:
         return os.path.exists(a) and Path(a).resolve() == Path(b).resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # too long for a file name; ~user of no such user
         return False
 
 
 def locate(name: str, *, param: str, want: str = "config.json") -> str:
     """A local directory holding ``want``, or the local HF cache's snapshot of repo ``name``."""
-    path = Path(name).expanduser()
-    if path.is_dir():
+    path = Path(name)
+    try:
+        path = path.expanduser()
+        is_dir = path.is_dir()
+    except (OSError, RuntimeError):  # too long for a file name; ~user of no such user
+        is_dir = False
+    if is_dir:
         if (path / want).exists():
             return str(path)
         raise NotFound(f"{param} {name!r}: the directory has no {want}", param=param)
@@ -125,6 +227,34 @@ def locate(name: str, *, param: str, want: str = "config.json") -> str:
         "nor in the local Hugging Face cache; requests never download models)",
         param=param,
     )
+
+
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_seq_len",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+)
+
+
+@functools.lru_cache(maxsize=32)
+def context_length(model: str) -> int | None:
+    """The context length ``model``'s ``config.json`` states, if any (blocking disk work)."""
+    try:
+        config = json.loads((Path(locate(model, param="model")) / "config.json").read_text())
+    except (NotFound, OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config")
+    for source in (config, text_config if isinstance(text_config, dict) else {}):
+        for key in CONTEXT_KEYS:
+            value = source.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
 
 
 @attrs.frozen

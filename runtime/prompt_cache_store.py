@@ -1,9 +1,13 @@
-"""The engine's prompt cache: mlx-lm's ``LRUPromptCache`` with a reuse floor.
+"""The engine's prompt cache: mlx-lm's ``LRUPromptCache`` with a reuse floor, and its ledger.
 
-Owned by the engine (thread or process) like the rest of MLX; ``EngineCore``
-calls ``fetch_nearest_cache`` for every admitted request and ``insert_cache``
-for every finished sequence and cached prompt segment.
+Owned by the engine (thread or process) like the rest of MLX: the KV arrays
+are MLX arrays, and every lookup copies or trims them. What to keep is not
+decided here: the PromptCacheActor (``actors.prompt_cache``) keeps an index of
+the entries from the events this module reports and sends ``EvictCache``
+commands, which the engine applies between steps. So the store has no limits
+of its own.
 
+``PromptCacheStore``: ``LRUPromptCache`` without limits and with a reuse floor.
 ``min_reuse_tokens``: a cached prefix shorter than this is not reused. A chat
 template's opening tokens (``<|im_start|>user\\n``, a Llama header) are common
 to almost every prompt, so without a floor nearly every request "hits" some
@@ -14,21 +18,42 @@ layer) and trims it, to skip a few tokens of prefill. With the floor, a walk
 down the trie along the prompt (no copies, no subtree search) says how many
 tokens any entry shares with it; below the floor the request is a miss at
 once, at or above it mlx-lm's own fetch runs unchanged.
+
+``CacheEntries``: the ledger ``EngineCore`` goes through. It gives every
+stored entry an id, reports ``CacheEntryStored`` and ``CacheEntryRemoved``
+(what mlx-lm's ``insert_cache`` drops by itself: an entry replaced by the same
+tokens, or prefixes a longer trimmable entry covers), and removes entries by
+id (``evict``). Ids are assigned in insertion order, so in a distributed
+group, where every rank inserts the same entries in the same steps, every
+rank gives the same ids and an ``EvictCache`` names the same entries on all.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
 from typing import Any
 
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from runtime.mlx_lm_internals import shared_prefix_length
+from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
+from runtime.mlx_lm_internals import (
+    prompt_cache_has_entry,
+    remove_prompt_cache_entry,
+    shared_prefix_length,
+)
+
+NO_LIMIT = sys.maxsize
 
 
 class PromptCacheStore(LRUPromptCache):
-    """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``."""
+    """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``.
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, *, min_reuse_tokens: int = 0):
+    Its limits default to none: the PromptCacheActor decides what to evict."""
+
+    def __init__(
+        self, max_size: int = NO_LIMIT, max_bytes: int = NO_LIMIT, *, min_reuse_tokens: int = 0
+    ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.min_reuse_tokens = min_reuse_tokens
 
@@ -42,3 +67,92 @@ class PromptCacheStore(LRUPromptCache):
         if self.min_reuse_tokens > 0 and self.shared_prefix(model, tokens) < self.min_reuse_tokens:
             return None, tokens
         return super().fetch_nearest_cache(model, tokens)
+
+    def has_entry(self, model: Any, tokens: list[int]) -> bool:
+        return prompt_cache_has_entry(self, model, tokens)
+
+    def remove_entry(self, model: Any, tokens: list[int]) -> int | None:
+        """Drop the entry for exactly ``tokens``; its bytes, or None if there was none."""
+        return remove_prompt_cache_entry(self, model, tokens)
+
+
+class CacheEntries:
+    """The engine's record of its prompt-cache entries, by id, and what changed.
+
+    ``store`` is a ``PromptCacheStore`` (or a test double with the same
+    methods: ``fetch_nearest_cache``, ``insert_cache``, ``has_entry``,
+    ``remove_entry``, ``len`` and ``nbytes``)."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self._next_id = 1
+        self._keys: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id -> (model, tokens)
+        self._ids: dict[Any, dict[tuple[int, ...], int]] = {}  # model -> tokens -> id
+        self._events: list[CacheEvent] = []
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def held(self) -> dict[int, tuple[Any, tuple[int, ...]]]:
+        """The entries held now: id -> (model, tokens)."""
+        return dict(self._keys)
+
+    def fetch(self, model: Any, tokens: list[int]):
+        return self.store.fetch_nearest_cache(model, tokens)
+
+    def insert(
+        self, model: Any, tokens: list[int], cache: list, *, cache_type: str, request_id: int | None
+    ) -> None:
+        key = tuple(tokens)
+        by_tokens = self._ids.setdefault(model, {})
+        replaced = by_tokens.pop(key, None)
+        if replaced is not None:
+            del self._keys[replaced]
+            self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
+        trimmable = can_trim_prompt_cache(cache)
+        self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
+        if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
+            for other, entry_id in list(by_tokens.items()):
+                n = len(other)
+                if 0 < n < len(key) and other[-1] == key[n - 1] and key[:n] == other:
+                    if not self.store.has_entry(model, list(other)):
+                        self._forget(entry_id)
+                        self._events.append(
+                            CacheEntryRemoved(entry_id=entry_id, reason="superseded")
+                        )
+        entry_id = self._next_id
+        self._next_id += 1
+        self._keys[entry_id] = (model, key)
+        by_tokens[key] = entry_id
+        self._events.append(
+            CacheEntryStored(
+                entry_id=entry_id,
+                request_id=request_id,
+                tokens=key,
+                nbytes=sum(int(layer.nbytes) for layer in cache),
+                cache_type=cache_type,
+                trimmable=trimmable,
+            )
+        )
+
+    def evict(self, entry_ids: Iterable[int]) -> int:
+        """Drop the entries still held under these ids; returns how many bytes that freed.
+
+        An id already gone (replaced or superseded since) is skipped: the
+        PromptCacheActor learns of that from the events."""
+        freed = 0
+        for entry_id in entry_ids:
+            key = self._keys.get(entry_id)
+            if key is None:
+                continue
+            self._forget(entry_id)
+            freed += self.store.remove_entry(key[0], list(key[1])) or 0
+        return freed
+
+    def _forget(self, entry_id: int) -> None:
+        model, tokens = self._keys.pop(entry_id)
+        del self._ids[model][tokens]
+
+    def take_events(self) -> tuple[CacheEvent, ...]:
+        events, self._events = tuple(self._events), []
+        return events

@@ -2,8 +2,9 @@
 
 Receives plain chat messages (content already a string, tool-call arguments
 already objects) or a text prompt; returns a ``PreparedPrompt`` with the
-tokens, the prompt cache's segment plan, and the text state the model starts
-in (inside a thinking block or not). Runs in a worker thread
+tokens, the prompt cache's segment plan, the text state the model starts
+in (inside a thinking block or not), and for chat the keys the prompt cache's
+miss explanation compares (``template_key``, ``conversation_keys``). Runs in a worker thread
 (``trio.to_thread``) because chat templates and tokenizers are slow Python.
 
 ``plan_segments`` is the segmentation policy: where in a chat prompt the
@@ -15,6 +16,8 @@ starts from a cached prefix.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -81,6 +84,40 @@ def plan_segments(
 
 
 
+def template_key(template_args: Mapping[str, Any]) -> str:
+    """A hash of everything besides the messages that shapes a chat prompt's tokens.
+
+    ``template_args``: the keyword arguments the chat template is rendered
+    with: the server's ``--chat-template-args`` overridden key by key by the
+    request's ``chat_template_kwargs`` (reserved keys dropped), and ``tools``;
+    for a model without a chat template, the ``role_mapping``."""
+    return _digest(_canonical(dict(template_args)))
+
+
+def conversation_keys(messages: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """One hash per message prefix (``keys[i]`` covers ``messages[: i + 1]``).
+
+    A cache entry remembers the last key of the request that stored it; a later
+    request whose keys include it continues (or repeats) that conversation."""
+    keys, key = [], ""
+    for message in messages:
+        key = _digest(key, _canonical(dict(message)))
+        keys.append(key)
+    return tuple(keys)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def prepare_text(tokenizer, prompt: str | Sequence[int]) -> PreparedPrompt:
     tokens = tuple(prompt) if not isinstance(prompt, str) else tuple(tokenizer.encode(prompt))
     if not tokens:
@@ -97,18 +134,28 @@ def prepare_chat(
     tools: list[dict[str, Any]] | None,
     template_args: Mapping[str, Any],
     role_mapping: Mapping[str, str] | None = None,
+    add_generation_prompt: bool = True,
 ) -> PreparedPrompt:
+    """``add_generation_prompt=False``: the conversation alone (``POST /tokenize``)."""
+    keys = conversation_keys(messages)
     if not getattr(tokenizer, "has_chat_template", False):
         tokens = tuple(tokenizer.encode(convert_chat(messages, role_mapping)))
         return PreparedPrompt(
-            tokens=tokens, plan=SegmentPlan(segments=(tokens,), segment_types=("assistant",))
+            tokens=tokens,
+            plan=SegmentPlan(segments=(tokens,), segment_types=("assistant",)),
+            template_key=template_key({"role_mapping": dict(role_mapping or {})}),
+            conversation_keys=keys,
         )
 
     # A client's chat_template_kwargs shape the rendering, never the call itself.
     kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
     try:
-        tokens = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+        tokens = tuple(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        )
     except Exception as exc:  # templates raise on messages they cannot render
         raise ClientError(f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -143,4 +190,10 @@ def prepare_chat(
         system_prefix=system_prefix,
         think_start_at=think_start_at if has_thinking else None,
     )
-    return PreparedPrompt(tokens=tokens, plan=plan, initial_state=initial_state)
+    return PreparedPrompt(
+        tokens=tokens,
+        plan=plan,
+        initial_state=initial_state,
+        template_key=template_key(kwargs),
+        conversation_keys=keys,
+    )

@@ -128,6 +128,7 @@ class Setting:
     maximum: int | float | None = None  # inclusive
     choices: tuple[Any, ...] | None = None
     ours: bool = False  # not one of mlx_lm.server's flags
+    repeatable: bool = False  # a list flag that may be given several times (values add up)
     notes: str = ""  # more for docs/configuration.md (Markdown)
     default_text: str | None = None  # for a default that is computed at start-up
     name: str = ""
@@ -174,9 +175,12 @@ def setting(
     help: str,
     factory: Callable[[], Any] | None = None,
     converter: Callable[[Any], Any] | None = None,
+    secret: bool = False,
     **more: Any,
 ) -> Any:
-    """A ``ServerConfig`` field: its ``Setting`` metadata and the validators it implies."""
+    """A ``ServerConfig`` field: its ``Setting`` metadata and the validators it implies.
+
+    ``secret``: the value is left out of the config's ``repr`` (API keys)."""
     meta = Setting(help=help, **more)
     checks = []
     if meta.above is not None:
@@ -193,7 +197,11 @@ def setting(
     if factory is not None:
         default = attrs.Factory(factory)
     return attrs.field(
-        default=default, validator=validator, converter=converter, metadata={METADATA_KEY: meta}
+        default=default,
+        validator=validator,
+        converter=converter,
+        repr=not secret,
+        metadata={METADATA_KEY: meta},
     )
 
 

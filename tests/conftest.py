@@ -96,6 +96,8 @@ SERVER_MODULES = {
     "test_chat_page",
     "test_agent_apis",
     "test_agent_clis",
+    "test_structured_outputs_server",
+    "test_operations_server",
     "test_limits",
     "test_shutdown",
     "test_model_fetch",

@@ -6,7 +6,9 @@
   (its signatures are mlx-lm's: tests/test_generator_signatures.py).
 * ``FakeBatchGeneratorFactory``: the ``batch_generator_factory`` EngineCore takes;
   keeps every generator it made (EngineCore makes a new one after a failed step).
-* ``FakePromptCache``: the ``LRUPromptCache`` methods EngineCore calls; never hits.
+* ``FakePromptCache``: the ``PromptCacheStore`` methods EngineCore calls (mlx-lm's
+  ``LRUPromptCache`` ones and ``has_entry`` / ``remove_entry``); never hits,
+  evicts only when told (``remove_entry``), as the real store does.
 * ``FakeTokenizer``: what ``DetokenizerCore`` and ``make_text_state_machine`` read
   from mlx-lm's ``TokenizerWrapper``, over a fixed id -> bytes table in which
   some tokens are partial multi-byte UTF-8 pieces.
@@ -57,6 +59,14 @@ class FakeKVCache:
     @property
     def nbytes(self) -> int:
         return len(self.tokens) * self.bytes_per_token
+
+    def is_trimmable(self) -> bool:  # what mlx-lm's can_trim_prompt_cache asks
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, len(self.tokens))
+        self.tokens = self.tokens[: len(self.tokens) - n]
+        return n
 
 
 @dataclass
@@ -368,13 +378,13 @@ class FakeBatchGeneratorFactory:
 
 
 class FakePromptCache:
-    """``LRUPromptCache`` as EngineCore uses it; lookups always miss."""
+    """``PromptCacheStore`` as EngineCore uses it; lookups always miss."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[Any, tuple[int, ...]], tuple[list, str]] = {}
         self.inserts: list[tuple[Any, tuple[int, ...], str]] = []
         self.fetches: list[tuple[Any, tuple[int, ...]]] = []
-        self.trims: list[dict[str, int | None]] = []
+        self.removals: list[tuple[Any, tuple[int, ...]]] = []
 
     def fetch_nearest_cache(self, model, tokens):
         self.fetches.append((model, tuple(tokens)))
@@ -385,14 +395,13 @@ class FakePromptCache:
         self.inserts.append((model, tuple(tokens), cache_type))
         self.entries[key] = (prompt_cache, cache_type)
 
-    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None):
-        self.trims.append({"n_sequences": n_sequences, "n_bytes": n_bytes})
-        if n_sequences is not None:
-            while len(self.entries) > max(0, n_sequences):
-                self.entries.pop(next(iter(self.entries)))
-        if n_bytes is not None:
-            while self.entries and self.nbytes > max(0, n_bytes):
-                self.entries.pop(next(iter(self.entries)))
+    def has_entry(self, model, tokens) -> bool:
+        return (model, tuple(tokens)) in self.entries
+
+    def remove_entry(self, model, tokens) -> int | None:
+        self.removals.append((model, tuple(tokens)))
+        entry = self.entries.pop((model, tuple(tokens)), None)
+        return None if entry is None else sum(c.nbytes for c in entry[0])
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -11,17 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from api.agent_blocks import Appended, BlockAssembler, Closed, Opened, merge_leading_system
-from api.anthropic_messages import CountTokensRequest, chat_messages, chat_tool_choice, stop_reason
+from api.agents.blocks import Appended, BlockAssembler, Closed, Opened, merge_leading_system
+from api.agents.messages_input import chat_messages, chat_tool_choice
+from api.agents.messages_render import stop_reason
+from api.agents.messages_schema import CountTokensRequest, MessagesRequest, ToolChoiceIn
+from api.agents.responses_input import chat_tools, input_messages, prepare_request
+from api.agents.responses_schema import ResponsesRequest
+from api.agents.responses_store import ResponseStore, StoredResponse
 from api.convert import structure_or_400
-from api.openai_responses import (
-    ResponsesRequest,
-    ResponseStore,
-    StoredResponse,
-    chat_tools,
-    input_messages,
-    prepare_request,
-)
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.messages import Delta, Finished, ToolCall, Usage
@@ -196,18 +193,37 @@ def test_response_store_is_a_bounded_lru():
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "param", "message"),
     [
-        ({"background": True}, "background"),
-        ({"tool_choice": "sometimes"}, "tool_choice"),
-        ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"background": True}, "background", "background responses are not supported"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be auto, none or required"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1, got 0"),
+        ({"temperature": -0.5}, "temperature", "temperature must be at least 0, got -0.5"),
+        ({"top_p": 1.5}, "top_p", "top_p must be at most 1, got 1.5"),
+        ({"timeout": 0}, "timeout", "timeout must be at least 0.001, got 0.0"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format",
+         "text.format of type json_schema needs 'name' and 'schema'"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type",
+         "text.format.type must be text, json_schema or json_object"),
+        ({"conversation": "conv_1"}, "conversation",
+         "conversations are not supported: use previous_response_id"),
+        ({"prompt": {"id": "p"}}, "prompt", "prompt templates are not supported"),
     ],
 )
-def test_responses_refusals_name_the_field(body, param):
+def test_responses_refusals_name_the_field(body, param, message):
     with pytest.raises(ClientError) as info:
         structure_or_400({"input": "x", **body}, ResponsesRequest)
-    assert info.value.param == param
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"background": False}, {"tool_choice": {"type": "function", "name": "f"}},
+     {"text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
+     {"conversation": None, "prompt": None}],
+)
+def test_responses_accepts_what_it_serves(body):
+    structure_or_400({"input": "x", **body}, ResponsesRequest)
 
 
 # ----------------------------------------------------------- Anthropic input
@@ -243,8 +259,6 @@ def test_anthropic_messages_become_chat_messages():
 
 
 def test_anthropic_tool_choice_and_stop_reasons():
-    from api.anthropic_messages import ToolChoiceIn
-
     assert chat_tool_choice(ToolChoiceIn(type="any")) == "required"
     assert chat_tool_choice(ToolChoiceIn(type="tool", name="f")) == {"type": "function", "function": {"name": "f"}}
     usage = Usage(prompt_tokens=1, completion_tokens=1, cached_tokens=0)
@@ -268,3 +282,45 @@ def test_anthropic_bad_messages_name_the_field(message, param):
         req = structure_or_400({"model": "m", "messages": [message]}, CountTokensRequest)
         chat_messages(req)
     assert info.value.param == param
+
+
+ONE_MESSAGE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"messages": []}, "messages", "messages: at least one message is required"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role",
+         "messages[0].role must be 'user', 'assistant' or 'system'"),
+        ({"system": [{"type": "image", "text": "x"}]}, "system[0].type",
+         "system[0].type: only text blocks are supported"),
+        ({"tools": [{"name": "s", "type": "web_search_20250305"}]}, "tools[0].type",
+         "tools[0].type: tool type 'web_search_20250305' is not supported (only client tools "
+         "with an input_schema)"),
+        ({"tool_choice": {"type": "some"}}, "tool_choice.type",
+         "tool_choice.type must be auto, any, tool or none"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name",
+         "tool_choice.name is required for type 'tool'"),
+        ({"thinking": {"type": "on"}}, "thinking.type",
+         "thinking.type must be enabled, disabled or adaptive"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+        ({"top_k": -1}, "top_k", "top_k must be at least 0, got -1"),
+        ({"top_p": 2}, "top_p", "top_p must be at most 1, got 2.0"),
+        ({"stop_sequences": ["s"] * 17}, "stop_sequences", "stop_sequences takes at most 16 strings"),
+    ],
+)
+def test_anthropic_refusals_name_the_field(body, param, message):
+    with pytest.raises(ClientError) as info:
+        structure_or_400({**ONE_MESSAGE, **body}, MessagesRequest)
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+def test_anthropic_accepts_what_it_serves():
+    req = structure_or_400(
+        {**ONE_MESSAGE, "tools": [{"name": "f", "type": "custom"}, {"name": "g"}],
+         "tool_choice": {"type": "tool", "name": "f"}, "thinking": {"type": "adaptive"},
+         "system": [{"type": "text", "text": "s"}], "stop_sequences": ["s"] * 16},
+        MessagesRequest,
+    )
+    assert chat_tool_choice(req.tool_choice) == {"type": "function", "function": {"name": "f"}}

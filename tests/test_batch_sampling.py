@@ -340,6 +340,35 @@ def test_constrained_rows_in_a_mixed_batch_on_arrays():
     assert sampler.calls == sampler.constrained_calls == 12
 
 
+class PreferringBackend(FakeBackend):
+    """Offers each row's ``opening`` token only as the row's own first choice."""
+
+    def __init__(self, vocab_size: int, openings: dict):
+        super().__init__(vocab_size)
+        self.openings = openings
+
+    def preferred_tokens(self, rows):
+        return [(i, self.openings[id(c)]) for c, i in rows if id(c) in self.openings]
+
+
+def test_a_preferred_token_is_allowed_only_as_the_rows_first_choice():
+    rows = [AllowSet({1, 2}) for _ in range(4)]
+    backend = PreferringBackend(vocab_size=16, openings={id(rows[i]): 9 for i in (0, 1, 3)})
+    sampler = BatchSampler(constraint_backend=backend)
+    for uid, row in enumerate(rows):
+        sampler.register(uid, SamplingParams(temperature=0.0 if uid != 3 else 1.0), row)
+    logits = np.zeros((4, 16))
+    logits[:, 2] = 5.0
+    logits[[0, 2, 3], 9] = 9.0  # rows 0, 2 and 3 would open with token 9 unconstrained
+    logits[1, 9] = 4.0  # row 1 would not
+    logits[3, 9] = 40.0  # sampled, but its first choice by far
+    tokens = draw(sampler, range(4), normalize(logits))
+    assert tokens[0] == 9  # preferred and offered
+    assert tokens[1] == 2  # offered, not preferred: the grammar's best
+    assert tokens[2] == 2  # preferred, not offered
+    assert tokens[3] == 9
+
+
 # ------------------------------------------------- the real BatchGenerator
 
 

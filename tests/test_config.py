@@ -142,6 +142,8 @@ TEXT_VALUES = {
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "admission_window_ms": "5", "prompt_cache_min_reuse": "0", "stream_interval_ms": "40",
+    "api_key": "key-1, key-2", "api_key_file": "/etc/mlx-trio/keys",
+    "allowed_models": "org/model,/models/m", "models_dir": "/models",
     "max_model_len": "4096", "max_choices": "2", "shutdown_grace": "3.5",
 }
 
@@ -171,6 +173,16 @@ def test_all_flags_at_once_give_what_all_variables_give():
     assert config.prompt_cache_bytes == 4 * 10**9 and config.kv_cache_budget_bytes == 512 * 10**6
     assert config.allowed_origins == ("http://a.example", "http://b.example")
     assert config.chat_template_args == {"enable_thinking": False}
+    assert config.api_key == ("key-1", "key-2")
+    assert config.allowed_models == ("org/model", "/models/m")
+
+
+def test_list_flags_that_may_be_repeated_add_up():
+    config = parse_config(["--allowed-models", "a", "--allowed-models", "b,c", "--api-key", "k"])
+    assert config.allowed_models == ("a", "b", "c") and config.api_key == ("k",)
+    assert parse_config(["--allowed-origins", "x", "--allowed-origins", "y"]).allowed_origins == (
+        "y",
+    )  # not repeatable: the last one wins, as in mlx_lm.server
 
 
 @pytest.mark.parametrize("s", [s for s in SETTINGS if s.bounds_text()], ids=lambda s: s.name)

@@ -1,17 +1,22 @@
 """The trained demo model (demo_model/mlx-trio-demo) through the whole app, and its data.
 
 The app tests serve the committed weights with greedy decoding on the CPU:
-a weather tool call with the city copied into its arguments, the answer
-from the tool's result in the next turn, a time tool call, arithmetic with
-the ``<think>`` trace split off as reasoning and, with thinking off, the
-bare answer. The data tests check the properties the held-out evaluation
-relies on (disjoint split, exact think traces, digits as single tokens).
+weather tool calls with the city copied into the parameter the schema
+names (``city``, ``location``), the answer from the tool's result in the
+next turn, time tool calls with a ``timezone`` and with a ``city``
+parameter, the "no such tool" answer, digit-by-digit arithmetic with the
+``<think>`` trace split off as reasoning and, with thinking off, the working
+as the reply, and the honest refusal (no number) for arithmetic it cannot
+do. The data tests check the properties the held-out evaluation relies on
+(disjoint split, exact traces, digits as single tokens, parameter names
+that copy as the same tokens).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import random
 import re
 
 import pytest
@@ -23,36 +28,39 @@ from tests.conftest import wait_ready
 from tests.test_api import CHAT, post
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
+# The recipe the committed weights were trained with (training.json; none: 1).
+COMMITTED_RECIPE = json.loads((DEMO_DIR / "training.json").read_text()).get("recipe", 1)
+recipe_2 = pytest.mark.skipif(
+    COMMITTED_RECIPE < 2,
+    reason="the committed weights predate issue 21 (recipe 1): retrain with "
+    "python -m demo_model.train (docs/demo-model.md)",
+)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
+
+def tool(name: str, description: str, param: str) -> dict:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {param: {"type": "string"}},
+                "required": [param],
+            },
         },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current local time in a timezone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"type": "string"}},
-            "required": ["timezone"],
-        },
-    },
-}
+    }
+
+
+WEATHER = tool("get_weather", "Get the current weather in a city.", "city")
+TIME = tool("get_time", "Get the current local time in a timezone.", "timezone")
+WEATHER_AT = tool("get_weather", "Get the weather at a location.", "location")
+TIME_IN_CITY = tool("get_time", "Get the current time in a city.", "city")
 
 
 @pytest.fixture
 async def client():
-    app = create_app(ServerConfig(model=str(DEMO_DIR), max_tokens=80))
+    app = create_app(ServerConfig(model=str(DEMO_DIR), max_tokens=200))
     async with app.test_app() as test_app:
         c = test_app.test_client()
         await wait_ready(c)
@@ -105,7 +113,37 @@ async def test_time_tool_call(client):
     assert json.loads(call["function"]["arguments"]) == {"timezone": "Asia/Tokyo"}
 
 
-async def test_arithmetic_thinking_on_and_off(client):
+@recipe_2
+async def test_the_call_fills_the_parameter_the_schema_names(client):
+    # get_time(city): the place as asked, not a timezone; get_weather(location).
+    messages = [{"role": "user", "content": "What time is it in Paris?"}]
+    choice = await chat(client, messages, tools=[TIME_IN_CITY])
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+    messages = [{"role": "user", "content": "What's the weather in Lisbon?"}]
+    choice = await chat(client, messages, tools=[TIME_IN_CITY, WEATHER_AT])
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"location": "Lisbon"}
+
+
+@recipe_2
+async def test_no_matching_tool_gets_the_no_such_tool_answer(client):
+    # A time tool that takes a city is no weather tool.
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    choice = await chat(client, messages, tools=[TIME_IN_CITY])
+    assert choice["finish_reason"] == "stop"
+    assert not choice["message"].get("tool_calls")
+    assert choice["message"]["content"] == (
+        "I can't check the weather in Paris because no weather tool is available."
+    )
+
+
+async def test_arithmetic_thinking_on(client):
     messages = [{"role": "user", "content": "What is 47 + 85?"}]
     choice = await chat(client, messages)
     assert choice["finish_reason"] == "stop"
@@ -113,11 +151,46 @@ async def test_arithmetic_thinking_on_and_off(client):
     assert "7 + 5 = 12" in message["reasoning"] and "<think>" not in message["content"]
     assert message["content"].strip() == "132"
 
+
+@recipe_2
+async def test_arithmetic_thinking_off_answers_with_the_working(client):
     messages = [{"role": "user", "content": "What is 23 - 58?"}]
     choice = await chat(client, messages, chat_template_kwargs={"enable_thinking": False})
     assert choice["finish_reason"] == "stop"
     assert not choice["message"].get("reasoning")
-    assert choice["message"]["content"].strip() == "-35"
+    assert choice["message"]["content"].strip() == data.arith_trace("-", 23, 58)
+    assert choice["message"]["content"].endswith("so -35")
+
+
+@recipe_2
+async def test_three_digit_arithmetic_carries_and_borrows(client):
+    messages = [{"role": "user", "content": "What is 487 + 596?"}]
+    choice = await chat(client, messages)
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning"].strip() == data.arith_trace("+", 487, 596)
+    assert "hundreds 4 + 5 + 1 = 10" in choice["message"]["reasoning"]
+    assert choice["message"]["content"].strip() == "1083"
+
+    messages = [{"role": "user", "content": "What is 305 - 128?"}]
+    choice = await chat(client, messages, chat_template_kwargs={"enable_thinking": False})
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"].strip() == (
+        "305 - 128: compare hundreds 3 > 1; "
+        "units 15 - 8 = 7, tens 10 - 2 - 1 = 7, hundreds 3 - 1 - 1 = 1, so 177"
+    )
+
+
+@recipe_2
+@pytest.mark.parametrize(
+    "question", ["What is 123456 + 1?", "What is 1000 - 1?", "What is 7 * 8?", "What is 2.5 + 1?"]
+)
+async def test_arithmetic_it_cannot_do_gets_the_honest_answer(client, question):
+    for thinking in (True, False):
+        messages = [{"role": "user", "content": question}]
+        choice = await chat(client, messages, chat_template_kwargs={"enable_thinking": thinking})
+        assert choice["finish_reason"] == "stop"
+        assert choice["message"]["content"].strip() == data.ARITH_REFUSAL
+        assert not choice["message"].get("reasoning")
 
 
 async def test_greeting(client):
@@ -132,25 +205,117 @@ async def test_greeting(client):
 def test_split_is_disjoint():
     split = data.Split.make()
     assert not set(split.cities["train"]) & set(split.cities["heldout"])
-    train_pairs = set(data.Generator("train", 0)._pairs)
-    assert train_pairs and not train_pairs & split.heldout_pairs
-    assert len(split.heldout_pairs) == round(0.1 * 2 * 100 * 100)
+    pairs = [(op, a, b) for op in "+-" for a in range(0, 1000, 7) for b in range(1000)]
+    held = sum(data.is_heldout_pair(*p) for p in pairs)
+    assert 0.09 < held / len(pairs) < 0.11
+    for table in (data.TOOL_NAMES, data.PARAM_NAMES, data.TOOL_DESCRIPTIONS):
+        for lists in table.values():
+            assert not set(lists["train"]) & set(lists["heldout"])
+    held_ops = set(data.OTHER_OPS["heldout"]["x"] + data.OTHER_OPS["heldout"]["w"])
+    assert not held_ops & set(data.OTHER_OPS["train"]["x"] + data.OTHER_OPS["train"]["w"])
+    assert not set(data.NUMERIC_REQUESTS["train"]) & set(data.NUMERIC_REQUESTS["heldout"])
+
     gen = data.Generator("train", 0)
     held_cities = set(split.cities["heldout"])
-    for _ in range(2000):
+    held_names = {
+        name
+        for table in (data.TOOL_NAMES, data.PARAM_NAMES)
+        for lists in table.values()
+        for name in lists["heldout"]
+    }
+    for _ in range(3000):
         example = gen.example()
         text = json.dumps(example.messages) + example.target
         assert not any(re.search(rf"\b{c}\b", text) for c in held_cities), text
+        for t in example.tools or []:
+            function = t["function"]
+            assert function["name"] not in held_names
+            assert not set(function["parameters"]["properties"]) & held_names
+        if example.kind in ("arith_think", "arith_nothink"):
+            e = example.expect
+            assert not data.is_heldout_pair(e["op"], e["a"], e["b"])
+    heldout = data.Generator("heldout", 0)
+    for kind in ("arith_think", "arith_nothink"):
+        for _ in range(200):
+            e = heldout.example(kind).expect
+            assert data.is_heldout_pair(e["op"], e["a"], e["b"])
 
 
-def test_think_traces_are_right_for_every_pair():
+STEP = re.compile(r"(units|tens|hundreds) (\d+) ([+-]) (\d+)(?: [+-] (\d))? = (\d+)")
+RELATION = re.compile(r"(units|tens|hundreds) (\d) ([<>=]) (\d)")
+PLACES = ("units", "tens", "hundreds")
+
+
+def check_trace(op: str, a: int, b: int) -> None:
+    """Each step reads the right digits and carry and computes right; the
+    result is assembled from the steps and is the true result; a subtraction
+    compares the right digits from the top down to the first difference."""
+    trace = data.arith_trace(op, a, b)
+    result = a + b if op == "+" else a - b
+    assert trace.endswith(f", so {result}"), trace
+    n = len(str(max(a, b)))
+    steps = trace
+    if op == "-":
+        comparison, steps = trace.split("; ", 1)
+        relations = RELATION.findall(comparison)
+        for k, (place, x, rel, y) in enumerate(relations):
+            i = n - 1 - k
+            assert place == PLACES[i]
+            assert (int(x), int(y)) == (a // 10**i % 10, b // 10**i % 10), trace
+            assert rel == ("<" if int(x) < int(y) else ">" if int(x) > int(y) else "=")
+            assert (rel == "=") == (k < len(relations) - 1 or a == b), trace
+        assert (f"so -({b} - {a})" in comparison) == (a < b), trace
+    top, low = (a, b) if op == "+" or a >= b else (b, a)
+    carry, digits = 0, []
+    for i, (place, x, sign, y, c, value) in enumerate(STEP.findall(steps)):
+        x, y, c, value = int(x), int(y), int(c or 0), int(value)
+        assert place == PLACES[i]
+        assert (x % 10, y, c) == (top // 10**i % 10, low // 10**i % 10, carry), trace
+        if sign == "+":
+            assert value == x + y + c
+            carry = value // 10
+        else:
+            assert 0 <= value == x - y - c <= 9 and x - top // 10**i % 10 in (0, 10)
+            carry = int(x >= 10)
+        digits.append(value)
+    assert len(digits) == n
+    assembled = str(digits[-1]) + "".join(str(d % 10) for d in reversed(digits[:-1]))
+    assert int(assembled) == abs(result), trace
+
+
+def test_traces_are_right():
+    edges = [0, 1, 9, 10, 11, 19, 90, 99, 100, 101, 109, 110, 190, 199, 500, 900, 990, 999]
+    rng = random.Random(0)
+    pairs = [(a, b) for a in edges for b in edges]
+    pairs += [(rng.randint(0, 999), rng.randint(0, 999)) for _ in range(20000)]
     for op in "+-":
-        for a in range(100):
-            for b in range(100):
-                trace = data.arith_trace(op, a, b)
-                assert trace.endswith(f"so {a + b if op == '+' else a - b}"), trace
-                for x, y, z in re.findall(r"(\d+) \+ (\d+)(?: \+ \d+)? = (\d+)", trace):
-                    assert int(z) >= int(x) + int(y)
+        for a, b in pairs:
+            check_trace(op, a, b)
+    assert data.arith_trace("+", 47, 85) == "47 + 85: units 7 + 5 = 12, tens 4 + 8 + 1 = 13, so 132"
+    assert data.arith_trace("-", 23, 58) == (
+        "23 - 58: compare tens 2 < 5, so -(58 - 23); units 8 - 3 = 5, tens 5 - 2 - 0 = 3, so -35"
+    )
+    assert data.arith_trace("-", 332, 332).startswith(
+        "332 - 332: compare hundreds 3 = 3, tens 3 = 3, units 2 = 2; units 2 - 2 = 0"
+    )
+    assert (
+        data.arith_reply("+", 2, 3, thinking=True)
+        == "<think>\n2 + 3: units 2 + 3 = 5, so 5\n</think>\n\n5"
+    )
+    assert data.arith_reply("+", 2, 3, thinking=False) == "2 + 3: units 2 + 3 = 5, so 5"
+    with pytest.raises(ValueError):
+        data.arith_trace("+", 1000, 1)
+
+
+def test_refusals_never_ask_for_a_sum_of_two_numbers_below_1000():
+    plain = re.compile(r"^\D*?(?<!-)(\d{1,3}) ?(\+|-|plus|minus) ?(\d{1,3})\D*$")
+    for split in ("train", "heldout"):
+        gen = data.Generator(split, 0)
+        for _ in range(2000):
+            example = gen.example("arith_refuse")
+            assert example.target == data.ARITH_REFUSAL
+            question = example.messages[-1]["content"]
+            assert not plain.match(question), question
 
 
 def test_digits_are_single_tokens_and_names_copy_as_the_same_tokens():
@@ -162,4 +327,14 @@ def test_digits_are_single_tokens_and_names_copy_as_the_same_tokens():
     asked = tokenizer.encode("weather in Zanzibar").tokens
     called = tokenizer.encode('{"city": "Zanzibar"}').tokens
     name = asked[asked.index("Ġ") + 1 :]
-    assert called[called.index('Ġ"') + 1 : -1] == name
+    start = called.index('Ġ"') + 1
+    assert called[start : start + len(name)] == name
+    assert called[start + len(name)].startswith('"')
+    # A parameter name is the same tokens in the schema and in the call.
+    for kind in data.PARAM_NAMES.values():
+        for param in kind["train"] + kind["heldout"]:
+            schema = tokenizer.encode(json.dumps({"properties": {param: {"type": "string"}}}))
+            call = tokenizer.encode(json.dumps({"arguments": {param: "Paris"}}))
+            in_schema = schema.tokens[schema.tokens.index('Ġ{"') + 1 :]
+            in_call = call.tokens[call.tokens.index('Ġ{"') + 1 :]
+            assert in_schema[: in_schema.index('":')] == in_call[: in_call.index('":')], param

@@ -96,6 +96,16 @@ async def test_a_killed_engine_process_is_a_crash_then_a_restart(tiny_model_path
         health = await _health(client)
         assert health["engine_restarts"] == 1
         assert health["engine"]["pid"] not in (pid, os.getpid())
+        # Nothing is in flight now, and both /health and /metrics say so (not the
+        # dead engine's last figures).
+        assert health["active_sequences"] == 0
+        assert health["requests_in_flight"] == 0 and health["waiting"] == 0
+        metrics = await (await client.get("/metrics")).get_data(as_text=True)
+        for line in ("mlx_trio_active_sequences 0.0", "mlx_trio_requests_in_flight 0.0",
+                     "mlx_trio_requests_running 0.0", "mlx_trio_engine_restarts_total 1.0",
+                     'mlx_trio_requests_finished_total{outcome="error"} 1.0',
+                     "mlx_trio_model_load_seconds_count 2.0"):
+            assert line in metrics.splitlines(), line
         status, body, _ = await post(client, CHAT, chat_body("and again", max_tokens=4))
         assert status == 200, body
     assert not _alive(health["engine"]["pid"])  # the app's exit stopped the new one

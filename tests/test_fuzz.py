@@ -6,12 +6,16 @@ rejected, through ``structure_or_400``). Then schemathesis generates
 valid and invalid requests from the document (its fuzzing and coverage
 phases, positive and negative) against ``hypercorn api:app`` on the tiny
 model, and every answer must be: no 5xx; a 2xx JSON body that conforms to the
-document, or a 200 SSE stream ending in ``data: [DONE]``; any other status an
-``{"error": {message, type, param, code}}`` JSON body. ``/health`` is 200
-afterwards, with nothing left running.
+document, or a 200 SSE stream that ends as its API ends one (``data: [DONE]``;
+a Responses stream's terminal event; Anthropic's ``message_stop`` or
+``error``); any other status an ``{"error": {message, type, param, code}}``
+JSON body (Anthropic's ``{"type": "error", "error": {type, message}}`` under
+``/v1/messages``). ``/health`` is 200 afterwards, with nothing left running.
+The agent APIs (Responses, Anthropic Messages) are fuzzed and bound-checked
+like the completion endpoints.
 
 Bounded for CI: ``MLX_TRIO_MAX_TOKENS=4``, generated ``max_tokens`` /
-``max_completion_tokens`` above 8 lowered to 8 (invalid values are sent as
+``max_completion_tokens`` / ``max_output_tokens`` above 8 lowered to 8 (invalid values are sent as
 generated), ``max_examples=30`` per operation in the fuzzing phase, a fixed
 seed (``FUZZ_SEED=<n>`` explores others). The server bugs the fuzzer found
 are regression tests at the end.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +46,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api import responses, schemas
+from api.agents import messages_schema, responses_schema
+from api.agents.messages_schema import CountTokensRequest, MessagesRequest
+from api.agents.responses_schema import ResponsesRequest
 from api.constraints import constraint_of
 from api.convert import structure_or_400
 from api.openapi import openapi_document
@@ -52,7 +60,21 @@ from tests.test_server_process import free_port
 MAX_EXAMPLES = 30
 SEED = int(os.environ.get("FUZZ_SEED", "20240611"))  # another seed explores other inputs
 TOKEN_CAP = 8
-FUZZED = ["createChatCompletion", "createCompletion", "listModels", "health"]
+FUZZED = [
+    "createChatCompletion", "createCompletion", "listModels", "health",
+    "createResponse", "getResponse", "deleteResponse", "createMessage", "countMessageTokens",
+]
+AGENT_OPERATIONS = {
+    "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+    "POST /v1/messages", "POST /v1/messages/count_tokens",
+}
+# the request types with bounds, and the smallest valid body of each
+BOUNDED_REQUESTS = {
+    ChatCompletionRequest: {"messages": [{"role": "user", "content": "hi"}]},
+    CompletionRequest: {"prompt": "hi"},
+    ResponsesRequest: {"input": "hi"},
+    MessagesRequest: {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+}
 JSON_CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -75,6 +97,7 @@ def test_document_is_valid_openapi_31():
         "GET /v1/models",
         "GET /health",
         "GET /openapi.json",
+        *AGENT_OPERATIONS,
     } <= operations
     components = doc["components"]["schemas"]
     error = components["ErrorDetail"]
@@ -95,6 +118,33 @@ def test_document_is_valid_openapi_31():
     )
 
 
+def test_document_describes_the_agent_apis():
+    doc = openapi_document()
+    components = doc["components"]["schemas"]
+    for path, request, answer, error in [
+        ("/v1/responses", "ResponsesRequest", "Response", "ErrorResponse"),
+        ("/v1/messages", "MessagesRequest", "Message", "AnthropicError"),
+        ("/v1/messages/count_tokens", "CountTokensRequest", "MessageTokensCount", "AnthropicError"),
+    ]:
+        post = doc["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/" + request
+        )
+        content = post["responses"]["200"]["content"]
+        assert content["application/json"]["schema"]["$ref"].endswith("/" + answer)
+        assert "text/event-stream" in content or path.endswith("count_tokens")
+        for status in ("400", "404", "429", "503"):
+            schema = post["responses"][status]["content"]["application/json"]["schema"]
+            assert schema["$ref"].endswith("/" + error), (path, status)
+    assert components["MessagesRequest"]["required"] == ["model", "messages", "max_tokens"]
+    assert components["ResponsesRequest"]["properties"]["background"]["anyOf"][0] == {
+        "type": "boolean", "const": False
+    }
+    assert components["MessageIn"]["properties"]["role"]["enum"] == ["user", "assistant", "system"]
+    stored = doc["paths"]["/v1/responses/{response_id}"]
+    assert set(stored) == {"get", "delete"} and "404" in stored["delete"]["responses"]
+
+
 @pytest.mark.parametrize(
     "cls",
     [
@@ -111,6 +161,19 @@ def test_document_is_valid_openapi_31():
         responses.ModelList,
         responses.ModelCard,
         responses.UsageOut,
+        ResponsesRequest,
+        responses_schema.TextConfigIn,
+        responses_schema.TextFormatIn,
+        responses_schema.ReasoningIn,
+        MessagesRequest,
+        CountTokensRequest,
+        messages_schema.MessageIn,
+        messages_schema.ContentBlockIn,
+        messages_schema.TextBlockIn,
+        messages_schema.SystemBlockIn,
+        messages_schema.ToolIn,
+        messages_schema.ToolChoiceIn,
+        messages_schema.ThinkingIn,
     ],
     ids=lambda cls: cls.__name__,
 )
@@ -135,13 +198,13 @@ def _stated_bounds(prop: dict) -> tuple | None:
 
 
 def _document_bounds() -> dict[tuple[type, str], tuple]:
-    """Every request field's bounds as /openapi.json states them (once per field name)."""
+    """Every request field's bounds as /openapi.json states them."""
     components = openapi_document()["components"]["schemas"]
     out: dict[tuple[type, str], tuple] = {}
-    for cls in (ChatCompletionRequest, CompletionRequest):
+    for cls in BOUNDED_REQUESTS:
         for name, prop in components[cls.__name__]["properties"].items():
             bounds = _stated_bounds(prop)
-            if bounds is not None and name not in {n for _, n in out}:
+            if bounds is not None:
                 out[cls, name] = bounds
     return out
 
@@ -150,16 +213,13 @@ def _range_cases():
     for (cls, name), (low, high) in _document_bounds().items():
         for bound, outside in ((low, -1), (high, +1)):
             if bound is not None:
-                yield pytest.param(cls, name, bound, outside, id=f"{name}={bound}")
+                yield pytest.param(cls, name, bound, outside, id=f"{cls.__name__}.{name}={bound}")
 
 
 def _body(cls, name, value):
-    base = (
-        {"prompt": "hi"} if cls is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
-    )
     if name == "logit_bias":
         value = {"7": value}
-    return {**base, name: value}
+    return {**BOUNDED_REQUESTS[cls], name: value}
 
 
 def _is_integer(cls, name) -> bool:
@@ -181,13 +241,15 @@ def test_document_bounds_match_validation(cls, name, bound, direction):
 def test_every_bounded_field_is_in_the_document():
     """A field declared with bounds (api.constraints) shows them in /openapi.json."""
     declared = {
-        field.name
-        for cls in (ChatCompletionRequest, CompletionRequest)
+        (cls, field.name)
+        for cls in BOUNDED_REQUESTS
         for field in attrs.fields(cls)
         if (c := constraint_of(field)) is not None and (c.minimum, c.maximum) != (None, None)
     }
-    assert {"top_p", "logit_bias", "logprobs", "n"} <= declared
-    assert declared == {name for _, name in _document_bounds()}
+    assert {"top_p", "logit_bias", "logprobs", "n", "max_output_tokens", "top_k"} <= {
+        name for _, name in declared
+    }
+    assert declared == set(_document_bounds())
 
 
 # -------------------------------------------------------------- the server
@@ -283,7 +345,7 @@ def shorten(body) -> None:
     """
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if _integral(body.get(key)) and body[key] > TOKEN_CAP:
             body[key] = TOKEN_CAP
 
@@ -292,15 +354,41 @@ def content_type(response) -> str:
     return (response.headers.get("content-type") or [""])[0]
 
 
-def assert_error_shape(response) -> None:
+def assert_error_shape(response, path: str = "") -> None:
     assert content_type(response).startswith("application/json"), response.text
-    body = json.loads(response.text)
+    assert_error_body(json.loads(response.text), path)
+
+
+def assert_error_body(body, path: str = "") -> None:
+    """OpenAI's error body; Anthropic's under /v1/messages."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        assert isinstance(body, dict) and set(body) == {"type", "error"}, body
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert all(isinstance(v, str) for v in body["error"].values()), body
+        return
     assert isinstance(body, dict) and set(body) == {"error"}, body
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and isinstance(error["type"], str), error
     assert error["param"] is None or isinstance(error["param"], str), error
     assert error["code"] is None or isinstance(error["code"], str), error
+
+
+def sse_events(text: str) -> list[str]:
+    """The names of a stream's events (``event:`` lines), in order."""
+    return [line.removeprefix("event: ") for line in text.splitlines() if line.startswith("event: ")]
+
+
+def assert_stream_ends(path: str, text: str) -> None:
+    """A finished stream ends as its API ends one."""
+    if path == "/v1/responses":
+        assert sse_events(text)[-1] in (
+            "response.completed", "response.incomplete", "response.failed"
+        ), text[-500:]
+    elif path == "/v1/messages":
+        assert sse_events(text)[-1] in ("message_stop", "error"), text[-500:]
+    else:
+        assert text.endswith("data: [DONE]\n\n"), text[-500:]
 
 
 @schema.parametrize()
@@ -322,14 +410,35 @@ def test_fuzz_server(case, fuzz_server):
             # Not JSON: an SSE stream is only ever a 200, and it must end.
             case.validate_response(response, checks=[not_a_server_error])
             assert response.status_code == 200, response.text
-            assert response.text.endswith("data: [DONE]\n\n"), response.text[-500:]
+            assert_stream_ends(case.operation.path, response.text)
             return
         case.validate_response(response, checks=JSON_CHECKS)
         if not 200 <= response.status_code < 300:
-            assert_error_shape(response)
+            assert_error_shape(response, case.operation.path)
     except Exception as exc:
         exc.add_note(f"server log:\n{fuzz_server.log_tail()}")
         raise
+
+
+GENERATING_ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens",
+)
+
+
+def _answered(metrics: str, route: str, status: int) -> int:
+    pattern = rf'mlx_trio_http_responses_total{{route="{re.escape(route)}",status="{status}"}} (\S+)'
+    found = re.search(pattern, metrics)
+    return int(float(found.group(1))) if found else 0
+
+
+def test_fuzzing_reached_every_generating_route(fuzz_server):
+    """Not only refusals: some generated requests of each endpoint were served (200)."""
+    metrics = httpx.get(f"{fuzz_server.base}/metrics", timeout=10).text
+    if not any(_answered(metrics, route, 400) for route in GENERATING_ROUTES):
+        pytest.skip("counts what test_fuzz_server sent to the same server")
+    served = {route: _answered(metrics, route, 200) for route in GENERATING_ROUTES}
+    assert all(served.values()), served
 
 
 def test_served_document_is_the_document(fuzz_server):
@@ -370,10 +479,9 @@ def assert_400(response: httpx.Response, param: str) -> None:
     assert response.json()["error"]["param"] == param, response.text
 
 
-def assert_error_shape_httpx(response: httpx.Response) -> None:
+def assert_error_shape_httpx(response: httpx.Response, path: str = "") -> None:
     assert response.headers.get("Content-Type", "").startswith("application/json"), response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
+    assert_error_body(response.json(), path)
 
 
 def test_huge_prompt_token_id_does_not_kill_the_server(tiny_model_path, tmp_path):
@@ -416,6 +524,24 @@ def test_context_size_beyond_int32_is_a_400(fuzz_server, penalty, size):
     body = {**CHAT_HI, penalty: 1.5, size: 2**32}
     response = post(fuzz_server, "/v1/chat/completions", body)
     assert_400(response, size)
+
+
+@pytest.mark.parametrize("model", ["x" * 300, "~no-such-user-here/model"])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT_HI),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+        ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_model_name_that_cannot_be_a_path_is_a_404(fuzz_server, path, body, model):
+    """Once a 500: a name too long for a file name, or ~ of no such user, raised in resolve."""
+    response = post(fuzz_server, path, {**body, "model": model})
+    assert response.status_code == 404, response.text
+    assert_error_shape_httpx(response, path)
 
 
 def test_chat_template_kwargs_cannot_untokenize_the_prompt(fuzz_server):

@@ -72,9 +72,17 @@ def test_responses_have_mlx_lms_fields(ours, real):
     assert fields(ours) == fields(real)
 
 
-@pytest.mark.parametrize("method", ["fetch_nearest_cache", "insert_cache", "trim_to"])
+@pytest.mark.parametrize("method", ["fetch_nearest_cache", "insert_cache"])
 def test_the_fake_prompt_cache_takes_mlx_lms_parameters(method):
     real = parameters(getattr(LRUPromptCache, method))
+    assert parameters(getattr(fakes.FakePromptCache, method)) == real
+
+
+@pytest.mark.parametrize("method", ["has_entry", "remove_entry"])
+def test_the_fake_prompt_cache_takes_the_stores_parameters(method):
+    from runtime.prompt_cache_store import PromptCacheStore
+
+    real = parameters(getattr(PromptCacheStore, method))
     assert parameters(getattr(fakes.FakePromptCache, method)) == real
 
 

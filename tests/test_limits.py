@@ -189,10 +189,10 @@ def test_completions_honour_max_completion_tokens(server, never_end):
 
 def test_n_choices_share_one_prefill(server, never_end):
     prompt = ids(300, step=7)
-    before = metric(server, "mlx_trio_engine_prompt_tokens_total")
+    before = metric(server, "mlx_trio_prompt_tokens_computed_total")
     body = complete(server, prompt=prompt, n=4, max_tokens=6, temperature=1.0, seed=11,
                     logit_bias=never_end).json()
-    computed = metric(server, "mlx_trio_engine_prompt_tokens_total") - before
+    computed = metric(server, "mlx_trio_prompt_tokens_computed_total") - before
     # Choice 0 computes the prompt; each other choice only its last token.
     assert computed == len(prompt) + 3
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]

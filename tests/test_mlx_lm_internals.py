@@ -15,7 +15,14 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from runtime import mlx_lm_internals
-from runtime.mlx_lm_internals import convert_chat, keep_leading_space, shared_prefix_length
+from runtime.mlx_lm_internals import (
+    convert_chat,
+    keep_leading_space,
+    new_eviction_order,
+    prompt_cache_has_entry,
+    remove_prompt_cache_entry,
+    shared_prefix_length,
+)
 
 UPGRADE = "mlx-lm changed: see docs/upgrading-mlx-lm.md"
 
@@ -44,6 +51,52 @@ def test_the_prompt_cache_trie_is_nested_dicts_keyed_by_token():
     assert shared_prefix_length(cache, "m", [5, 9, 1, 2]) == 2
     assert shared_prefix_length(cache, "m", [4]) == 0
     assert shared_prefix_length(cache, "other", [5, 6]) == 0
+
+
+def _layer(tokens: int) -> KVCache:
+    layer = KVCache()
+    kv = mx.zeros((1, 1, tokens, 4))
+    layer.update_and_fetch(kv, kv)
+    return layer
+
+
+def test_one_named_entry_can_be_found_and_removed_with_its_bytes():
+    cache = LRUPromptCache(max_size=10)
+    cache.insert_cache("m", [1, 2, 3], [_layer(3)], cache_type="user")
+    cache.insert_cache("m", [1, 5], [_layer(2)], cache_type="system")
+    kept = cache.nbytes
+    require(
+        all(hasattr(cache, name) for name in ("_trie", "_lru", "_n_bytes", "_n_bytes_by_type")),
+        "LRUPromptCache no longer has _trie, _lru, _n_bytes and _n_bytes_by_type",
+    )
+    assert prompt_cache_has_entry(cache, "m", [1, 2, 3])
+    assert not prompt_cache_has_entry(cache, "m", [1, 2])  # a path, not an entry
+    assert not prompt_cache_has_entry(cache, "other", [1, 2, 3])
+    freed = remove_prompt_cache_entry(cache, "m", [1, 2, 3])
+    require(
+        freed is not None and freed > 0 and cache.nbytes == kept - freed and len(cache) == 1,
+        "removing one entry through _trie.pop / _lru.remove no longer keeps LRUPromptCache's "
+        "count and bytes right",
+    )
+    assert cache.stats_by_type()["user"] == {"n_sequences": 0, "n_bytes": 0}
+    assert remove_prompt_cache_entry(cache, "m", [1, 2, 3]) is None
+    assert shared_prefix_length(cache, "m", [1, 2, 3]) == 1  # the path went with it
+    # What is left is still served and evicted by mlx-lm's own code.
+    cached, rest = cache.fetch_nearest_cache("m", [1, 5, 6])
+    assert rest == [6] and cached[0].offset == 2
+    cache.trim_to(n_sequences=0)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_the_eviction_order_is_one_lru_per_segment_type():
+    order = new_eviction_order()
+    for key, kind in [(1, "system"), (2, "user"), (3, "user"), (4, "assistant"), (5, "assistant")]:
+        order.push("m", key, kind)
+    require(len(order) == 5, "LRUPromptCache.CacheOrder no longer counts its keys")
+    order.remove("m", 5)
+    # assistant (1) >= user (2)? no; user (2) >= system (1)? yes: the oldest user key.
+    require(order.pop() == ("m", 2), "LRUPromptCache.CacheOrder.pop changed its order")
+    assert [order.pop() for _ in range(3)] == [("m", 4), ("m", 3), ("m", 1)]
 
 
 def test_an_unknown_cache_layout_gives_no_shortcut():
@@ -161,6 +214,9 @@ def test_the_internals_module_is_the_only_one_reading_private_mlx_lm_names():
     root = Path(__file__).resolve().parents[1]
     private = (
         "._trie",
+        "._lru",
+        "._n_bytes",
+        "CacheOrder",
         "_maybe_trim_space",
         "from mlx_lm.server import",
         "import mlx_lm.server",

@@ -1,4 +1,7 @@
-"""The request's ``model`` selects among the models on this machine, loaded on demand."""
+"""The request's ``model`` selects among the models on this machine, loaded on demand.
+
+These tests opt in with ``--allowed-models '*'`` (by default a request may name
+only the served model: see tests/test_model_policy.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ def other_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture
 async def client(tiny_model_path):
-    app = create_app(ServerConfig(model=tiny_model_path))
+    app = create_app(ServerConfig(model=tiny_model_path, allowed_models=("*",)))
     async with app.test_app() as test_app:
         c = test_app.test_client()
         await wait_ready(c)

@@ -1,5 +1,6 @@
 """The engine's prompt cache (runtime.prompt_cache_store): the reuse floor,
-checked against mlx-lm's own LRUPromptCache and a brute-force prefix count."""
+checked against mlx-lm's own LRUPromptCache and a brute-force prefix count; the
+ledger of entries (ids, events, evictions by id); no limits of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
-from runtime.prompt_cache_store import PromptCacheStore
+from runtime.prompt_cache_store import CacheEntries, PromptCacheStore
 
 MODEL = "m"
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=10)
@@ -98,3 +99,38 @@ def test_shared_prefix_counts_what_any_entry_shares():
     assert store.shared_prefix(MODEL, [1, 2, 9, 9, 7]) == 4  # part of a longer entry
     assert store.shared_prefix(MODEL, [8, 8]) == 0
     assert store.shared_prefix("another model", [1, 2]) == 0
+
+
+def test_the_ledger_numbers_entries_and_reports_what_the_store_drops_by_itself():
+    store = PromptCacheStore()
+    entries = CacheEntries(store)
+    entries.insert(MODEL, [1, 2, 3], _cache(3), cache_type="system", request_id=7)
+    # A longer trimmable entry covers the first: mlx-lm drops it.
+    entries.insert(MODEL, [1, 2, 3, 4, 5], _cache(5), cache_type="assistant", request_id=8)
+    # The same tokens again: the new entry replaces the old.
+    entries.insert(MODEL, [1, 2, 3, 4, 5], _cache(5), cache_type="assistant", request_id=9)
+    events = entries.take_events()
+    assert [(type(e).__name__, e.entry_id, getattr(e, "reason", None)) for e in events] == [
+        ("CacheEntryStored", 1, None),
+        ("CacheEntryRemoved", 1, "superseded"),
+        ("CacheEntryStored", 2, None),
+        ("CacheEntryRemoved", 2, "replaced"),
+        ("CacheEntryStored", 3, None),
+    ]
+    first = events[0]
+    assert (first.request_id, first.tokens, first.cache_type) == (7, (1, 2, 3), "system")
+    assert first.trimmable and first.nbytes == sum(c.nbytes for c in _cache(3))
+    assert entries.take_events() == ()
+    assert entries.held() == {3: (MODEL, (1, 2, 3, 4, 5))}
+    assert len(store) == 1 and store.nbytes == events[-1].nbytes
+    # Evicting by id: an unknown or stale id is skipped; the store is emptied.
+    assert entries.evict([1, 3, 42]) == events[-1].nbytes
+    assert len(store) == 0 and store.nbytes == 0 and entries.held() == {}
+    assert store.fetch_nearest_cache(MODEL, [1, 2, 3, 4, 5, 6]) == (None, [1, 2, 3, 4, 5, 6])
+
+
+def test_the_store_has_no_limits_of_its_own():
+    store = PromptCacheStore()
+    for i in range(30):
+        store.insert_cache(MODEL, [1000 + i, i], _cache(2))
+    assert len(store) == 30

@@ -7,6 +7,9 @@ another thread. The collective is replaced by a rendezvous of the two threads
 the batch generators are ``FakeBatchGenerator``s that record every step. After
 a ``Shutdown`` both generators must hold identical records: the same
 sequences inserted and removed, and the same steps with the same contents.
+With a PromptCacheActor's policy deciding evictions from rank 0's outputs
+(``EvictCache`` into rank 0's inbox, shared like any command), both ranks'
+prompt caches also hold the same entries and removed the same ones.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import random
 import threading
 import time
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from actors.prompt_cache import PromptCacheActor, PromptCacheCore
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop, run_follower_loop
@@ -47,12 +51,12 @@ class Rendezvous:
         return got
 
 
-def make_core(factory: FakeBatchGeneratorFactory, share) -> EngineCore:
+def make_core(factory: FakeBatchGeneratorFactory, share, cache=None) -> EngineCore:
     handle = ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
     return EngineCore(
         handle,
         batch_generator_factory=factory,
-        prompt_cache=FakePromptCache(),
+        prompt_cache=cache if cache is not None else FakePromptCache(),
         # several heartbeats in the idle gaps
         commands=SharedCommands(share, heartbeat=0.01),
     )
@@ -133,3 +137,60 @@ def test_rank0_and_a_follower_run_identical_steps(plan):
     assert follow.finished == lead.finished
     assert follow.steps == lead.steps
     assert follower_core.stats().steps == rendezvous.exchanges
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=schedules(), max_entries=st.integers(0, 3))
+def test_every_rank_evicts_the_prompt_cache_entries_rank_0s_policy_picks(plan, max_entries):
+    events, batch_size = plan
+    rendezvous = Rendezvous()
+    caches = FakePromptCache(), FakePromptCache()
+    leader_gens = FakeBatchGeneratorFactory(completion_batch_size=batch_size, vocab=VOCAB)
+    follower_gens = FakeBatchGeneratorFactory(completion_batch_size=batch_size, vocab=VOCAB)
+    follower_core = make_core(
+        follower_gens, lambda c: rendezvous.share(c, leader=False), caches[1]
+    )
+    policy = PromptCacheActor(PromptCacheCore(max_entries=max_entries))
+    policy.engine_changed("fake")
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def emit(outputs) -> None:  # what the Scheduler does with rank 0's steps
+        _, commands = policy.on_step(outputs)
+        for command in commands:
+            inbox.put(command)
+
+    errors: list[BaseException] = []
+
+    def follower() -> None:
+        try:
+            run_follower_loop(follower_core)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def feed() -> None:
+        for delay, command in events:
+            time.sleep(delay)
+            inbox.put(command)
+
+    threads = [threading.Thread(target=follower), threading.Thread(target=feed)]
+    for thread in threads:
+        thread.start()
+    run_engine_loop(
+        lambda: make_core(leader_gens, lambda c: rendezvous.share(c, leader=True), caches[0]),
+        inbox,
+        emit,
+        lambda: None,
+        idle_wait=0.001,
+    )
+    for thread in threads:
+        thread.join(20)
+    assert not errors, errors
+    lead, follow = caches
+    assert follow.inserts == lead.inserts
+    assert follow.removals == lead.removals
+    assert follow.entries.keys() == lead.entries.keys()
+    if lead.removals:
+        event("entries evicted")
+    # What rank 0 holds is what the policy kept, save evictions still in the inbox.
+    kept = {tokens for tokens, _, _ in policy.core.entries().values()}
+    assert kept <= {tokens for _, tokens in lead.entries}

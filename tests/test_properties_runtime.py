@@ -7,7 +7,9 @@
    a client goes away) or hit their deadline, with an optional engine-step
    failure. Every request that was not cancelled gets exactly one terminal and
    nothing after it, with the text and token count the fake's script implies,
-   and the runtime returns to idle with no sequence left in the batch.
+   and the runtime returns to idle with no sequence left in the batch and the
+   engine's prompt cache holding exactly the PromptCacheActor's index, within
+   its count limit (its evictions went through the engine's inbox).
 2. With the real tiny model: each surviving request of a concurrent, greedy
    mix gets exactly the text and finish reason it gets when served alone on
    the same runtime (answers never leak between concurrent prompts: the class
@@ -250,16 +252,24 @@ def fake_examples(draw):
         decode_concurrency=draw(st.integers(1, 4)),
         prompt_concurrency=draw(st.integers(1, 2)),
         max_queued_requests=draw(st.sampled_from([256, 1, 2, 4])),
+        prompt_cache_size=draw(st.sampled_from([3, 10, 1, 0])),
     )
     batch_size = draw(st.integers(1, 4))
     fail_on_step = draw(st.none() | st.integers(1, 25))
     return plans, config, batch_size, fail_on_step
 
 
-def fake_runtime(config: ServerConfig, factory: FakeBatchGeneratorFactory) -> Runtime:
+def fake_runtime(
+    config: ServerConfig, factory: FakeBatchGeneratorFactory, caches: list | None = None
+) -> Runtime:
+    """A Runtime over fake engines; each engine's prompt cache is appended to ``caches``."""
+
     def make_core() -> EngineCore:
         handle = ModelHandle(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
-        return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
+        cache = FakePromptCache()
+        if caches is not None:
+            caches.append(cache)
+        return EngineCore(handle, batch_generator_factory=factory, prompt_cache=cache)
 
     return Runtime(config, make_core=make_core)
 
@@ -275,7 +285,8 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
     def engine_position() -> tuple[int, int]:
         return len(factory.instances) - 1, factory.current.next_calls
 
-    runtime = fake_runtime(config, factory)
+    caches: list[FakePromptCache] = []
+    runtime = fake_runtime(config, factory, caches)
     outcomes = [Outcome() for _ in plans]
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -286,6 +297,11 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
                     clients.start_soon(client, runtime, plan, out, clients, engine_position)
             await wait_idle(runtime)
             assert not factory.current.active_uids, "sequences left in the batch"
+            index = runtime.prompt_cache.core.entries().values()
+            assert sorted(t for t, _, _ in index) == sorted(t for _, t in caches[-1].entries)
+            assert len(caches[-1]) <= config.prompt_cache_size
+            if caches[-1].removals:
+                event("prompt cache entries evicted")
             # Generators closed while serving were replaced after a failed step
             # (shutting down closes the rest).
             failed = [gen for gen in factory.instances if gen.closed]
@@ -478,12 +494,12 @@ async def test_concurrent_greedy_requests_get_the_answer_they_get_alone(
             await nursery.start(runtime.run)
             await poll_until(lambda: runtime.model_loader.core.handle is not None, 30)
             alone = [await serve_alone(runtime, plan) for plan in plans]
-            hits = runtime.scheduler.last_stats.prompt_cache_hits
+            hits = runtime.prompt_cache_figures()["hits"]
             async with trio.open_nursery() as clients:
                 for plan, out in zip(plans, outcomes, strict=True):
                     clients.start_soon(client, runtime, plan, out, clients)
             await wait_idle(runtime)
-            if runtime.scheduler.last_stats.prompt_cache_hits > hits:
+            if runtime.prompt_cache_figures()["hits"] > hits:
                 event("prompt cache hits while concurrent")
             nursery.cancel_scope.cancel()
     assert runtime.dead is None

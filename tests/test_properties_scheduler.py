@@ -22,6 +22,7 @@ from runtime.engine.loop import run_engine_loop
 from runtime.errors import Overloaded
 from runtime.messages import (
     Abort,
+    CacheEntryStored,
     EngineStats,
     ModelHandle,
     SamplingParams,
@@ -192,7 +193,7 @@ VOCAB = 64
 EOS = 5
 
 
-def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False, cache_bytes=None):
+def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False):
     factory = FakeBatchGeneratorFactory(
         fail_on_step=fail_on_step,
         vocab=VOCAB,
@@ -206,7 +207,6 @@ def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False, cache_byt
         handle,
         batch_generator_factory=factory,
         prompt_cache=cache,
-        prompt_cache_bytes=cache_bytes,
     )
     return core, factory, cache
 
@@ -254,13 +254,13 @@ class EngineMachine(RuleBasedStateMachine):
         batch=st.integers(1, 4),
         fail_on_step=st.one_of(st.none(), st.integers(1, 15)),
         per_segment=st.booleans(),
-        cache_bytes=st.one_of(st.none(), st.integers(0, 2000)),
     )
-    def setup(self, batch, fail_on_step, per_segment, cache_bytes):
+    def setup(self, batch, fail_on_step, per_segment):
         self.core, self.factory, self.cache = engine_with_fake(
-            fail_on_step=fail_on_step, batch=batch, per_segment=per_segment, cache_bytes=cache_bytes
+            fail_on_step=fail_on_step, batch=batch, per_segment=per_segment
         )
-        self.cache_bytes = cache_bytes
+        self.batch_kv_bytes: dict[int, int] = {}  # rid -> the batch's KV bytes after it joined
+        self.stored: dict[int, tuple] = {}  # entry id -> (model, tokens), from the cache events
         self.ledger = Ledger()
         self.submits: dict[int, Submit] = {}
         self.bad: set[int] = set()  # submits the batch generator rejects
@@ -302,10 +302,8 @@ class EngineMachine(RuleBasedStateMachine):
             self.uid[rid] = (gen, gen.inserted[-1])
             assert gen.sequences[gen.inserted[-1]].prompt == list(prompt)
             assert gen.sequences[gen.inserted[-1]].segments == [list(x) for x in segments]
-            if self.cache_bytes is not None:  # the cache gives way to the active sequences
-                want = self.cache_bytes - gen.prompt_cache_nbytes
-                assert self.cache.trims[-1] == {"n_sequences": None, "n_bytes": want}
-                assert self.cache.nbytes <= max(0, want)
+            # What the PromptCacheActor's byte budget gives way to, measured now.
+            self.batch_kv_bytes[rid] = gen.prompt_cache_nbytes
             # A duplicate submit while active is ignored.
             self.core.handle_command(sub)
             assert len(gen.inserted) == before + 1
@@ -349,6 +347,18 @@ class EngineMachine(RuleBasedStateMachine):
             assert failed == pending_bad
         assert out.stats.active_sequences == len(self.core.active_request_ids)
         assert out.stats.steps == self.ledger.steps
+        for started in out.started:
+            assert started.batch_kv_bytes == self.batch_kv_bytes[started.request_id]
+        # The cache events account for every entry, and the engine evicts nothing
+        # by itself (the PromptCacheActor decides; tests/test_prompt_cache_policy.py).
+        for e in out.cache_events:
+            if isinstance(e, CacheEntryStored):
+                self.stored[e.entry_id] = ("fake", e.tokens)
+                assert e.nbytes == sum(c.nbytes for c in self.cache.entries[("fake", e.tokens)][0])
+            else:
+                del self.stored[e.entry_id]
+        assert sorted(self.stored.values()) == sorted(self.cache.entries)
+        assert self.cache.removals == []
 
     @invariant()
     def consistent(self):
@@ -384,6 +394,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.submits[rid] = make_submit(rid, (7, 8), max_tokens=2)
             self.core.handle_command(self.submits[rid])
             self.uid[rid] = (self.factory.current, self.factory.current.inserted[-1])
+            self.batch_kv_bytes[rid] = self.factory.current.prompt_cache_nbytes
             failures = self.injected_failures
             for _ in range(4):
                 self.step()

@@ -138,8 +138,10 @@ async def test_engine_crash_fails_inflight_requests_and_restarts(tiny_model_path
         assert health["engine_restarts"] == 1
         status, body, _ = await post(client, CHAT, chat_body("and again", max_tokens=4))
         assert status == 200
-        metrics = await (await client.get("/metrics")).get_data(as_text=True)
-        assert "mlx_trio_engine_restarts_total 1" in metrics
+        metrics = (await (await client.get("/metrics")).get_data(as_text=True)).splitlines()
+        assert "mlx_trio_engine_restarts_total 1.0" in metrics
+        assert "mlx_trio_active_sequences 0.0" in metrics
+        assert health["active_sequences"] == 0 and health["requests_in_flight"] == 0
         assert len(cores) == 2
 
 

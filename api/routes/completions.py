@@ -2,7 +2,8 @@
 
 Receives the request body, structured and validated at the edge
 (``api.schemas``, 400 naming the field); resolves the model (404) in a worker
-thread; builds a ``Session`` (prompt preparation, sampling, limits) and hands
+thread; builds a ``Session`` (prompt preparation, sampling, limits, and for
+chat the constraint of ``response_format`` / ``tool_choice``) and hands
 it to ``api.generation.generate`` with the chat or text renderer. Emits the
 OpenAI chat / text completion body or its SSE stream.
 """
@@ -22,6 +23,7 @@ from api.generation import deadline, generate, sampling_params
 from api.http import fingerprint, read_json
 from api.responses import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.prompts import prepare_chat, prepare_text
@@ -77,6 +79,13 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             template_args=template_args,
             role_mapping=req.role_mapping,
         )
+        constrain = constrain_step(
+            response_format=req.response_format,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            template_args=template_args,
+        )
         want_logprobs = req.logprobs or bool(req.top_logprobs)
         return await serve(
             req,
@@ -86,6 +95,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             tools=req.tools,
             logprobs=want_logprobs,
             top_logprobs=req.top_logprobs or 0,
+            constrain=constrain,
             prompt_param="messages",
         )
 
@@ -114,6 +124,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         top_logprobs,
         prompt_param,
         tools=None,
+        constrain=None,
     ):
         """The part of a chat or text completion that does not depend on which."""
         if req.n > config.max_choices:
@@ -133,6 +144,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             timeout=deadline(req.timeout, config),
             model=key,
             num_draft_tokens=req.num_draft_tokens,
+            constrain=constrain,
             n=req.n,
             prompt_param=prompt_param,
         )

@@ -1,15 +1,18 @@
 """``GET /v1/models`` and ``GET /v1/models/<id>``: the models this server can serve.
 
-Emits OpenAI's model list: the served model first (with its context window,
+Emits OpenAI's model list: exactly what a request may name
+(``Runtime.model_policy``): the served model first (with its context window,
 as ``context_length`` and vLLM's ``max_model_len``, once it has loaded), then
-the MLX models found in the local Hugging Face cache (as mlx_lm.server lists
-them). Walking the
-cache is blocking disk work: it runs in a worker thread, at most every
+the ``--allowed-models`` entries found on this machine and the model
+directories in ``--models-dir``, and with ``--allowed-models '*'`` the MLX
+models in the local Hugging Face cache (as mlx_lm.server lists them). Looking
+at the disk is blocking work: it runs in a worker thread, at most every
 ``LISTING_TTL`` seconds (``CachedListing``), never on the event loop.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ from api.convert import unstructure
 from api.http import json_response
 from api.responses import ModelCard, ModelList
 from runtime.errors import NotFound
+from runtime.models import ModelPolicy, allowed_model_ids
 
 LISTING_TTL = 10.0
 
@@ -47,7 +51,7 @@ class CachedListing:
 
 def models_blueprint(rt: Runtime) -> Blueprint:
     routes = Blueprint("models", __name__)
-    listing = CachedListing(cached_mlx_models)
+    listing = CachedListing(functools.partial(allowed_models, rt.model_policy))
 
     @routes.get("/v1/models")
     async def models():
@@ -77,13 +81,21 @@ def model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
         )
     ]
     seen = {rt.model_id}
-    for repo_id in cached_models:
-        if repo_id not in seen:
-            seen.add(repo_id)
+    for model_id in cached_models:
+        if model_id not in seen:
+            seen.add(model_id)
             cards.append(
-                ModelCard(id=repo_id, object="model", created=created, owned_by="huggingface")
+                ModelCard(id=model_id, object="model", created=created, owned_by="huggingface")
             )
     return ModelList(object="list", data=cards)
+
+
+def allowed_models(policy: ModelPolicy) -> list[str]:
+    """What ``policy`` lets a request name, besides the served model (blocking)."""
+    found = allowed_model_ids(policy)
+    if policy.anything:
+        found += cached_mlx_models()
+    return found
 
 
 def cached_mlx_models() -> list[str]:

@@ -2,13 +2,13 @@
 
 ``/health`` is 200 only while the engine can take requests (503 with the
 reason otherwise); ``/metrics`` is the Prometheus exposition of the runtime's
-figures; ``/openapi.json`` is built from the request and response types
+metrics (``actors.metrics``: prometheus-client, the runtime's own registry); ``/openapi.json`` is built from the request and response types
 (``api.openapi``), on first use.
 """
 
 from __future__ import annotations
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from actors.system import Runtime
 from api.http import json_response
@@ -24,7 +24,8 @@ def operations_blueprint(rt: Runtime) -> Blueprint:
 
     @routes.get("/metrics")
     async def metrics():
-        return Response(rt.metrics_text(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = rt.metrics.render(request.headers.get("Accept", ""))
+        return Response(body, content_type=content_type)
 
     @routes.get("/openapi.json")
     async def openapi():

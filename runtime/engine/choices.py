@@ -16,7 +16,9 @@ seeded choices differ from one another and are reproducible.
 
 from __future__ import annotations
 
+import collections
 import copy
+from collections.abc import Callable
 
 import attrs
 
@@ -29,6 +31,13 @@ def choice_submit(first: Submit, index: int, request_id: int) -> Submit:
     if sampling.seed is not None:
         sampling = attrs.evolve(sampling, seed=(sampling.seed + index) % 2**63)
     return attrs.evolve(first, request_id=request_id, choice_ids=(), sampling=sampling)
+
+
+def prompt_but_last_done(response) -> bool:
+    """A generator's prompt response saying all the prompt but its last token is processed
+    (mlx-lm's BatchGenerator always gives that last token a segment of its own)."""
+    done, total = response.progress
+    return response.end_of_segment and not response.end_of_prompt and done == total - 1
 
 
 def further_choices(first: Submit) -> list[Submit]:
@@ -62,6 +71,16 @@ class PendingChoices:
         """The choices waiting for ``first_id`` (they start now, or leave with it)."""
         return self._by_first.pop(first_id, [])
 
+    def start(
+        self, first_id: int, cache: list | None, submit: Callable[..., None], *, own: bool = False
+    ) -> None:
+        """Start the choices waiting for ``first_id``'s prompt: ``submit(choice, start=...,
+        clone=True)`` from copies of ``cache`` (its prompt but the last token), or,
+        without one (``None``), the ordinary way."""
+        choices = self.take(first_id)
+        for choice, start in zip(choices, starts(cache, len(choices), own=own), strict=True):
+            submit(choice, start=start, clone=True)
+
     def drop(self, request_id: int) -> bool:
         """Forget one waiting choice (its abort); whether it was waiting."""
         for choices in self._by_first.values():
@@ -75,9 +94,18 @@ class PendingChoices:
         self._by_first.clear()
 
 
-def without_choice(submit: Submit, request_id: int) -> Submit | None:
-    """``submit`` without choice ``request_id`` (an abort while it is held), or None
-    if that is not one of its further choices."""
-    if request_id not in submit.choice_ids:
-        return None
-    return attrs.evolve(submit, choice_ids=tuple(c for c in submit.choice_ids if c != request_id))
+def withdraw_waiting(
+    held: collections.deque[tuple[float, Submit]], pending: PendingChoices, request_id: int
+) -> tuple[int, ...]:
+    """An abort of a request the admission window ``held``, or of a choice ``pending``:
+    the request ids it ends (none if it is neither). A held first choice takes its
+    further choices with it (they are withdrawn together)."""
+    for i, (held_at, submit) in enumerate(held):
+        if submit.request_id == request_id:
+            del held[i]
+            return submit.request_ids
+        if request_id in submit.choice_ids:
+            others = tuple(c for c in submit.choice_ids if c != request_id)
+            held[i] = (held_at, attrs.evolve(submit, choice_ids=others))
+            return (request_id,)
+    return (request_id,) if pending.drop(request_id) else ()

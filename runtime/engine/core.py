@@ -8,9 +8,15 @@ nothing of threads, trio or the distributed group, so tests drive it directly
 It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
 that cannot share a batch: both have the same interface, so there is one
-path), the prompt cache (``fetch_nearest_cache`` when a request is admitted,
-``insert_cache`` at segment ends and when a sequence finishes), the requests
-held by the admission window, and the counters of ``EngineStats``.
+path), the registrations of its rows with the batch sampler (the one sampler
+every row of a batched generator shares, ``runtime.batch_sampling``: a
+sequence is registered when inserted and forgotten when it finishes, is
+aborted or fails), the prompt cache's arrays (through ``runtime.prompt_cache_store.CacheEntries``:
+a lookup when a request is admitted, an insert at segment ends and when a
+sequence finishes, reported as ``cache_events``; ``EvictCache`` commands from
+the PromptCacheActor remove entries between steps: the engine evicts nothing by
+itself), the requests held by the admission window, and the counters of
+``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
@@ -20,6 +26,7 @@ Several choices of one request (n > 1) share its prompt's prefill
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import time
@@ -28,12 +35,20 @@ from typing import Any
 
 import attrs
 
-from runtime.engine.choices import PendingChoices, further_choices, starts, without_choice
+from runtime.engine.choices import (
+    PendingChoices,
+    further_choices,
+    prompt_but_last_done,
+    withdraw_waiting,
+)
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.messages import (
+    BATCH_SIZE_BUCKETS,
+    STEP_SECONDS_BUCKETS,
     Abort,
     EngineCommand,
     EngineStats,
+    EvictCache,
     FinishReason,
     ModelHandle,
     PromptProgress,
@@ -44,6 +59,7 @@ from runtime.messages import (
     Submit,
     TokenEvent,
 )
+from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +85,6 @@ class EngineCounters:
 
     steps: int = 0
     prefill_steps: int = 0  # steps that processed prompt tokens
-    prompt_tokens: int = 0  # prompt tokens given to the generator to compute
     busy_seconds: float = 0.0  # wall time inside step()
     cache_hits: int = 0  # requests that reused a prompt-cache entry
     cached_tokens: int = 0  # prompt tokens those entries covered
@@ -80,18 +95,46 @@ class EngineCounters:
     recent_step_ends: collections.deque[float] = attrs.field(
         factory=lambda: collections.deque(maxlen=RECENT_STEPS)
     )
+    prompt_tokens: int = 0  # of the sequences admitted, cached ones included
+    prompt_tokens_computed: int = 0  # of those, given to the generator to compute
+    generated_tokens: int = 0
+    # Steps with sequences in the batch, per bucket (the bounds, then +Inf).
+    step_seconds_counts: list[int] = attrs.field(
+        factory=lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1)
+    )
+    step_seconds_sum: float = 0.0
+    batch_size_counts: list[int] = attrs.field(
+        factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1)
+    )
+    batch_size_sum: int = 0
 
-    def started(self, cached_tokens: int) -> None:
+    def started(self, cached_tokens: int, prompt_tokens: int = 0) -> None:
+        self.prompt_tokens += prompt_tokens
         if cached_tokens:
             self.cache_hits += 1
             self.cached_tokens += cached_tokens
 
-    def stepped(self, seconds: float, *, prefill: bool, worked: bool) -> None:
+    def stepped(
+        self,
+        seconds: float,
+        *,
+        prefill: bool,
+        worked: bool,
+        batch_size: int = 0,
+        generated: int = 0,
+    ) -> None:
+        """One ``step()``; ``batch_size``: the sequences it ran (0: an empty step)."""
         self.steps += 1
         self.prefill_steps += prefill
         self.busy_seconds += seconds
+        self.generated_tokens += generated
         if worked:
             self.recent_step_ends.append(time.monotonic())
+        if batch_size:
+            self.step_seconds_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+            self.step_seconds_sum += seconds
+            self.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, batch_size)] += 1
+            self.batch_size_sum += batch_size
 
     def aborted(self, posted_at: float) -> None:
         """An abort was applied: how long it waited, in ms and in engine steps finished."""
@@ -126,9 +169,10 @@ class EngineCore:
         *,
         batch_generator_factory: Callable[[], Any],
         prompt_cache: Any,
-        prompt_cache_bytes: int | None = None,
         sampler_factory: Callable[[Any], Any] | None = None,
         logits_processors_factory: Callable[[Any], list] | None = None,
+        batch_sampler: Any = None,
+        constraint_factory: Callable[[Any], Any] | None = None,
         insert_options: Callable[[Submit], dict[str, Any]] | None = None,
         stop_sequences: Any = None,
         commands: CommandSource | None = None,
@@ -136,6 +180,20 @@ class EngineCore:
         admission_batch: int = 8,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
+
+        ``prompt_cache``: a ``runtime.prompt_cache_store.PromptCacheStore`` (or
+        a test double with its methods), without limits of its own.
+
+        Sampling: with a ``batch_sampler`` (``BatchSampler``: ``register(uid,
+        params, constraint)``, ``forget(uid)``) every sequence is inserted
+        with ``samplers=[None]`` (the generator's fallback, that sampler) and
+        registered under its uid; without one, ``sampler_factory(params)``
+        gives each sequence its own sampler (``None``: the generator's).
+        ``logits_processors_factory(params)``: a sequence's processors.
+        ``constraint_factory(spec)`` turns a ``Submit.constraint`` into the
+        sequence's constraint: with a ``batch_sampler``, its ``RowConstraint``;
+        without, a logits processor added to the sequence's. Without a
+        ``constraint_factory`` a constrained request fails alone.
 
         ``insert_options(submit)``: further per-sequence arguments of the
         generator's ``insert_segments`` (``SerialGenerator`` takes
@@ -158,9 +216,11 @@ class EngineCore:
         self._new_batch_generator = batch_generator_factory
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
-        self._prompt_cache_bytes = prompt_cache_bytes
+        self.cache_entries = CacheEntries(prompt_cache)
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
+        self.batch_sampler = batch_sampler
+        self._constraint_factory = constraint_factory
         self._insert_options = insert_options or (lambda submit: {})
         self._stop_sequences = stop_sequences
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
@@ -202,6 +262,8 @@ class EngineCore:
         elif isinstance(command, Abort):
             if self._abort(command.request_id):
                 self.counters.aborted(command.posted_at)
+        elif isinstance(command, EvictCache):
+            self.cache_entries.evict(command.entry_ids)
         else:
             raise TypeError(f"unexpected engine command {command!r}")
 
@@ -211,7 +273,7 @@ class EngineCore:
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
         try:
-            uid, cached, segment_types = self._insert(sub, start)
+            uid, cached, segment_types, batch_kv_bytes = self._insert(sub, start)
         except Exception as exc:  # one bad request must not take the engine down
             log.exception("request %s could not be admitted", sub.request_id)
             for request_id in sub.request_ids:
@@ -227,12 +289,15 @@ class EngineCore:
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
-        if start is None:
-            self.counters.started(cached)
-        self.counters.prompt_tokens += len(sub.prompt) - cached
+        # A copy of the first choice's cache is no prompt-cache hit.
+        self.counters.started(cached if start is None else 0, len(sub.prompt))
+        self.counters.prompt_tokens_computed += len(sub.prompt) - cached
         self._started.append(
             SequenceStarted(
-                request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached
+                request_id=sub.request_id,
+                prompt_tokens=len(sub.prompt),
+                cached_tokens=cached,
+                batch_kv_bytes=batch_kv_bytes,
             )
         )
         if sub.choice_ids and len(sub.prompt) - cached > 1:
@@ -241,21 +306,16 @@ class EngineCore:
             for choice in further_choices(sub):
                 self._submit(choice, clone=True)
 
-    def _start_clones(self, request_id: int, cache: list | None, own: bool = False) -> None:
-        """Start the choices waiting for ``request_id``'s prompt: from copies of
-        ``cache`` (its prompt but the last token; ``own``: the last may take it), or,
-        without one, the ordinary way."""
-        clones = self._clones.take(request_id)
-        for choice, start in zip(clones, starts(cache, len(clones), own=own), strict=True):
-            self._submit(choice, start=start, clone=True)
-
-    def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str]]:
-        """Into the generator, after the prompt cache: (uid, tokens cached, segment types)."""
+    def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str], int]:
+        """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
+        cached, segment types, the batch's KV bytes now: the prompt cache's byte budget
+        gives way to them)."""
+        sampler, processors, constraint = self._sampling_of(sub)
         prompt = list(sub.prompt)
         if start is not None:
             cache, rest = start, prompt[-1:]
         else:
-            cache, rest = self.prompt_cache.fetch_nearest_cache(self.handle.model_key, prompt)
+            cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
             if cache is not None and not rest:
                 # An exact hit leaves nothing to feed the model: give back one token.
                 cache, rest = _back_off_one_token(cache, prompt)
@@ -278,15 +338,35 @@ class EngineCore:
             max_tokens=[sub.max_tokens],
             caches=[cache],
             all_tokens=[prompt[:cached]],
-            samplers=[self._sampler_factory(sub.sampling)],
-            logits_processors=[self._logits_processors_factory(sub.sampling)],
+            samplers=[sampler],
+            logits_processors=[processors],
             stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
             **options,
         )
-        if self._prompt_cache_bytes is not None:
-            active = self._batch.prompt_cache_nbytes
-            self.prompt_cache.trim_to(n_bytes=self._prompt_cache_bytes - active)
-        return uid, cached, types
+        if self.batch_sampler is not None:
+            try:
+                self.batch_sampler.register(uid, sub.sampling, constraint)
+            except Exception:
+                self._batch.remove([uid])
+                raise
+        return uid, cached, types, int(self._batch.prompt_cache_nbytes)
+
+    def _sampling_of(self, sub: Submit) -> tuple[Any, list, Any]:
+        """(sampler, logits processors, constraint) of a new sequence; raises if it cannot run."""
+        constraint = None
+        if sub.constraint is not None:
+            if self._constraint_factory is None:
+                raise ValueError("this engine cannot enforce structured outputs or tool_choice")
+            constraint = self._constraint_factory(sub.constraint)
+        processors = self._logits_processors_factory(sub.sampling)
+        if self.batch_sampler is not None:
+            from runtime.batch_sampling import validate_params
+
+            validate_params(sub.sampling)  # before inserting: a bad request fails alone
+            return None, processors, constraint
+        if constraint is not None:
+            processors = [*processors, constraint]
+        return self._sampler_factory(sub.sampling), processors, None
 
     def _admit_held(self) -> None:
         """Hand the held requests to the batch once the window is over (or it is full)."""
@@ -302,22 +382,11 @@ class EngineCore:
             self._submit(self._held.popleft()[1])
 
     def _abort(self, request_id: int) -> bool:
-        """Remove a sequence now; returns whether there was one to remove.
-
-        The first choice of several takes with it the choices still waiting
-        for its prompt (they are withdrawn together)."""
-        for i, (held_at, sub) in enumerate(self._held):
-            if sub.request_id == request_id:
-                del self._held[i]
-                self._aborted.extend(SequenceAborted(request_id=r) for r in sub.request_ids)
-                return True
-            rest = without_choice(sub, request_id)
-            if rest is not None:
-                self._held[i] = (held_at, rest)
-                self._aborted.append(SequenceAborted(request_id=request_id))
-                return True
-        if self._clones.drop(request_id):
-            self._aborted.append(SequenceAborted(request_id=request_id))
+        """Remove a sequence now; returns whether there was one to remove. A first
+        choice takes with it the choices still waiting for its prompt."""
+        ended = withdraw_waiting(self._held, self._clones, request_id)
+        self._aborted.extend(SequenceAborted(request_id=r) for r in ended)
+        if ended:
             return True
         seq = self._by_request.get(request_id)
         if seq is None:
@@ -325,13 +394,15 @@ class EngineCore:
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
-        for clone in self._clones.take(request_id):
-            self._aborted.append(SequenceAborted(request_id=clone.request_id))
+        waiting = self._clones.take(request_id)
+        self._aborted.extend(SequenceAborted(request_id=c.request_id) for c in waiting)
         return True
 
     def _forget(self, seq: _Sequence) -> None:
         del self._by_uid[seq.uid]
         del self._by_request[seq.request_id]
+        if self.batch_sampler is not None:
+            self.batch_sampler.forget(seq.uid)
 
     # ---------------------------------------------------------------- steps
 
@@ -341,6 +412,7 @@ class EngineCore:
         self._admit_held()
         progress: list[PromptProgress] = []
         tokens: list[TokenEvent] = []
+        batch_size = len(self._by_uid)
         if self._by_uid:
             try:
                 self._run_step(progress, tokens)
@@ -353,6 +425,8 @@ class EngineCore:
             time.perf_counter() - began,
             prefill=bool(progress),
             worked=bool(self._by_uid or tokens or progress),
+            batch_size=batch_size,
+            generated=len(tokens),
         )
         outputs = StepOutputs(
             started=tuple(self._started),
@@ -360,6 +434,7 @@ class EngineCore:
             tokens=tuple(tokens),
             aborted=tuple(self._aborted),
             failed=tuple(self._failed),
+            cache_events=self.cache_entries.take_events(),
             stats=self.stats(),
         )
         self._started.clear()
@@ -381,35 +456,40 @@ class EngineCore:
             progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
             if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
                 save.append(r.uid)
-            if (
-                seq.request_id in self._clones
-                and r.end_of_segment
-                and not r.end_of_prompt
-                and done == total - 1
-            ):
+            if seq.request_id in self._clones and prompt_but_last_done(r):
                 share.append(r.uid)
         wanted = sorted(set(save) | set(share))
         extracted = self._batch.extract_cache(wanted) if wanted else {}
         for uid in save:
             cache, cache_tokens = extracted[uid]
-            self.prompt_cache.insert_cache(
-                key, list(cache_tokens), cache, cache_type=self._by_uid[uid].segment_types.pop()
+            seq = self._by_uid[uid]
+            self.cache_entries.insert(
+                key,
+                list(cache_tokens),
+                cache,
+                cache_type=seq.segment_types.pop(),
+                request_id=seq.request_id,
             )
         for uid in share:  # the prompt cache may hold this very cache: only copies then
-            self._start_clones(self._by_uid[uid].request_id, extracted[uid][0], uid not in save)
+            first = self._by_uid[uid].request_id
+            self._clones.start(first, extracted[uid][0], self._submit, own=uid not in save)
 
         for r in generation_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
                 continue
             if seq.request_id in self._clones:  # its prompt ended with no point to share
-                self._start_clones(seq.request_id, None)
+                self._clones.start(seq.request_id, None, self._submit)
             tokens.append(self._token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
                 if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
-                    self.prompt_cache.insert_cache(
-                        key, list(r.all_tokens), r.prompt_cache, cache_type="assistant"
+                    self.cache_entries.insert(
+                        key,
+                        list(r.all_tokens),
+                        r.prompt_cache,
+                        cache_type="assistant",
+                        request_id=seq.request_id,
                     )
 
     @staticmethod
@@ -439,10 +519,10 @@ class EngineCore:
         if seq is not None:
             self._forget(seq)
             self._failed.append(SequenceFailed(request_id=seq.request_id, message=error.message))
-            for clone in self._clones.take(seq.request_id):
-                self._failed.append(
-                    SequenceFailed(request_id=clone.request_id, message=error.message)
-                )
+            self._failed += [
+                SequenceFailed(request_id=c.request_id, message=error.message)
+                for c in self._clones.take(seq.request_id)
+            ]
 
     def _fail_all(self, message: str, *, retryable: bool = False, closing: bool = False) -> None:
         """Fail what the generator holds, and (``closing``) what the window holds."""
@@ -455,6 +535,8 @@ class EngineCore:
         self._clones.clear()
         self._by_uid.clear()
         self._by_request.clear()
+        if self.batch_sampler is not None:
+            self.batch_sampler.clear()  # a new generator's uids start again at 0
         self._close_batch()
         if not closing:
             self._batch = self._new_batch_generator()
@@ -473,7 +555,6 @@ class EngineCore:
             active_sequences=len(self._request_ids()),
             steps=c.steps,
             prefill_steps=c.prefill_steps,
-            prompt_tokens=c.prompt_tokens,
             busy_seconds=c.busy_seconds,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
@@ -483,6 +564,13 @@ class EngineCore:
             abort_wait_ms_total=c.abort_wait_ms_total,
             abort_wait_ms_max=c.abort_wait_ms_max,
             abort_wait_steps_max=c.abort_wait_steps_max,
+            prompt_tokens=c.prompt_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            generated_tokens=c.generated_tokens,
+            step_seconds_counts=tuple(c.step_seconds_counts),
+            step_seconds_sum=c.step_seconds_sum,
+            batch_size_counts=tuple(c.batch_size_counts),
+            batch_size_sum=c.batch_size_sum,
         )
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:

@@ -4,23 +4,31 @@
 will step the engine: it joins the distributed group if this process was
 launched as one of its ranks, creates that thread's MLX stream, loads model
 and tokenizer with ``mlx_lm.load`` (or its shard with ``sharded_load``) and
-wires the batch generator (mlx-lm's ``BatchGenerator``, or ``SerialGenerator``
-for a draft model, a quantized KV cache or a model whose cache cannot be
-batched), the prompt cache, samplers, the EOS stop automaton and the command
-source into an ``EngineCore``. ``load_tokenizer`` gives an engine process's
+wires the batch generator (mlx-lm's ``BatchGenerator`` with one
+``BatchSampler`` for all its rows, or ``SerialGenerator`` with per-request
+samplers for a draft model, a quantized KV cache or a model whose cache cannot
+be batched), the constraints of structured outputs (``runtime.grammar``: the
+model's tokenizer in llguidance's form is built here, once per load), the
+prompt cache, the EOS stop automaton and the command source into an
+``EngineCore``. ``load_tokenizer`` gives an engine process's
 parent the tokenizer without the model.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
+import time
 
+from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.serial import SerialGenerator
+from runtime.grammar import GrammarTokenizer, grammar_tokenizer
+from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
 from runtime.mlx_lm_internals import sharded_load_on_the_default_stream
 from runtime.prompt_cache_store import PromptCacheStore
@@ -176,7 +184,7 @@ def _vocab_size(model, tokenizer) -> int:
 
 def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, make_stop_sequences
+    from mlx_lm.generate import make_stop_sequences
 
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
@@ -195,40 +203,43 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         commands = SharedCommands(CommandExchange(group, stream).share)
     xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
 
+    grammar = _grammar_tokenizer(handle)
     serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
+    batch_sampler = None
     if serial:
         if not handle.batchable:
             log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
         new_batch_generator = _serial_generator_factory(config, handle, stream)
+        # stream_generate has no row hook: per-request samplers, constraints as logits
+        # processors (not with a draft model, whose drafts a processor cannot follow).
+        constraint_factory = None
+        if grammar is not None and config.draft_model is None:
+            constraint_factory = functools.partial(_constraint_processor, grammar)
     else:
+        backend = GrammarBackend(grammar) if grammar is not None else None
+        batch_sampler = BatchSampler(xtc_special_tokens=xtc_special, constraint_backend=backend)
+        constraint_factory = backend.new_constraint if backend is not None else None
 
         def new_batch_generator():
-            return BatchGenerator(
+            return make_batch_generator(
                 handle.model,
+                sampler=batch_sampler,
                 completion_batch_size=config.decode_concurrency,
                 prefill_batch_size=config.prompt_concurrency,
                 prefill_step_size=config.prefill_step_size,
                 stream=stream,
             )
 
-    prompt_cache_bytes = config.prompt_cache_bytes
-    if group is not None and prompt_cache_bytes is not None:
-        # Ranks hold different byte counts (pipeline stages), and byte-driven
-        # eviction would let their caches, and so their steps, diverge.
-        log.warning("--prompt-cache-bytes is ignored when distributed: entries are counted")
-        prompt_cache_bytes = None
-    max_bytes = prompt_cache_bytes if prompt_cache_bytes is not None else 1 << 63
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        prompt_cache=PromptCacheStore(
-            max_size=config.prompt_cache_size,
-            max_bytes=max_bytes,
-            min_reuse_tokens=config.prompt_cache_min_reuse,
-        ),
-        prompt_cache_bytes=prompt_cache_bytes,
+        # No limits here: the PromptCacheActor decides what to evict (EvictCache),
+        # with rank 0's byte counts when distributed, for every rank alike.
+        prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
+        batch_sampler=batch_sampler,
+        constraint_factory=constraint_factory,
         insert_options=_draft_tokens if config.draft_model is not None else None,
         stop_sequences=make_stop_sequences(tokenizer),
         commands=commands,
@@ -236,6 +247,29 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         admission_window=0.0 if serial else config.admission_window_ms / 1000,
         admission_batch=config.prompt_concurrency,
     )
+
+
+def _grammar_tokenizer(handle: ModelHandle) -> GrammarTokenizer | None:
+    """The tokenizer in llguidance's form, masks as wide as the logits; None if it cannot be.
+
+    A few seconds for a 150k vocabulary: paid here, at load, not by the
+    first constrained request. The request side refuses constraints for a
+    tokenizer that is not a fast one, the case this returns None for.
+    """
+    began = time.perf_counter()
+    try:
+        built = grammar_tokenizer(handle.tokenizer, handle.vocab_size)
+    except Exception:
+        log.warning("%s: no structured outputs (the tokenizer cannot be read by llguidance)",
+                    handle.model_key, exc_info=True)
+        return None
+    log.info("grammar tokenizer of %s: %d tokens in %.2f s",
+             handle.model_key, built.vocab_size, time.perf_counter() - began)
+    return built
+
+
+def _constraint_processor(grammar: GrammarTokenizer, spec):
+    return constraint_processor(spec.new_matcher(grammar), grammar)
 
 
 def _draft_tokens(submit) -> dict:

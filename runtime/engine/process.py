@@ -11,7 +11,7 @@ The child runs the very same ``run_engine_loop`` as the in-process engine
 thread, on its main thread (which owns MLX for the child's lifetime). Over one socket
 pair (``multiprocessing.connection`` framing and pickling):
 
-* parent -> child: ``Submit`` / ``Abort`` / ``Shutdown``, put into a
+* parent -> child: ``Submit`` / ``Abort`` / ``EvictCache`` / ``Shutdown``, put into a
   ``ProcessInbox``: small ones written to the socket at once when it has
   room, the rest by a writer thread, in order (so ``inbox.put`` never blocks
   the event loop, even on a stalled child); the engine loop reads them from

@@ -9,9 +9,9 @@ emits ``Opened`` / ``Appended`` / ``Closed`` block events in output order.
 ``AgentRenderer`` drives it for both wire formats, streaming or not.
 
 Requests of both APIs become a ``ChatTurn``: chat-template messages, tools in
-the chat-completions form, and what is passed on but not enforced here
-(``tool_choice``, ``response_format``). ``open_session`` turns a ``ChatTurn``
-into a Session the way the chat route does.
+the chat-completions form, and what the engine enforces (``tool_choice``,
+``response_format``: ``api.structured``). ``open_session`` turns a
+``ChatTurn`` into a Session the way the chat route does.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from typing import Any
 
 import attrs
 
+from api.generation import deadline
+from api.responses import dumps
+from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams, ToolCall
@@ -36,16 +39,19 @@ class ChatTurn:
     """One request of an agent API, as the chat template and the Session take it.
 
     ``tool_choice`` is in the chat-completions form (``"auto"``, ``"none"``,
-    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``) and
-    ``response_format`` in its form (``{"type": "json_schema", "json_schema":
-    {...}}``): both are passed on, not enforced (constrained decoding is
-    another component's work).
+    ``"required"`` or ``{"type": "function", "function": {"name": ...}}``);
+    ``response_format`` in the shape of the field ``response_format_param``
+    names (chat's ``{"type": "json_schema", "json_schema": {...}}`` or the
+    Responses API's flat ``text.format``). Both are enforced by constrained
+    decoding (``api.structured``); ``parallel_tool_calls`` false allows one call.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    response_format_param: str = "response_format"
+    parallel_tool_calls: bool = True
     template_args: dict[str, Any] = attrs.field(factory=dict)
     max_tokens: int
     sampling: SamplingParams
@@ -89,33 +95,6 @@ def tool_arguments(arguments: Any, *, param: str) -> dict[str, Any]:
     return arguments
 
 
-def sampling_params(
-    config: ServerConfig,
-    *,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None = None,
-) -> SamplingParams:
-    def pick(value, default):
-        return default if value is None else value
-
-    return SamplingParams(
-        temperature=float(pick(temperature, config.temp)),
-        top_p=float(pick(top_p, config.top_p)),
-        top_k=int(pick(top_k, config.top_k)),
-        min_p=float(config.min_p),
-    )
-
-
-def check_range(name: str, value, *, low=None, high=None) -> None:
-    if value is None:
-        return
-    if low is not None and value < low:
-        raise ClientError(f"{name} must be at least {low}, got {value}", param=name)
-    if high is not None and value > high:
-        raise ClientError(f"{name} must be at most {high}, got {value}", param=name)
-
-
 def prepare_turn(tokenizer, *, turn: ChatTurn):
     """The prompt of ``turn`` (runs in a worker thread, like the chat route's)."""
     return prepare_chat(tokenizer, turn.messages, tools=turn.tools, template_args=turn.template_args)
@@ -123,7 +102,6 @@ def prepare_turn(tokenizer, *, turn: ChatTurn):
 
 def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: float | None = None):
     """A (not yet entered) Session generating ``turn`` with the chat markup."""
-    limits = [t for t in (timeout, config.request_timeout) if t is not None]
     return rt.session(
         prepare=functools.partial(prepare_turn, turn=turn),
         sampling=turn.sampling,
@@ -131,9 +109,22 @@ def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: fl
         stop=turn.stop,
         tools=turn.tools,
         markup=True,
-        timeout=min(limits) if limits else None,
+        timeout=deadline(timeout, config),
         model=model,
+        constrain=constrain_step(
+            response_format=turn.response_format,
+            tools=turn.tools,
+            tool_choice=turn.tool_choice,
+            parallel_tool_calls=turn.parallel_tool_calls,
+            template_args=turn.template_args,
+            response_format_param=turn.response_format_param,
+        ),
     )
+
+
+def prompt_length(session) -> int:
+    """The prompt's length in tokens once ``session`` is entered (0 before)."""
+    return len(session.prompt.tokens) if session.prompt is not None else 0
 
 
 # -------------------------------------------------------------------- blocks
@@ -240,7 +231,7 @@ class BlockAssembler:
 class AgentRenderer:
     """Session events -> one wire format's frames or body (subclasses say which).
 
-    The interface ``generate`` in api/server.py drives: ``add`` and
+    The interface ``api.generation.generate`` drives: ``add`` and
     ``terminal`` (non-streaming), ``body`` / ``failure_body``, and
     ``stream_frames`` (streaming). ``prompt_tokens`` gives the prompt's
     length once the Session is entered (for usage sent before the end).
@@ -308,5 +299,4 @@ class AgentRenderer:
 
 def sse_event(name: str, payload: Any) -> bytes:
     """One named server-sent event (both agent APIs name their events)."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {name}\ndata: {data}\n\n".encode()
+    return f"event: {name}\ndata: {dumps(payload)}\n\n".encode()

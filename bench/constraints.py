@@ -1,0 +1,154 @@
+"""What sampling and structured outputs cost a server: one server, several workloads.
+
+Starts ``python -m api.cli`` (from ``--source``: this checkout, or another
+source tree, e.g. the commit before the batch sampler, for a before/after
+pair) on one model and runs ``bench/loadgen.py``'s closed loop at each
+level for each mode, alternating the modes per round so that a drift of the
+machine hits them alike:
+
+* ``greedy``: temperature 0;
+* ``sampled``: temperature 0.7, top_p 0.9, the same for every request;
+* ``mixed``: temperature and top_p varied over four sets (``--mixed-sampling``);
+* ``distinct``: each request its own temperature, top_p and top_k, drawn at
+  random (``--distinct-sampling``: no two requests alike, as arbitrary clients);
+* ``constrained``: greedy, every request with ``response_format`` json_schema
+  (``loadgen.BENCH_SCHEMA``: never finished within max_tokens, so every token
+  is masked and a request is as long as a free one);
+* ``half-constrained``: the same on half of the requests (free and constrained
+  rows in one batch);
+* ``constrained-sampled``: ``constrained`` with temperature 0.7, top_p 0.9.
+
+Prints one line per (mode, level) and a table of tokens/s with each mode's
+ratio to greedy; writes the summaries to ``--json-out``. A server that does
+not know ``response_format`` (the "before" tree) ignores it: run only the
+sampling modes there. ``python bench/constraints.py --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loadgen import (  # noqa: E402  (a script beside loadgen.py)
+    PromptBuilder,
+    ServerProcess,
+    Workload,
+    default_requests,
+    format_summary,
+    parse_levels,
+    run_level,
+    setup_logging,
+    summarize,
+    warm_up,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}
+MODES = {
+    "greedy": {},
+    "sampled": SAMPLED,
+    "mixed": {"temperature": 0.7, "top_p": 0.9, "mixed_sampling": True},
+    "distinct": {"temperature": 0.7, "distinct_sampling": True},
+    "constrained": {"constrained": "json_schema"},
+    "half-constrained": {"constrained": "json_schema", "constrained_fraction": 0.5},
+    "constrained-sampled": {"constrained": "json_schema", **SAMPLED},
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model dir (default: build the tiny model)")
+    p.add_argument("--source", default=str(REPO), help="source tree the server runs from")
+    p.add_argument("--modes", default="greedy,constrained,half-constrained",
+                   help=f"comma-separated, of: {', '.join(MODES)}")
+    p.add_argument("--levels", type=parse_levels, default=[1, 32])
+    p.add_argument("--requests", type=int, default=None, help="per run (default max(8, 2c))")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=110)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--server-args", default="--decode-concurrency 64",
+                   help="more flags for the server")
+    p.add_argument("--json-out", default=None)
+    ns = p.parse_args(argv)
+    setup_logging()
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}")
+
+    model = ns.model
+    if model is None:
+        from runtime.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-model-")) / "tiny"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv_server = [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
+                   *ns.server_args.split()]
+    log_path = REPO / "bench" / "results" / "logs" / f"constraints-{time.strftime('%H%M%S')}.log"
+    server = ServerProcess("server", argv_server, url, log_path)
+    server.start(cwd=ns.source, env={"PYTHONPATH": ns.source})
+    builder = PromptBuilder(model)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        server.wait_healthy()
+        base = Workload(prompt_tokens=ns.prompt_tokens, max_tokens=ns.max_tokens)
+        workloads = {m: dataclasses.replace(base, **MODES[m]) for m in modes}
+        for w in workloads.values():
+            warm_up(url, w, builder)
+        first_index = 0
+        for round_ in range(ns.rounds):
+            for level in ns.levels:
+                for mode in modes if round_ % 2 == 0 else modes[::-1]:
+                    n = ns.requests or default_requests(level)
+                    run = run_level(url, workloads[mode], level, n, builder, server.pid,
+                                    first_index)
+                    first_index += n
+                    runs.setdefault((mode, level), []).append(run)
+                    print(f"round {round_ + 1} {mode:<20} " + format_summary(level, summarize([run])),
+                          flush=True)
+    finally:
+        server.stop()
+
+    summaries = {key: summarize(r) for key, r in runs.items()}
+    print(f"\ntokens/s (pooled over {ns.rounds} rounds); in brackets: / greedy; "
+          "server CPU ms per token")
+    print("| mode | " + " | ".join(f"c={level}" for level in ns.levels) + " |")
+    print("|---|" + "---|" * len(ns.levels))
+    for mode in modes:
+        cells = []
+        for level in ns.levels:
+            s = summaries[(mode, level)]
+            greedy = summaries.get(("greedy", level))
+            ratio = f" ({s['tok_s'] / greedy['tok_s']:.2f})" if greedy and mode != "greedy" else ""
+            errors = f" errors {s['errors']}" if s["errors"] else ""
+            cpu = s["cpu_ms_per_token"]
+            cells.append(f"{s['tok_s']:.0f}{ratio}; {cpu:.2f} ms{errors}" if cpu is not None
+                         else f"{s['tok_s']:.0f}{ratio}{errors}")
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+    if ns.json_out:
+        Path(ns.json_out).write_text(json.dumps({
+            "model": model, "source": ns.source, "server": argv_server, "rounds": ns.rounds,
+            "workload": dataclasses.asdict(base),
+            "summaries": {f"{m}@{level}": s for (m, level), s in summaries.items()},
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

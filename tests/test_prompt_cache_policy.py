@@ -1,0 +1,364 @@
+"""The PromptCacheActor's policy (``actors.prompt_cache.PromptCacheCore``) against the engine.
+
+A stateful test drives a real ``EngineCore`` (``FakeBatchGenerator``, the real
+``PromptCacheStore`` over fake trimmable KV layers) and the policy as the
+runtime wires them: each step's outputs go to the policy, its evictions come
+back to the engine as ``EvictCache`` before the next command. After every
+decision: the budget holds (entries and bytes); the index is the store (the
+same entries, the same bytes); the store holds exactly what mlx-lm's own
+``LRUPromptCache`` holds when given the same inserts and admission trims with
+the limits (so the eviction order is mlx-lm's); and every prediction made when
+a request was opened is what the engine's lookup then reused, with the same
+miss reason. Unit tests pin down each miss reason.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from mlx_lm.models.cache import LRUPromptCache
+
+from actors.prompt_cache import CLOSED_KEPT, PromptCacheActor, PromptCacheCore
+from runtime.engine.core import EngineCore
+from runtime.messages import (
+    CacheEntryRemoved,
+    CacheEntryStored,
+    CacheMissReason,
+    EvictCache,
+    ModelHandle,
+    SamplingParams,
+    SequenceStarted,
+    StepOutputs,
+    Submit,
+)
+from runtime.mlx_lm_internals import prompt_cache_has_entry
+from runtime.prompt_cache_store import PromptCacheStore
+from tests.fakes import FakeBatchGeneratorFactory, FakeKVCache
+
+MODEL = "fake"
+VOCAB = 6  # a small alphabet: prompts share prefixes often
+BYTES_PER_TOKEN = 4
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    @initialize(
+        max_entries=st.integers(0, 4),
+        max_bytes=st.none() | st.integers(0, 400),
+        min_reuse=st.integers(0, 5),
+        per_segment=st.booleans(),
+        batch=st.integers(1, 3),
+    )
+    def setup(self, max_entries, max_bytes, min_reuse, per_segment, batch):
+        self.factory = FakeBatchGeneratorFactory(
+            vocab=VOCAB,
+            completion_batch_size=batch,
+            per_segment=per_segment,
+            bytes_per_token=BYTES_PER_TOKEN,
+        )
+        self.store = PromptCacheStore(min_reuse_tokens=min_reuse)
+        handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+        self.engine = EngineCore(
+            handle, batch_generator_factory=self.factory, prompt_cache=self.store
+        )
+        self.policy = PromptCacheCore(
+            max_entries=max_entries, max_bytes=max_bytes, min_reuse=min_reuse
+        )
+        self.policy.engine_changed(MODEL)
+        self.reference = LRUPromptCache(
+            max_size=max_entries, max_bytes=(1 << 63) if max_bytes is None else max_bytes
+        )
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.known: list[tuple[int, ...]] = [(1, 2, 3, 4, 5)]  # token runs to build prompts from
+        self.predicted = {}
+        self.next_id = 1
+
+    @rule(data=st.data())
+    def submit(self, data):
+        base = data.draw(st.sampled_from(self.known), "base")
+        keep = data.draw(st.integers(0, len(base)), "keep")
+        tail = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=5), "tail")
+        prompt = tuple(base[:keep]) + tuple(tail) or (0,)
+        cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(prompt) - 1)), max_size=2)))
+        bounds = [0, *(c for c in cuts if c < len(prompt)), len(prompt)]
+        segments = tuple(prompt[a:b] for a, b in zip(bounds, bounds[1:], strict=False))
+        template = data.draw(st.sampled_from(["plain", "tools"]), "template")
+        conversation = data.draw(st.sampled_from(["x", "y"]), "conversation")
+        rid = self.next_id
+        self.next_id += 1
+        self.predicted[rid] = self.policy.open(
+            rid, MODEL, prompt, template_key=template, conversation_keys=(conversation,)
+        )
+        self.engine.handle_command(
+            Submit(
+                request_id=rid,
+                prompt=prompt,
+                segments=segments,
+                segment_types=("system", "user", "assistant")[-len(segments) :],
+                sampling=SamplingParams(),
+                max_tokens=data.draw(st.integers(1, 3), "max_tokens"),
+            )
+        )
+        self.known.append(prompt)
+
+    @rule()
+    def step(self):
+        out, evicted = self.policy.on_step(self.engine.step())
+        for started in out.started:
+            self._started(started)
+        for e in out.cache_events:
+            if isinstance(e, CacheEntryStored):
+                layer = FakeKVCache(e.tokens, BYTES_PER_TOKEN)
+                self.reference.insert_cache(MODEL, list(e.tokens), [layer], cache_type=e.cache_type)
+                self.known.append(e.tokens)
+                event(f"stored {e.cache_type}")
+            else:
+                event(f"removed: {e.reason}")
+        if evicted:
+            event("evicted")
+            self.engine.handle_command(EvictCache(entry_ids=evicted))  # between steps
+
+    def _started(self, started: SequenceStarted) -> None:
+        predicted = self.predicted.pop(started.request_id)
+        # Nothing changed between the prediction and the lookup: they agree.
+        assert started.cached_tokens == predicted.reused_tokens, (started, predicted)
+        assert started.miss_reason == predicted.miss_reason
+        assert (started.miss_reason is None) == (started.cached_tokens > 0)
+        event(f"miss: {started.miss_reason}" if started.miss_reason else "hit")
+        if started.miss_reason is CacheMissReason.BELOW_FLOOR:
+            assert 0 < predicted.shared_tokens < self.policy.min_reuse
+        if started.miss_reason is CacheMissReason.NO_ENTRY:
+            assert predicted.shared_tokens == 0
+        if self.max_bytes is not None:  # mlx_lm.server trims after each admission
+            self.reference.trim_to(n_bytes=self.max_bytes - started.batch_kv_bytes)
+
+    @invariant()
+    def within_budget(self):
+        if not hasattr(self, "policy"):
+            return
+        assert len(self.policy) <= self.max_entries
+        if self.max_bytes is not None:
+            assert self.policy.bytes <= self.max_bytes
+
+    @invariant()
+    def the_index_is_the_store_and_mlx_lms_cache(self):
+        if not hasattr(self, "policy"):
+            return
+        index = self.policy.entries()
+        held = self.engine.cache_entries.held()
+        assert {i: tokens for i, (tokens, _, _) in index.items()} == {
+            i: tokens for i, (_, tokens) in held.items()
+        }
+        for tokens, nbytes, _ in index.values():
+            assert nbytes == len(tokens) * BYTES_PER_TOKEN
+        assert self.policy.bytes == self.store.nbytes and len(self.policy) == len(self.store)
+        assert len(self.reference) == len(self.store)
+        assert self.reference.nbytes == self.store.nbytes
+        for _, tokens in held.values():
+            assert prompt_cache_has_entry(self.reference, MODEL, list(tokens)), tokens
+
+
+PolicyMachine.TestCase.settings = settings(
+    max_examples=80,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPolicy = PolicyMachine.TestCase
+
+
+# ------------------------------------------------------------- miss reasons
+
+
+def stored(entry_id, tokens, *, request_id=None, cache_type="assistant", trimmable=True):
+    return CacheEntryStored(
+        entry_id=entry_id,
+        request_id=request_id,
+        tokens=tuple(tokens),
+        nbytes=len(tokens),
+        cache_type=cache_type,
+        trimmable=trimmable,
+    )
+
+
+def feed(core: PromptCacheCore, *events) -> tuple[int, ...]:
+    _, evicted = core.on_step(StepOutputs(cache_events=tuple(events)))
+    return evicted
+
+
+def core_with(**kwargs) -> PromptCacheCore:
+    core = PromptCacheCore(**{"max_entries": 10, "min_reuse": 4, **kwargs})
+    core.engine_changed(MODEL)
+    return core
+
+
+A = tuple(range(100, 120))
+B = tuple(range(200, 220))
+
+
+def test_a_prompt_that_extends_an_entry_is_a_hit_of_the_entry():
+    core = core_with()
+    feed(core, stored(1, A))
+    outlook = core.explain(MODEL, A + (7, 8))
+    assert (outlook.reused_tokens, outlook.miss_reason) == (len(A), None)
+    exact = core.explain(MODEL, A)  # all of it: one token is given back to prefill
+    assert exact.reused_tokens == len(A) - 1
+
+
+def test_nothing_shared_is_no_entry_and_too_little_is_below_the_floor():
+    core = core_with()
+    assert core.explain(MODEL, A).miss_reason is CacheMissReason.NO_ENTRY  # empty
+    feed(core, stored(1, A))
+    assert core.explain(MODEL, B).miss_reason is CacheMissReason.NO_ENTRY
+    short = core.explain(MODEL, A[:3] + (1, 2, 3, 4, 5))
+    assert (short.miss_reason, short.shared_tokens) == (CacheMissReason.BELOW_FLOOR, 3)
+
+
+def test_an_evicted_entry_explains_the_miss_and_the_order_is_mlx_lms():
+    core = core_with(max_entries=3)
+    events = stored(1, A, cache_type="system"), stored(2, B, cache_type="user")
+    assert feed(core, *events, stored(3, (9,) * 10, cache_type="user")) == ()
+    # mlx-lm takes from the first type (assistant, user, system) whose LRU is not
+    # shorter than the next one's, else from system: user (2) >= system (1) here,
+    assert feed(core, stored(4, (8,) * 10)) == (2,)
+    # and now assistant (2) >= user (1).
+    assert feed(core, stored(5, (7,) * 10)) == (4,)
+    assert sorted(core.entries()) == [1, 3, 5]
+    miss = core.explain(MODEL, B + (1,))
+    assert (miss.reused_tokens, miss.miss_reason) == (0, CacheMissReason.EVICTED)
+    figures = core.figures()
+    assert figures["evictions"] == 2 and figures["evicted_bytes"] == len(B) + 10
+    assert (figures["entries"], figures["bytes"]) == (3, len(A) + 20)
+
+
+def test_the_byte_budget_gives_way_to_the_running_sequences():
+    core = core_with(max_bytes=50)
+    feed(core, stored(1, A), stored(2, B))
+    assert core.bytes == 40
+    started = SequenceStarted(request_id=9, prompt_tokens=5, cached_tokens=0, batch_kv_bytes=25)
+    _, evicted = core.on_step(StepOutputs(started=(started,)))
+    assert evicted == (1,) and core.bytes == 20  # 50 - 25 left for the cache: the older goes
+
+
+def test_other_template_args_for_the_same_conversation_explain_the_miss():
+    core = core_with()
+    core.open(1, MODEL, A, template_key="t1", conversation_keys=("c1",))
+    feed(core, stored(1, A + (5, 6), request_id=1))
+    # The next turn of that conversation, rendered with other arguments: other tokens.
+    other = core.open(2, MODEL, B, template_key="t2", conversation_keys=("c1", "c2"))
+    assert (other.reused_tokens, other.miss_reason) == (0, CacheMissReason.TEMPLATE_ARGS)
+    # Another conversation with other arguments is just not cached.
+    fresh = core.open(3, MODEL, B, template_key="t2", conversation_keys=("c9",))
+    assert fresh.miss_reason is CacheMissReason.NO_ENTRY
+    # The same arguments: the reason is what the tokens say.
+    same = core.open(4, MODEL, B, template_key="t1", conversation_keys=("c1", "c2"))
+    assert same.miss_reason is CacheMissReason.NO_ENTRY
+
+
+def test_entries_of_a_stopped_engine_explain_the_miss_and_the_count_limit_zero_disables():
+    core = core_with()
+    feed(core, stored(1, A))
+    core.engine_changed(MODEL)  # the engine restarted: its cache is gone
+    assert len(core) == 0
+    assert core.explain(MODEL, A + (1,)).miss_reason is CacheMissReason.ENGINE_RESTARTED
+    disabled = core_with(max_entries=0)
+    assert feed(disabled, stored(1, A)) == (1,)
+    assert disabled.explain(MODEL, A).miss_reason is CacheMissReason.DISABLED
+
+
+def test_misses_are_counted_by_reason_and_the_reason_reaches_the_step():
+    core = core_with()
+    core.open(1, MODEL, A)
+    _, _ = core.on_step(StepOutputs(cache_events=(stored(1, A, request_id=1),)))
+    core.open(2, MODEL, A + (1,))
+    core.open(3, MODEL, B)
+    out, _ = core.on_step(
+        StepOutputs(
+            started=(
+                SequenceStarted(request_id=2, prompt_tokens=21, cached_tokens=20),
+                SequenceStarted(request_id=3, prompt_tokens=20, cached_tokens=0),
+            )
+        )
+    )
+    assert [s.miss_reason for s in out.started] == [None, CacheMissReason.NO_ENTRY]
+    figures = core.figures()
+    assert (figures["hits"], figures["cached_tokens"]) == (1, 20)
+    assert figures["misses"]["no_entry"] == 1 and figures["header_mismatches"] == 0
+
+
+def test_requests_are_forgotten_when_they_end_or_are_closed():
+    core = core_with()
+    core.open(1, MODEL, A)
+    core.open(2, MODEL, B)
+    started = SequenceStarted(request_id=1, prompt_tokens=20, cached_tokens=0)
+    core.on_step(StepOutputs(started=(started,)))
+    core.close(1)  # started: forgotten at once
+    core.close(2)  # never started: kept a while for a late start, then dropped
+    assert core.remembered_requests == 1
+    for rid in range(3, 3 + 1100):
+        core.open(rid, MODEL, A)
+        core.close(rid)
+    assert core.remembered_requests == CLOSED_KEPT
+
+
+def test_superseded_entries_leave_the_index_without_a_ghost():
+    core = core_with()
+    feed(
+        core,
+        stored(1, A[:10]),
+        CacheEntryRemoved(entry_id=1, reason="superseded"),
+        stored(2, A),
+    )
+    assert sorted(core.entries()) == [2]
+    assert core.explain(MODEL, A[:10] + (1, 2)).reused_tokens == 10  # served by the longer one
+
+
+def test_the_actor_turns_evictions_into_one_command():
+    actor = PromptCacheActor(core_with(max_entries=1))
+    actor.engine_changed(MODEL)
+    out = StepOutputs(cache_events=(stored(1, A), stored(2, B)))
+    _, commands = actor.on_step(out)
+    assert commands == (EvictCache(entry_ids=(1,)),)
+
+
+# ------------------------------------------------------------- the engine side
+
+
+def test_an_evict_command_removes_entries_before_the_next_lookup():
+    store = PromptCacheStore(min_reuse_tokens=2)
+    handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+    engine = EngineCore(
+        handle, batch_generator_factory=FakeBatchGeneratorFactory(vocab=VOCAB), prompt_cache=store
+    )
+    prompt = (1, 2, 3, 4)
+
+    def serve(rid: int) -> StepOutputs:
+        engine.handle_command(
+            Submit(
+                request_id=rid,
+                prompt=prompt,
+                segments=(prompt,),
+                segment_types=("assistant",),
+                sampling=SamplingParams(),
+                max_tokens=1,
+            )
+        )
+        steps = [engine.step() for _ in range(3)]
+        return StepOutputs(
+            started=tuple(s for out in steps for s in out.started),
+            cache_events=tuple(e for out in steps for e in out.cache_events),
+        )
+
+    (first,) = serve(1).cache_events
+    assert isinstance(first, CacheEntryStored) and first.tokens[:4] == prompt
+    engine.handle_command(EvictCache(entry_ids=(first.entry_id, 999)))  # 999: unknown
+    assert len(store) == 0 and store.nbytes == 0
+    second = serve(2)
+    assert second.started[0].cached_tokens == 0  # gone before the next lookup
+    (stored2,) = second.cache_events
+    third = serve(3)  # the entry serves it (all but the token given back), and is replaced
+    assert third.started[0].cached_tokens == len(prompt) - 1
+    assert third.cache_events[0] == CacheEntryRemoved(entry_id=stored2.entry_id, reason="replaced")
+    engine.handle_command(EvictCache(entry_ids=(stored2.entry_id,)))  # stale: a no-op
+    assert len(store) == 1 and set(engine.cache_entries.held()) == {third.cache_events[1].entry_id}
+    assert engine.stats().prompt_cache_entries == 1
