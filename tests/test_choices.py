@@ -67,7 +67,7 @@ def test_the_other_choices_start_from_the_first_ones_cache():
     assert set(ledger.terminal) == {1, 2, 3}
     assert len(gen.inserted) == 3
     # The prompt's tokens were given to the generator once, plus each other choice's last.
-    assert outs[-1].stats.prompt_tokens == len(PROMPT) + 2
+    assert outs[-1].stats.prompt_tokens_computed == len(PROMPT) + 2
     assert outs[-1].stats.prompt_cache_hits == 0  # copies are not prompt-cache hits
 
 
