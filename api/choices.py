@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
+
 from api.convert import unstructure
 from api.errors import error_body
 from api.responses import SSE_DONE, UsageOut, keepalive, sse
@@ -49,14 +51,13 @@ class ChoicesRenderer:
                 self.terminal = Finished(finish_reason=item.finish_reason, usage=self.usage())
 
     def usage(self) -> Usage:
-        """The prompt once, every choice's completion tokens."""
-        known = [t.usage for t in self.ended.values() if t.usage is not None]
-        first = known[0] if known else Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
-        return Usage(
-            prompt_tokens=first.prompt_tokens,
-            completion_tokens=sum(u.completion_tokens for u in known),
-            cached_tokens=first.cached_tokens,
-        )
+        """The prompt once (as choice 0 found it in the prompt cache: the others start
+        from a copy of its cache), every choice's completion tokens."""
+        known = {i: t.usage for i, t in self.ended.items() if t.usage is not None}
+        if not known:
+            return Usage(prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+        first = known.get(0) or next(iter(known.values()))
+        return attrs.evolve(first, completion_tokens=sum(u.completion_tokens for u in known.values()))
 
     def body(self) -> dict:
         bodies = [renderer.body() for renderer in self.renderers]
