@@ -221,6 +221,12 @@ class RuntimeCollector(Collector):
             s.prompt_tokens,
         )
         yield counter(
+            "prompt_tokens_computed",
+            "Prompt tokens the model computed: neither from the prompt cache nor from the "
+            "copy that a request's several choices share",
+            s.prompt_tokens_computed,
+        )
+        yield counter(
             "generation_tokens",
             "Tokens generated (end-of-sequence tokens included, as usage counts them)",
             s.generated_tokens,

@@ -87,12 +87,15 @@ class ModelLoaderCore:
         self.max_restarts = max_restarts
         self.failed_loads: dict[ModelKey, tuple[str, float]] = {}
         self.waiting: collections.Counter[ModelKey] = collections.Counter()
+        # Every model that has loaded: its context window (/v1/models, /health).
+        self.context_windows: dict[ModelKey, int | None] = {}
 
     def ready(self, handle: ModelHandle) -> None:
         self.state = ModelState.READY
         self.reason = None
         self.handle = handle
         self.failed_loads.pop(self.key, None)
+        self.context_windows[self.key] = handle.context_window
 
     def try_lease(self, key: ModelKey) -> bool:
         """Take a lease if ``key`` is loaded and not about to be swapped out.

@@ -98,15 +98,23 @@ class SchedulerCore:
         self.waiting[submit.request_id] = submit
 
     def to_start(self, *, engine_attached: bool = True) -> list[Submit]:
-        """Move waiting requests into the engine while it has room."""
+        """Move waiting requests into the engine while it has room.
+
+        A request with several choices takes a slot (and an equal share of its
+        KV estimate) per choice; one too large for the engine's slots starts
+        when the engine is empty."""
         started: list[Submit] = []
-        while engine_attached and self.waiting and len(self.in_engine) < self.max_in_engine:
+        while engine_attached and self.waiting:
             head = next(iter(self.waiting.values()))
+            ids = head.request_ids
+            if self.in_engine and len(self.in_engine) + len(ids) > self.max_in_engine:
+                break
             if not self._fits(head):
                 break  # FIFO: the head waits for memory, and so do those behind it
             self.waiting.popitem(last=False)
-            self.in_engine.add(head.request_id)
-            self._reserved[head.request_id] = head.kv_bytes
+            for request_id in ids:
+                self.in_engine.add(request_id)
+                self._reserved[request_id] = head.kv_bytes // len(ids)
             started.append(head)
         return started
 
@@ -116,7 +124,10 @@ class SchedulerCore:
         return self.kv_reserved + submit.kv_bytes <= self.kv_budget
 
     def withdraw(self, request_id: int) -> Abort | None:
-        """Forget a request; returns the ``Abort`` the engine needs, if any."""
+        """Forget a request; returns the ``Abort`` the engine needs, if any.
+
+        A waiting request with several choices is withdrawn by its first id
+        (the Session withdraws all of them together)."""
         if self.waiting.pop(request_id, None) is not None:
             return None
         if request_id in self.in_engine:
@@ -221,7 +232,7 @@ class Scheduler:
         ids = self.core.engine_lost()
         if lost.permanent:
             self._gone = lost.reason
-            ids += list(self.core.waiting)
+            ids += [i for submit in self.core.waiting.values() for i in submit.request_ids]
             self.core.waiting.clear()
         self.last_stats = EngineStats()  # the dead engine's figures are not the truth
         return StepOutputs(

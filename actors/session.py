@@ -18,6 +18,16 @@ inbox, and the sequence leaves the batch at the next engine step.
 A deadline (the request's ``timeout`` or the server's ``request_timeout``)
 finishes the request with ``finish_reason: "length"`` and withdraws it.
 
+Limits (``fit_max_tokens``): a prompt that leaves no room in the model's
+context window is a 400 (``context_length_exceeded``), one whose KV cache
+cannot fit the server's budget a 413; ``max_tokens`` is lowered to what the
+window and the budget leave, so a huge ``max_tokens`` is served, and the
+admission estimate is made with the lowered value.
+
+Several choices (``n`` > 1): one Submit starts n sequences (the engine
+processes the prompt once); each has its own request id and ``Outbox``, and
+``receive()`` returns their events tagged with the choice's ``index``.
+
 Cancellation: entering is a checkpoint (the worker-thread call); ``receive()``
 raises ``Cancelled`` if the task is cancelled, and waits only when nothing is
 pending; exiting is not a checkpoint.
@@ -32,13 +42,13 @@ and keeps it as ``timing`` (the access log).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
-from runtime.errors import ClientError
+from runtime.errors import ClientError, PayloadTooLarge
 from runtime.messages import (
     Delta,
     Failed,
@@ -111,11 +121,18 @@ class SessionPort(Protocol):
     @property
     def default_model(self) -> ModelKey: ...
 
+    @property
+    def kv_budget(self) -> int | None:
+        """Bytes of KV cache the engine's sequences may hold together (None: no limit)."""
+
     async def acquire(self, key: ModelKey) -> ModelHandle:
         """Wait until ``key`` is loaded and lease it (404 / 503)."""
 
     def release(self) -> None:
         """Give the lease back; synchronous."""
+
+    def drain_before(self, deadline: float) -> None:
+        """The HTTP server cuts open requests at ``deadline``: end them properly before."""
 
     def allocate_id(self) -> int: ...
 
@@ -123,14 +140,15 @@ class SessionPort(Protocol):
         self,
         submit: Submit,
         spec: TextSpec,
-        outbox: Outbox,
+        outboxes: Sequence[Outbox],
         handle: ModelHandle,
         *,
         template_key: str | None = None,
         conversation_keys: tuple[str, ...] = (),
     ) -> PromptCacheOutlook:
-        """Register with the Detokenizer and submit to the Scheduler (429 / 413 / 503);
-        returns what the prompt cache expects the lookup to reuse, or why not."""
+        """Register each of ``submit.request_ids`` with the Detokenizer (with its
+        outbox) and submit to the Scheduler (429 / 413 / 503); returns what the
+        prompt cache expects the lookup to reuse, or why not."""
 
     def close_request(self, request_id: int) -> None:
         """Withdraw; synchronous and idempotent."""
@@ -159,11 +177,14 @@ class Session:
         model: ModelKey | None = None,
         num_draft_tokens: int | None = None,
         constrain: Callable[[object, PreparedPrompt], object] | None = None,
+        n: int = 1,
+        prompt_param: str = "messages",
     ):
         """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
         (optional) the ``Submit.constraint`` (``None``: free output). Both run
         in a worker thread, tokenizer-only; a ``ClientError`` from either is a
-        400 before any byte is sent."""
+        400 before any byte is sent. ``n``: choices generated from the prompt;
+        ``prompt_param``: the request field a too-long prompt is blamed on."""
         self._runtime = runtime
         self._prepare = prepare
         self._constrain = constrain
@@ -177,10 +198,15 @@ class Session:
         self._timeout = timeout
         self._model = model
         self._num_draft_tokens = num_draft_tokens
+        self.n = n
+        self._prompt_param = prompt_param
         self._leased = False
         self._deadline = float("inf")
-        self.outbox = Outbox()
-        self.request_id: int | None = None
+        self._bell = trio.Event()  # rung by any choice's outbox (n > 1)
+        self.outboxes = tuple(Outbox(self._ring if n > 1 else None) for _ in range(n))
+        self.outbox = self.outboxes[0]
+        self.request_id: int | None = None  # choice 0's
+        self.request_ids: tuple[int, ...] = ()
         self.prompt: PreparedPrompt | None = None
         # Predicted when the request was submitted (the engine's actual lookup
         # comes with the usage: ``Usage.cached_tokens``, ``cache_miss_reason``).
@@ -216,35 +242,48 @@ class Session:
             raise ClientError(
                 f"prompt token ids must be in 0..{handle.vocab_size - 1}", param="prompt"
             )
+        prompt_tokens = len(prompt.tokens)
+        max_tokens = fit_max_tokens(
+            self.max_tokens,
+            prompt_tokens=prompt_tokens,
+            window=handle.context_window,
+            kv_bytes_per_token=handle.kv_bytes_per_token,
+            kv_budget=self._runtime.kv_budget,
+            choices=self.n,
+            param=self._prompt_param,
+        )
         spec = TextSpec(
             stop=self._stop,
             tools=self._tools,
             markup=self._markup,
             initial_state=prompt.initial_state,
-            prompt_tokens=len(prompt.tokens),
+            prompt_tokens=prompt_tokens,
         )
+        ids = tuple(self._runtime.allocate_id() for _ in range(self.n))
         submit = Submit(
-            request_id=self._runtime.allocate_id(),
+            request_id=ids[0],
+            choice_ids=ids[1:],
             prompt=prompt.tokens,
             segments=prompt.plan.segments,
             segment_types=prompt.plan.segment_types,
             sampling=self.sampling,
-            max_tokens=self.max_tokens,
+            max_tokens=max_tokens,
             logprobs=self._logprobs or self._top_logprobs > 0,
             top_logprobs=self._top_logprobs,
-            kv_bytes=handle.kv_bytes_per_token * (len(prompt.tokens) + self.max_tokens),
+            kv_bytes=handle.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
         )
         self.prompt_cache = self._runtime.open_request(
             submit,
             spec,
-            self.outbox,
+            self.outboxes,
             handle,
             template_key=prompt.template_key,
             conversation_keys=prompt.conversation_keys,
         )
         self.request_id = submit.request_id
+        self.request_ids = submit.request_ids
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self
@@ -260,16 +299,22 @@ class Session:
     def leave(self) -> None:
         """Withdraw the request and release the model; idempotent and synchronous."""
         # Synchronous on purpose: see the module docstring.
-        if self.request_id is not None:
-            self._runtime.close_request(self.request_id)
-            self.request_id = None
-        self.outbox.close()
+        for request_id in self.request_ids:
+            self._runtime.close_request(request_id)
+        self.request_ids = ()
+        self.request_id = None
+        for outbox in self.outboxes:
+            outbox.close()
         if self._leased:
             self._leased = False
             self._runtime.release()
             if not self._recorded:
                 self._recorded = True
                 self._runtime.record_request(self.timing)
+
+    def server_closing(self, deadline: float) -> None:
+        """The HTTP server will cut this request at ``deadline`` (it is shutting down)."""
+        self._runtime.drain_before(deadline)
 
     async def receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         """The next events; raises ``trio.EndOfChannel`` after the terminal one.
@@ -284,14 +329,79 @@ class Session:
     async def _receive(self) -> tuple[Progress | Delta | Terminal, ...]:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._deadline == float("inf"):  # no deadline: no cancel scope per chunk
-            return await self.outbox.get()
+            return await self._get()
         if trio.current_time() < self._deadline:
             with trio.move_on_at(self._deadline):
-                return await self.outbox.get()
+                return await self._get()
         # Past the deadline, even if events are pending (a slow reader): finish now.
         self._deadline = float("inf")
-        self._runtime.expire_request(self.request_id)
-        return await self.outbox.get()
+        for request_id in self.request_ids:
+            self._runtime.expire_request(request_id)
+        return await self._get()
+
+    async def _get(self) -> tuple[Progress | Delta | Terminal, ...]:
+        if self.n == 1:
+            return await self.outbox.get()
+        while True:
+            items = []
+            for index, outbox in enumerate(self.outboxes):
+                for item in outbox.take():
+                    if isinstance(item, Progress):  # the shared prompt's: choice 0 reports it
+                        if index == 0:
+                            items.append(item)
+                    else:
+                        items.append(attrs.evolve(item, index=index))
+            if items:
+                return tuple(items)
+            if all(outbox.finished for outbox in self.outboxes):
+                raise trio.EndOfChannel
+            await self._bell.wait()
+            self._bell = trio.Event()
+
+    def _ring(self) -> None:
+        self._bell.set()
+
+
+def fit_max_tokens(
+    requested: int,
+    *,
+    prompt_tokens: int,
+    window: int | None,
+    kv_bytes_per_token: int = 0,
+    kv_budget: int | None = None,
+    choices: int = 1,
+    param: str = "messages",
+) -> int:
+    """The ``max_tokens`` a sequence runs with: ``requested`` lowered to what the
+    context window and the KV budget leave after the prompt.
+
+    Raises a 400 (``context_length_exceeded``) when the prompt leaves no room in
+    the window for one token, and a 413 when ``choices`` copies of it cannot fit
+    the KV budget with one token each."""
+    limit = requested
+    if window is not None:
+        if prompt_tokens >= window:
+            raise ClientError(
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"{param} resulted in {prompt_tokens} tokens, which leaves no room for a reply "
+                f"(at least one token). Please reduce the length of the {param}.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        limit = min(limit, window - prompt_tokens)
+    if kv_budget and kv_bytes_per_token:
+        room = kv_budget // (kv_bytes_per_token * choices)  # tokens each choice may hold
+        if prompt_tokens >= room:
+            copies = f" x {choices} choices" if choices > 1 else ""
+            need = kv_bytes_per_token * (prompt_tokens + 1) * choices
+            raise PayloadTooLarge(
+                f"the {param} ({prompt_tokens} tokens{copies}) need about {need / 1e6:.1f} MB of "
+                f"KV cache with room for one more token, more than the server's budget of "
+                f"{kv_budget / 1e6:.1f} MB; send a shorter prompt",
+                param=param,
+            )
+        limit = min(limit, room - prompt_tokens)
+    return limit
 
 
 def _check_vocabulary(sampling: SamplingParams, vocab_size: int) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -70,6 +70,7 @@ from runtime.outbox import Outbox
 log = logging.getLogger(__name__)
 
 SHUTDOWN_RETRY_AFTER = 5  # seconds: a restarted server is back in about that long
+DRAIN_MARGIN = 1.0  # seconds between ending open requests and the HTTP server cutting them
 
 
 def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
@@ -187,6 +188,22 @@ class Runtime:
     def default_model(self) -> ModelKey:
         return self.model_loader.core.default
 
+    @property
+    def kv_budget(self) -> int | None:
+        return self.scheduler.core.kv_budget
+
+    def context_window(self, key: ModelKey | None = None) -> int | None:
+        """The context window of ``key`` (default: the served model), once it has loaded."""
+        return self.model_loader.core.context_windows.get(key or self.default_model)
+
+    @property
+    def startup_failure(self) -> str | None:
+        """Why the served model could not be loaded at start (it never was), else None."""
+        loader = self.model_loader.core
+        if loader.state is ModelState.FAILED and not loader.context_windows:
+            return loader.reason or "the model failed to load"
+        return None
+
     def allocate_id(self) -> int:
         return self.scheduler.core.allocate_id()
 
@@ -210,6 +227,14 @@ class Runtime:
         if self._nursery is not None:
             self._nursery.start_soon(self._end_open_requests, grace)
 
+    def drain_before(self, deadline: float) -> None:
+        """The HTTP server will cut open requests at ``deadline`` (trio time): drain,
+        so that they end properly ``DRAIN_MARGIN`` seconds before (once)."""
+        if self.accepting:
+            grace = max(0.0, deadline - trio.current_time() - DRAIN_MARGIN)
+            log.info("the HTTP server is shutting down: open requests end in %.1f s", grace)
+            self.drain(grace)
+
     async def _end_open_requests(self, grace: float) -> None:
         await trio.sleep(grace)
         failure = Failed(
@@ -225,17 +250,19 @@ class Runtime:
         self,
         submit: Submit,
         spec: TextSpec,
-        outbox: Outbox,
+        outboxes: Sequence[Outbox],
         handle: ModelHandle,
         *,
         template_key: str | None = None,
         conversation_keys: tuple[str, ...] = (),
     ) -> PromptCacheOutlook:
-        """Register and submit; returns the prompt cache's predicted outlook."""
+        """Register and submit (each of ``submit.request_ids`` with its outbox);
+        returns the prompt cache's predicted outlook."""
         if not self.accepting:
             raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
         core = self.detokenizer.core
-        core.open(submit.request_id, spec, outbox, handle.tokenizer)
+        for request_id, outbox in zip(submit.request_ids, outboxes, strict=True):
+            core.open(request_id, spec, outbox, handle.tokenizer)
         try:
             outlook = self.prompt_cache.open(
                 submit.request_id,
@@ -246,7 +273,8 @@ class Runtime:
             )
             self.scheduler.submit(submit)
         except BaseException:
-            core.close(submit.request_id)
+            for request_id in submit.request_ids:
+                core.close(request_id)
             self.prompt_cache.close(submit.request_id)
             raise
         return outlook
@@ -306,6 +334,8 @@ class Runtime:
             "mode": "process" if self.model_loader.engine_process is not None else "thread",
             "pid": (loader.handle.engine_pid or os.getpid()) if loader.handle is not None else None,
         }
+        if loader.handle is not None:
+            body["max_model_len"] = loader.handle.context_window
         if loader.handle is not None and loader.handle.ranks > 1:
             body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}
         if self.dead or loader.state is not ModelState.READY or not self.accepting:

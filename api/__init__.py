@@ -2,9 +2,11 @@
 
 ``app`` is a thin ASGI callable that builds the real Quart-Trio app on its
 first call (the lifespan startup), from ``MLX_TRIO_<SETTING>`` environment
-variables; so importing ``api.schemas`` or ``api.server`` has no side effects,
-and a bad setting fails the server's start-up loudly. Its logging set-up
-prints each of Hypercorn's lines once.
+variables, after making sure the served model is on this machine
+(``runtime.model_fetch``: downloaded on first use); so importing
+``api.schemas`` or ``api.server`` has no side effects, and a bad setting or
+a model that cannot be had fails the server's start-up loudly. Its logging
+set-up prints each of Hypercorn's lines once.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ class _AppFromEnvironment:
         if self._app is None:
             import logging
 
+            from api.generation import WATCH_SERVER_DEADLINE
             from api.server import create_app
             from runtime.config import config_from_env
+            from runtime.model_fetch import fetch_served_model
 
             config = config_from_env()
             logging.basicConfig(
@@ -27,13 +31,16 @@ class _AppFromEnvironment:
                 format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             )
             _one_line_per_event()
+            fetch_served_model(config)  # before serving: a missing model fails the start-up
             self._app = create_app(config)
+            # Hypercorn's shutdown shows only as a deadline on the requests' tasks.
+            self._app.config[WATCH_SERVER_DEADLINE] = True
         return self._app
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             app = self.build()
-        except (SystemExit, ValueError) as exc:  # ConfigError, unsupported settings
+        except (SystemExit, ValueError, RuntimeError) as exc:  # settings, a missing model
             message = f"mlx-trio-server cannot start: {exc}"
             if scope["type"] == "lifespan":
                 await receive()  # lifespan.startup

@@ -10,10 +10,16 @@ structured into ``ServerConfig`` by ``config_from_mapping``, as the
 environment's are. ``--markdown`` prints the settings table of
 docs/configuration.md (made from the same metadata) and exits.
 
-``main`` serves the app with Hypercorn's trio worker in this process, its
-log lines through this process's one logging set-up (one line per event).
-SIGINT/SIGTERM trigger a graceful shutdown: the app stops admitting, then the
-runtime is cancelled.
+``main`` first makes sure the served model is on this machine
+(``runtime.model_fetch``: downloaded on first use, or a plain message and
+exit status 1 when it cannot be had), then serves the app with Hypercorn's
+trio worker in this process, its log lines through this process's one
+logging set-up (one line per event). A shutdown begins on SIGINT or SIGTERM,
+when the served model fails to load at start (exit status 1), or, for a rank
+of a distributed launch, when the launcher that started it is gone (exit
+status 1): Hypercorn stops accepting, and ``Runtime.drain`` refuses new
+requests and, ``--shutdown-grace`` seconds later, ends every open one
+properly, before Hypercorn's graceful timeout (2 s longer) would cut them.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Any
 import trio
 
 from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_mapping
+from runtime.distributed import ParentWatch
+from runtime.model_fetch import ModelUnavailable, fetch_served_model
 from runtime.settings import BOOLEAN, Setting, TextFormat
 
 TABLE_BEGIN = "<!-- settings table: made by `python -m api.cli --markdown`; do not edit -->"
@@ -120,29 +128,62 @@ class _PrintSettingsTable(argparse.Action):
 # ------------------------------------------------------------------ serving
 
 
-async def _serve(app, config) -> None:
+DRAIN_MARGIN = 2.0  # seconds between the runtime ending open requests and Hypercorn cutting them
+WATCH_SECONDS = 0.5  # how often the start-up failure and a rank's launcher are looked at
+
+
+async def _serve(app, config, parent: ParentWatch | None = None) -> int:
+    """Serve until a shutdown; returns the exit status."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve
 
     hyper = HypercornConfig()
     hyper.bind = [f"{config.host}:{config.port}"]
     hyper.backlog = 1024
-    hyper.graceful_timeout = 10
+    hyper.graceful_timeout = config.shutdown_grace + DRAIN_MARGIN
     hyper.startup_timeout = 600
     # One line per event: Hypercorn logs through our handlers (given a Logger, it adds
     # none of its own), and the access log is ours (api.observability: mlx_trio.access).
     hyper.accesslog = None
     hyper.errorlog = logging.getLogger("hypercorn.error")
+    runtime = app.extensions["runtime"]
+    status = [0]
 
     async def shutdown_trigger() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                logging.getLogger(__name__).info(
-                    "received %s: shutting down", signal.Signals(signum).name
-                )
-                return
+        reason, status[0] = await _shutdown_reason(runtime, parent)
+        logger = logging.getLogger(__name__)
+        (logger.error if status[0] else logger.info)("%s: shutting down", reason)
+        runtime.drain(config.shutdown_grace)
 
     await serve(app, hyper, shutdown_trigger=shutdown_trigger)
+    return status[0]
+
+
+async def _shutdown_reason(runtime, parent: ParentWatch | None) -> tuple[str, int]:
+    """Wait for a reason to stop: (what happened, exit status)."""
+    found: list[tuple[str, int]] = []
+    async with trio.open_nursery() as nursery:
+
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    found.append((f"received {signal.Signals(signum).name}", 0))
+                    break
+            nursery.cancel_scope.cancel()
+
+        async def on_failure() -> None:
+            while not found:
+                await trio.sleep(WATCH_SECONDS)
+                failure = runtime.startup_failure
+                if failure is not None:
+                    found.append((f"the model could not be loaded ({failure})", 1))
+                elif parent is not None and parent.gone():
+                    found.append((f"the launcher (pid {parent.pid}) is gone", 1))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        nursery.start_soon(on_failure)
+    return found[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,20 +199,29 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
+    # The launcher is our parent now; if it dies first, we are re-parented.
+    parent = ParentWatch() if rank is not None else None
     problems = config.unsupported()
     if problems:
         sys.exit("mlx-trio-server: " + "; ".join(problems))
+    try:
+        fetch_served_model(config)
+    except ModelUnavailable as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        sys.exit(1)
     if is_follower():
         # Ranks other than 0 serve no HTTP: they step the engine in lockstep with rank 0.
         from runtime.engine.loop import run_follower
 
-        _exit_distributed(run_follower(config))
+        _exit_distributed(run_follower(config, parent))
     from api.server import create_app
 
     app = create_app(config)
-    trio.run(_serve, app, config)
+    status = trio.run(_serve, app, config, parent)
     if rank is not None:
-        _exit_distributed(0)
+        _exit_distributed(status)
+    if status:
+        sys.exit(status)
 
 
 def _exit_distributed(code: int) -> None:

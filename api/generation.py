@@ -18,6 +18,14 @@ Every successful answer carries the ``x-prompt-cache`` header
 when the request was submitted (the headers go out before the engine looks),
 a JSON one what the engine's lookup did (``Usage``).
 
+Shutdown under ``hypercorn api:app`` (``WATCH_SERVER_DEADLINE`` in the app's
+config): Hypercorn tells the app nothing when it begins a graceful shutdown,
+but it puts a deadline (its graceful timeout) on every request's task. A
+request that sees one while it waits for its next events tells the runtime
+(``Session.server_closing``), which ends every open request properly a
+little before (``Runtime.drain_before``). ``mlx-trio-server`` drains on the
+signal itself (``api.cli``).
+
 Also here: what both completion endpoints and the agent APIs take from a
 request's sampling fields (``sampling_params``) and deadline (``deadline``).
 """
@@ -28,7 +36,7 @@ import math
 import weakref
 
 import trio
-from quart import Response
+from quart import Response, current_app
 
 from actors.session import Session
 from api.errors import error_answer
@@ -59,6 +67,17 @@ def _outlook_headers(outlook: PromptCacheOutlook | None) -> dict[str, str]:
         return {}
     return {PROMPT_CACHE_HEADER: prompt_cache_header(outlook.reused_tokens, outlook.miss_reason)}
 
+WATCH_SERVER_DEADLINE = "MLX_TRIO_WATCH_SERVER_DEADLINE"  # app config key (hypercorn api:app)
+
+
+def _notice_server_deadline(session: Session) -> None:
+    """A finite deadline on this task is the HTTP server's graceful timeout: it is closing.
+
+    (A task already cancelled, its client gone, reads -inf: that is no shutdown.)"""
+    deadline = trio.current_effective_deadline()
+    if math.isfinite(deadline):
+        session.server_closing(deadline)
+
 
 class SessionStream:
     """The body of a streaming response: frames from an entered Session.
@@ -70,10 +89,14 @@ class SessionStream:
     The first chunk is never held back.
     """
 
-    def __init__(self, session: Session, renderer, interval: float = 0.0):
+    def __init__(
+        self, session: Session, renderer, interval: float = 0.0, *, watch_deadline: bool = False
+    ):
         self._session = session
         self._renderer = renderer
         self._interval = interval
+        self._watch_deadline = watch_deadline
+        self._open_choices = session.n  # the stream ends when each has ended (or one failed)
         self._next_send = -math.inf
         self._done = False
         self._close = weakref.finalize(self, _leave_session, session)
@@ -85,12 +108,15 @@ class SessionStream:
         while not self._done:
             if self._interval and trio.current_time() < self._next_send:
                 await trio.sleep_until(self._next_send)  # the outbox merges meanwhile
+            if self._watch_deadline:
+                _notice_server_deadline(self._session)
             try:
                 items = await self._session.receive()
             except trio.EndOfChannel:
                 self._finish()
                 break
-            if any(isinstance(i, Finished | Failed) for i in items):
+            self._open_choices -= sum(isinstance(i, Finished) for i in items)
+            if self._open_choices <= 0 or any(isinstance(i, Failed) for i in items):
                 self._finish()
             frames = self._renderer.stream_frames(items)
             if frames:  # an empty body chunk would read as the end of the stream
@@ -116,9 +142,10 @@ async def generate(
     """Enter ``session`` and answer with ``renderer``'s stream or body."""
     note_timing(session.timing)  # the access log reports its tokens and times
     await session.__aenter__()
+    watch = bool(current_app.config.get(WATCH_SERVER_DEADLINE))
     if stream:
         try:
-            body = SessionStream(session, renderer, stream_interval)
+            body = SessionStream(session, renderer, stream_interval, watch_deadline=watch)
         except BaseException:
             session.leave()
             raise
@@ -128,6 +155,8 @@ async def generate(
         return response
     try:
         while renderer.terminal is None:
+            if watch:
+                _notice_server_deadline(session)
             try:
                 items = await session.receive()
             except trio.EndOfChannel:

@@ -6,7 +6,8 @@ always sent (``content: null``, ``finish_reason: null``, ``logprobs: null``).
 
 ``ChatRenderer`` and ``TextRenderer`` turn a Session's events (``Delta``,
 ``Progress``, ``Finished``, ``Failed``) into SSE frames or one JSON body, the
-same way for streaming and non-streaming requests. Our one extension field,
+same way for streaming and non-streaming requests, for one choice
+(``index``); ``api.choices`` combines several. Our one extension field,
 ``prompt_cache`` (``PromptCacheOut``), is in the body and in a stream's chunk
 that carries the ``finish_reason``.
 """
@@ -176,7 +177,7 @@ class TextChoice:
     index: int
     text: str
     finish_reason: str | None
-    logprobs: TextLogprobs | None
+    logprobs: TextLogprobs | ChatLogprobs | None  # ChatLogprobs for ``logprobs: true``
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +198,8 @@ class ModelCard:
     object: str
     created: int
     owned_by: str
+    context_length: int | None = None  # the served model's context window, once loaded
+    max_model_len: int | None = None  # the same, as vLLM names it
 
 
 @attrs.frozen(kw_only=True)
@@ -232,6 +235,7 @@ class _Renderer:
     id_prefix = "cmpl"
 
     def __init__(self, *, model: str, fingerprint: str, logprobs: bool, include_usage: bool):
+        self.index = 0  # the choice this renderer renders (api.choices sets it)
         self.id = f"{self.id_prefix}-{uuid.uuid4()}"
         self.created = int(time.time())
         self.model = model
@@ -275,18 +279,20 @@ class _Renderer:
         before, after = self._content_template
         return (before + dumps(content) + after).encode()
 
+    def delta_frames(self, item: Delta) -> bytes:
+        """The frame of one ``Delta`` (nothing if it renders to nothing)."""
+        if item.content and not (item.reasoning or item.tool_calls or self.want_logprobs):
+            return self.content_frame(item.content)
+        frame = self.delta_chunk(item)
+        return b"" if frame is None else sse(unstructure(frame))
+
     def stream_frames(self, items) -> bytes:
         out = []
         for item in items:
             if isinstance(item, Progress):
                 out.append(keepalive(item))
             elif isinstance(item, Delta):
-                if item.content and not (item.reasoning or item.tool_calls or self.want_logprobs):
-                    out.append(self.content_frame(item.content))
-                    continue
-                frame = self.delta_chunk(item)
-                if frame is not None:
-                    out.append(sse(unstructure(frame)))
+                out.append(self.delta_frames(item))
             elif isinstance(item, Finished):
                 out.append(sse(unstructure(self.final_chunk(item))))
                 if self.include_usage:
@@ -306,6 +312,33 @@ class _Renderer:
 
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def _legacy_top(entry: TokenLogprob) -> dict[str, float]:
+    """The N most likely, best first, then the sampled token if it is not among them
+    (tokens that read the same keep the best logprob: the keys are texts)."""
+    top: dict[str, float] = {}
+    for _, text, lp in entry.top:
+        top.setdefault(text, lp)
+    top.setdefault(entry.text, entry.logprob)
+    return top
+
+
+def chat_logprobs(entries) -> ChatLogprobs:
+    """Per-token logprobs as chat gives them (and text completions with ``logprobs: true``)."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e.text,
+                logprob=e.logprob,
+                bytes=_bytes(e.text),
+                top_logprobs=[
+                    TopLogprob(token=text, logprob=lp, bytes=_bytes(text)) for _, text, lp in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
 
 
 class ChatRenderer(_Renderer):
@@ -335,19 +368,7 @@ class ChatRenderer(_Renderer):
     def _logprobs_out(self, entries) -> ChatLogprobs | None:
         if not self.want_logprobs:
             return None
-        return ChatLogprobs(
-            content=[
-                ChatTokenLogprob(
-                    token=e.text,
-                    logprob=e.logprob,
-                    bytes=_bytes(e.text),
-                    top_logprobs=[
-                        TopLogprob(token=text, logprob=lp, bytes=_bytes(text)) for _, text, lp in e.top
-                    ],
-                )
-                for e in entries
-            ]
-        )
+        return chat_logprobs(entries)
 
     def _chunk(
         self, delta: ChatDelta, finish_reason, logprobs=None, usage=None, prompt_cache=None
@@ -358,7 +379,11 @@ class ChatRenderer(_Renderer):
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)]
+            choices=[
+                ChatChunkChoice(
+                    index=self.index, delta=delta, finish_reason=finish_reason, logprobs=logprobs
+                )
+            ]
             if usage is None
             else [],
             usage=usage,
@@ -408,7 +433,7 @@ class ChatRenderer(_Renderer):
                 system_fingerprint=self.fingerprint,
                 choices=[
                     ChatChoice(
-                        index=0,
+                        index=self.index,
                         message=message,
                         finish_reason=self.terminal.finish_reason,
                         logprobs=self._logprobs_out(self.logprobs),
@@ -421,15 +446,22 @@ class ChatRenderer(_Renderer):
 
 
 class TextRenderer(_Renderer):
+    """``logprobs_form``: ``"legacy"`` (OpenAI's completions shape: tokens,
+    token_logprobs, top_logprobs with the sampled token among them, text_offset)
+    or ``"content"`` (chat's shape, for mlx_lm.server's ``logprobs: true``)."""
+
     id_prefix = "cmpl"
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, logprobs_form: str = "legacy", **kwargs):
         super().__init__(**kwargs)
+        self.logprobs_form = logprobs_form
         self._offset = 0
 
-    def _logprobs_out(self, entries) -> TextLogprobs | None:
+    def _logprobs_out(self, entries) -> TextLogprobs | ChatLogprobs | None:
         if not self.want_logprobs:
             return None
+        if self.logprobs_form == "content":
+            return chat_logprobs(entries)
         offsets = []
         for e in entries:
             offsets.append(self._offset)
@@ -437,7 +469,8 @@ class TextRenderer(_Renderer):
         return TextLogprobs(
             tokens=[e.text for e in entries],
             token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{text: lp for _, text, lp in e.top} for e in entries],
+            # The N most likely, and always the sampled token (OpenAI: up to N + 1).
+            top_logprobs=[_legacy_top(e) for e in entries],
             text_offset=offsets,
         )
 
@@ -450,7 +483,11 @@ class TextRenderer(_Renderer):
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[TextChoice(index=0, text=text, finish_reason=finish_reason, logprobs=logprobs)]
+            choices=[
+                TextChoice(
+                    index=self.index, text=text, finish_reason=finish_reason, logprobs=logprobs
+                )
+            ]
             if usage is None or finish_reason is not None
             else [],
             usage=usage,

@@ -69,6 +69,7 @@ class GenerationFields:
 
     model: str = "default_model"
     max_tokens: int | None = bounded(1)
+    max_completion_tokens: int | None = bounded(1)  # OpenAI's newer name; wins over max_tokens
     temperature: float | None = bounded(0)
     top_p: float | None = bounded(0, 1)
     top_k: int | None = bounded(0)
@@ -79,7 +80,7 @@ class GenerationFields:
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = bounded(0, 2**63 - 1)
-    n: int = bounded(1, 1, default=1, message="only n=1 is supported")
+    n: int = bounded(1, default=1)  # at most the server's --max-choices (the route checks)
     xtc_probability: float = bounded(0, 1, default=0.0)
     xtc_threshold: float = bounded(0, 0.5, default=0.1)
     repetition_penalty: float = bounded(0, default=0.0)
@@ -109,6 +110,12 @@ class GenerationFields:
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def token_limit(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
 
 def _function_tools(name: str, tools: list[Any]) -> None:
     for i, tool in enumerate(tools):
@@ -119,7 +126,6 @@ def _function_tools(name: str, tools: list[Any]) -> None:
 @attrs.frozen(kw_only=True)
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = constrained(nonempty=True)
-    max_completion_tokens: int | None = bounded(1)
     logprobs: bool = False
     top_logprobs: int | None = bounded(0, MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = constrained(
@@ -176,10 +182,6 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     role_mapping: dict[str, str] | None = None
 
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
 
 @attrs.frozen(kw_only=True)
 class CompletionRequest(GenerationFields):
@@ -188,12 +190,26 @@ class CompletionRequest(GenerationFields):
         # documentation only: the Session checks the ids against the model's vocabulary
         schema={"array": {"items": {"type": "integer", "minimum": 0}}},
     )
-    logprobs: int | None = bounded(0, MAX_TOP_LOGPROBS)
+    # An integer N (OpenAI's legacy form): the sampled token's logprob and the N most
+    # likely; true / false (mlx_lm.server's form): per-token logprobs as chat gives them.
+    logprobs: bool | int | None = bounded(0, MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = bounded(0, MAX_TOP_LOGPROBS)  # with logprobs: true
     echo: bool = constrained(False, choices=(False,), message="echo is not supported")
 
     @property
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    def logprobs_form(self) -> str | None:
+        """``"legacy"`` (an integer), ``"content"`` (true, or ``top_logprobs`` alone) or None."""
+        if isinstance(self.logprobs, bool):
+            return "content" if self.logprobs or self.top_logprobs else None
+        if self.logprobs is not None:
+            return "legacy"
+        return "content" if self.top_logprobs else None
+
+    @property
+    def top_logprobs_wanted(self) -> int:
+        if self.logprobs_form == "legacy":
+            return int(self.logprobs)
+        return self.top_logprobs or 0
 
 
 @attrs.frozen(kw_only=True)

@@ -200,11 +200,13 @@ class ServerConfig:
     )
     distributed_timeout: float = setting(
         60.0,
-        help="seconds without an engine step or heartbeat before rank 0 reports the group lost",
+        help="seconds without an engine step or heartbeat before rank 0 reports the group lost "
+        "(and a follower rank, not hearing from rank 0, leaves)",
         above=0,
         ours=True,
         notes="A rank died or hung: `/health` 503, requests 503. Keep it above your slowest "
-        "single step (a long prefill chunk).",
+        "single step (a long prefill chunk). A rank whose launcher is gone leaves within a "
+        "second, whatever this is ([distributed.md](distributed.md#failures)).",
     )
     engine_mode: str = setting(
         "process",
@@ -212,11 +214,11 @@ class ServerConfig:
         choices=ENGINE_MODES,
         ours=True,
         notes="`process`: each model's engine runs in a child process of the server "
-        "(`runtime/engine_process.py`): a crash of native code there (a segfault in MLX) is an "
+        "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
         "engine crash that restarts, not the end of the server, and a swapped-out model's "
         "memory goes back to the system with its process. `thread`: the engine runs on a "
         "thread of the server process, as before. Throughput is the same within the noise of "
-        "our measurements ([performance.md](performance.md#engine-process-or-engine-thread)). "
+        "our measurements ([lab notes](benchmarks/2026-11-29-issue5.md#engine-process-or-engine-thread)). "
         "A distributed launch always uses `thread`.",
     )
     admission_window_ms: float = setting(
@@ -231,7 +233,7 @@ class ServerConfig:
         "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
         "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
         "tokens/s, TTFT p50 from 692-760 to 401-411 ms "
-        "([performance.md](performance.md#the-admission-window)). Always off in a "
+        "([lab notes](benchmarks/2026-11-29-issue5.md#the-admission-window)). Always off in a "
         "distributed launch (each rank's clock would end it at a different step).",
     )
     prompt_cache_min_reuse: int = setting(
@@ -257,6 +259,37 @@ class ServerConfig:
         "2.5-2.7 tokens per chunk, +5-11 % tokens/s, at the price of coarser streaming and an "
         "up to this much later final chunk. 0 sends every engine step's tokens at once, as "
         "mlx_lm.server does.",
+    )
+    max_model_len: int | None = setting(
+        None,
+        help="the context window: most tokens (prompt + generated) one sequence may hold",
+        above=0,
+        ours=True,
+        default_text="the model's",
+        notes="The model's is its config's `max_position_embeddings`, or its tokenizer's "
+        "`model_max_length` where that is smaller (and not the 'no limit' sentinel). A longer "
+        "prompt (or one that leaves no room for a token) is a 400 `context_length_exceeded`; "
+        "`max_tokens` is lowered to what the window leaves "
+        "([api.md](api.md#the-context-window)). As vLLM names it.",
+    )
+    max_choices: int = setting(
+        8,
+        help="largest n a request may ask for (choices generated from one prompt)",
+        above=0,
+        ours=True,
+        notes="The choices run as n sequences of the batch; the prompt is processed once "
+        "([api.md](api.md#several-choices-n)).",
+    )
+    shutdown_grace: float = setting(
+        8.0,
+        help="seconds open requests get to finish after SIGTERM or SIGINT; then each ends "
+        "properly (finish_reason \"abort\", an error event and [DONE] for a stream, 503 for a "
+        "waiting request)",
+        minimum=0,
+        ours=True,
+        notes="`mlx-trio-server` gives Hypercorn a graceful timeout 2 s longer, so that no "
+        "stream is cut. Under `hypercorn api:app` see "
+        "[operations.md](operations.md#signals-and-shutdown).",
     )
 
     api_key: tuple[str, ...] = setting(

@@ -23,6 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -52,6 +56,82 @@ def launched_rank() -> int | None:
 def is_follower() -> bool:
     rank = launched_rank()
     return rank is not None and rank > 0
+
+
+class ParentWatch:
+    """Whether the process that started this one (``mlx.launch``) is gone.
+
+    Made when the process starts: its parent then is the launcher. A parent
+    that dies leaves its children re-parented (to init or a subreaper), which
+    ``gone`` sees; ``mx.distributed`` does not notice a dead launcher, so its
+    ranks would otherwise serve on. A process started by init itself has no
+    launcher to watch."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = os.getppid() if pid is None else pid
+
+    def gone(self) -> bool:
+        return self.pid > 1 and os.getppid() != self.pid
+
+
+def leave_now(status: int) -> None:
+    """End this process at once (logs flushed): a follower rank has nothing to clean up."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the launcher held the other end of the pipe
+    os._exit(status)
+
+
+class LeaderWatch:
+    """A follower rank's watchdog thread: it leaves (status 1) when its launcher is
+    gone, or when rank 0 has sent nothing for ``timeout`` seconds (rank 0 shares
+    a step or a heartbeat every ``HEARTBEAT_SECONDS``; ``tick`` records each).
+
+    The follower's main thread may be blocked in a collective for ever (rank 0
+    frozen, or gone without closing its sockets), so the watch runs beside it.
+    Silence counts from the first ``tick`` (after the model has loaded)."""
+
+    def __init__(
+        self,
+        parent: ParentWatch | None,
+        timeout: float,
+        *,
+        interval: float = 0.5,
+        leave: Callable[[int], None] = leave_now,
+    ):
+        self.parent = parent
+        self.timeout = timeout
+        self.interval = interval
+        self._leave = leave
+        self._last: float | None = None
+
+    def tick(self) -> None:
+        self._last = time.monotonic()
+
+    def reason(self) -> str | None:
+        """Why this rank should leave now, or None."""
+        if self.parent is not None and self.parent.gone():
+            return f"the launcher (pid {self.parent.pid}) is gone"
+        if self._last is not None:
+            silent = time.monotonic() - self._last
+            if silent > self.timeout:
+                return f"rank 0 has sent no step or heartbeat for {silent:.0f} s"
+        return None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="leader-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            reason = self.reason()
+            if reason is not None:
+                log.error("%s; this rank leaves", reason)
+                self._leave(1)
+                return
 
 
 @attrs.define

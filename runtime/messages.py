@@ -138,6 +138,14 @@ class Submit:
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
     # Structured outputs / tool choice: a runtime.grammar.ConstraintSpec (picklable), or None
     constraint: Any = None
+    # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
+    # once and starts each from a copy of choice 0's cache (runtime.engine.choices).
+    choice_ids: tuple[int, ...] = ()
+
+    @property
+    def request_ids(self) -> tuple[int, ...]:
+        """Every sequence this Submit starts: choice 0 (``request_id``), then the others."""
+        return (self.request_id, *self.choice_ids)
 
 
 @attrs.frozen(kw_only=True)
@@ -262,6 +270,7 @@ class EngineStats:
     abort_wait_steps_max: int = 0
     # Tokens: of the prompts admitted (cached ones included), and generated.
     prompt_tokens: int = 0
+    prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)
     generated_tokens: int = 0
     # Steps with sequences in the batch: their duration and batch size, counted per
     # bucket (one count per bound of STEP_SECONDS_BUCKETS / BATCH_SIZE_BUCKETS, then +Inf).
@@ -320,6 +329,7 @@ class ModelHandle:
     engine_pid: int | None = None  # the process that runs the engine (None: this one)
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"
+    context_window: int | None = None  # most tokens a sequence may hold (None: unknown)
 
 
 @attrs.frozen(kw_only=True)
@@ -352,6 +362,7 @@ class EngineReady:
     kv_budget: int
     eos_token_ids: tuple[int, ...]
     pid: int
+    context_window: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -419,6 +430,7 @@ class Delta:
     reasoning: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice (n > 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -432,6 +444,7 @@ class Finished:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
+    index: int = 0  # the choice (n > 1)
 
 
 @attrs.frozen(kw_only=True)
@@ -441,6 +454,7 @@ class Failed:
     type: str = "server_error"
     retry_after: int | None = None  # seconds, for a 429 or 503
     usage: Usage | None = None  # what was generated before the failure, if it had started
+    index: int = 0  # the choice (n > 1)
 
 
 Terminal = Finished | Failed

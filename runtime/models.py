@@ -34,6 +34,7 @@ import attrs
 
 from runtime.config import ServerConfig
 from runtime.errors import NotFound
+from runtime.model_fetch import cached_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ def resolve_model(config: ServerConfig) -> tuple[str, str]:
     lacks its weights, a tiny random model built on first use.
     """
     if config.model:
-        return config.model, config.model
+        # A Hugging Face repository fetched at start (runtime.model_fetch) loads
+        # from its snapshot in the local cache, under the id the user gave.
+        return config.model, cached_snapshot(config.model) or config.model
     demo = demo_model_dir()
     if (demo / "model.safetensors").exists():
         return DEMO_MODEL_ID, str(demo)
@@ -100,12 +103,15 @@ class ModelPolicy:
         folder); a 404 if the policy does not allow it. Only stats the disk."""
         if self.anything or name in self.names:
             return name
-        path = Path(name).expanduser()
-        if self.models_dir is not None:
+        try:
+            path = Path(name).expanduser()
+        except RuntimeError:  # ~user of no such user: no path of ours
+            path = None
+        if path is not None and self.models_dir is not None:
             inside = path if path.is_absolute() else self.models_dir / path
             if _within(inside, self.models_dir):
                 return str(inside)
-        if path.exists() and any(_same_path(name, entry) for entry in self.names):
+        if any(_same_path(name, entry) for entry in self.names):
             return name
         raise NotFound(
             f"{param} {name!r} is not served here (this server serves its own model and those "
@@ -191,7 +197,7 @@ def resolve_key(
 def _same_path(a: str, b: str) -> bool:
     try:
         return os.path.exists(a) and Path(a).resolve() == Path(b).resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # too long for a file name; ~user of no such user
         return False
 
 

@@ -12,13 +12,18 @@ safe in cleanup that runs while cancelled; puts after ``close()`` are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from runtime.messages import Delta, Failed, Finished, Progress, TokenLogprob, ToolCall
 
 
 class Outbox:
-    def __init__(self) -> None:
+    def __init__(self, on_put: Callable[[], None] | None = None) -> None:
+        """``on_put`` is called whenever something is put (several choices of one
+        request wait on all their outboxes at once: ``actors.session``)."""
+        self._on_put = on_put
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._tool_calls: list[ToolCall] = []
@@ -39,6 +44,16 @@ class Outbox:
     def has_terminal(self) -> bool:
         return self._terminal is not None or self._delivered_terminal
 
+    @property
+    def finished(self) -> bool:
+        """Nothing more will come out: closed, or the terminal was taken."""
+        return self._closed or self._delivered_terminal
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        if self._on_put is not None:
+            self._on_put()
+
     def put_delta(
         self,
         *,
@@ -56,24 +71,24 @@ class Outbox:
         self._tool_calls.extend(tool_calls)
         self._logprobs.extend(logprobs)
         if content or reasoning or tool_calls or logprobs:
-            self._wakeup.set()
+            self._wake()
 
     def put_progress(self, progress: Progress) -> None:
         if self._closed or self.has_terminal:
             return
         self._progress = progress
-        self._wakeup.set()
+        self._wake()
 
     def put_terminal(self, message: Finished | Failed) -> None:
         """The one terminal message; later terminals are ignored."""
         if self._closed or self.has_terminal:
             return
         self._terminal = message
-        self._wakeup.set()
+        self._wake()
 
     def close(self) -> None:
         self._closed = True
-        self._wakeup.set()
+        self._wake()
 
     # -------------------------------------------------------------- consumer
 

@@ -98,6 +98,9 @@ SERVER_MODULES = {
     "test_agent_clis",
     "test_structured_outputs_server",
     "test_operations_server",
+    "test_limits",
+    "test_shutdown",
+    "test_model_fetch",
 }
 DISTRIBUTED_MODULES = {"test_distributed"}
 

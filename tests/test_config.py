@@ -144,6 +144,7 @@ TEXT_VALUES = {
     "admission_window_ms": "5", "prompt_cache_min_reuse": "0", "stream_interval_ms": "40",
     "api_key": "key-1, key-2", "api_key_file": "/etc/mlx-trio/keys",
     "allowed_models": "org/model,/models/m", "models_dir": "/models",
+    "max_model_len": "4096", "max_choices": "2", "shutdown_grace": "3.5",
 }
 
 

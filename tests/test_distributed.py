@@ -304,3 +304,59 @@ def test_mlx_launch_starts_a_serving_group(llama_model_path, tmp_path):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (its launcher, the parent, is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_killing_the_launcher_ends_both_ranks(llama_model_path, tmp_path):
+    """mlx.launch killed outright (no chance to stop its ranks): both leave within seconds.
+
+    (What they log then goes nowhere: the launcher held their output pipes.)"""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed beside this interpreter")
+    port = free_port()
+    log = (tmp_path / "launch.log").open("wb")
+    proc = subprocess.Popen(
+        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+         "--", *server_command(llama_model_path, port, "--distributed-backend", "ring")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", [proc])
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)],
+                             capture_output=True, text=True).stdout
+        ranks = [int(pid) for pid in out.split()]  # bash exec'd each rank: the launcher's children
+        assert len(ranks) == 2
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_exited(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its launcher"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in ranks:
+            if not _exited(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_frozen_rank0_makes_the_follower_leave(llama_model_path, tmp_path):
+    g = Group(llama_model_path, tmp_path, "--distributed-timeout", "3")
+    try:
+        g.procs[0].send_signal(signal.SIGSTOP)  # rank 0 stops sending heartbeats
+        t0 = time.monotonic()
+        assert g.procs[1].wait(20) == 1
+        assert time.monotonic() - t0 < 10
+        assert "rank 0 has sent no step or heartbeat" in g.log(1)
+    finally:
+        g.procs[0].send_signal(signal.SIGCONT)
+        g.kill()

@@ -14,7 +14,7 @@ import pytest
 from api.server import create_app
 from runtime.config import ServerConfig
 from runtime.errors import NotFound
-from runtime.models import ModelPolicy, allowed_model_ids
+from runtime.models import ModelPolicy, allowed_model_ids, resolve_key
 from runtime.tiny_model import build_tiny_model
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, chat_body, post
@@ -71,6 +71,20 @@ def test_a_models_dir_allows_what_is_inside_it_only(models_dir, tmp_path):
         escape.symlink_to(tmp_path)
     with pytest.raises(NotFound):
         policy.allowed("escape", param="model")
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "~no-such-user-here/model"])
+def test_names_that_cannot_be_paths_are_refused_not_crashed(models_dir, name):
+    """Too long for a file name, or ``~`` of no such user: a 404, whatever the policy."""
+    served = str(models_dir / "one")
+    for config in (
+        ServerConfig(model=served),
+        ServerConfig(model=served, models_dir=str(models_dir)),
+        ServerConfig(model=served, allowed_models=(str(models_dir / "org" / "two"),)),
+    ):
+        policy = ModelPolicy.from_config(config)
+        with pytest.raises(NotFound):
+            resolve_key(config, served, served, model=name, policy=policy)
 
 
 def test_the_listing_is_what_the_policy_allows(models_dir):

@@ -59,17 +59,23 @@ async def test_overload_is_answered_with_429_and_retry_after(tiny_model_path):
                 assert body["error"]["type"] == "rate_limit_error"
 
 
-async def test_memory_admission_refuses_what_cannot_fit(tiny_model_path):
+async def test_memory_admission_refuses_what_cannot_fit(tiny_model_path, tiny_tokenizer):
     # The tiny model: 2 layers x 2 kv heads x 16 dims x (K, V) x 4 bytes = 512 bytes a token.
     app = create_app(ServerConfig(model=tiny_model_path, kv_cache_budget_bytes=40_000))
     async with app.test_app() as test_app:
         client = test_app.test_client()
         await wait_ready(client)
-        status, body, _ = await post(client, CHAT, chat_body(max_tokens=1000))
+        never_end = {str(e): -100 for e in tiny_tokenizer.eos_token_ids}
+        # 40_000 bytes hold 78 tokens: a longer prompt can never fit (413, naming it) ...
+        status, body, _ = await post(client, CHAT, chat_body("w " * 100, max_tokens=8))
         assert status == 413
-        assert body["error"]["param"] == "max_tokens"
-        status, _, _ = await post(client, CHAT, chat_body(max_tokens=8))
+        assert body["error"]["param"] == "messages"
+        # ... while a large max_tokens is lowered to what the budget leaves, and served.
+        status, body, _ = await post(client, CHAT, chat_body(max_tokens=1000, logit_bias=never_end))
         assert status == 200
+        usage = body["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 40_000 // 512
+        assert body["choices"][0]["finish_reason"] == "length"
         # Requests that fit alone but not together wait for room instead of overcommitting.
         runtime = app.extensions["runtime"]
         peak = []

@@ -219,7 +219,7 @@ def _wait_idle(base: str, seconds: float = 5.0) -> dict:
 def test_disconnect_during_a_long_prefill_stops_it(small_prefill_server):
     base = small_prefill_server
     host, port = base.removeprefix("http://").split(":")
-    long_prompt = " ".join(f"word{i}" for i in range(600))
+    long_prompt = " ".join(f"word{i}" for i in range(300))  # ~1700 tokens: inside the window
     request = raw_chat_request(host, {
         "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 50, "stream": True,
     })

@@ -22,7 +22,9 @@ TOKENS = [f"w{i} " for i in range(20)]
 
 
 class OutboxSession:
-    """What SessionStream uses of a Session: receive() and leave()."""
+    """What SessionStream uses of a Session: receive(), leave() and n (one choice)."""
+
+    n = 1
 
     def __init__(self) -> None:
         self.outbox = Outbox()

@@ -17,6 +17,7 @@ from typing import Any
 from quart import Blueprint
 
 from actors.system import Runtime
+from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
 from api.http import fingerprint, read_json
@@ -95,19 +96,22 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             logprobs=want_logprobs,
             top_logprobs=req.top_logprobs or 0,
             constrain=constrain,
+            prompt_param="messages",
         )
 
     @routes.post("/v1/completions")
     @routes.post("/completions")
     async def completions():
         req = structure_or_400(await read_json(), CompletionRequest)
+        form = req.logprobs_form
         return await serve(
             req,
-            TextRenderer,
+            functools.partial(TextRenderer, logprobs_form=form or "legacy"),
             functools.partial(_prepare_text, prompt=req.prompt),
             markup=False,
-            logprobs=req.logprobs is not None,
-            top_logprobs=req.logprobs or 0,
+            logprobs=form is not None,
+            top_logprobs=req.top_logprobs_wanted,
+            prompt_param="prompt",
         )
 
     async def serve(
@@ -118,10 +122,15 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         markup,
         logprobs,
         top_logprobs,
+        prompt_param,
         tools=None,
         constrain=None,
     ):
         """The part of a chat or text completion that does not depend on which."""
+        if req.n > config.max_choices:
+            raise ClientError(
+                f"n must be at most {config.max_choices} (the server's --max-choices)", param="n"
+            )
         key = await rt.resolve(req.model, req.adapters, req.draft_model)
         session = rt.session(
             prepare=prepare,
@@ -136,14 +145,24 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             model=key,
             num_draft_tokens=req.num_draft_tokens,
             constrain=constrain,
+            n=req.n,
+            prompt_param=prompt_param,
         )
-        renderer = renderer_class(
+        make_renderer = functools.partial(
+            renderer_class,
             # The id /v1/models lists for the served model, whatever alias named it.
             model=rt.model_id if key == rt.default_model else req.model,
             fingerprint=system_fingerprint,
             logprobs=logprobs,
-            include_usage=req.include_usage,
         )
+        if req.n == 1:
+            renderer = make_renderer(include_usage=req.include_usage)
+        else:
+            renderer = ChoicesRenderer(
+                functools.partial(make_renderer, include_usage=False),
+                req.n,
+                include_usage=req.include_usage,
+            )
         return await generate(
             session, renderer, req.stream, stream_interval=config.stream_interval_ms / 1000
         )

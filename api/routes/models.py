@@ -1,12 +1,13 @@
 """``GET /v1/models`` and ``GET /v1/models/<id>``: the models this server can serve.
 
 Emits OpenAI's model list: exactly what a request may name
-(``Runtime.model_policy``): the served model first, then the
-``--allowed-models`` entries found on this machine and the model directories
-in ``--models-dir``, and with ``--allowed-models '*'`` the MLX models in the
-local Hugging Face cache (as mlx_lm.server lists them). Looking at the disk is
-blocking work: it runs in a worker thread, at most every ``LISTING_TTL``
-seconds (``CachedListing``), never on the event loop.
+(``Runtime.model_policy``): the served model first (with its context window,
+as ``context_length`` and vLLM's ``max_model_len``, once it has loaded), then
+the ``--allowed-models`` entries found on this machine and the model
+directories in ``--models-dir``, and with ``--allowed-models '*'`` the MLX
+models in the local Hugging Face cache (as mlx_lm.server lists them). Looking
+at the disk is blocking work: it runs in a worker thread, at most every
+``LISTING_TTL`` seconds (``CachedListing``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -68,7 +69,17 @@ def models_blueprint(rt: Runtime) -> Blueprint:
 
 def model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
     created = int(time.time())
-    cards = [ModelCard(id=rt.model_id, object="model", created=created, owned_by="mlx-trio-server")]
+    window = rt.context_window()  # known once the served model has loaded
+    cards = [
+        ModelCard(
+            id=rt.model_id,
+            object="model",
+            created=created,
+            owned_by="mlx-trio-server",
+            context_length=window,
+            max_model_len=window,
+        )
+    ]
     seen = {rt.model_id}
     for model_id in cached_models:
         if model_id not in seen:

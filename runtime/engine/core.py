@@ -20,6 +20,8 @@ itself), the requests held by the admission window, and the counters of
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
+Several choices of one request (n > 1) share its prompt's prefill
+(``runtime.engine.choices``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from typing import Any
 
 import attrs
 
+from runtime.engine.choices import (
+    PendingChoices,
+    further_choices,
+    prompt_but_last_done,
+    withdraw_waiting,
+)
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.messages import (
     BATCH_SIZE_BUCKETS,
@@ -88,6 +96,7 @@ class EngineCounters:
         factory=lambda: collections.deque(maxlen=RECENT_STEPS)
     )
     prompt_tokens: int = 0  # of the sequences admitted, cached ones included
+    prompt_tokens_computed: int = 0  # of those, given to the generator to compute
     generated_tokens: int = 0
     # Steps with sequences in the batch, per bucket (the bounds, then +Inf).
     step_seconds_counts: list[int] = attrs.field(
@@ -144,6 +153,7 @@ class _Sequence:
     logprobs: bool
     top_logprobs: int
     segment_types: list[str]  # reversed: pop() gives the next segment's type
+    save_final: bool = True  # its cache goes to the prompt cache when it finishes
 
     @property
     def wants_logprobs(self) -> bool:
@@ -216,6 +226,7 @@ class EngineCore:
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
         self._admission_batch = admission_batch
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
+        self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._by_uid: dict[int, _Sequence] = {}
         self._by_request: dict[int, _Sequence] = {}
         self._started: list[SequenceStarted] = []
@@ -228,8 +239,9 @@ class EngineCore:
     def _request_ids(self, *, held: bool = True) -> list[int]:
         """The requests the engine holds: in the generator, then (``held``) in the window."""
         ids = list(self._by_request)
+        ids += self._clones.request_ids()
         if held:
-            ids += [sub.request_id for _, sub in self._held]
+            ids += [i for _, sub in self._held for i in sub.request_ids]
         return ids
 
     @property
@@ -255,25 +267,31 @@ class EngineCore:
         else:
             raise TypeError(f"unexpected engine command {command!r}")
 
-    def _submit(self, sub: Submit) -> None:
+    def _submit(self, sub: Submit, *, start: list | None = None, clone: bool = False) -> None:
+        """Insert ``sub`` (``start``: a KV cache of all its prompt but the last token,
+        instead of the prompt cache's nearest entry; ``clone``: a further choice)."""
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
         try:
-            uid, cached, segment_types, batch_kv_bytes = self._insert(sub)
+            uid, cached, segment_types, batch_kv_bytes = self._insert(sub, start)
         except Exception as exc:  # one bad request must not take the engine down
             log.exception("request %s could not be admitted", sub.request_id)
-            self._failed.append(SequenceFailed(request_id=sub.request_id, message=str(exc)))
+            for request_id in sub.request_ids:
+                self._failed.append(SequenceFailed(request_id=request_id, message=str(exc)))
             return
         seq = _Sequence(
             request_id=sub.request_id,
             uid=uid,
             logprobs=sub.logprobs,
             top_logprobs=sub.top_logprobs,
-            segment_types=segment_types[::-1],
+            segment_types=[] if clone else segment_types[::-1],
+            save_final=not clone,
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
-        self.counters.started(cached, len(sub.prompt))
+        # A copy of the first choice's cache is no prompt-cache hit.
+        self.counters.started(cached if start is None else 0, len(sub.prompt))
+        self.counters.prompt_tokens_computed += len(sub.prompt) - cached
         self._started.append(
             SequenceStarted(
                 request_id=sub.request_id,
@@ -282,16 +300,25 @@ class EngineCore:
                 batch_kv_bytes=batch_kv_bytes,
             )
         )
+        if sub.choice_ids and len(sub.prompt) - cached > 1:
+            self._clones.wait_for(sub)  # until its prompt is processed
+        elif sub.choice_ids:  # nothing to share: the prompt cache (if anything) serves each
+            for choice in further_choices(sub):
+                self._submit(choice, clone=True)
 
-    def _insert(self, sub: Submit) -> tuple[int, int, list[str], int]:
-        """Into the generator, after the prompt cache: (uid, tokens cached, segment
-        types, the batch's KV bytes now: the prompt cache's byte budget gives way to them)."""
+    def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str], int]:
+        """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
+        cached, segment types, the batch's KV bytes now: the prompt cache's byte budget
+        gives way to them)."""
         sampler, processors, constraint = self._sampling_of(sub)
         prompt = list(sub.prompt)
-        cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
-        if cache is not None and not rest:
-            # An exact hit leaves nothing to feed the model: give back one token.
-            cache, rest = _back_off_one_token(cache, prompt)
+        if start is not None:
+            cache, rest = start, prompt[-1:]
+        else:
+            cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
+            if cache is not None and not rest:
+                # An exact hit leaves nothing to feed the model: give back one token.
+                cache, rest = _back_off_one_token(cache, prompt)
         cached = len(prompt) - len(rest)
 
         segments = [list(s) for s in sub.segments]
@@ -355,18 +382,20 @@ class EngineCore:
             self._submit(self._held.popleft()[1])
 
     def _abort(self, request_id: int) -> bool:
-        """Remove a sequence now; returns whether there was one to remove."""
-        for i, (_, sub) in enumerate(self._held):
-            if sub.request_id == request_id:
-                del self._held[i]
-                self._aborted.append(SequenceAborted(request_id=request_id))
-                return True
+        """Remove a sequence now; returns whether there was one to remove. A first
+        choice takes with it the choices still waiting for its prompt."""
+        ended = withdraw_waiting(self._held, self._clones, request_id)
+        self._aborted.extend(SequenceAborted(request_id=r) for r in ended)
+        if ended:
+            return True
         seq = self._by_request.get(request_id)
         if seq is None:
             return False  # already finished: its terminal event has been emitted
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
+        waiting = self._clones.take(request_id)
+        self._aborted.extend(SequenceAborted(request_id=c.request_id) for c in waiting)
         return True
 
     def _forget(self, seq: _Sequence) -> None:
@@ -418,6 +447,7 @@ class EngineCore:
         key = self.handle.model_key
 
         save = []
+        share = []  # first choices whose prompt is processed up to its last token
         for r in prompt_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
@@ -426,25 +456,34 @@ class EngineCore:
             progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
             if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
                 save.append(r.uid)
-        if save:
-            for uid, (cache, cache_tokens) in self._batch.extract_cache(save).items():
-                seq = self._by_uid[uid]
-                self.cache_entries.insert(
-                    key,
-                    list(cache_tokens),
-                    cache,
-                    cache_type=seq.segment_types.pop(),
-                    request_id=seq.request_id,
-                )
+            if seq.request_id in self._clones and prompt_but_last_done(r):
+                share.append(r.uid)
+        wanted = sorted(set(save) | set(share))
+        extracted = self._batch.extract_cache(wanted) if wanted else {}
+        for uid in save:
+            cache, cache_tokens = extracted[uid]
+            seq = self._by_uid[uid]
+            self.cache_entries.insert(
+                key,
+                list(cache_tokens),
+                cache,
+                cache_type=seq.segment_types.pop(),
+                request_id=seq.request_id,
+            )
+        for uid in share:  # the prompt cache may hold this very cache: only copies then
+            first = self._by_uid[uid].request_id
+            self._clones.start(first, extracted[uid][0], self._submit, own=uid not in save)
 
         for r in generation_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
                 continue
+            if seq.request_id in self._clones:  # its prompt ended with no point to share
+                self._clones.start(seq.request_id, None, self._submit)
             tokens.append(self._token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
-                if r.prompt_cache is not None and r.all_tokens is not None:
+                if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
                     self.cache_entries.insert(
                         key,
                         list(r.all_tokens),
@@ -480,6 +519,10 @@ class EngineCore:
         if seq is not None:
             self._forget(seq)
             self._failed.append(SequenceFailed(request_id=seq.request_id, message=error.message))
+            self._failed += [
+                SequenceFailed(request_id=c.request_id, message=error.message)
+                for c in self._clones.take(seq.request_id)
+            ]
 
     def _fail_all(self, message: str, *, retryable: bool = False, closing: bool = False) -> None:
         """Fail what the generator holds, and (``closing``) what the window holds."""
@@ -489,6 +532,7 @@ class EngineCore:
             )
         if closing:
             self._held.clear()
+        self._clones.clear()
         self._by_uid.clear()
         self._by_request.clear()
         if self.batch_sampler is not None:
@@ -521,6 +565,7 @@ class EngineCore:
             abort_wait_ms_max=c.abort_wait_ms_max,
             abort_wait_steps_max=c.abort_wait_steps_max,
             prompt_tokens=c.prompt_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed,
             generated_tokens=c.generated_tokens,
             step_seconds_counts=tuple(c.step_seconds_counts),
             step_seconds_sum=c.step_seconds_sum,

@@ -80,7 +80,41 @@ def load_model(
         kv_budget=default_kv_budget(),
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
+        context_window=context_window(model, tokenizer, config.max_model_len),
     )
+
+
+# Hugging Face tokenizers without a limit say int(1e30) (``VERY_LARGE_INTEGER``);
+# anything this large is no real context length.
+NO_TOKENIZER_LIMIT = 10**12
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_window(model, tokenizer, override: int | None = None) -> int | None:
+    """Most tokens one sequence may hold: ``override`` (``--max-model-len``), else the
+    model config's ``max_position_embeddings``, or the tokenizer's ``model_max_length``
+    where that is smaller and real; ``None`` when neither says."""
+    args = getattr(model, "args", None)
+    sources = [args, getattr(args, "text_config", None)]
+    from_model = None
+    for source, key in ((s, k) for s in sources for k in POSITION_KEYS):
+        value = source.get(key) if isinstance(source, dict) else getattr(source, key, None)
+        if isinstance(value, int) and value > 0:
+            from_model = value
+            break
+    limit = getattr(tokenizer, "model_max_length", None)
+    from_tokenizer = limit if isinstance(limit, int) and 0 < limit < NO_TOKENIZER_LIMIT else None
+    known = [v for v in (from_model, from_tokenizer) if v is not None]
+    window = min(known) if known else None
+    if override is not None:
+        if window is not None and override > window:
+            log.warning(
+                "--max-model-len %d is longer than the model's context window (%d tokens)",
+                override,
+                window,
+            )
+        return override
+    return window
 
 
 def _tokenizer_config(config: ServerConfig) -> dict:

@@ -12,7 +12,8 @@ ranks).
 
 ``run_follower_loop`` is a distributed rank other than 0: rank 0's commands
 in, identical steps, outputs dropped. ``run_follower`` loads such a rank's
-shard and runs it (the ``mlx-trio-server`` command on ranks > 0).
+shard and runs it (the ``mlx-trio-server`` command on ranks > 0), watched by
+a ``LeaderWatch`` (it leaves when its launcher or rank 0 is gone).
 
 Both loops end the same way (``_close``): fail what is left, release the
 batch generator, and drop the model on the thread that made its arrays.
@@ -25,7 +26,7 @@ import logging
 import queue
 from collections.abc import Callable
 
-from runtime.distributed import launched_rank
+from runtime.distributed import LeaderWatch, ParentWatch, launched_rank
 from runtime.engine.commands import drain
 from runtime.engine.core import EngineCore
 from runtime.messages import EngineCommand, Shutdown, StepOutputs
@@ -87,31 +88,43 @@ def run_engine_loop(
         gc.collect()
 
 
-def run_follower_loop(core: EngineCore) -> None:
+def run_follower_loop(core: EngineCore, on_tick: Callable[[], None] = lambda: None) -> None:
     """A distributed rank other than 0: rank 0's commands in, identical steps, outputs dropped.
 
-    Returns on ``Shutdown``; a lost peer raises from the collective.
+    Returns on ``Shutdown``; a lost peer raises from the collective. ``on_tick``
+    is called whenever rank 0 was heard from (an exchange) and after each step.
     """
     try:
-        while _apply(core, core.commands.follow()):
+        while True:
+            commands = core.commands.follow()
+            on_tick()
+            if not _apply(core, commands):
+                break
             core.step()
+            on_tick()
     finally:
         _close(core, "this rank is stopping", None)
         gc.collect()
 
 
-def run_follower(config) -> int:
-    """A rank other than 0: load its shard and step in lockstep with rank 0 until Shutdown."""
+def run_follower(config, parent: ParentWatch | None = None) -> int:
+    """A rank other than 0: load its shard and step in lockstep with rank 0 until Shutdown.
+
+    Beside it a ``LeaderWatch`` ends the process when the launcher (``parent``)
+    is gone or rank 0 falls silent for ``--distributed-timeout`` seconds."""
     from runtime.engine.loading import make_engine_core
 
     rank = launched_rank()
+    watch = LeaderWatch(parent, config.distributed_timeout)
+    watch.start()
     core = make_engine_core(config, config.model)
     if not core.commands.lockstep:
         log.error("this process was launched as rank %s but found no group", rank)
         return 1
     log.info("rank %s ready; following rank 0", rank)
+    watch.tick()
     try:
-        run_follower_loop(core)
+        run_follower_loop(core, watch.tick)
     except Exception:
         log.exception("rank %s: the engine failed", rank)
         return 1

@@ -159,6 +159,7 @@ def engine_ready(handle: ModelHandle) -> EngineReady:
         kv_budget=handle.kv_budget,
         eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
         pid=os.getpid(),
+        context_window=handle.context_window,
     )
 
 
@@ -281,6 +282,7 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
         kv_bytes_per_token=ready.kv_bytes_per_token,
         kv_budget=ready.kv_budget,
         engine_pid=ready.pid,
+        context_window=ready.context_window,
     )
 
 
