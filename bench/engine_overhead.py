@@ -32,6 +32,7 @@ step spent in the generator's ``next()`` against our code around it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import json
 import logging
@@ -129,17 +130,27 @@ class Driven:
 
 
 def closed_loop(
-    system: Driven, w: Workload, concurrency: int, requests: int, first: int, delay: float
+    system: Driven,
+    w: Workload,
+    concurrency: int,
+    requests: int,
+    first: int,
+    delay: float,
+    jitter: float = 0.0,
 ) -> dict[str, Any]:
     """``concurrency`` requests in flight; a finished one's replacement arrives ``delay``
-    seconds later (0: before the next step, as ``engine_ceiling.py`` does)."""
+    seconds later (0: before the next step, as ``engine_ceiling.py`` does), plus up to
+    ``jitter`` seconds (uniform, the same draws for every system)."""
+    import random
+
+    rng = random.Random(first)
     system.start(w, requests, first)
-    arrivals: deque[tuple[float, int]] = deque()  # (due, request), in order
+    arrivals: list[tuple[float, int]] = []  # (due, request), in order
     arrived: dict[int, float] = {}
     first_token: dict[int, float] = {}
     todo = deque(range(requests))
     for _ in range(min(concurrency, requests)):
-        arrivals.append((0.0, todo.popleft()))
+        arrivals.append((0.0, todo.popleft()))  # the first ones all at once
     tokens = 0
     step_s: list[float] = []
     decode_only: list[bool] = []
@@ -149,7 +160,7 @@ def closed_loop(
     while arrivals or system.has_work:
         now = time.perf_counter()
         while arrivals and arrivals[0][0] <= now:
-            i = arrivals.popleft()[1]
+            i = arrivals.pop(0)[1]
             arrived[i] = now
             system.admit(i)
         if not system.has_work:
@@ -165,7 +176,8 @@ def closed_loop(
             tokens += 1
             first_token.setdefault(i, ended)
             if finished and todo:
-                arrivals.append((ended + delay, todo.popleft()))
+                due = ended + delay + rng.uniform(0.0, jitter)
+                bisect.insort(arrivals, (due, todo.popleft()))
     wall = time.perf_counter() - t0
     cpu = self_cpu_s() - cpu0
     memory = memory_figures()
@@ -528,6 +540,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-concurrency", type=int, default=8)
     p.add_argument("--admission-window-ms", type=float, default=None, help="the core's")
     p.add_argument(
+        "--arrival-jitter-ms",
+        type=float,
+        default=0.0,
+        help="in-process systems: plus a uniform random delay up to this (the same draws for "
+        "every system)",
+    )
+    p.add_argument(
         "--arrival-delay-ms",
         type=float,
         default=0.0,
@@ -597,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                         r = systems[name].run(w, level, requests, first)
                     else:
                         delay = ns.arrival_delay_ms / 1000
-                        r = closed_loop(systems[name], w, level, requests, first, delay)
+                        jitter = ns.arrival_jitter_ms / 1000
+                        r = closed_loop(systems[name], w, level, requests, first, delay, jitter)
                     if profiler is not None:
                         profiler.disable()
                         path = profile_dir / f"{name}-c{level}.prof"
@@ -618,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             "levels": ns.levels,
             "rounds": ns.rounds,
             "arrival_delay_ms": ns.arrival_delay_ms,
+            "arrival_jitter_ms": ns.arrival_jitter_ms,
             "argv": sys.argv,
         }
         Path(ns.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
