@@ -6,7 +6,8 @@ they use):
 
 * ``core``: ``EngineCore``, the sans-IO state machine (commands in, one
   ``StepOutputs`` per step out) around a batch generator and the prompt cache;
-  ``EngineCounters``; ``SequenceError``.
+* ``records``: ``EngineCounters``, ``SequenceError``, ``token_logprobs``;
+* ``choices``: several choices of one request (n > 1) sharing its prefill.
 * ``serial``: ``SerialGenerator``, mlx-lm's ``stream_generate`` behind the
   batch generator's interface (draft model, quantized KV cache).
 * ``commands``: ``CommandSource`` (``LocalCommands``, ``SharedCommands`` for a

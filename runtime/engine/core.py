@@ -26,7 +26,6 @@ Several choices of one request (n > 1) share its prompt's prefill
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import time
@@ -42,9 +41,13 @@ from runtime.engine.choices import (
     withdraw_waiting,
 )
 from runtime.engine.commands import CommandSource, LocalCommands
+from runtime.engine.records import (
+    EngineCounters,
+    SequenceError,
+    back_off_one_token,
+    token_logprobs,
+)
 from runtime.messages import (
-    BATCH_SIZE_BUCKETS,
-    STEP_SECONDS_BUCKETS,
     Abort,
     EngineCommand,
     EngineStats,
@@ -62,89 +65,6 @@ from runtime.messages import (
 from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
-
-RECENT_STEPS = 8  # step end times kept to count the steps an abort waited for
-
-
-class SequenceError(Exception):
-    """A batch generator could not go on with one sequence: only its request fails.
-
-    Raised from ``next()`` (``SerialGenerator`` does, for the sequence it
-    serves); any other exception from a step fails every sequence in the batch.
-    """
-
-    def __init__(self, uid: int, message: str):
-        super().__init__(message)
-        self.uid = uid
-        self.message = message
-
-
-@attrs.define
-class EngineCounters:
-    """The engine's running totals since it was built, read into every ``EngineStats``."""
-
-    steps: int = 0
-    prefill_steps: int = 0  # steps that processed prompt tokens
-    busy_seconds: float = 0.0  # wall time inside step()
-    cache_hits: int = 0  # requests that reused a prompt-cache entry
-    cached_tokens: int = 0  # prompt tokens those entries covered
-    aborts: int = 0  # aborts that removed a sequence
-    abort_wait_ms_total: float = 0.0  # from Abort.posted_at to its removal
-    abort_wait_ms_max: float = 0.0
-    abort_wait_steps_max: int = 0  # steps finished while an abort waited
-    recent_step_ends: collections.deque[float] = attrs.field(
-        factory=lambda: collections.deque(maxlen=RECENT_STEPS)
-    )
-    prompt_tokens: int = 0  # of the sequences admitted, cached ones included
-    prompt_tokens_computed: int = 0  # of those, given to the generator to compute
-    generated_tokens: int = 0
-    # Steps with sequences in the batch, per bucket (the bounds, then +Inf).
-    step_seconds_counts: list[int] = attrs.field(
-        factory=lambda: [0] * (len(STEP_SECONDS_BUCKETS) + 1)
-    )
-    step_seconds_sum: float = 0.0
-    batch_size_counts: list[int] = attrs.field(
-        factory=lambda: [0] * (len(BATCH_SIZE_BUCKETS) + 1)
-    )
-    batch_size_sum: int = 0
-
-    def started(self, cached_tokens: int, prompt_tokens: int = 0) -> None:
-        self.prompt_tokens += prompt_tokens
-        if cached_tokens:
-            self.cache_hits += 1
-            self.cached_tokens += cached_tokens
-
-    def stepped(
-        self,
-        seconds: float,
-        *,
-        prefill: bool,
-        worked: bool,
-        batch_size: int = 0,
-        generated: int = 0,
-    ) -> None:
-        """One ``step()``; ``batch_size``: the sequences it ran (0: an empty step)."""
-        self.steps += 1
-        self.prefill_steps += prefill
-        self.busy_seconds += seconds
-        self.generated_tokens += generated
-        if worked:
-            self.recent_step_ends.append(time.monotonic())
-        if batch_size:
-            self.step_seconds_counts[bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
-            self.step_seconds_sum += seconds
-            self.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, batch_size)] += 1
-            self.batch_size_sum += batch_size
-
-    def aborted(self, posted_at: float) -> None:
-        """An abort was applied: how long it waited, in ms and in engine steps finished."""
-        wait_ms = max(0.0, (time.monotonic() - posted_at) * 1000)
-        steps = sum(1 for finished in self.recent_step_ends if finished > posted_at)
-        self.aborts += 1
-        self.abort_wait_ms_total += wait_ms
-        self.abort_wait_ms_max = max(self.abort_wait_ms_max, wait_ms)
-        self.abort_wait_steps_max = max(self.abort_wait_steps_max, steps)
-
 
 @attrs.define
 class _Sequence:
@@ -318,7 +238,7 @@ class EngineCore:
             cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
             if cache is not None and not rest:
                 # An exact hit leaves nothing to feed the model: give back one token.
-                cache, rest = _back_off_one_token(cache, prompt)
+                cache, rest = back_off_one_token(cache, prompt)
         cached = len(prompt) - len(rest)
 
         segments = [list(s) for s in sub.segments]
@@ -577,29 +497,3 @@ class EngineCore:
         """Fail whatever is still running and release the batch generator."""
         self._fail_all(reason, retryable=True, closing=True)
         return self.step()
-
-
-def _back_off_one_token(cache: list, prompt: list[int]) -> tuple[list | None, list[int]]:
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
-    if len(prompt) > 1 and can_trim_prompt_cache(cache):
-        trim_prompt_cache(cache, 1)
-        return cache, prompt[-1:]
-    return None, prompt
-
-
-def token_logprobs(lp: Any, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """The sampled token's logprob and the top ``n`` (token, logprob), best first."""
-    import mlx.core as mx
-
-    lp = lp.reshape(-1)
-    chosen = lp[token]
-    if n <= 0:
-        return chosen.item(), ()
-    n = min(n, lp.shape[-1])
-    idx = mx.argpartition(-lp, kth=n - 1)[:n]
-    vals = lp[idx]
-    order = mx.argsort(-vals)
-    idx, vals = idx[order], vals[order]
-    mx.eval(chosen, idx, vals)
-    return chosen.item(), tuple(zip(idx.tolist(), vals.tolist(), strict=True))

@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from runtime.engine.core import SequenceError
+from runtime.engine.records import SequenceError
 
 log = logging.getLogger(__name__)
 
