@@ -268,6 +268,7 @@ CORE_VARIANTS = {
     "core-lazy": "prompt-cache entries stored unevaluated (as before the fix of issue 15)",
     "core-nocache": "no prompt-cache entries stored (the ceiling drops them too)",
     "core-nowindow": "--admission-window-ms 0",
+    "core-nohold": "the window without the first-token hold (as before issue 15's fix)",
 }
 
 
@@ -300,6 +301,8 @@ class Core(Driven):
             entries.insert = lambda *args, **kwargs: None
         elif variant == "core-lazy":
             entries.insert = _lazy(entries.insert)
+        elif variant == "core-nohold":
+            self.core._awaiting_first = _NeverAwaiting()
         self.pickle_outputs = pickle_outputs
         self.builder = PromptBuilder(model_path)
         self.next_request_id = 1
@@ -384,6 +387,13 @@ class Core(Driven):
         core.handle_command(EvictCache(entry_ids=tuple(core.cache_entries.held())))
         core.cache_entries.take_events()
         return {"pickle_ms_per_step": _ms(self.pickle_s / self.steps) if self.steps else None}
+
+
+class _NeverAwaiting(set):
+    """``EngineCore._awaiting_first`` that stays empty: no first-token hold."""
+
+    def add(self, item) -> None:
+        pass
 
 
 def _lazy(insert):

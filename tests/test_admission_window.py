@@ -2,7 +2,8 @@
 
 While at least ``admission_batch`` sequences decode, a new request waits in
 the engine (not in the batch) until the window is over or ``admission_batch``
-requests wait; then they all join in one step. A small batch admits at once.
+requests wait; then they all join in one step. A small batch admits at once,
+unless a sequence waits for its first token after its prompt.
 Held requests count as active, can be aborted, and fail on close.
 """
 
@@ -69,6 +70,28 @@ def test_arrivals_wait_for_each_other_while_the_batch_is_full():
     assert len(gen.inserted) == 4
     assert {e.request_id for e in out.started} == {3, 4}
     assert set(gen.steps[-1].prompt_uids) == set(gen.inserted[2:])
+
+
+def test_an_arrival_waits_for_the_first_token_of_a_prompt_just_processed():
+    """mlx-lm gives a sequence its first token a step after its prompt; a prefill
+    started in that step would delay that token, so arrivals wait (a batch of one)."""
+    core, factory = engine(FOREVER, batch=8)
+    core.handle_command(long_submit(1))
+    out = core.step()
+    assert [p.request_id for p in out.progress] == [1] and not out.tokens
+    core.handle_command(long_submit(2))
+    assert len(factory.current.inserted) == 1  # held, though the batch is small
+    out = core.step()
+    assert [e.request_id for e in out.tokens] == [1] and not out.started
+    out = core.step()
+    assert [e.request_id for e in out.started] == [2]
+    assert [p.request_id for p in out.progress] == [2]
+    # Without a window it joins at once, and a lone request never waits.
+    core, factory = engine(0.0, batch=8)
+    core.handle_command(long_submit(1))
+    core.step()
+    core.handle_command(long_submit(2))
+    assert len(factory.current.inserted) == 2
 
 
 def test_no_window_when_distributed():

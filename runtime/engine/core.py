@@ -130,7 +130,11 @@ class EngineCore:
         that arrivals a few milliseconds apart join the batch together. Each
         join rebuilds the whole batch's KV cache (mlx-lm's prompt batch extend,
         split and filter), so on a GPU one join per arrival costs more than the
-        decoding itself (docs/performance.md); a small batch admits at once."""
+        decoding itself (docs/performance.md); a small batch admits at once.
+        With the window on, a new request also waits (as long) while a sequence
+        has its prompt processed but not yet its first token: mlx-lm gives that
+        token two steps after the prefill, and a prefill started in between
+        (it runs in the same step) would delay it by its whole length."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -146,6 +150,7 @@ class EngineCore:
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
         self._admission_batch = admission_batch
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
+        self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._by_uid: dict[int, _Sequence] = {}
         self._by_request: dict[int, _Sequence] = {}
@@ -174,7 +179,9 @@ class EngineCore:
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
-            if self._admission_window > 0 and len(self._by_uid) >= self._admission_batch:
+            if self._admission_window > 0 and (
+                self._awaiting_first or len(self._by_uid) >= self._admission_batch
+            ):
                 if command.request_id not in self.active_request_ids:
                     self._held.append((time.monotonic(), command))
                 return
@@ -292,10 +299,12 @@ class EngineCore:
         """Hand the held requests to the batch once the window is over (or it is full)."""
         if not self._held:
             return
-        if (
-            len(self._by_uid) >= self._admission_batch
-            and len(self._held) < self._admission_batch
-            and time.monotonic() - self._held[0][0] < self._admission_window
+        if time.monotonic() - self._held[0][0] < self._admission_window and (
+            self._awaiting_first
+            or (
+                len(self._by_uid) >= self._admission_batch
+                and len(self._held) < self._admission_batch
+            )
         ):
             return
         while self._held:
@@ -320,6 +329,7 @@ class EngineCore:
 
     def _forget(self, seq: _Sequence) -> None:
         del self._by_uid[seq.uid]
+        self._awaiting_first.discard(seq.uid)
         del self._by_request[seq.request_id]
         if self.batch_sampler is not None:
             self.batch_sampler.forget(seq.uid)
@@ -378,6 +388,8 @@ class EngineCore:
                 save.append(r.uid)
             if seq.request_id in self._clones and prompt_but_last_done(r):
                 share.append(r.uid)
+            if done >= total - 1:  # its first token comes in two steps at most
+                self._awaiting_first.add(r.uid)
         wanted = sorted(set(save) | set(share))
         extracted = self._batch.extract_cache(wanted) if wanted else {}
         for uid in save:
@@ -400,6 +412,7 @@ class EngineCore:
                 continue
             if seq.request_id in self._clones:  # its prompt ended with no point to share
                 self._clones.start(seq.request_id, None, self._submit)
+            self._awaiting_first.discard(r.uid)
             tokens.append(self._token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
@@ -454,6 +467,7 @@ class EngineCore:
             self._held.clear()
         self._clones.clear()
         self._by_uid.clear()
+        self._awaiting_first.clear()
         self._by_request.clear()
         if self.batch_sampler is not None:
             self.batch_sampler.clear()  # a new generator's uids start again at 0
