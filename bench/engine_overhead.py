@@ -1,32 +1,41 @@
 """Engine overhead: the bare ``BatchGenerator`` loop against our ``EngineCore``, step by step.
 
-Owns the measurement behind issue 15's third finding (at 32-64 clients our
-engine's steps were 1.3-1.7x the bare engine's on an H200, with the same number
-of steps). One process loads the model twice and drives, alternately, round by
-round and level by level, the same closed-loop workload through:
+Owns the measurement behind issue 15's third finding (at 64 clients on an H200
+our engine's steps took 40 ms against the bare engine's 26, for the same
+steps). One process loads the model once per system and drives, alternately,
+round by round and level by level, the same closed-loop workload through:
 
-  ceiling   mlx-lm's ``BatchGenerator`` in-process (``engine_ceiling.Engine``):
-            a finished sequence is replaced in the same step, its KV cache dropped
+  ceiling   mlx-lm's ``BatchGenerator`` in-process (``engine_ceiling.Engine``);
+            a finished sequence's KV cache is dropped
   core      our ``EngineCore`` as ``make_engine_core`` builds it for the server
-            (batch sampler and row hooks, prompt cache, admission window, counters),
-            driven in-process like the ceiling; each step's ``StepOutputs`` is
-            pickled as the engine process sends it (``--no-pickle``: not)
+            (batch sampler and row hooks, prompt cache, admission window,
+            counters), the PromptCacheActor's evictions applied between steps,
+            each step's ``StepOutputs`` pickled as the engine process sends it
+            (``--no-pickle``: not); variants (``CORE_VARIANTS``) turn one part
+            off to bisect
   server    optional (``--server``): ``python -m api.cli`` over HTTP at the same
             level (``loadgen.run_level``), its steps from ``/metrics``
 
 The prompts are the load generator's (``loadgen.PromptBuilder``), rendered with
 the chat template; the core gets them as the server plans them
-(``runtime.prompts.prepare_chat``: segments, segment types). Every run at a
-level uses prompt indices no earlier run used (no prompt-cache hits).
+(``runtime.prompts.prepare_chat``: segments, segment types). In a round every
+system gets the same prompts, each round new ones (the core's prompt cache is
+emptied after each run). A finished request's replacement arrives before the
+next step, or ``--arrival-delay-ms`` (plus ``--arrival-jitter-ms``) later, as
+HTTP clients come back.
 
-Per system and level it prints tokens/s, steps, prefill steps, ms per step (the
-mean over the run, and the median of the decode steps), and the share of each
-step spent in the generator's ``next()`` against our code around it.
+Per system and level: tokens/s, steps (prefill steps), ms per step (the mean,
+and the median decode-only step), the ms per step outside mlx-lm's ``next()``,
+the engine thread's CPU per step, the pickling, TTFT (arrival to first token)
+and MLX's peak memory; then medians over the rounds with their ranges.
 ``--profile DIR`` writes a cProfile of each system's last round
-(``DIR/<system>-c<level>.prof``) and prints its top functions.
+(``DIR/<system>-c<level>.prof``) and logs its top functions.
 
-    .venv/bin/python bench/engine_overhead.py --medium --levels 16,64 --rounds 3
-    .venv/bin/python bench/engine_overhead.py --model M --levels 64 --server --profile /tmp/p
+    .venv/bin/python bench/engine_overhead.py --levels 16,32,64 --rounds 3 --requests 128 \
+        --systems ceiling,core,core-lazy
+    .venv/bin/python bench/engine_overhead.py --levels 4,16 --systems core,core-nohold \
+        --arrival-delay-ms 3 --arrival-jitter-ms 20
+    .venv/bin/python bench/engine_overhead.py --model M --levels 32,64 --server --profile /tmp/p
 """
 
 from __future__ import annotations
