@@ -103,10 +103,23 @@ def test_a_prompt_that_fills_the_window_is_a_400_naming_both_numbers(
         assert error["param"] == "prompt"
         assert str(window) in error["message"] and str(length) in error["message"]
     # Chat: the prompt is the templated conversation; the field to blame is messages.
-    r = chat(base, " ".join(f"w{i}" for i in range(window)), max_tokens=4)
+    long_text = " ".join(f"w{i}" for i in range(window))
+    r = chat(base, long_text, max_tokens=4)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages"
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    # The agent APIs blame their own fields: Responses' input, Anthropic's messages.
+    r = httpx.post(f"{base}/v1/responses", json={"input": long_text, "max_output_tokens": 4},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    r = httpx.post(
+        f"{base}/v1/messages",
+        json={"model": "claude-x", "max_tokens": 4,
+              "messages": [{"role": "user", "content": long_text}]},
+        timeout=120,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and "messages" in r.json()["error"]["message"]
 
 
 def test_max_tokens_past_the_window_is_served_up_to_the_window(server, never_end):

@@ -100,8 +100,17 @@ def prepare_turn(tokenizer, *, turn: ChatTurn):
     return prepare_chat(tokenizer, turn.messages, tools=turn.tools, template_args=turn.template_args)
 
 
-def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: float | None = None):
-    """A (not yet entered) Session generating ``turn`` with the chat markup."""
+def open_session(
+    rt,
+    config: ServerConfig,
+    turn: ChatTurn,
+    *,
+    model,
+    timeout: float | None = None,
+    prompt_param: str = "messages",
+):
+    """A (not yet entered) Session generating ``turn`` with the chat markup;
+    ``prompt_param``: the request field a prompt too long for the model is blamed on."""
     return rt.session(
         prepare=functools.partial(prepare_turn, turn=turn),
         sampling=turn.sampling,
@@ -111,6 +120,7 @@ def open_session(rt, config: ServerConfig, turn: ChatTurn, *, model, timeout: fl
         markup=True,
         timeout=deadline(timeout, config),
         model=model,
+        prompt_param=prompt_param,
         constrain=constrain_step(
             response_format=turn.response_format,
             tools=turn.tools,

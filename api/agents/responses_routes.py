@@ -34,7 +34,9 @@ def responses_blueprint(rt: Runtime, config: ServerConfig, store: ResponseStore)
         req = structure_or_400(await read_json(), ResponsesRequest)
         prepared = prepare_request(req, config, store)
         model = await rt.resolve(req.model)
-        session = open_session(rt, config, prepared.turn, model=model, timeout=req.timeout)
+        session = open_session(
+            rt, config, prepared.turn, model=model, timeout=req.timeout, prompt_param="input"
+        )
         renderer = ResponsesRenderer(
             req=req, prepared=prepared, store=store, prompt_tokens=lambda: prompt_length(session)
         )
