@@ -17,6 +17,7 @@ import os
 import pathlib
 import random
 import sys
+from collections.abc import Iterable, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -132,7 +133,10 @@ def _corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(vocab_target: int) -> Tokenizer:
+def train_bpe_tokenizer(
+    vocab_target: int, special_tokens: Sequence[str], corpus: Iterable[str]
+) -> Tokenizer:
+    """A byte-level BPE tokenizer trained offline on ``corpus``, with ``special_tokens``."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -140,11 +144,15 @@ def _build_tokenizer(vocab_target: int) -> Tokenizer:
         vocab_size=vocab_target,
         min_frequency=2,
         show_progress=False,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
+
+
+def _build_tokenizer(vocab_target: int) -> Tokenizer:
+    return train_bpe_tokenizer(vocab_target, SPECIAL_TOKENS, _corpus())
 
 
 def _model_config(arch: str, hidden_size: int, num_layers: int, vocab_size: int, eos_id: int):

@@ -29,7 +29,9 @@ import sysconfig
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken
+
+from runtime.tiny_model import train_bpe_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
            "<|call|>", "<|answer|>"]
@@ -96,17 +98,7 @@ def build_scripted_model(
     out.mkdir(parents=True, exist_ok=True)
     call_text = "\n" + json.dumps(call) + "\n"
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_target,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = train_bpe_tokenizer(vocab_target, SPECIAL, _corpus())
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (call_text, answer)])
     tokenizer.save(str(out / "tokenizer.json"))
     ids = {t: tokenizer.token_to_id(t) for t in [*SPECIAL, call_text, answer]}
