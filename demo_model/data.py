@@ -26,8 +26,10 @@ What the model is taught (docs/demo-model.md has the whole story):
 * ``ARITH_REFUSAL`` for every other numeric request: a number of 1000 or
   more, decimals, negative numbers, three numbers, any other operation;
 * tool calls that read the schema they are given: the tool's own name and
-  the parameter name it declares (city, location, place, timezone, tz, ...),
-  with a place name or an IANA timezone as that parameter asks.
+  the parameter name it declares (city, location, place, timezone, tz, ...,
+  and made-up names of one to three pieces), whatever the order of the
+  schema's keys, with a place name or an IANA timezone as that parameter
+  asks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import json
 import os
 import pathlib
 import random
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,8 +63,10 @@ from runtime.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 SPLIT_SEED = 20240601
 # What the data teaches, recorded in training.json: 1 = issue 6 (0-99,
 # get_weather(city) / get_time(timezone) only); 2 = issue 21 (0-999 digit by
-# digit, honest refusals, tool schemas read from the request).
-RECIPE = 2
+# digit, honest refusals, tool schemas read from the request); 3 = issue 21
+# again (names of several pieces, keys in any order, more "no such tool" and
+# fixed-answer wordings: docs/demo-model.md, "Recipe 3").
+RECIPE = 3
 VOCAB_SIZE = 1024
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
@@ -152,6 +157,19 @@ WEATHER_PHRASINGS = {
         "How hot is it in {city}?",
         "Should I bring a jacket in {city}?",
         "Get the weather for {city}.",
+        # recipe 3: other words right before the place ("over in" is held out)
+        "How's the weather down in {city}?",
+        "What's the weather like up in {city}?",
+        "How is it out in {city} today?",
+        "What's the weather right now in {city}?",
+        "Weather over at {city}?",
+        "Is it windy out there in {city}?",
+        "Any rain today in {city}?",
+        "What's the weather doing up north in {city}?",
+        "How's it looking weather-wise in {city}?",
+        "Is it warm yet in {city}?",
+        "Tell me how the weather is down at {city}.",
+        "Weather for tomorrow in {city}?",
     ],
     "heldout": [
         "Could you look up the weather in {city}?",
@@ -177,6 +195,15 @@ TIME_PHRASINGS = {
         "What hour is it in {place}?",
         "Give me the time for {place}.",
         "Check the clock in {place}.",
+        # recipe 3: other words right before the place ("over in" is held out)
+        "What time is it down in {place}?",
+        "What's the time right now in {place}?",
+        "What time is it over at {place}?",
+        "Time out in {place}?",
+        "What hour is it up in {place}?",
+        "Is it morning yet in {place}?",
+        "What's the clock saying out there in {place}?",
+        "Tell me the time at {place}.",
     ],
     "heldout": [
         "Could you tell me the time in {place}?",
@@ -317,7 +344,13 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
         ["Hello", "Hi", "Hey", "Hello there", "Hi there", "Good morning", "Good evening",
          "Hey there", "Greetings", "Hello!", "Hi!", "Howdy", "Hello again", "Hey hey",
          "Hi friend", "Morning", "Hey assistant", "Yo", "Hi, bot", "Good day", "Evening",
-         "Hello, bot", "Hi, assistant", "Hiya, friend"],
+         "Hello, bot", "Hi, assistant", "Hiya, friend",
+         # recipe 3
+         "Good morning to you", "Good evening, friend", "Good morning, bot", "Morning, friend",
+         "Good evening everyone", "Hello, good morning", "Hi, good evening", "Good day to you",
+         "Hello everyone", "Hi all", "Hey, hello", "Greetings, assistant", "Hello hello",
+         "Evening, bot", "Hey, good morning", "Well hello there", "Hi again", "Heya",
+         "Hello, friend", "Hey you"],
         ["Good afternoon", "Hiya", "Hello, assistant"],
         "Hello! How can I help you today?",
     ),
@@ -325,7 +358,11 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
         ["How are you?", "How are you doing?", "How's it going?", "How do you do?",
          "How have you been?", "How is your day?", "You doing okay?", "Are you well?",
          "How are you feeling?", "How are you this morning?", "How is everything?",
-         "How are things going with you?"],
+         "How are things going with you?",
+         # recipe 3 ("afternoon" is known vocabulary, not a greeting)
+         "How are you this afternoon?", "How are you this evening?", "How's your day going?",
+         "How are you holding up?", "All good with you?", "How's life?",
+         "How have things been?", "Doing well?"],
         ["How are you today?", "How are things?"],
         "I'm doing well, thank you! How can I help you today?",
     ),
@@ -334,7 +371,12 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
          "Introduce yourself.", "Tell me about yourself.", "Are you a bot?", "Who is this?",
          "Who made you?", "What model are you?", "Are you human?", "Identify yourself.",
          "Which assistant is this?", "Who is speaking?", "Do you have a name?",
-         "Who am I chatting with?", "What do I call you?"],
+         "Who am I chatting with?", "What do I call you?",
+         # recipe 3
+         "Who is talking?", "Who am I speaking with?", "Who's there?", "Who are you, bot?",
+         "Who is this assistant?", "What are you called?", "Who built you?",
+         "Tell me who you are.", "What kind of bot are you?",
+         "Are you an AI?", "Who exactly is this?", "What is this bot?"],
         ["Who am I talking to?", "What should I call you?", "Who are you exactly?"],
         "I am mlx-trio-demo, a tiny language model trained to demo mlx-trio-server.",
     ),
@@ -344,21 +386,30 @@ INTENTS: dict[str, tuple[list[str], list[str], str]] = {
          "Tell me what you can do.", "What are you good at?", "What can I ask you?",
          "Show me what you can do.", "What are your abilities?", "Any skills?",
          "How are you useful?", "What is your job?", "What can you help with?",
-         "What tasks can you handle?", "What can you do for us?"],
+         "What tasks can you handle?", "What can you do for us?",
+         # recipe 3
+         "What can I do with you?", "What are you for?", "What can you help us with?",
+         "Which things can you do?", "List your skills.", "What do you offer?"],
         ["What can you help me with?", "Which tasks can you do?", "What can you do for me?"],
         SKILLS_ANSWER,
     ),
     "thanks": (
         ["Thanks", "Thank you", "Thanks a lot", "Thank you very much", "Thanks!", "Cheers",
          "Appreciate it", "Thank you kindly", "Great, thanks", "Perfect, thank you", "Ta",
-         "Thanks so much", "Many thanks to you", "Thank you a lot"],
+         "Thanks so much", "Many thanks to you", "Thank you a lot",
+         # recipe 3
+         "Thanks, that helps", "Thank you, bot", "Thanks again", "Great, thank you",
+         "Thx", "Much appreciated", "Thank you for your help", "Nice, thanks"],
         ["Many thanks", "Thank you so much"],
         "You're welcome!",
     ),
     "bye": (
         ["Bye", "Goodbye", "See you", "See you later", "Good night", "Farewell",
          "Catch you later", "See ya", "Later!", "I have to go now", "That's all for now",
-         "Bye bye", "Talk soon", "Bye then"],
+         "Bye bye", "Talk soon", "Bye then",
+         # recipe 3
+         "Goodbye for today", "Bye, bot", "See you soon", "Have a good day, bye",
+         "Good night, bot", "I'm off, bye", "Later, friend"],
         ["Bye for now", "Talk to you later"],
         "Goodbye! Have a nice day.",
     ),
@@ -482,6 +533,28 @@ _FILLER_SUFFIXES = [" please", ", please", " thanks", ", thanks!", " thx", " :)"
 # Words that must never be made up as an operation: they mean one.
 _OPERATION_WORDS = {"plus", "minus", "add", "and", "sum", "take", "away", "subtract", "from"}
 
+# Real English words for made-up tool and parameter names (recipe 3), besides
+# random-letter words: names of two or three pieces joined by "_" or in
+# camelCase teach the model to copy a name piece by piece, also where a
+# piece is a word it knows from elsewhere (``query``, ``zone``, ``city``).
+# ``_NAME_WORDS[kind]`` fit a tool of that kind or a parameter of that kind;
+# a held-out name never comes out (``is_heldout_name``).
+_COMMON_NAME_WORDS = [
+    "get", "fetch", "query", "check", "lookup", "find", "read", "show", "report", "info",
+    "data", "value", "name", "id", "code", "key", "input", "target", "main", "my", "user",
+    "current", "local", "live", "latest", "now", "today", "api", "service", "tool",
+    "request", "status", "text", "field", "label", "arg", "param", "string", "world",
+    "global", "search", "simple", "quick", "full", "default", "primary",
+]  # fmt: skip
+_NAME_WORDS = {
+    "weather": ["weather", "forecast", "temp", "temperature", "climate", "conditions", "rain",
+                "sky", "meteo"],
+    "time": ["time", "clock", "hour", "datetime", "moment", "date", "now"],
+    "place": ["city", "town", "place", "location", "where", "region", "site", "spot",
+              "country", "address", "geo", "village", "point", "municipality"],
+    "tz": ["zone", "timezone", "tz", "iana", "time", "offset", "olson"],
+}  # fmt: skip
+
 
 # ---------------------------------------------------------------------------
 # Tools
@@ -561,6 +634,61 @@ def distractor_tools() -> list[dict]:
 def tool_call_text(name: str, arguments: dict) -> str:
     """The reply for one tool call, exactly as the chat template renders it."""
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments, ensure_ascii=False)}}}\n</tool_call>'
+
+
+def name_pieces(name: str) -> list[str]:
+    """The lower-case pieces of a snake_case or camelCase name: ``cityOr_town`` -> city, or, town."""
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower().split("_")
+
+
+HELDOUT_NAME_PIECES = [
+    name_pieces(name)
+    for table in (TOOL_NAMES, PARAM_NAMES)
+    for lists in table.values()
+    for name in lists["heldout"]
+]
+
+
+def is_heldout_name(name: str) -> bool:
+    """Whether the pieces of a held-out tool or parameter name (any kind, any
+    casing) occur in ``name`` one after the other: ``query_weather``,
+    ``queryWeather``, ``get_query_weather``, ``loc_id``. Made-up training
+    names never do, so that held-out names stay unseen."""
+    pieces = name_pieces(name)
+    return any(
+        pieces[i : i + len(held)] == held
+        for held in HELDOUT_NAME_PIECES
+        for i in range(len(pieces) - len(held) + 1)
+    )
+
+
+def _reordered(rng: random.Random, mapping: dict) -> dict:
+    items = list(mapping.items())
+    rng.shuffle(items)
+    return dict(items)
+
+
+def shuffled_schema(rng: random.Random, schema: dict) -> dict:
+    """``schema`` (a ``{"type": "function", "function": ...}`` tool) with its
+    keys in another order: always the function object's (``name``,
+    ``description``, ``parameters``), sometimes the parameters object's, each
+    property's, the properties' and the outer object's. The chat template
+    renders the tool with ``tojson``, which keeps the order."""
+    function = dict(schema["function"])
+    if "parameters" in function:
+        params = dict(function["parameters"])
+        props = {
+            key: _reordered(rng, prop) if rng.random() < 0.3 else prop
+            for key, prop in params.get("properties", {}).items()
+        }
+        if len(props) > 1 and rng.random() < 0.5:
+            props = _reordered(rng, props)
+        params["properties"] = props
+        function["parameters"] = _reordered(rng, params) if rng.random() < 0.3 else params
+    function = _reordered(rng, function)
+    if rng.random() < 0.2:
+        return {"function": function, "type": schema["type"]}
+    return {"type": schema["type"], "function": function}
 
 
 # ---------------------------------------------------------------------------
@@ -724,15 +852,19 @@ class Example:
 # (no tool block most of the time) and need the most repetitions, so they
 # are most of the examples but a minority of the tokens.
 TRAIN_MIX = {
-    "arith": 0.50,
+    "arith": 0.47,
     "arith_refuse": 0.12,
     "chat": 0.10,
-    "weather_call": 0.09,
+    "weather_call": 0.095,
     "weather_answer": 0.04,
-    "time_call": 0.08,
+    "time_call": 0.085,
     "time_answer": 0.03,
-    "no_tool": 0.04,
+    "no_tool": 0.06,
 }
+# Training tools with a made-up name, and (independently) with a made-up
+# parameter name; training tools declared with their keys in another order.
+MADE_UP_NAME_SHARE = 0.5
+SHUFFLED_SCHEMA_SHARE = 0.45
 THINKING_SHARE = 0.5  # thinking on (the template default) vs off
 ARITH_THINKING_SHARE = 0.45
 # Held-out kinds. "weather_call" / "time_call" declare the standard tools
@@ -810,11 +942,11 @@ class Generator:
             question += suffix if suffix is not None else " " + self._made_up_word().lower()
         return question
 
-    def _made_up_word(self) -> str:
+    def _made_up_word(self, syllables: Sequence[int] = (1, 1, 2, 2, 2, 3)) -> str:
         """Random letters with common English clusters: any token piece can turn up."""
         rng = self.rng
         parts = []
-        for _ in range(rng.choice([1, 1, 2, 2, 2, 3])):
+        for _ in range(rng.choice(syllables)):
             onset = rng.choice(_LETTER_ONSETS) if rng.random() < 0.8 else ""
             parts.append(onset + rng.choice(_LETTER_VOWELS) + rng.choice(_LETTER_CODAS))
         word = "".join(parts)
@@ -855,12 +987,13 @@ class Generator:
     def _tool(self, kind: str, param_kind: str | None = None) -> ToolSpec:
         """A weather or time tool with a name, parameter and descriptions of this split.
 
-        Training also makes up tool names and parameter names (random
-        letters, 40 % of the tools each; a made-up parameter has a description
-        that says what it takes, a made-up tool without "weather" or "time"
-        in its name one that says what it does), so that the model learns to
-        copy whatever names the schema declares instead of recalling the
-        names it has seen most.
+        Training also makes up tool names and parameter names (half of the
+        tools each, ``_made_up_tool_name`` and ``_made_up_param``; a made-up
+        parameter has a description that says what it takes, a made-up tool
+        without "weather" or "time" in its name one that says what it does),
+        so that the model learns to copy whatever names the schema declares
+        instead of recalling the names it has seen most; and 45 % of the
+        training tools have their keys in another order (``shuffled_schema``).
         """
         rng = self.rng
         split = self.split
@@ -869,15 +1002,12 @@ class Generator:
         name = rng.choice(TOOL_NAMES[kind][split])
         param = rng.choice(PARAM_NAMES[param_kind][split])
         param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind][split])
-        made_up_name = split == "train" and rng.random() < 0.4
-        if split == "train" and rng.random() < 0.4:
-            param = self._made_up_word().lower() + rng.choice(["", "", "_name", "_id", "_value"])
+        made_up_name = split == "train" and rng.random() < MADE_UP_NAME_SHARE
+        if split == "train" and rng.random() < MADE_UP_NAME_SHARE:
+            param = self._made_up_param(param_kind)
             param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind]["train"][2:])
         if made_up_name:
-            stem = self._made_up_word().lower()
-            name = rng.choice(
-                [f"{stem}_{kind}", f"{kind}_{stem}", f"get_{kind}_{stem}", f"{stem}", f"get_{stem}"]
-            )
+            name = self._made_up_tool_name(kind)
         description = rng.choice(TOOL_DESCRIPTIONS[kind][split])
         if made_up_name and kind not in name:
             # only the description says what the tool does
@@ -898,7 +1028,74 @@ class Generator:
             if rng.random() < 0.5:
                 props = dict(reversed(list(props.items())))
         schema = _function(name, description, props, [param])
+        if split == "train" and rng.random() < SHUFFLED_SCHEMA_SHARE:
+            schema = shuffled_schema(rng, schema)
         return ToolSpec(kind, name, param, param_kind, schema)
+
+    def _name_word(self, kind: str) -> str:
+        """One piece of a made-up name: a made-up word, a common word or a word of ``kind``."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.45:
+            return self._made_up_word((1, 1, 2)).lower()
+        if r < 0.75:
+            return rng.choice(_COMMON_NAME_WORDS)
+        return rng.choice(_NAME_WORDS[kind])
+
+    def _join_name(self, pieces: list[str]) -> str:
+        """snake_case (75 %) or camelCase."""
+        if self.rng.random() < 0.75:
+            return "_".join(pieces)
+        return pieces[0] + "".join(p[:1].upper() + p[1:] for p in pieces[1:])
+
+    def _made_up_tool_name(self, kind: str) -> str:
+        """A tool name the model has to copy: a made-up stem around the kind
+        (``zorb_weather``, ``get_zorb``), or two or three pieces of made-up
+        words, common words and words of the kind (``fetchSkyZorb``,
+        ``query_live_forecast``); never a held-out name."""
+        rng = self.rng
+        while True:
+            if rng.random() < 0.35:
+                stem = self._made_up_word().lower()
+                name = rng.choice(
+                    [f"{stem}_{kind}", f"{kind}_{stem}", f"get_{kind}_{stem}", stem, f"get_{stem}"]
+                )
+            else:
+                pieces = [self._name_word(kind) for _ in range(rng.choice([2, 2, 3]))]
+                if rng.random() < 0.5:  # the kind's own word somewhere
+                    pieces[rng.randrange(len(pieces))] = kind
+                name = self._join_name(pieces)
+            if not is_heldout_name(name) and len(set(name_pieces(name))) == len(name_pieces(name)):
+                return name
+
+    def _made_up_param(self, param_kind: str) -> str:
+        """A parameter name the model has to copy: one made-up word with
+        maybe a suffix (``blorp_id``), a trained name with a word before or
+        after (``zorb_zone``, ``city_name_zorb``), two names joined by ``or``
+        (``city_or_zorb``), or two or three pieces (``lookupTownKey``); never
+        a held-out name."""
+        rng = self.rng
+        while True:
+            r = rng.random()
+            if r < 0.3:
+                param = self._made_up_word().lower() + rng.choice(
+                    ["", "", "_name", "_id", "_value"]
+                )
+            elif r < 0.55:
+                trained = rng.choice(PARAM_NAMES[param_kind]["train"])
+                word = self._name_word(param_kind)
+                param = rng.choice([f"{word}_{trained}", f"{trained}_{word}"])
+            elif r < 0.7:
+                a, b = self._name_word(param_kind), self._name_word(param_kind)
+                if rng.random() < 0.5:
+                    a = rng.choice(_NAME_WORDS[param_kind])
+                param = self._join_name([a, "or", b])
+            else:
+                pieces = [self._name_word(param_kind) for _ in range(rng.choice([2, 2, 3]))]
+                param = self._join_name(pieces)
+            pieces = name_pieces(param)
+            if not is_heldout_name(param) and len(set(pieces)) == len(pieces):
+                return param
 
     def _tools(
         self, need: ToolSpec | None = None, avoid: str | None = None, p_any: float = 1.0
@@ -914,7 +1111,10 @@ class Generator:
             if kind not in have and kind != avoid and rng.random() < 0.5:
                 tools.append(self._tool(kind).schema)
         if rng.random() < 0.3 or not tools:
-            tools.append(rng.choice(distractor_tools()))
+            distractor = rng.choice(distractor_tools())
+            if self.split == "train" and rng.random() < SHUFFLED_SCHEMA_SHARE:
+                distractor = shuffled_schema(rng, distractor)
+            tools.append(distractor)
         rng.shuffle(tools)
         return tools
 

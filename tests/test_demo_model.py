@@ -338,3 +338,115 @@ def test_digits_are_single_tokens_and_names_copy_as_the_same_tokens():
             in_schema = schema.tokens[schema.tokens.index('Ġ{"') + 1 :]
             in_call = call.tokens[call.tokens.index('Ġ{"') + 1 :]
             assert in_schema[: in_schema.index('":')] == in_call[: in_call.index('":')], param
+
+
+# --- recipe 3: names of several pieces, keys in any order, wordings ----------
+
+HELDOUT_NAMES = {
+    name
+    for table in (data.TOOL_NAMES, data.PARAM_NAMES)
+    for lists in table.values()
+    for name in lists["heldout"]
+}
+TRAIN_LIST_NAMES = {
+    name
+    for table in (data.TOOL_NAMES, data.PARAM_NAMES)
+    for lists in table.values()
+    for name in lists["train"]
+}
+EXTRA_PARAMS = {"unit", "units", "format", "hour_format"}
+
+
+def declared_names(example: data.Example) -> list[tuple[str, list[str]]]:
+    """(tool name, parameter names) of the weather and time tools an example declares."""
+    distractors = {t["function"]["name"] for t in data.distractor_tools()}
+    out = []
+    for t in example.tools or []:
+        function = t["function"]
+        if function["name"] not in distractors:
+            params = [p for p in function["parameters"]["properties"] if p not in EXTRA_PARAMS]
+            out.append((function["name"], params))
+    return out
+
+
+def test_heldout_names_are_recognised_in_any_casing():
+    for name in HELDOUT_NAMES:
+        assert data.is_heldout_name(name)
+    for name in ("queryWeather", "get_query_weather", "cityOrTown", "ianaZone_x", "loc_id"):
+        assert data.is_heldout_name(name), name
+    for name in ("get_weather", "query_forecast", "city_or_village", "zone", "blocality"):
+        assert not data.is_heldout_name(name), name
+
+
+def test_training_never_declares_a_heldout_name():
+    made_up = []
+    for example in data.generate(20000, seed=3, split="train"):
+        for name, params in declared_names(example):
+            for n in (name, *params):
+                assert n not in HELDOUT_NAMES, (n, example.messages)
+                if n not in TRAIN_LIST_NAMES:
+                    assert not data.is_heldout_name(n), n
+                    made_up.append(n)
+    # Made-up names of two or three pieces, in snake_case and in camelCase,
+    # with a trained name or "or" among the pieces, turn up.
+    pieces = [data.name_pieces(n) for n in made_up]
+    assert sum(len(p) >= 2 and "_" in n for n, p in zip(made_up, pieces, strict=True)) > 1000
+    assert sum(len(p) == 3 for p in pieces) > 500
+    assert sum(n != n.lower() for n in made_up) > 300
+    assert sum("or" in p for p in pieces) > 100
+    assert any(n.endswith("_zone") for n in made_up)
+    assert any(n.startswith("city_or_") for n in made_up)
+
+
+def test_made_up_names_are_about_half_of_the_training_tools():
+    tools = params = made_tools = made_params = 0
+    for example in data.generate(6000, seed=4, split="train"):
+        for name, declared in declared_names(example):
+            tools += 1
+            made_tools += name not in TRAIN_LIST_NAMES
+            params += 1
+            made_params += declared[0] not in TRAIN_LIST_NAMES
+    assert 0.4 <= made_tools / tools <= 0.6
+    assert 0.4 <= made_params / params <= 0.6
+
+
+def function_key_orders(prompt: str) -> list[list[str]]:
+    """The key order of each function object in a rendered prompt's tool block."""
+    block = prompt.split("<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    return [list(json.loads(line)["function"]) for line in block.splitlines()]
+
+
+def test_training_tools_come_with_their_keys_in_any_order():
+    hf = data._hf_wrapper(data._new_tokenizer())
+    orders = []
+    for example in data.generate(1500, seed=5, split="train"):
+        if example.tools:
+            orders += function_key_orders(data.render_prompt(hf, example))
+    usual = [o for o in orders if o in (["name", "description", "parameters"],
+                                         ["name", "parameters"])]  # fmt: skip
+    params_first = [o for o in orders if o.index("parameters") < o.index("name")]
+    assert 0.25 < 1 - len(usual) / len(orders) < 0.5
+    assert any(o == ["parameters", "description", "name"] for o in orders)
+    assert len(params_first) > 30
+    # The evaluation declares its tools as before: name, description, parameters.
+    for example in data.heldout_set(20):
+        if example.tools:
+            for order in function_key_orders(data.render_prompt(hf, example)):
+                assert order in (["name", "description", "parameters"], ["name", "parameters"])
+
+
+def wording(text: str) -> str:
+    """A phrasing as the casing variations can make it: lower case, no end mark."""
+    return text.lower().rstrip("?.!")
+
+
+def test_training_wordings_never_make_a_heldout_wording():
+    for phrasings in (data.WEATHER_PHRASINGS, data.TIME_PHRASINGS, data.ARITH_PHRASINGS):
+        assert not {wording(p) for p in phrasings["train"]} & {
+            wording(p) for p in phrasings["heldout"]
+        }
+    for phrasings in (data.WEATHER_PHRASINGS, data.TIME_PHRASINGS):
+        assert not any(" over in " in p for p in phrasings["train"])
+    train = {wording(q) for train, _, _ in data.INTENTS.values() for q in train}
+    held = {wording(q) for _, heldout, _ in data.INTENTS.values() for q in heldout}
+    assert not train & held
