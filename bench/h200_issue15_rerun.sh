@@ -30,7 +30,7 @@ if [ "$PART" = a ]; then
   tail -n 12 "$OUT/greedy-llama.txt"
 else
   step sampled-llama
-  timeout 190 python3 bench/side_by_side.py --model $L --levels 8,32,64 $W --temperature 0.7 --top-p 0.9 \
+  timeout 215 python3 bench/side_by_side.py --model $L --levels 32,64 $W --temperature 0.7 --top-p 0.9 \
     --mixed-sampling --results-dir "$OUT/sampled-llama" > "$OUT/sampled-llama.txt" 2>&1
   tail -n 12 "$OUT/sampled-llama.txt"
   step one-client-llama
@@ -42,7 +42,7 @@ else
   timeout 60 python3 bench/one_client.py --model $Q --reps 6 --json-out "$OUT/one-client-qwen.json" 2>&1 \
     | tee "$OUT/one-client-qwen.txt"
   step greedy-qwen
-  timeout 110 python3 bench/side_by_side.py --model $Q --levels 8,32,64 $W --results-dir "$OUT/greedy-qwen" \
+  timeout 100 python3 bench/side_by_side.py --model $Q --levels 8,64 $W --results-dir "$OUT/greedy-qwen" \
     > "$OUT/greedy-qwen.txt" 2>&1
   tail -n 12 "$OUT/greedy-qwen.txt"
 fi
