@@ -3,8 +3,9 @@
 ``python bench/make_shaped_model.py SHAPE OUT_DIR`` writes a model directory
 that ``mlx_lm.load`` reads: the tiny test model's tokenizer and chat template
 (ids past its small vocabulary decode as "!"), and bf16 random weights with
-the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, ``llama3-8b-qwen2`` for pipeline runs,
-or ``test`` for a smoke run). Compute per token matches the real model; the text is noise.
+the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, ``llama3-8b-qwen2`` for pipeline
+runs, ``llama3-8b-narrow`` for host-overhead profiles on a CPU, or ``test`` for a smoke run).
+Compute per token matches the real model (but the narrow one's); the text is noise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
     ),
+    # The 8B's structure (32 llama layers, GQA 4:1, untied head) at a tiny width:
+    # per-layer Python as on the 8B, little compute; for host-overhead profiles on a CPU.
+    "llama3-8b-narrow": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=32, intermediate_size=224,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=32768, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
     "test": dict(
         model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=4096,
@@ -44,7 +52,7 @@ SHAPES = {
 }
 
 
-def make_shaped_model(shape: str, out: Path, seed: int = 0) -> Path:
+def make_shaped_model(shape: str, out: Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
     import importlib
 
     import mlx.core as mx
@@ -63,7 +71,7 @@ def make_shaped_model(shape: str, out: Path, seed: int = 0) -> Path:
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: (p * 1.0).astype(mx.bfloat16), model.parameters()))
+    model.update(tree_map(lambda p: (p * 1.0).astype(getattr(mx, dtype)), model.parameters()))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -72,7 +80,7 @@ def make_shaped_model(shape: str, out: Path, seed: int = 0) -> Path:
         "weight_map": {k: "model.safetensors" for k in sorted(weights)},
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -82,8 +90,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="of the weights (the CPU: float32 is much faster)"
+    )
     args = parser.parse_args()
-    print(make_shaped_model(args.shape, args.out))
+    print(make_shaped_model(args.shape, args.out, dtype=args.dtype))
 
 
 if __name__ == "__main__":

@@ -205,6 +205,28 @@ class TokenEvent:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
+    def __reduce__(self):
+        # Every step pickles one per row (engine process -> server): by position, not
+        # attrs' field-name dict (a third of the time, two thirds of the bytes).
+        return _token_event, (
+            self.request_id,
+            self.token,
+            self.finish_reason,
+            self.logprob,
+            self.top_logprobs,
+        )
+
+
+def _token_event(request_id, token, finish_reason, logprob, top_logprobs) -> TokenEvent:
+    """Unpickles a ``TokenEvent`` (see its ``__reduce__``)."""
+    return TokenEvent(
+        request_id=request_id,
+        token=token,
+        finish_reason=finish_reason,
+        logprob=logprob,
+        top_logprobs=top_logprobs,
+    )
+
 
 @attrs.frozen(kw_only=True)
 class SequenceAborted:

@@ -61,6 +61,9 @@ class PendingChoices:
     def __contains__(self, first_id: int) -> bool:
         return first_id in self._by_first
 
+    def __bool__(self) -> bool:
+        return bool(self._by_first)
+
     def wait_for(self, first: Submit) -> None:
         self._by_first[first.request_id] = further_choices(first)
 

@@ -66,6 +66,10 @@ from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
 
+# mlx-lm's finish reasons ("stop", "length") as ours, without an enum lookup per token.
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
+
+
 @attrs.define
 class _Sequence:
     request_id: int
@@ -74,10 +78,11 @@ class _Sequence:
     top_logprobs: int
     segment_types: list[str]  # reversed: pop() gives the next segment's type
     save_final: bool = True  # its cache goes to the prompt cache when it finishes
+    # Read for every token: computed once.
+    wants_logprobs: bool = attrs.field(init=False)
 
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.logprobs or self.top_logprobs > 0
+    def __attrs_post_init__(self) -> None:
+        self.wants_logprobs = self.logprobs or self.top_logprobs > 0
 
 
 class EngineCore:
@@ -406,14 +411,17 @@ class EngineCore:
             first = self._by_uid[uid].request_id
             self._clones.start(first, extracted[uid][0], self._submit, own=uid not in save)
 
+        by_uid, clones, awaiting_first = self._by_uid, self._clones, self._awaiting_first
+        token_event = self._token_event
         for r in generation_responses:
-            seq = self._by_uid.get(r.uid)
+            seq = by_uid.get(r.uid)
             if seq is None:
                 continue
-            if seq.request_id in self._clones:  # its prompt ended with no point to share
-                self._clones.start(seq.request_id, None, self._submit)
-            self._awaiting_first.discard(r.uid)
-            tokens.append(self._token_event(seq, r))
+            if clones and seq.request_id in clones:  # its prompt ended with no point to share
+                clones.start(seq.request_id, None, self._submit)
+            if awaiting_first:
+                awaiting_first.discard(r.uid)
+            tokens.append(token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
                 if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
@@ -436,7 +444,8 @@ class EngineCore:
         return TokenEvent(
             request_id=seq.request_id,
             token=token,
-            finish_reason=None if reason is None else FinishReason(reason),
+            finish_reason=None if reason is None else _FINISH_REASONS.get(reason)
+            or FinishReason(reason),
             logprob=logprob,
             top_logprobs=top,
         )
