@@ -97,14 +97,12 @@ def own_arrays(cache: list) -> None:
     the arrays' stream behind the step in flight, so the engine does not wait.
     Layers without ``state`` (test doubles) are left as they are.
     """
-    arrays = []
-    for layer in cache:
-        state = getattr(layer, "state", ())
-        # A KV cache's state is (keys, values): no tree walk for it (32+ layers an entry).
-        if type(state) is tuple and all(type(leaf) is mx.array for leaf in state):
-            arrays += state
-        else:
-            arrays += [leaf for _, leaf in tree_flatten(state) if isinstance(leaf, mx.array)]
+    arrays = [
+        leaf
+        for layer in cache
+        for _, leaf in tree_flatten(getattr(layer, "state", ()))
+        if isinstance(leaf, mx.array)
+    ]
     if arrays:
         mx.async_eval(arrays)
 

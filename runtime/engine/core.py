@@ -413,11 +413,12 @@ class EngineCore:
 
         by_uid, clones, awaiting_first = self._by_uid, self._clones, self._awaiting_first
         token_event = self._token_event
+        any_clones = bool(clones)  # none waiting now: none can start waiting in this loop
         for r in generation_responses:
             seq = by_uid.get(r.uid)
             if seq is None:
                 continue
-            if clones and seq.request_id in clones:  # its prompt ended with no point to share
+            if any_clones and seq.request_id in clones:  # its prompt ended with nothing to share
                 clones.start(seq.request_id, None, self._submit)
             if awaiting_first:
                 awaiting_first.discard(r.uid)
