@@ -19,20 +19,12 @@ import pytest
 
 from api.server import create_app
 from runtime.config import ServerConfig
-from tests.conftest import wait_ready
+from tests.conftest import TIME, WEATHER, wait_ready
 from tests.test_api import parse_sse, stream_post
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
 CHAT = "/v1/chat/completions"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a timezone.",
-    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                   "required": ["timezone"]}}}
 TOOLS = [WEATHER, TIME]
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
