@@ -112,3 +112,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
         if module in DISTRIBUTED_MODULES:
             item.add_marker(pytest.mark.distributed)
+
+
+# The two standard demo tools, as README.md declares them (chat-completions shape).
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a timezone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                   "required": ["timezone"]}}}
+
+
+@pytest.fixture
+async def client(tiny_model_path):
+    """An in-process app on the tiny model (``max_tokens`` 32), ready; ``.app`` is the app."""
+    from api.server import create_app
+    from runtime.config import ServerConfig
+
+    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=32))
+    async with app.test_app() as test_app:
+        c = test_app.test_client()
+        await wait_ready(c)
+        c.app = app
+        yield c

@@ -257,8 +257,10 @@ def test_messages_stream_pings_while_the_prompt_is_processed(server):
         raw = r.read().decode()
     names = [line.removeprefix("event: ") for line in raw.splitlines() if line.startswith("event: ")]
     assert names[0] == "message_start"
-    first_block = names.index("content_block_start")
-    assert names[1:first_block].count("ping") >= 3  # 300+ tokens, 32 a step
+    # The reply may be whitespace only (no text block is opened for it): count the
+    # pings before whatever follows them.
+    first_other = next(i for i, name in enumerate(names) if i > 0 and name != "ping")
+    assert names[1:first_other].count("ping") >= 3  # 300+ tokens, 32 a step
     assert names[-2:] == ["message_delta", "message_stop"]
 
 

@@ -18,16 +18,6 @@ from tests.conftest import wait_ready
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture
-async def client(tiny_model_path):
-    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=32))
-    async with app.test_app() as test_app:
-        c = test_app.test_client()
-        await wait_ready(c)
-        c.app = app
-        yield c
-
-
 def chat_body(content="hello there", **extra):
     return {"model": "default_model", "messages": [{"role": "user", "content": content}], **extra}
 

@@ -172,15 +172,21 @@ def test_page_and_assets_are_served_with_types_and_etags(demo_server):
 
 
 def test_a_message_streams_a_reply_with_reasoning_and_stats(page):
+    # Watch the reply grow: it is painted chunk by chunk, before the stats appear.
+    # The page records every text the reply shows (polling from here could miss
+    # them all on a busy machine).
+    page.evaluate("""() => {
+        window.seenReplies = new Set();
+        new MutationObserver(() => {
+            const reply = [...document.querySelectorAll('.msg.assistant')].pop();
+            if (reply && !reply.querySelector('.stats')) window.seenReplies.add(reply.innerText);
+        }).observe(document.querySelector('#transcript'),
+                   {subtree: true, childList: true, characterData: true});
+    }""")
     send(page, "What is 12 + 30?")
     reply = page.locator(".msg.assistant").last
-    # Watch the reply grow: it is painted chunk by chunk, before the stats appear.
-    seen = set()
-    deadline = time.monotonic() + WAIT_MS / 1000
-    while not page.locator(".msg.assistant .stats").count():
-        if reply.count():
-            seen.add(reply.inner_text())
-        assert time.monotonic() < deadline, "no reply"
+    expect(reply.locator(".stats")).to_have_count(1, timeout=WAIT_MS)
+    seen = page.evaluate("() => [...window.seenReplies]")
     assert len(seen) >= 2, f"the reply did not stream: {seen}"
     expect(reply.locator(".text")).to_have_text("42")
     reasoning = reply.locator("details.reasoning")

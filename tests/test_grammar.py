@@ -31,6 +31,7 @@ from runtime.grammar import (
     fill_bitmasks,
     grammar_tokenizer,
 )
+from tests.conftest import TIME, WEATHER
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
 
@@ -108,14 +109,6 @@ CORPUS = {
 # nests until max_tokens): unbounded recursion is checked along scripted token paths.
 UNBOUNDED = {"recursive_ref"}
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a timezone.",
-    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                   "required": ["timezone"]}}}
 
 
 @pytest.fixture(scope="module")

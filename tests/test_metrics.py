@@ -45,16 +45,6 @@ def delta(before: Samples, after: Samples, name: str, **labels) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-@pytest.fixture
-async def client(tiny_model_path):
-    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=32))
-    async with app.test_app() as test_app:
-        c = test_app.test_client()
-        await wait_ready(c)
-        c.app = app
-        yield c
-
-
 async def test_the_metrics_have_types_and_help(client):
     samples, types = await scrape(client)
     assert types["mlx_trio_http_responses"] == "counter"

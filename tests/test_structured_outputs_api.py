@@ -19,20 +19,12 @@ import pytest
 
 from api.server import create_app
 from runtime.config import ServerConfig
-from tests.conftest import wait_ready
+from tests.conftest import TIME, WEATHER, wait_ready
 from tests.test_api import parse_sse, stream_post
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
 CHAT = "/v1/chat/completions"
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Get the current time in a timezone.",
-    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
-                   "required": ["timezone"]}}}
 TOOLS = [WEATHER, TIME]
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
@@ -102,13 +94,19 @@ async def test_chat_response_format_json_schema_and_json_object(demo):
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"])
     jsonschema.validate(json.loads(text), REPORT)
 
-    # (the demo model was never taught JSON: with free strings it rambles inside
-    # one until max_tokens on most prompts; not on this one)
+    # json_object: an object. The demo model was never taught JSON: with free
+    # strings it may ramble inside one until max_tokens; then the text so far is
+    # an object's beginning (unconstrained, it answers in words).
     status, data = await post(demo, CHAT, {"messages": user("The weather in Oslo, as JSON."),
-                                           **NO_THINKING,
+                                           **NO_THINKING, "max_tokens": 48,
                                            "response_format": {"type": "json_object"}})
     assert status == 200
-    assert isinstance(json.loads(data["choices"][0]["message"]["content"]), dict)
+    choice = data["choices"][0]
+    content = choice["message"]["content"]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert choice["finish_reason"] == "length" and content.lstrip().startswith("{"), content
 
 
 async def test_chat_tool_choice_required_named_and_none(demo):

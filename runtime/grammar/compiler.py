@@ -31,11 +31,12 @@ from runtime.grammar.matcher import GrammarTokenizer, RowMatcher
 
 log = logging.getLogger(__name__)
 
-# Whitespace the JSON grammar allows between tokens: what JSON writers produce
-# (nothing, one or two spaces, or a newline and an indent of up to 32 spaces
-# or tabs), so a model writes JSON compact or pretty-printed as it was trained
-# to, but cannot loop on whitespace.
-JSON_WHITESPACE = r"(?:[\x20\x09]{0,2}|\r?\n[\x20\x09]{0,32})"
+# Whitespace the JSON grammar allows between tokens: nothing, one space or tab,
+# or a newline and an indent of up to 8 (pretty-printed JSON four levels deep at
+# two spaces). A model writes compact or pretty JSON as it was trained to, but
+# cannot pad with whitespace: small models (the demo model among them) fill
+# every gap with as much whitespace as a looser pattern allows.
+JSON_WHITESPACE = r"(?:[\x20\x09]?|\r?\n[\x20\x09]{0,8})"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE, "lenient": False}
 # Before the constrained text (after a think-end marker models write "\n\n").
 LEADING_WHITESPACE = r"/[\x20\x0A\x0D\x09]{1,4}/"
