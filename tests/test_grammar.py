@@ -232,25 +232,41 @@ def test_json_object_and_the_flat_responses_shape(tiny):
     validate(schema, tokenizer.decode(tokens))
 
 
+def grammar_accepts(tokenizer, spec, text: str) -> bool:
+    """Whether ``spec`` lets ``text``'s tokens through, one by one, and then the end."""
+    gt = grammar_tokenizer(tokenizer)
+    matcher, bitmask = spec.new_matcher(gt), gt.allocate(1)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        fill_bitmasks([matcher], bitmask)
+        if not (bitmask[0, token // 32] >> (token % 32)) & 1:
+            return False
+        matcher.consume(token)
+    fill_bitmasks([matcher], bitmask)
+    return all((bitmask[0, t // 32] >> (t % 32)) & 1 for t in tokenizer.eos_token_ids)
+
+
 def test_recursive_schema_accepts_deep_documents_and_rejects_broken_ones(tiny):
     _, tokenizer = tiny
     spec = json_spec(tokenizer, CORPUS["recursive_ref"], allow_thinking=False)
-    gt = grammar_tokenizer(tokenizer)
     deep = json.dumps({"v": 1, "next": {"v": 2, "next": {"v": 3, "next": {"v": 4, "next": None}}}})
     broken = deep.replace('"v": 3', '"v": 33')
+    assert grammar_accepts(tokenizer, spec, deep)
+    assert not grammar_accepts(tokenizer, spec, broken)
 
-    def walk(text):
-        matcher, bitmask = spec.new_matcher(gt), gt.allocate(1)
-        for token in tokenizer.encode(text, add_special_tokens=False):
-            fill_bitmasks([matcher], bitmask)
-            if not (bitmask[0, token // 32] >> (token % 32)) & 1:
-                return False
-            matcher.consume(token)
-        fill_bitmasks([matcher], bitmask)
-        return all((bitmask[0, t // 32] >> (t % 32)) & 1 for t in tokenizer.eos_token_ids)
 
-    assert walk(deep)
-    assert not walk(broken)
+def test_json_whitespace_is_what_writers_produce_and_no_padding(tiny):
+    _, tokenizer = tiny
+    spec = json_spec(tokenizer, CORPUS["nested_3"], allow_thinking=False)
+    doc = {"a": {"b": {"c": True}}}
+    for written in (json.dumps(doc), json.dumps(doc, separators=(",", ":")),
+                    json.dumps(doc, indent=2), json.dumps(doc, indent="\t")):
+        assert grammar_accepts(tokenizer, spec, written), written
+    # a newline and up to 8 of indent: deeper levels keep 8
+    assert grammar_accepts(tokenizer, spec, '{\n        "a": {"b": {"c": true}}}')
+    for padded in ('{\n         "a": {"b": {"c": true}}}',  # 9 of indent
+                   '{  "a": {"b": {"c": true}}}',  # two spaces
+                   '{\n\n"a": {"b": {"c": true}}}'):  # a blank line
+        assert not grammar_accepts(tokenizer, spec, padded), padded
 
 
 # ------------------------------------------------------------- tool choice
