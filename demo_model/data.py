@@ -29,7 +29,10 @@ What the model is taught (docs/demo-model.md has the whole story):
   the parameter name it declares (city, location, place, timezone, tz, ...,
   and made-up names of one to three pieces), whatever the order of the
   schema's keys, with a place name or an IANA timezone as that parameter
-  asks.
+  asks: a parameter whose name has a timezone piece (``zone``, ``tz``,
+  ``iana``, ...) takes the IANA name, any other the place as asked; and
+  the tool of the kind asked for also where the weather and the time tool
+  share a stem (``fetch_forecast`` / ``fetch_clock``).
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ SPLIT_SEED = 20240601
 # get_weather(city) / get_time(timezone) only); 2 = issue 21 (0-999 digit by
 # digit, honest refusals, tool schemas read from the request); 3 = issue 21
 # again (names of several pieces, keys in any order, more "no such tool" and
-# fixed-answer wordings: docs/demo-model.md, "Recipe 3").
-RECIPE = 3
+# fixed-answer wordings: docs/demo-model.md, "Recipe 3"); 4 = timezone cues
+# in every timezone-kind made-up parameter name, none in place-kind ones,
+# weather and time tools whose names share a stem ("Recipe 4").
+RECIPE = 4
 VOCAB_SIZE = 1024
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
@@ -554,6 +559,25 @@ _NAME_WORDS = {
               "country", "address", "geo", "village", "point", "municipality"],
     "tz": ["zone", "timezone", "tz", "iana", "time", "offset", "olson"],
 }  # fmt: skip
+# Recipe 4: the name of a parameter says which value it takes. Every
+# timezone-kind made-up parameter name has one of these pieces (``zone``
+# twice as often: the held-out ``time_zone``, ``iana_zone`` and
+# ``zone_name`` have it); ``time`` and ``offset`` may join them but are no
+# cue on their own (``local_time`` could take a place).
+TZ_CUES = ("zone", "timezone", "tz", "iana", "olson")
+_TZ_CUE_DRAWS = ("zone", "zone", "timezone", "tz", "tz", "iana", "olson")
+# A place-kind made-up parameter name contains none of these, not even
+# inside a made-up word (``blitz_city``, ``stimey``): where training names
+# took a place, a timezone word never appears.
+NOT_IN_PLACE_NAMES = (*TZ_CUES, "time", "offset")
+# Share of the training examples declaring a weather and a time tool whose
+# two names share a stem and differ in one piece (``fetch_forecast`` /
+# ``fetch_clock``, ``zorbWeatherApi`` / ``zorbTimeApi``): the held-out
+# ``check_weather`` / ``check_time`` differ only in their last piece.
+SAME_STEM_SHARE = 0.25
+# Shared pieces of such names: verbs (``check`` among them), made-up words
+# and common words, never a word of either kind (``now`` is a time word).
+_STEM_VERBS = ["get", "fetch", "query", "check", "lookup", "find", "read", "show", "report"]
 
 
 # ---------------------------------------------------------------------------
@@ -660,6 +684,21 @@ def is_heldout_name(name: str) -> bool:
         for held in HELDOUT_NAME_PIECES
         for i in range(len(pieces) - len(held) + 1)
     )
+
+
+def has_tz_cue(name: str) -> bool:
+    """Whether a piece of ``name`` says timezone (``TZ_CUES``): ``blorp_zone``,
+    ``ianaKey``, ``tz``; not ``local_time`` or ``timezoned``."""
+    return any(piece in TZ_CUES for piece in name_pieces(name))
+
+
+def fits_param_kind(name: str, param_kind: str) -> bool:
+    """Recipe 4's rule for made-up parameter names: a timezone-kind name has a
+    timezone cue, a place-kind name no timezone word anywhere in it."""
+    if param_kind == "tz":
+        return has_tz_cue(name)
+    lower = name.lower()
+    return not any(word in lower for word in NOT_IN_PLACE_NAMES)
 
 
 def _reordered(rng: random.Random, mapping: dict) -> dict:
@@ -984,7 +1023,7 @@ class Generator:
 
     # -- tools ---------------------------------------------------------------
 
-    def _tool(self, kind: str, param_kind: str | None = None) -> ToolSpec:
+    def _tool(self, kind: str, param_kind: str | None = None, name: str | None = None) -> ToolSpec:
         """A weather or time tool with a name, parameter and descriptions of this split.
 
         Training also makes up tool names and parameter names (half of the
@@ -994,9 +1033,11 @@ class Generator:
         so that the model learns to copy whatever names the schema declares
         instead of recalling the names it has seen most; and 45 % of the
         training tools have their keys in another order (``shuffled_schema``).
+        ``name`` (training only): this made-up name (``_same_stem_names``).
         """
         rng = self.rng
         split = self.split
+        given_name = name
         if param_kind is None:
             param_kind = "place" if kind == "weather" or rng.random() < 0.5 else "tz"
         name = rng.choice(TOOL_NAMES[kind][split])
@@ -1006,7 +1047,9 @@ class Generator:
         if split == "train" and rng.random() < MADE_UP_NAME_SHARE:
             param = self._made_up_param(param_kind)
             param_note = rng.choice(PARAM_DESCRIPTIONS[param_kind]["train"][2:])
-        if made_up_name:
+        if given_name is not None:
+            name, made_up_name = given_name, True
+        elif made_up_name:
             name = self._made_up_tool_name(kind)
         description = rng.choice(TOOL_DESCRIPTIONS[kind][split])
         if made_up_name and kind not in name:
@@ -1073,14 +1116,27 @@ class Generator:
         maybe a suffix (``blorp_id``), a trained name with a word before or
         after (``zorb_zone``, ``city_name_zorb``), two names joined by ``or``
         (``city_or_zorb``), or two or three pieces (``lookupTownKey``); never
-        a held-out name."""
+        a held-out name.
+
+        Recipe 4: the name says which value the parameter takes
+        (``fits_param_kind``). A timezone-kind name always has a piece of
+        ``TZ_CUES`` (the made-up word comes with one, ``blorp_zone``,
+        ``tzBlorp``; where two or three pieces have none, one of them is
+        replaced by one); a place-kind name has no timezone word in it, and
+        only a place-kind name may be a made-up word alone.
+        """
         rng = self.rng
         while True:
             r = rng.random()
             if r < 0.3:
-                param = self._made_up_word().lower() + rng.choice(
-                    ["", "", "_name", "_id", "_value"]
-                )
+                word = self._made_up_word().lower()
+                if param_kind == "tz":
+                    pieces = [word, rng.choice(_TZ_CUE_DRAWS)]
+                    if rng.random() < 0.4:
+                        pieces.reverse()
+                    param = self._join_name(pieces)
+                else:
+                    param = word + rng.choice(["", "", "_name", "_id", "_value"])
             elif r < 0.55:
                 trained = rng.choice(PARAM_NAMES[param_kind]["train"])
                 word = self._name_word(param_kind)
@@ -1089,27 +1145,105 @@ class Generator:
                 a, b = self._name_word(param_kind), self._name_word(param_kind)
                 if rng.random() < 0.5:
                     a = rng.choice(_NAME_WORDS[param_kind])
-                param = self._join_name([a, "or", b])
+                pieces = self._with_tz_cue([a, b], param_kind)
+                param = self._join_name([pieces[0], "or", pieces[1]])
             else:
                 pieces = [self._name_word(param_kind) for _ in range(rng.choice([2, 2, 3]))]
-                param = self._join_name(pieces)
+                param = self._join_name(self._with_tz_cue(pieces, param_kind))
             pieces = name_pieces(param)
-            if not is_heldout_name(param) and len(set(pieces)) == len(pieces):
+            if (
+                not is_heldout_name(param)
+                and len(set(pieces)) == len(pieces)
+                and fits_param_kind(param, param_kind)
+            ):
                 return param
 
+    def _with_tz_cue(self, pieces: list[str], param_kind: str) -> list[str]:
+        """``pieces``, one of them replaced by a timezone cue where a
+        timezone-kind name has none."""
+        if param_kind != "tz" or any(p in TZ_CUES for p in pieces):
+            return pieces
+        pieces = list(pieces)
+        pieces[self.rng.randrange(len(pieces))] = self.rng.choice(_TZ_CUE_DRAWS)
+        return pieces
+
+    def _stem_piece(self) -> str:
+        """A piece shared by the names of a same-stem pair: a verb, a made-up
+        word or a common word, never a word of the weather or time kind."""
+        rng = self.rng
+        kind_words = set(_NAME_WORDS["weather"] + _NAME_WORDS["time"]) | {"weather", "time"}
+        while True:
+            r = rng.random()
+            if r < 0.4:
+                piece = rng.choice(_STEM_VERBS)
+            elif r < 0.7:
+                piece = self._made_up_word((1, 1, 2)).lower()
+            else:
+                piece = rng.choice(_COMMON_NAME_WORDS)
+            if piece not in kind_words:
+                return piece
+
+    def _same_stem_names(self) -> dict[str, str]:
+        """A weather and a time tool name (training only) that share every piece
+        but one, that one a word of each kind: ``fetch_forecast`` /
+        ``fetch_clock``, ``zorb_weather`` / ``zorb_time``, ``getWeatherApi`` /
+        ``getTimeApi``, ``weather_live`` / ``time_live``. The kind's own word
+        half of the time; never a held-out name (``check_weather`` /
+        ``check_time`` are redrawn, ``check_forecast`` / ``check_clock`` are
+        not)."""
+        rng = self.rng
+        distractors = {t["function"]["name"] for t in distractor_tools()}
+        while True:
+            stem = [self._stem_piece() for _ in range(rng.choice([1, 1, 1, 2]))]
+            r = rng.random()
+            at = len(stem) if r < 0.6 else 0 if r < 0.85 or len(stem) == 1 else 1
+            camel = self.rng.random() >= 0.75
+            names = {}
+            for kind in ("weather", "time"):
+                word = kind if rng.random() < 0.5 else rng.choice(_NAME_WORDS[kind])
+                pieces = [*stem[:at], word, *stem[at:]]
+                if camel:
+                    names[kind] = pieces[0] + "".join(p[:1].upper() + p[1:] for p in pieces[1:])
+                else:
+                    names[kind] = "_".join(pieces)
+            if names["weather"] != names["time"] and not any(
+                is_heldout_name(n)
+                or n in distractors
+                or len(set(name_pieces(n))) != len(name_pieces(n))
+                for n in names.values()
+            ):
+                return names
+
     def _tools(
-        self, need: ToolSpec | None = None, avoid: str | None = None, p_any: float = 1.0
+        self,
+        need: ToolSpec | None = None,
+        avoid: str | None = None,
+        p_any: float = 1.0,
+        partner: ToolSpec | None = None,
     ) -> list[dict] | None:
-        """A shuffled tool list holding ``need`` and maybe others (never a tool of
-        kind ``avoid``), or None."""
+        """A shuffled tool list holding ``need`` (and ``partner``) and maybe
+        others (never a tool of kind ``avoid``), or None. In training, a
+        weather and a time tool drawn here share a stem ``SAME_STEM_SHARE``
+        of the time (``_same_stem_names``)."""
         rng = self.rng
         if need is None and rng.random() >= p_any:
             return None
         tools = [need.schema] if need is not None else []
         have = {need.kind} if need is not None else set()
-        for kind in ("weather", "time"):
-            if kind not in have and kind != avoid and rng.random() < 0.5:
-                tools.append(self._tool(kind).schema)
+        if partner is not None:
+            tools.append(partner.schema)
+            have.add(partner.kind)
+        if self.split == "train" and not have and avoid is None:
+            kinds = [kind for kind in ("weather", "time") if rng.random() < 0.5]
+            names: dict[str, str | None] = dict.fromkeys(kinds)
+            if len(kinds) == 2 and rng.random() < SAME_STEM_SHARE:
+                names = dict(self._same_stem_names())
+            tools += [self._tool(kind, name=name).schema for kind, name in names.items()]
+        else:
+            # (the held-out split draws exactly as recipe 3 did)
+            for kind in ("weather", "time"):
+                if kind not in have and kind != avoid and rng.random() < 0.5:
+                    tools.append(self._tool(kind).schema)
         if rng.random() < 0.3 or not tools:
             distractor = rng.choice(distractor_tools())
             if self.split == "train" and rng.random() < SHUFFLED_SCHEMA_SHARE:
@@ -1118,8 +1252,21 @@ class Generator:
         rng.shuffle(tools)
         return tools
 
-    def _call_tool(self, kind: str, standard: bool = False) -> ToolSpec:
-        return standard_tool(kind) if standard else self._tool(kind)
+    def _call_tool(self, kind: str, standard: bool = False) -> tuple[ToolSpec, ToolSpec | None]:
+        """The tool to call, and in training now and then a tool of the other
+        kind whose name shares its stem (to declare with it; else None).
+
+        ``_tools`` adds a tool of the other kind half of the time, so a pair
+        drawn here ``s / (2 - s)`` of the time makes ``SAME_STEM_SHARE`` (s)
+        of the examples with both kinds declared same-stem pairs.
+        """
+        if standard:
+            return standard_tool(kind), None
+        if self.split == "train" and self.rng.random() < SAME_STEM_SHARE / (2 - SAME_STEM_SHARE):
+            names = self._same_stem_names()
+            other = "time" if kind == "weather" else "weather"
+            return self._tool(kind, name=names[kind]), self._tool(other, name=names[other])
+        return self._tool(kind), None
 
     # -- arithmetic ----------------------------------------------------------
 
@@ -1394,9 +1541,9 @@ class Generator:
             return Example(kind, messages, tools, thinking, ARITH_REFUSAL, expect)
 
         if kind in ("weather_call", "weather_answer"):
-            tool = self._call_tool("weather", standard)
+            tool, partner = self._call_tool("weather", standard)
             exchange, city, result, answer = self._weather_exchange(tool)
-            tools = self._tools(need=tool)
+            tools = self._tools(need=tool, partner=partner)
             if kind == "weather_call":
                 messages = [*system, *history, exchange[0]]
                 call = tool.call(city)
@@ -1411,10 +1558,10 @@ class Generator:
             return Example(kind, messages, tools, thinking, answer, expect)
 
         if kind in ("time_call", "time_answer"):
-            tool = self._call_tool("time", standard)
+            tool, partner = self._call_tool("time", standard)
             place, tz = self._time_place(tool)
             question = self._question(self.s.time[self.split], place=place)
-            tools = self._tools(need=tool)
+            tools = self._tools(need=tool, partner=partner)
             call = tool.call(place, tz)
             if kind == "time_call":
                 messages = [*system, *history, {"role": "user", "content": question}]

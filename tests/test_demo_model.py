@@ -450,3 +450,92 @@ def test_training_wordings_never_make_a_heldout_wording():
     train = {wording(q) for train, _, _ in data.INTENTS.values() for q in train}
     held = {wording(q) for _, heldout, _ in data.INTENTS.values() for q in heldout}
     assert not train & held
+
+
+# --- recipe 4: names that say timezone, tools that share a stem --------------
+
+TZ_CUES = {"zone", "timezone", "tz", "iana", "olson"}
+TIMEZONE_WORDS = (*TZ_CUES, "time", "offset")
+TZ_DESCRIPTIONS = {d for d in data.PARAM_DESCRIPTIONS["tz"]["train"] if d}
+PLACE_DESCRIPTIONS = {d for d in data.PARAM_DESCRIPTIONS["place"]["train"] if d}
+
+
+def declared_params(example: data.Example) -> list[tuple[str, str | None]]:
+    """(parameter name, its description) of the weather and time tools an example declares."""
+    distractors = {t["function"]["name"] for t in data.distractor_tools()}
+    return [
+        (name, prop.get("description"))
+        for t in example.tools or []
+        if t["function"]["name"] not in distractors
+        for name, prop in t["function"]["parameters"]["properties"].items()
+        if name not in EXTRA_PARAMS
+    ]
+
+
+def test_training_tz_names_have_a_cue_and_place_names_none():
+    # A made-up parameter's description says what it takes (recipe 3); its
+    # name now says it too: a timezone piece exactly where it takes a zone.
+    tz_names, place_names = [], []
+    for example in data.generate(20000, seed=6, split="train"):
+        for name, description in declared_params(example):
+            if name in TRAIN_LIST_NAMES:
+                continue
+            assert description in TZ_DESCRIPTIONS | PLACE_DESCRIPTIONS, (name, description)
+            pieces = data.name_pieces(name)
+            if description in TZ_DESCRIPTIONS:
+                tz_names.append(name)
+                assert TZ_CUES & set(pieces), name
+            else:
+                place_names.append(name)
+                assert not any(word in name.lower() for word in TIMEZONE_WORDS), name
+        if example.kind == "time_call":
+            # the call itself: an IANA value under a timezone name, a place under another
+            ((param, value),) = json.loads(example.target.split("\n")[1])["arguments"].items()
+            pieces = set(data.name_pieces(param))
+            if "/" in value:
+                assert TZ_CUES & pieces, (param, value)
+            elif value not in data.TIMEZONES:
+                assert not TZ_CUES & pieces and "time" not in pieces, (param, value)
+    assert len(tz_names) > 800 and len(place_names) > 2000
+    # The shapes the held-out names have: a cue last, a cue first, camelCase.
+    assert sum(n.endswith("_zone") for n in tz_names) > 50
+    assert sum(data.name_pieces(n)[0] in TZ_CUES for n in tz_names) > 50
+    assert sum(n != n.lower() for n in tz_names) > 50
+    # A made-up word alone names a place parameter only.
+    assert sum(len(data.name_pieces(n)) == 1 for n in place_names) > 200
+
+
+def stem_pair(names: list[str]) -> bool:
+    """Whether two names are written alike and differ in exactly one piece."""
+    a, b = (data.name_pieces(n) for n in names)
+    same_style = ("_" in names[0]) == ("_" in names[1])
+    if not same_style or len(a) != len(b):
+        return False
+    return sum(x != y for x, y in zip(a, b, strict=True)) == 1
+
+
+def test_training_declares_weather_and_time_tools_that_share_a_stem():
+    both = called = 0
+    pairs = []
+    for example in data.generate(20000, seed=7, split="train"):
+        tools = [name for name, _ in declared_names(example)]
+        if len(tools) != 2:
+            continue
+        both += 1
+        if stem_pair(tools):
+            pairs.append(tools)
+            called += example.kind in ("weather_call", "time_call")
+    # SAME_STEM_SHARE (a quarter) on purpose, and a few by chance (get_weather / get_time).
+    assert 0.2 < len(pairs) / both < 0.35, len(pairs) / both
+    assert called > 100
+    for names in pairs:
+        assert not any(n in HELDOUT_NAMES or data.is_heldout_name(n) for n in names), names
+    # A shared first piece (check_clock / check_forecast), a shared last
+    # piece, camelCase, and the kinds' own words.
+    flat = [data.name_pieces(n) for names in pairs for n in names]
+    verbs = {"get", "fetch", "query", "check", "lookup", "find", "read", "show", "report"}
+    assert sum(p[0] in verbs for p in flat) > 200
+    assert sum(p[0] == "check" for p in flat) > 5
+    assert sum(p[0] in ("weather", "time") for p in flat) > 20
+    assert sum(n != n.lower() for names in pairs for n in names) > 50
+    assert any(n.endswith("_forecast") or n.endswith("_clock") for names in pairs for n in names)
