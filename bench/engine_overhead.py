@@ -65,6 +65,7 @@ from loadgen import (  # noqa: E402
     Workload,
     add_workload_args,
     run_level,
+    sampling_of,
     self_cpu_s,
     setup_logging,
     warm_up,
@@ -229,7 +230,10 @@ class Ceiling(Driven):
     """mlx-lm's ``BatchGenerator``, as ``engine_ceiling.Engine.run`` drives it.
 
     A finished sequence's KV cache (which mlx-lm extracts for every finished
-    sequence) is dropped, and every row uses the generator's greedy sampler."""
+    sequence) is dropped. Greedy rows use the generator's own sampler; sampled
+    workloads (``--temperature``, ``--mixed-sampling``) give requests with the
+    same parameters one shared mlx-lm sampler (``engine_ceiling.Engine.samplers``:
+    mlx-lm samples them in one call, its best case)."""
 
     name = "ceiling"
 
@@ -244,6 +248,7 @@ class Ceiling(Driven):
         e = self.engine
         self.max_tokens = w.max_tokens
         self.prompts = [e.prompt_ids(w, first + i) for i in range(requests)]
+        self.samplers = e.samplers(w, first, requests)
         self.gen = BatchGenerator(
             e.model,
             completion_batch_size=e.decode_concurrency,
@@ -257,8 +262,12 @@ class Ceiling(Driven):
         return bool(self.by_uid)
 
     def admit(self, i: int) -> None:
+        sampler = self.samplers[i]
         (uid,) = self.gen.insert(
-            [self.prompts[i]], max_tokens=[self.max_tokens], stop_sequences=[self.engine.stop]
+            [self.prompts[i]],
+            max_tokens=[self.max_tokens],
+            samplers=None if sampler is None else [sampler],
+            stop_sequences=[self.engine.stop],
         )
         self.by_uid[uid] = i
 
@@ -281,6 +290,8 @@ class Ceiling(Driven):
 CORE_VARIANTS = {
     "core": "as the server builds it",
     "core-lazy": "prompt-cache entries stored unevaluated (as before the fix of issue 15)",
+    "core-each": "each prompt-cache entry's copy started as it is stored (one evaluation "
+    "per entry, before one per step)",
     "core-nocache": "no prompt-cache entries stored (the ceiling drops them too)",
     "core-nowindow": "--admission-window-ms 0",
     "core-nohold": "the window without the first-token hold (as before issue 15's fix)",
@@ -315,7 +326,9 @@ class Core(Driven):
         if variant == "core-nocache":
             entries.insert = lambda *args, **kwargs: None
         elif variant == "core-lazy":
-            entries.insert = _lazy(entries.insert)
+            entries.insert = _lazy(entries)
+        elif variant == "core-each":
+            entries.insert = _each(entries)
         elif variant == "core-nohold":
             self.core._awaiting_first = _NeverAwaiting()
         self.pickle_outputs = pickle_outputs
@@ -335,13 +348,14 @@ class Core(Driven):
                 )
             else:
                 prepared = prepare_text(tokenizer, self.builder.text_prompt(w, first + i))
+            temperature, top_p = sampling_of(w, first + i)
             out.append(
                 Submit(
                     request_id=self.next_request_id,
                     prompt=prepared.tokens,
                     segments=prepared.plan.segments,
                     segment_types=prepared.plan.segment_types,
-                    sampling=SamplingParams(),
+                    sampling=SamplingParams(temperature=temperature, top_p=top_p),
                     max_tokens=w.max_tokens,
                 )
             )
@@ -411,19 +425,26 @@ class _NeverAwaiting(set):
         pass
 
 
-def _lazy(insert):
-    """``CacheEntries.insert`` with ``own_arrays`` off: the entry stays a lazy slice."""
-    import runtime.prompt_cache_store as store
+def _lazy(entries):
+    """``CacheEntries.insert`` that leaves the entry a lazy slice (no copy is ever started)."""
+    insert = entries.insert
 
     def lazy_insert(*args, **kwargs):
-        saved = store.own_arrays
-        store.own_arrays = lambda cache: None
-        try:
-            return insert(*args, **kwargs)
-        finally:
-            store.own_arrays = saved
+        insert(*args, **kwargs)
+        entries._unowned.clear()
 
     return lazy_insert
+
+
+def _each(entries):
+    """``CacheEntries.insert`` that starts each entry's copy at once (one evaluation per entry)."""
+    insert = entries.insert
+
+    def insert_and_settle(*args, **kwargs):
+        insert(*args, **kwargs)
+        entries.settle()
+
+    return insert_and_settle
 
 
 # -------------------------------------------------------------------- server

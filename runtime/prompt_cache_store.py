@@ -27,11 +27,15 @@ id (``evict``). Ids are assigned in insertion order, so in a distributed
 group, where every rank inserts the same entries in the same steps, every
 rank gives the same ids and an ``EvictCache`` names the same entries on all.
 
-Every entry is computed as it is stored (``own_arrays``): mlx-lm hands a
-sequence's KV cache over lazily, as slices of the whole batch's arrays
-(``BatchKVCache.extract``), and an unevaluated slice keeps the batch's arrays
-alive: stored as it comes, each entry would hold a whole batch's KV cache (as
-it was at that step) while counting only its own rows, until first used.
+Every entry is computed as it is stored: mlx-lm hands a sequence's KV cache
+over lazily, as slices of the whole batch's arrays (``BatchKVCache.extract``),
+and an unevaluated slice keeps the batch's arrays alive: stored as it comes,
+each entry would hold a whole batch's KV cache (as it was at that step) while
+counting only its own rows, until first used. The copies of all the entries a
+step stores start together, in one ``mx.async_eval`` (``own_arrays``), when the
+step's events are taken (or before any lookup or eviction): one pass of MLX's
+evaluator per step instead of one per entry, which at 64 rows is most of what
+our engine adds to a step (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -84,8 +88,18 @@ class PromptCacheStore(LRUPromptCache):
         return remove_prompt_cache_entry(self, model, tokens)
 
 
-def own_arrays(cache: list) -> None:
-    """Start computing a KV cache's arrays (``mx.async_eval``: nothing waits for them).
+def cache_arrays(cache: list) -> list:
+    """The MLX arrays of a KV cache's layers (layers without ``state``, test doubles: none)."""
+    return [
+        leaf
+        for layer in cache
+        for _, leaf in tree_flatten(getattr(layer, "state", ()))
+        if isinstance(leaf, mx.array)
+    ]
+
+
+def own_arrays(arrays: list) -> None:
+    """Start computing KV cache arrays (``mx.async_eval``: nothing waits for them).
 
     A finished sequence's cache from mlx-lm's ``BatchGenerator`` is, per layer,
     ``contiguous(keys[row, :, start:end])`` of the batch's arrays, unevaluated
@@ -95,14 +109,8 @@ def own_arrays(cache: list) -> None:
     whole batch's KV cache (tens of MB each on the CPU's test models, GBs at
     batch 64 on an 8B model) that no byte count sees. The copy is queued on
     the arrays' stream behind the step in flight, so the engine does not wait.
-    Layers without ``state`` (test doubles) are left as they are.
+    ``arrays``: ``cache_arrays`` of one or more caches.
     """
-    arrays = [
-        leaf
-        for layer in cache
-        for _, leaf in tree_flatten(getattr(layer, "state", ()))
-        if isinstance(leaf, mx.array)
-    ]
     if arrays:
         mx.async_eval(arrays)
 
@@ -120,6 +128,7 @@ class CacheEntries:
         self._keys: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id -> (model, tokens)
         self._ids: dict[Any, dict[tuple[int, ...], int]] = {}  # model -> tokens -> id
         self._events: list[CacheEvent] = []
+        self._unowned: list = []  # arrays of entries stored since the last ``settle``
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -128,7 +137,14 @@ class CacheEntries:
         """The entries held now: id -> (model, tokens)."""
         return dict(self._keys)
 
+    def settle(self) -> None:
+        """Start the copies of every entry stored since the last call, in one evaluation."""
+        if self._unowned:
+            arrays, self._unowned = self._unowned, []
+            own_arrays(arrays)
+
     def fetch(self, model: Any, tokens: list[int]):
+        self.settle()
         return self.store.fetch_nearest_cache(model, tokens)
 
     def insert(
@@ -141,7 +157,7 @@ class CacheEntries:
             del self._keys[replaced]
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
         trimmable = can_trim_prompt_cache(cache)
-        own_arrays(cache)
+        self._unowned.extend(cache_arrays(cache))
         self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
         if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
             for other, entry_id in list(by_tokens.items()):
@@ -172,6 +188,7 @@ class CacheEntries:
 
         An id already gone (replaced or superseded since) is skipped: the
         PromptCacheActor learns of that from the events."""
+        self.settle()
         freed = 0
         for entry_id in entry_ids:
             key = self._keys.get(entry_id)
@@ -186,5 +203,7 @@ class CacheEntries:
         del self._ids[model][tokens]
 
     def take_events(self) -> tuple[CacheEvent, ...]:
+        """What changed since the last call; the entries stored since then start their copies."""
+        self.settle()
         events, self._events = tuple(self._events), []
         return events

@@ -155,9 +155,9 @@ def test_a_stored_entry_holds_its_own_rows_not_the_batchs_arrays():
     assert own_bytes * rows <= batch_bytes
 
     store = PromptCacheStore()
-    CacheEntries(store).insert(
-        MODEL, list(range(tokens)), entry, cache_type="assistant", request_id=1
-    )
+    entries = CacheEntries(store)
+    entries.insert(MODEL, list(range(tokens)), entry, cache_type="assistant", request_id=1)
+    entries.take_events()  # the engine takes a step's events at its end: the copies start
     del batch, entry, kv, layer
     mx.synchronize()
     held = mx.get_active_memory() - before

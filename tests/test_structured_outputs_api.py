@@ -152,14 +152,16 @@ async def test_thinking_first_unless_the_client_turns_it_off(demo):
 
 
 async def test_a_budget_too_small_ends_with_length_and_the_partial_document(demo):
-    status, data = await post(demo, CHAT, {"messages": user("Weather as JSON"), "max_tokens": 4,
+    # 8 tokens: at most 4 of leading whitespace (the grammar's cap), then the document's
+    # start; the shortest REPORT document is far longer.
+    status, data = await post(demo, CHAT, {"messages": user("Weather as JSON"), "max_tokens": 8,
                                            "response_format": json_schema(REPORT)})
     choice = data["choices"][0]
     assert status == 200 and choice["finish_reason"] == "length"
     assert choice["message"]["content"].lstrip().startswith("{")
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice["message"]["content"])
-    assert data["usage"]["completion_tokens"] == 4
+    assert data["usage"]["completion_tokens"] == 8
 
 
 # ---------------------------------------------------------------- Responses
