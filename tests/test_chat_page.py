@@ -242,8 +242,10 @@ def test_demo_tools_preset_gives_a_tool_call_card_and_a_round_trip(page):
     expect(answer).to_have_text("It is 21 degrees and sunny in Lisbon.")
     expect(page.locator(".tool-card input")).to_have_count(0)  # answered
     # The second request repeats the first one's prompt: the server's prompt cache has it.
-    stats = page.locator(".msg.assistant .stats").last.inner_text()
-    assert cached_tokens(stats) >= 64, stats
+    # The stats line comes when the stream ends, after the text: wait for the answer's own.
+    stats = page.locator(".msg.assistant").last.locator(".stats")
+    expect(stats).to_have_text(re.compile(r"prompt tokens cached"))
+    assert cached_tokens(stats.inner_text()) >= 64, stats.inner_text()
 
 
 def test_errors_are_shown(page):
