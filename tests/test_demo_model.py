@@ -131,6 +131,41 @@ async def test_the_call_fills_the_parameter_the_schema_names(client):
     assert json.loads(call["function"]["arguments"]) == {"location": "Lisbon"}
 
 
+recipe_4 = pytest.mark.skipif(
+    COMMITTED_RECIPE < 4, reason="the committed weights predate recipe 4 (timezone cues)"
+)
+
+
+@recipe_4
+@pytest.mark.parametrize(
+    ("question", "tools", "name", "arguments"),
+    [
+        ("What time is it in Paris?", [("get_time", "time_zone")],
+         "get_time", {"time_zone": "Europe/Paris"}),
+        ("Do you know what time it is in Paris?", [("lookup_time", "time_zone"),
+                                                   ("query_weather", "city")],
+         "lookup_time", {"time_zone": "Europe/Paris"}),
+        ("Do you know what time it is in London?", [("check_weather", "city"),
+                                                    ("check_time", "time_zone")],
+         "check_time", {"time_zone": "Europe/London"}),
+        ("Do you know what time it is in New York", [("check_weather", "city"),
+                                                     ("check_time", "zone_name")],
+         "check_time", {"zone_name": "America/New_York"}),
+        ("What's the weather in Tokyo?", [("check_weather", "city"), ("check_time", "city")],
+         "check_weather", {"city": "Tokyo"}),
+    ],
+)  # fmt: skip
+async def test_held_out_timezone_names_and_same_stem_tools(client, question, tools, name, arguments):
+    # Names and wordings held out of training. Recipe 3 gave the first four the place
+    # ("Paris") for a timezone parameter, or called check_weather for a time question.
+    declared = [tool(n, f"{n.replace('_', ' ').capitalize()}.", param) for n, param in tools]
+    choice = await chat(client, [{"role": "user", "content": question}], tools=declared,
+                        chat_template_kwargs={"enable_thinking": False})
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == name
+    assert json.loads(call["function"]["arguments"]) == arguments
+
+
 @recipe_2
 async def test_no_matching_tool_gets_the_no_such_tool_answer(client):
     # A time tool that takes a city is no weather tool.
