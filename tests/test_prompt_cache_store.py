@@ -165,3 +165,25 @@ def test_a_stored_entry_holds_its_own_rows_not_the_batchs_arrays():
     cache, rest = store.fetch_nearest_cache(MODEL, list(range(tokens)))
     assert rest == [] and cache[0].keys.shape == (1, heads, tokens, dim)
     assert mx.all(cache[0].keys == 1).item()
+
+
+def test_the_copies_of_a_steps_entries_start_in_one_evaluation(monkeypatch):
+    """Entries stored in one step are evaluated together when the step's events are
+    taken (one pass of MLX's evaluator a step, not one an entry), and before any lookup."""
+    import runtime.prompt_cache_store as module
+
+    evaluations: list[int] = []
+    monkeypatch.setattr(module.mx, "async_eval", lambda arrays: evaluations.append(len(arrays)))
+    entries = CacheEntries(PromptCacheStore())
+    for n in (3, 4, 5):  # one step stores three entries
+        entries.insert(MODEL, list(range(10 * n, 11 * n)), _cache(n), cache_type="user",
+                       request_id=n)  # fmt: skip
+    assert evaluations == []
+    entries.take_events()
+    per_entry = len(module.cache_arrays(_cache(3)))
+    assert evaluations == [3 * per_entry]
+    entries.take_events()  # nothing new stored: nothing evaluated
+    assert evaluations == [3 * per_entry]
+    entries.insert(MODEL, [7, 8], _cache(2), cache_type="user", request_id=9)
+    entries.fetch(MODEL, [7, 8, 9])  # a lookup mid-step sees the entry as its own arrays
+    assert evaluations == [3 * per_entry, per_entry]
