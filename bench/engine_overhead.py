@@ -450,6 +450,11 @@ def _each(entries):
 # -------------------------------------------------------------------- server
 
 
+def _per_token(cpu_s: float | None, tokens: int) -> float | None:
+    return round(1000 * cpu_s / tokens, 3) if cpu_s is not None and tokens else None
+
+
+
 class Server:
     """``python -m api.cli`` over HTTP (the whole server) at the same level."""
 
@@ -495,6 +500,14 @@ class Server:
             "prefill_steps": int(r.get("engine_prefill_steps") or 0),
             "ms_per_step": _ms(busy / steps) if steps and busy else None,
             "cpu_ms_per_token": round(1000 * r["cpu_s"] / tokens, 3) if r.get("cpu_s") else None,
+            # Where the server's CPU goes (JSON only): the API process, the rest of the
+            # tree (the engine process), and the load generator's own.
+            "api_cpu_ms_per_token": _per_token(r.get("root_cpu_s"), tokens),
+            "engine_process_cpu_ms_per_token": _per_token(
+                r["cpu_s"] - r["root_cpu_s"] if r.get("cpu_s") and r.get("root_cpu_s") else None,
+                tokens,
+            ),
+            "client_cpu_ms_per_token": _per_token(r.get("client_cpu_s"), tokens),
             "ttft_p50_ms": _ms(percentile(r["ttft_s"], 50)),
             "ttft_p99_ms": _ms(percentile(r["ttft_s"], 99)),
             "errors": r["errors"],
@@ -545,7 +558,8 @@ pickle: ms per step to pickle StepOutputs (the
 engine process's send); thr/st: engine thread CPU ms per step; cpu/tok: process
 CPU ms per token; ttft50/99: ms from arrival to first token; peak/actMiB: MLX
 memory, peak during the run and active at its end (the server: tok/s, steps,
-ms/step from /metrics, TTFT and CPU at the client)."""
+ms/step from /metrics, TTFT and CPU at the client; its JSON splits the CPU per
+token into the API process, the engine process and the load generator)."""
 
 
 def summary(results: dict[str, dict[str, list]]) -> str:

@@ -267,7 +267,9 @@ def _descendants(pid: int) -> list[int]:
 
 def proc_tree_stats(pid: int | None) -> dict[str, float] | None:
     """CPU seconds (user+system, the process, its live descendants and reaped
-    children) and RSS / peak RSS in MiB (summed over the tree) of ``pid``."""
+    children; ``root_cpu_s``: the process alone, for mlx-trio-server its API
+    process, the rest its engine process) and RSS / peak RSS in MiB (summed over
+    the tree) of ``pid``."""
     if pid is None:
         return None
     root = _read_stat(pid)
@@ -281,7 +283,13 @@ def proc_tree_stats(pid: int | None) -> dict[str, float] | None:
             cpu += st[1]
     rss = sum(_read_status_kb(p, "VmRSS") for p in pids) / 1024
     hwm = sum(_read_status_kb(p, "VmHWM") for p in pids) / 1024
-    return {"cpu_s": cpu, "rss_mb": rss, "peak_rss_mb": hwm, "processes": len(pids)}
+    return {
+        "cpu_s": cpu,
+        "root_cpu_s": root[1],
+        "rss_mb": rss,
+        "peak_rss_mb": hwm,
+        "processes": len(pids),
+    }
 
 
 def self_cpu_s() -> float:
@@ -325,6 +333,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         errors.update(r.get("errors", {}))
     cpu = [r["cpu_s"] for r in runs if r.get("cpu_s") is not None]
     client_cpu = [r["client_cpu_s"] for r in runs if r.get("client_cpu_s") is not None]
+    root_cpu = [r["root_cpu_s"] for r in runs if r.get("root_cpu_s") is not None]
     ttft, itl, e2e, tpot = cat("ttft_s"), cat("itl_s"), cat("e2e_s"), cat("tpot_s")
     prompt_tokens = cat("prompt_tokens")
     peak = [r["peak_rss_mb"] for r in runs if r.get("peak_rss_mb") is not None]
@@ -353,6 +362,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "disconnects": sum(r.get("disconnects", 0) for r in runs),
         "cpu_s": round(sum(cpu), 3) if cpu else None,
         "cpu_ms_per_token": round(1000 * sum(cpu) / tokens, 3) if cpu and tokens else None,
+        # The server's own process alone (mlx-trio-server: the API process).
+        "root_cpu_ms_per_token": (
+            round(1000 * sum(root_cpu) / tokens, 3) if root_cpu and tokens else None
+        ),
         "client_cpu_ms_per_token": (
             round(1000 * sum(client_cpu) / tokens, 3) if client_cpu and tokens else None
         ),
@@ -553,6 +566,7 @@ async def _run_level_async(
     result["client_cpu_s"] = client_cpu
     if before is not None and after is not None:
         result["cpu_s"] = after["cpu_s"] - before["cpu_s"]
+        result["root_cpu_s"] = after["root_cpu_s"] - before["root_cpu_s"]
         result["peak_rss_mb"] = after["peak_rss_mb"]
         result["rss_mb"] = after["rss_mb"]
     result["drain_s"] = drain
