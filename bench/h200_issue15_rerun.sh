@@ -7,17 +7,9 @@
 #   b: Llama-3-8B shape sampled (0.7 / 0.9, varied per request) at 8 / 32 / 64, one client
 #      (ours vs bare, alternated), then the Qwen3-0.6B shape: one client and greedy 8 / 32 / 64.
 # nvidia-smi samples the clocks (read only). Results in $OUT.
-set -u
-OUT=${OUT:-/tmp/out}
-L=/tmp/m/llama3-8b
-Q=/tmp/m/qwen3-0.6b
-mkdir -p /tmp/m "$OUT"
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
-  --format=csv -lms 500 > "$OUT/smi-${PART}.csv" 2>&1 &
-SMI=$!
+source "$(dirname "$0")/h200_prelude.sh"
 W="--max-tokens 128 --prompt-tokens 136 --rounds 1 --only engine,ours --no-plot"
-step() { echo "== $1 $(date +%T)"; }
-[ -f $L/config.json ] || { step make-llama; timeout 150 python3 bench/make_shaped_model.py llama3-8b $L > "$OUT/make-llama.log" 2>&1; }
+make_llama
 if [ "$PART" = a ]; then
   step engine-overhead
   timeout 280 python3 bench/engine_overhead.py --model $L --levels 32,64 --rounds 2 --prompt-tokens 136 \

@@ -11,16 +11,8 @@
 #            then one client (ours vs bare, alternated);
 #   qwen:    the Qwen3-0.6B shape, greedy 8 / 32 / 64, then one client.
 # nvidia-smi samples the clocks (read only). Results in $OUT.
-set -u
-OUT=${OUT:-/tmp/out}
-L=/tmp/m/llama3-8b
-Q=/tmp/m/qwen3-0.6b
-mkdir -p /tmp/m "$OUT"
-nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
-  --format=csv -lms 500 > "$OUT/smi-${PART}.csv" 2>&1 &
-SMI=$!
+source "$(dirname "$0")/h200_prelude.sh"
 W="--prompt-tokens 136 --max-tokens 128 --rounds 3"
-step() { echo "== $1 $(date +%T)"; }
 overhead() {  # name, budget s, args...
   local name=$1 budget=$2
   shift 2
@@ -31,7 +23,7 @@ overhead() {  # name, budget s, args...
 }
 case "$PART" in
   greedy)
-    [ -f $L/config.json ] || { step make-llama; timeout 150 python3 bench/make_shaped_model.py llama3-8b $L > "$OUT/make-llama.log" 2>&1; }
+    make_llama
     overhead greedy-llama 420 --model $L --levels 8,32,64 --systems ceiling,core,core-each --server
     ;;
   sampled)

@@ -9,16 +9,13 @@
 #   2. the server alone at 64 clients under bench/loadgen.py, with py-spy sampling the API
 #      process and the engine process (native frames off) for 20 s each, at the same time.
 # Results in $OUT. About 6 minutes with the 8B model built (make_shaped_model: ~40 s).
-set -u
-OUT=${OUT:-/tmp/out}
-L=${MODEL:-/tmp/m/llama3-8b}  # MODEL, LEVELS, ROUNDS, REQUESTS: for a smoke run elsewhere
+source "$(dirname "$0")/h200_prelude.sh"
+L=${MODEL:-$L}  # MODEL, LEVELS, ROUNDS, REQUESTS, SPY: for a smoke run elsewhere
 LEVELS=${LEVELS:-32,64}
 ROUNDS=${ROUNDS:-3}
 REQUESTS=${REQUESTS:-640}
 SPY=${SPY:-/tmp/site/bin/py-spy}
-mkdir -p /tmp/m "$OUT"
-step() { echo "== $1 $(date +%T)"; }
-[ -f $L/config.json ] || { step make-llama; timeout 150 python3 bench/make_shaped_model.py llama3-8b $L > "$OUT/make-llama.log" 2>&1; }
+make_llama
 step overhead
 timeout 300 python3 bench/engine_overhead.py --model $L --levels $LEVELS --rounds $ROUNDS --prompt-tokens 136 \
   --max-tokens 128 --systems ceiling,core --server --json-out "$OUT/server-split.json" \
@@ -51,3 +48,4 @@ kill -TERM $API
 sleep 5
 tail -n 3 "$OUT/profile-load.txt" "$OUT"/pyspy-*.log
 step done
+kill $SMI 2> /dev/null
