@@ -53,7 +53,9 @@ from runtime.mlx_lm_internals import new_eviction_order
 
 log = logging.getLogger(__name__)
 
-GHOST_TOKENS = 1 << 20  # tokens of evicted entries remembered, to explain misses (4 MB)
+# Tokens of evicted entries remembered, to explain misses: 4 bytes a token plus about
+# 1.3 KB an entry for its index (measured: 6,990 entries of 150 tokens fill it in 12.6 MB).
+GHOST_TOKENS = 1 << 20
 CLOSED_KEPT = 1024  # requests closed before they started, still remembered
 
 
