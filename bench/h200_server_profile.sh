@@ -7,7 +7,9 @@
 #      splits the server's CPU per token into the API process, the engine process and the load
 #      generator (api_ / engine_process_ / client_cpu_ms_per_token);
 #   2. the server alone at 64 clients under bench/loadgen.py, with py-spy sampling the API
-#      process and the engine process (native frames off) for 20 s each, at the same time.
+#      process and the engine process (native frames off, idle frames on: time blocked in a
+#      pipe or a poll shows) for 20 s each, at the same time, and every thread's
+#      /proc/PID/task/TID/schedstat (time on a CPU, time waiting for one) read each second.
 # Results in $OUT. About 6 minutes with the 8B model built (make_shaped_model: ~40 s).
 source "$(dirname "$0")/h200_prelude.sh"
 L=${MODEL:-$L}  # MODEL, LEVELS, ROUNDS, REQUESTS, SPY: for a smoke run elsewhere
@@ -40,9 +42,17 @@ LOAD=$!
 sleep 25  # past the warm-up and the first prefills
 for who in api:$API engine:$ENGINE; do
   name=${who%%:*} pid=${who#*:}
-  timeout 40 "$SPY" record -p "$pid" -d 20 -r 200 -f raw --nonblocking \
+  timeout 40 "$SPY" record -p "$pid" -d 20 -r 200 -f raw --nonblocking --idle --threads \
     -o "$OUT/pyspy-$name.txt" > "$OUT/pyspy-$name.log" 2>&1 &
 done
+for i in $(seq 1 22); do
+  for pid in $API $ENGINE; do
+    for t in /proc/$pid/task/*; do
+      echo "$(date +%s.%N) $pid ${t##*/} $(cat $t/comm 2> /dev/null) $(cat $t/schedstat 2> /dev/null)"
+    done
+  done
+  sleep 1
+done > "$OUT/schedstat.txt" 2>&1
 wait $LOAD
 kill -TERM $API
 sleep 5

@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_modes import one_rep  # noqa: E402
+from step_modes import cpu_probe_us, one_rep  # noqa: E402
 
 
 def free_port() -> int:
@@ -63,13 +63,17 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
 
 def server_rep(base: str, messages: list, max_tokens: int) -> dict:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    times = []
+    times, probes = [], []
+    began = time.time()
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"content"' in line:
                 times.append(time.perf_counter())
+                probes.append(cpu_probe_us())  # this (client) process's core, between chunks
     gaps = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False)]
     return {"chunks": len(times), "p50_ms": statistics.median(gaps) if gaps else None,
+            "began": began, "ended": time.time(),
+            "probe_us_p50": statistics.median(probes) if probes else None,
             "gaps_ms": [round(g, 3) for g in gaps]}
 
 
@@ -109,11 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         server_rep(base, builder.messages(w, 9_999), 16)
         rows = []
         for rep in range(ns.reps):
+            began = time.time()
             bare = one_rep(gen, ids(rep), ns.max_tokens, stop)
+            bare.update(began=began, ended=time.time())
             ours = server_rep(base, builder.messages(w, rep), ns.max_tokens)
             rows.append({"rep": rep, "bare": bare, "ours": ours})
-            print(f"rep {rep}: bare step p50 {bare['p50_ms']:.2f} ms ({bare['tokens']} tokens) | "
-                  f"ours ITL p50 {ours['p50_ms']:.2f} ms ({ours['chunks']} chunks)", flush=True)
+            # probe: a fixed pure-Python loop timed once per step / chunk (step_modes.cpu_probe_us)
+            print(f"rep {rep}: bare step p50 {bare['p50_ms']:.2f} ms ({bare['tokens']} tokens, "
+                  f"probe {bare['probe_us_p50']:.1f} us) | ours ITL p50 {ours['p50_ms']:.2f} ms "
+                  f"({ours['chunks']} chunks, client probe {ours['probe_us_p50']:.1f} us)",
+                  flush=True)
         if ns.json_out:
             Path(ns.json_out).write_text(json.dumps(rows))
     finally:

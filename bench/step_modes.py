@@ -48,13 +48,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+PROBE_ITERATIONS = 400  # about 10-20 us of pure Python on a server core
+
+
+def cpu_probe_us(iterations: int = PROBE_ITERATIONS) -> float:
+    """Microseconds a fixed pure-Python loop takes now: the host core's speed, no MLX in it.
+
+    Timed once per engine step (while the GPU works on the step in flight), it
+    tells a slow host (the probe slows with the step) from a slow GPU or MLX
+    (the probe keeps its time)."""
+    began = time.perf_counter_ns()
+    x = 0
+    for i in range(iterations):
+        x += i * i
+    return (time.perf_counter_ns() - began) / 1000
+
+
 def one_rep(gen, prompt: list[int], max_tokens: int, stop) -> dict:
     (uid,) = gen.insert([prompt], max_tokens=[max_tokens], stop_sequences=[stop])
-    steps, cpu = [], []
+    steps, cpu, probes = [], [], []
     last_wall = last_cpu = None
     done = False
     while not done:
         _, responses = gen.next()
+        probes.append(cpu_probe_us())
         now, now_cpu = time.perf_counter(), time.thread_time()
         for r in responses:
             if r.uid != uid:
@@ -71,7 +88,10 @@ def one_rep(gen, prompt: list[int], max_tokens: int, stop) -> dict:
         "p50_ms": statistics.median(ms),
         "p90_ms": percentile(ms, 0.9),
         "cpu_share": sum(cpu) / sum(steps) if steps else 0.0,
+        "probe_us_p50": statistics.median(probes),
         "steps_ms": [round(x, 3) for x in ms],
+        # one per next() call, so a step's probe is the one just before its end
+        "probes_us": [round(x, 2) for x in probes],
     }
 
 
@@ -139,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(name, []).extend(reps)
             line = " ".join(f"{r['p50_ms']:.2f}" for r in reps)
             cpu = " ".join(f"{r['cpu_share']:.2f}" for r in reps)
-            print(f"round {round_} {name:10s} p50 ms/step: {line}   cpu share: {cpu}", flush=True)
+            probe = " ".join(f"{r['probe_us_p50']:.1f}" for r in reps)
+            print(f"round {round_} {name:10s} p50 ms/step: {line}   cpu share: {cpu}   "
+                  f"probe us: {probe}", flush=True)
     if ns.json_out:
         Path(ns.json_out).write_text(json.dumps(results))
     return 0
