@@ -74,6 +74,7 @@ class RequestTiming:
     None while none arrived (a client that left before the end)."""
 
     started: float = attrs.field(factory=time.monotonic)
+    submitted: float | None = None  # handed to the Scheduler (prompt templated and tokenised)
     first_output: float | None = None
     ended: float | None = None  # the terminal reached the Session
     prompt_tokens: int = 0
@@ -284,6 +285,7 @@ class Session:
         )
         self.request_id = submit.request_id
         self.request_ids = submit.request_ids
+        self.timing.submitted = time.monotonic()
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self

@@ -31,6 +31,16 @@ and MLX's peak memory; then medians over the rounds with their ranges.
 ``--profile DIR`` writes a cProfile of each system's last round
 (``DIR/<system>-c<level>.prof``) and logs its top functions.
 
+``--engine-cpu N`` runs every engine on the one CPU ``N``: this process's main
+thread while it drives an in-process system, and the server's engine process
+(all its threads), with the server's API process and this process's load
+generator on the other CPUs. On a shared host whose cores run at different
+speeds (the H200 machine's vCPUs: a fixed Python loop takes 16 or 30 us,
+``step_modes.cpu_probe_us``), the engines then share one core's speed, and
+alternated rounds share its changes over time; without it the server's engine
+process lands on a core of its own. Each in-process step also times that probe
+(``probe_us_p50``).
+
     .venv/bin/python bench/engine_overhead.py --levels 16,32,64 --rounds 3 --requests 128 \
         --systems ceiling,core,core-lazy
     .venv/bin/python bench/engine_overhead.py --levels 4,16 --systems core,core-nohold \
@@ -45,6 +55,7 @@ import bisect
 import cProfile
 import json
 import logging
+import os
 import pstats
 import statistics
 import sys
@@ -73,6 +84,30 @@ from loadgen import (  # noqa: E402
 )
 
 log = logging.getLogger("bench.engine_overhead")
+
+from step_modes import cpu_probe_us  # noqa: E402
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (``sched_setaffinity`` is per thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -166,6 +201,7 @@ def closed_loop(
     tokens = 0
     step_s: list[float] = []
     decode_only: list[bool] = []
+    probes: list[float] = []
     thread = 0.0
     reset_memory_figures()
     cpu0, t0 = self_cpu_s(), time.perf_counter()
@@ -182,6 +218,7 @@ def closed_loop(
         prefill, events = system.step()
         ended = time.perf_counter()
         thread += time.thread_time() - began_thread
+        probes.append(cpu_probe_us())  # this core's speed now (outside the step's timing)
         step_s.append(ended - began)
         decode_only.append(not prefill)
         for i, finished in events:
@@ -217,6 +254,7 @@ def closed_loop(
         "cpu_ms_per_token": round(1000 * cpu / tokens, 3) if tokens else None,
         "ttft_p50_ms": _ms(percentile(ttft, 50)),
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "probe_us_p50": round(statistics.median(probes), 1) if probes else None,
         **memory,
     }
     out.update(system.finish())
@@ -454,13 +492,19 @@ def _per_token(cpu_s: float | None, tokens: int) -> float | None:
     return round(1000 * cpu_s / tokens, 3) if cpu_s is not None and tokens else None
 
 
-
 class Server:
     """``python -m api.cli`` over HTTP (the whole server) at the same level."""
 
     name = "server"
 
-    def __init__(self, model_path: str, decode_concurrency: int, log_dir: Path):
+    def __init__(
+        self,
+        model_path: str,
+        decode_concurrency: int,
+        log_dir: Path,
+        engine_cpu: int | None = None,
+        other_cpus: set[int] | None = None,
+    ):
         import socket
 
         with socket.socket() as s:
@@ -483,6 +527,18 @@ class Server:
         self.proc.start(cwd=str(REPO))
         self.proc.wait_healthy()
         self.builder = PromptBuilder(model_path)
+        if engine_cpu is not None:
+            api = self.proc.pid
+            engines = [
+                c
+                for c in child_pids(api)
+                if b"runtime.engine.process" in Path(f"/proc/{c}/cmdline").read_bytes()
+            ]
+            if not engines:
+                raise RuntimeError("--engine-cpu: the server has no engine process")
+            pin_process(api, other_cpus)
+            for pid in engines:
+                pin_process(pid, {engine_cpu})
 
     def warm_up(self, w: Workload) -> None:
         warm_up(self.proc.url, w, self.builder)
@@ -572,6 +628,7 @@ def summary(results: dict[str, dict[str, list]]) -> str:
         "thread_ms_per_step",
         "ttft_p50_ms",
         "peak_mib",
+        "probe_us_p50",
     )
     lines = ["medians over rounds (min-max): " + ", ".join(keys)]
     for level, by_system in results.items():
@@ -621,6 +678,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pickle", action="store_true", help="do not pickle the core's outputs")
     p.add_argument("--profile", default=None, help="write cProfile stats of the last round here")
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--engine-cpu",
+        type=int,
+        default=None,
+        help="run every engine (in-process and the server's engine process) on this CPU, "
+        "the rest on the others",
+    )
     add_workload_args(p)
     p.set_defaults(levels=[16, 64])
     ns = p.parse_args(argv)
@@ -652,8 +716,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             raise SystemExit(f"unknown system {name!r}")
+    others = None
+    if ns.engine_cpu is not None:
+        others = os.sched_getaffinity(0) - {ns.engine_cpu}
+        if ns.engine_cpu not in os.sched_getaffinity(0) or not others:
+            raise SystemExit(f"--engine-cpu {ns.engine_cpu}: not one of several allowed CPUs")
     if ns.server:
-        systems["server"] = Server(model, ns.decode_concurrency, BENCH / "results" / "logs")
+        systems["server"] = Server(
+            model, ns.decode_concurrency, BENCH / "results" / "logs", ns.engine_cpu, others
+        )
     profile_dir = Path(ns.profile) if ns.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)
@@ -673,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(ns.rounds):
                 order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
                 for name in order:
+                    if others is not None:  # the engine's CPU for an in-process engine only
+                        os.sched_setaffinity(0, others if name == "server" else {ns.engine_cpu})
                     profiler = None
                     if profile_dir and rnd == ns.rounds - 1 and name != "server":
                         profiler = cProfile.Profile()
@@ -704,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": ns.rounds,
             "arrival_delay_ms": ns.arrival_delay_ms,
             "arrival_jitter_ms": ns.arrival_jitter_ms,
+            "engine_cpu": ns.engine_cpu,
             "argv": sys.argv,
         }
         Path(ns.json_out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
