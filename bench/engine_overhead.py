@@ -85,7 +85,7 @@ from loadgen import (  # noqa: E402
 
 log = logging.getLogger("bench.engine_overhead")
 
-from step_modes import cpu_probe_us  # noqa: E402
+from runtime.engine.host_speed import PROBE_ENV, cpu_probe_us  # noqa: E402
 
 
 def pin_process(pid: int, cpus: set[int]) -> None:
@@ -524,7 +524,9 @@ class Server:
         self.proc = ServerProcess(
             "mlx-trio-server", argv, f"http://127.0.0.1:{port}", log_dir / f"server-{port}.log"
         )
-        self.proc.start(cwd=str(REPO))
+        # each engine step's host-speed probe (runtime.engine.host_speed), read per run
+        self.probe_prefix = str(log_dir / f"probe-{port}")
+        self.proc.start(cwd=str(REPO), env={PROBE_ENV: self.probe_prefix})
         self.proc.wait_healthy()
         self.builder = PromptBuilder(model_path)
         if engine_cpu is not None:
@@ -543,8 +545,22 @@ class Server:
     def warm_up(self, w: Workload) -> None:
         warm_up(self.proc.url, w, self.builder)
 
+    def probes_between(self, began: float, ended: float) -> list[float]:
+        """The engine process's probes of the steps between two epoch times."""
+        out = []
+        for path in Path(self.probe_prefix).parent.glob(Path(self.probe_prefix).name + ".*"):
+            for line in path.read_text().splitlines():
+                at, probe = line.split()
+                if began <= float(at) <= ended:
+                    out.append(float(probe))
+        return out
+
     def run(self, w: Workload, concurrency: int, requests: int, first: int) -> dict[str, Any]:
+        began = time.time()
         r = run_level(self.proc.url, w, concurrency, requests, self.builder, self.proc.pid, first)
+        ended = time.time()
+        time.sleep(0.7)  # the engine writes its probes every half second
+        probes = self.probes_between(began, ended)
         tokens = r["completion_tokens"]
         steps = int(r["engine_steps"]) if r.get("engine_steps") is not None else None
         busy = r.get("engine_busy_s")
@@ -567,6 +583,8 @@ class Server:
             "ttft_p50_ms": _ms(percentile(r["ttft_s"], 50)),
             "ttft_p99_ms": _ms(percentile(r["ttft_s"], 99)),
             "errors": r["errors"],
+            "probe_us_p50": round(statistics.median(probes), 1) if probes else None,
+            "probes": len(probes),
         }
 
     def close(self) -> None:

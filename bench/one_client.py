@@ -31,7 +31,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_modes import cpu_probe_us, one_rep  # noqa: E402
+from step_modes import one_rep  # noqa: E402
+
+from runtime.engine.host_speed import cpu_probe_us  # noqa: E402
 
 
 def free_port() -> int:

@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.engine.host_speed import cpu_probe_us  # noqa: E402
 
 VARIANT_ENV = {
     "default": {},
@@ -46,22 +49,6 @@ VARIANT_ENV = {
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-PROBE_ITERATIONS = 400  # about 10-20 us of pure Python on a server core
-
-
-def cpu_probe_us(iterations: int = PROBE_ITERATIONS) -> float:
-    """Microseconds a fixed pure-Python loop takes now: the host core's speed, no MLX in it.
-
-    Timed once per engine step (while the GPU works on the step in flight), it
-    tells a slow host (the probe slows with the step) from a slow GPU or MLX
-    (the probe keeps its time)."""
-    began = time.perf_counter_ns()
-    x = 0
-    for i in range(iterations):
-        x += i * i
-    return (time.perf_counter_ns() - began) / 1000
 
 
 def one_rep(gen, prompt: list[int], max_tokens: int, stop) -> dict:

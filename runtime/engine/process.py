@@ -46,6 +46,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.host_speed import ProbeLog
 from runtime.engine.loop import run_engine_loop
 from runtime.messages import (
     EngineCrashed,
@@ -103,11 +104,22 @@ def engine_process_main(conn) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    probes = ProbeLog.from_environment()  # benchmarks only (runtime.engine.host_speed)
     try:
-        run_engine_loop(make_core, inbox, conn.send, lambda: None, on_ready=ready, on_crash=crashed)
+        run_engine_loop(
+            make_core,
+            inbox,
+            conn.send,
+            lambda: None,
+            on_ready=ready,
+            on_crash=crashed,
+            on_tick=probes.tick if probes is not None else lambda: None,
+        )
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
         log.error("the engine process failed: %s", error)
+    if probes is not None:
+        probes.flush()
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(f"{profile_path}.{os.getpid()}")
