@@ -44,7 +44,7 @@ async def test_one_line_per_request_with_tokens_and_times(client, caplog):
     assert line["generated_tokens"] == usage["completion_tokens"]
     assert line["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     assert line["finish"] == body["choices"][0]["finish_reason"]
-    assert 0 < line["ttft_ms"] <= line["duration_ms"]
+    assert 0 < line["submit_ms"] < line["ttft_ms"] <= line["duration_ms"]
     text = [r.getMessage() for r in caplog.records if r.name == "mlx_trio.access"][0]
     assert text.startswith(f"request_id={line['request_id']} method=POST endpoint={CHAT} status=200")
     assert f"prompt_tokens={usage['prompt_tokens']}" in text
