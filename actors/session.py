@@ -37,6 +37,11 @@ output and its terminal reached it (``RequestTiming``, the response edge: what
 the client sees, stop-string hold-back included) and the terminal's token
 counts; leaving hands the record to ``SessionPort.record_request`` (metrics)
 and keeps it as ``timing`` (the access log).
+
+Bursts (``Arrivals``): a Session counts itself while it tokenises, and its
+Submit says whether other requests were still on their way
+(``Submit.followed``: the engine's admission window then lets the burst start
+its prefill together).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class RequestTiming:
 
     started: float = attrs.field(factory=time.monotonic)
     submitted: float | None = None  # handed to the Scheduler (prompt templated and tokenised)
+    # Called once at the Submit when the request came over HTTP (``Arrivals``).
+    on_submitted: Callable[[], None] | None = attrs.field(default=None, repr=False)
     first_output: float | None = None
     ended: float | None = None  # the terminal reached the Session
     prompt_tokens: int = 0
@@ -114,10 +121,30 @@ class RequestTiming:
         return (self.ended - self.first_output) / (self.completion_tokens - 1)
 
 
+class Arrivals:
+    """Requests on their way to the engine, for ``Submit.followed``; trio thread only.
+
+    ``http``: generation requests the HTTP side is answering that have not sent
+    their Submit yet (the API's ``RequestObserver`` counts one in, and out at the
+    Submit, through ``RequestTiming.on_submitted``, or at its end);
+    ``preparing``: Sessions templating or tokenising, from HTTP or not.
+    """
+
+    def __init__(self) -> None:
+        self.http = 0
+        self.preparing = 0
+
+    def others_pending(self, *, counted: bool) -> bool:
+        """Asked by a Session about to submit (``counted``: its own request is one of
+        ``http``): are other requests on their way?"""
+        return self.preparing > 0 or self.http - (1 if counted else 0) > 0
+
+
 class SessionPort(Protocol):
     """What a Session needs of the runtime (``actors.system.Runtime`` provides it)."""
 
     tokenize_limiter: trio.CapacityLimiter
+    arrivals: Arrivals
 
     @property
     def default_model(self) -> ModelKey: ...
@@ -229,9 +256,15 @@ class Session:
 
     async def _enter(self, handle: ModelHandle, key: ModelKey) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
-        self.prompt, constraint = await trio.to_thread.run_sync(
-            self._prepare_and_constrain, handle.tokenizer, limiter=self._runtime.tokenize_limiter
-        )
+        self._runtime.arrivals.preparing += 1
+        try:
+            self.prompt, constraint = await trio.to_thread.run_sync(
+                self._prepare_and_constrain,
+                handle.tokenizer,
+                limiter=self._runtime.tokenize_limiter,
+            )
+        finally:
+            self._runtime.arrivals.preparing -= 1
         prompt = self.prompt
         if constraint is not None and key.draft is not None:
             raise ClientError(
@@ -274,6 +307,9 @@ class Session:
             kv_bytes=handle.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
+            followed=self._runtime.arrivals.others_pending(
+                counted=self.timing.on_submitted is not None
+            ),
         )
         self.prompt_cache = self._runtime.open_request(
             submit,
@@ -286,6 +322,8 @@ class Session:
         self.request_id = submit.request_id
         self.request_ids = submit.request_ids
         self.timing.submitted = time.monotonic()
+        if self.timing.on_submitted is not None:
+            self.timing.on_submitted()
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self

@@ -42,7 +42,7 @@ from actors.model_loader import (
 )
 from actors.prompt_cache import PromptCacheActor, PromptCacheCore
 from actors.scheduler import Scheduler, SchedulerCore
-from actors.session import RequestTiming, Session
+from actors.session import Arrivals, RequestTiming, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
@@ -109,6 +109,9 @@ class Runtime:
         self.model_policy = ModelPolicy.from_config(config)
         self.metrics = ServerMetrics(self.figures)
         self.tokenize_limiter = trio.CapacityLimiter(config.tokenizer_threads)
+        # Requests on their way to the engine: a Submit sent while others are says so
+        # (``Submit.followed``), and a small batch waits for them (the admission window).
+        self.arrivals = Arrivals()
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
         self.prompt_cache = PromptCacheActor(

@@ -32,7 +32,7 @@ import attrs
 from quart import request
 
 from actors.metrics import CLIENT_CLOSED, ServerMetrics
-from actors.session import RequestTiming
+from actors.session import Arrivals, RequestTiming
 
 ACCESS_LOG = logging.getLogger("mlx_trio.access")
 SCOPE_KEY = "mlx_trio.request"
@@ -51,6 +51,14 @@ class RequestRecord:
     route: str = UNMATCHED
     status: int | None = None
     timing: RequestTiming | None = None
+    # A generation request counted in ``Arrivals.http`` until its Submit (or its end).
+    arrivals: Arrivals | None = None
+
+    def left_arrivals(self) -> None:
+        """Synchronous and idempotent: the request no longer waits to submit."""
+        if self.arrivals is not None:
+            self.arrivals.http -= 1
+            self.arrivals = None
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
@@ -61,6 +69,14 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
             if cleaned:
                 return cleaned
     return uuid.uuid4().hex
+
+
+GENERATION_PATHS = ("/completions", "/responses", "/messages")
+
+
+def is_generation(method: str, path: str) -> bool:
+    """A request that will start a generation (chat, text, Responses, Messages)."""
+    return method == "POST" and path.rstrip("/").endswith(GENERATION_PATHS)
 
 
 def current_record() -> RequestRecord | None:
@@ -76,18 +92,22 @@ def note_route() -> None:
 
 
 def note_timing(timing: RequestTiming) -> None:
-    """The generation path: this request's Session timing, for the access log."""
+    """The generation path: this request's Session timing, for the access log (and its
+    Submit ends the request's count in ``Arrivals``)."""
     record = current_record()
     if record is not None:
         record.timing = timing
+        if record.arrivals is not None:
+            timing.on_submitted = record.left_arrivals
 
 
 class RequestObserver:
     """ASGI middleware: request ids, the access log and the HTTP metrics."""
 
-    def __init__(self, app, metrics: ServerMetrics):
+    def __init__(self, app, metrics: ServerMetrics, arrivals: Arrivals | None = None):
         self._app = app
         self._metrics = metrics
+        self._arrivals = arrivals  # generation requests on their way (Submit.followed)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -109,9 +129,13 @@ class RequestObserver:
             await send(message)
 
         self._metrics.http_started()
+        if self._arrivals is not None and is_generation(record.method, record.path):
+            self._arrivals.http += 1
+            record.arrivals = self._arrivals
         try:
             await self._app(scope, receive, send_with_id)
         finally:
+            record.left_arrivals()
             self._finish(record)
 
     def _finish(self, record: RequestRecord) -> None:

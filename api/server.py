@@ -73,7 +73,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     app.register_blueprint(tokenizer_blueprint(rt, config))
     register_chat_page(app)
     register_agent_apis(app, rt, config)
-    app.asgi_app = RequestObserver(app.asgi_app, rt.metrics)
+    app.asgi_app = RequestObserver(app.asgi_app, rt.metrics, rt.arrivals)
     return app
 
 

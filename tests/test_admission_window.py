@@ -3,20 +3,24 @@
 While at least ``admission_batch`` sequences decode, a new request waits in
 the engine (not in the batch) until the window is over or ``admission_batch``
 requests wait; then they all join in one step. A small batch admits at once,
-unless a sequence waits for its first token after its prompt.
+unless a sequence waits for its first token after its prompt, or the request
+says others are on their way (``Submit.followed``).
 Held requests count as active, can be aborted, and fail on close.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
-from runtime.messages import Abort, ModelHandle
+from runtime.engine.loop import run_engine_loop
+from runtime.messages import Abort, ModelHandle, Shutdown
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
 from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 
@@ -197,3 +201,70 @@ def test_every_request_ends_once_with_its_own_tokens(batch, ops):
             if want[-1] == EOS:
                 break
         assert ledger.tokens(rid) == want
+
+
+def followed_submit(rid: int):
+    return attrs.evolve(long_submit(rid), followed=True)
+
+
+def test_a_burst_of_arrivals_starts_its_prefill_together():
+    """``Submit.followed``: others were being tokenised when it was sent. Even into an
+    idle engine it waits (the window) for the rest of its burst, whose last one (not
+    followed) lets them all in at the next step, in one prefill group."""
+    core, factory = engine(FOREVER, batch=8)
+    core.handle_command(followed_submit(1))
+    core.handle_command(followed_submit(2))
+    gen = factory.current
+    assert not gen.inserted and core.has_work
+    assert core.hold_timeout() > 0  # nothing decodes: the loop may wait for the rest
+    out = core.step()
+    assert not gen.inserted and not out.started  # still waiting for those behind
+    core.handle_command(long_submit(3))
+    out = core.step()
+    assert {e.request_id for e in out.started} == {1, 2, 3}
+    assert len(gen.steps[-1].prompt_uids) == 3
+    assert core.hold_timeout() is None
+
+
+def test_a_followed_request_waits_no_longer_than_the_window():
+    core, factory = engine(0.02, batch=8)
+    core.handle_command(followed_submit(1))
+    core.step()
+    assert not factory.current.inserted
+    assert 0 < core.hold_timeout() <= 0.02
+    time.sleep(0.03)
+    assert core.hold_timeout() == 0.0
+    out = core.step()
+    assert [e.request_id for e in out.started] == [1]
+    # Without a window nothing waits, followed or not.
+    core, factory = engine(0.0, batch=8)
+    core.handle_command(followed_submit(1))
+    assert len(factory.current.inserted) == 1
+
+
+def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
+    """Held requests and nothing decoding: the loop blocks on its inbox until the window
+    ends (or a command comes), instead of stepping an empty batch in a tight loop."""
+    core, factory = engine(0.2, batch=8)
+    steps = []
+    real_step = core.step
+
+    def counted_step():
+        steps.append(time.monotonic())
+        return real_step()
+
+    core.step = counted_step
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox.put(followed_submit(1))
+    emitted = []
+    began = time.monotonic()
+
+    def check_cancelled():
+        if emitted or time.monotonic() - began > 5:
+            inbox.put(Shutdown())
+
+    run_engine_loop(lambda: core, inbox, emitted.append, check_cancelled, idle_wait=0.001)
+    first_out = next(o for o in emitted if o.started)
+    assert [e.request_id for e in first_out.started] == [1]
+    held_steps = [t for t in steps if t - began < 0.19]
+    assert len(held_steps) <= 2, len(held_steps)  # a spinning loop makes thousands

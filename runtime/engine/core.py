@@ -139,7 +139,11 @@ class EngineCore:
         With the window on, a new request also waits (as long) while a sequence
         has its prompt processed but not yet its first token: mlx-lm gives that
         token two steps after the prefill, and a prefill started in between
-        (it runs in the same step) would delay it by its whole length."""
+        (it runs in the same step) would delay it by its whole length. And with
+        fewer decoding, a ``Submit.followed`` request (others were being
+        tokenised when it was sent) waits, as long, for those that follow it:
+        the requests of a burst reach the engine one by one, and would
+        otherwise start a prefill group each."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -182,10 +186,20 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self._by_request or self._held)
 
+    def hold_timeout(self) -> float | None:
+        """While the window holds requests and nothing decodes: how long the engine loop
+        may wait for a command before the oldest one's window ends (None: step now)."""
+        if self._by_uid or not self._held:
+            return None
+        return max(0.0, self._held[0][0] + self._admission_window - time.monotonic())
+
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
             if self._admission_window > 0 and (
-                self._awaiting_first or len(self._by_uid) >= self._admission_batch
+                self._held  # behind those already waiting (the next step decides for all)
+                or self._awaiting_first
+                or len(self._by_uid) >= self._admission_batch
+                or command.followed
             ):
                 if command.request_id not in self.active_request_ids:
                     self._held.append((time.monotonic(), command))
@@ -307,8 +321,8 @@ class EngineCore:
         if time.monotonic() - self._held[0][0] < self._admission_window and (
             self._awaiting_first
             or (
-                len(self._by_uid) >= self._admission_batch
-                and len(self._held) < self._admission_batch
+                len(self._held) < self._admission_batch
+                and (len(self._by_uid) >= self._admission_batch or self._held[-1][1].followed)
             )
         ):
             return

@@ -60,7 +60,13 @@ def run_engine_loop(
         on_ready(core)
         while True:
             check_cancelled()
-            drained = drain(inbox, block=not core.has_work, timeout=idle_wait)
+            # Held requests and nothing decoding: wait for a command, not past the window.
+            hold = core.hold_timeout()
+            drained = drain(
+                inbox,
+                block=hold is not None or not core.has_work,
+                timeout=idle_wait if hold is None else hold,
+            )
             commands = source.exchange(drained, has_work=core.has_work)
             if commands is None:
                 on_tick()  # an idle wake-up (to see cancellation): no step
