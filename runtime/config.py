@@ -229,8 +229,8 @@ class ServerConfig:
         minimum=0,
         maximum=1000,
         ours=True,
-        notes="With fewer decoding, a request joins at the next step, unless other requests "
-        "were on their way when it was sent (received over HTTP, not yet submitted): then it "
+        notes="With fewer decoding, a request joins at the next step; into an idle engine, a "
+        "request sent while others were on their way (received over HTTP, not yet submitted) "
         "waits, as long, for the last of them, and the burst starts its prefill together. "
         "Each join rebuilds the "
         "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "

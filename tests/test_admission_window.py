@@ -268,3 +268,14 @@ def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
     assert [e.request_id for e in first_out.started] == [1]
     held_steps = [t for t in steps if t - began < 0.19]
     assert len(held_steps) <= 2, len(held_steps)  # a spinning loop makes thousands
+
+
+def test_a_followed_request_joins_at_once_while_a_small_batch_decodes():
+    """Only an idle engine waits for the rest of a burst: with a few sequences decoding,
+    holding cost more first-token time than the prefill steps it saved."""
+    core, factory = engine(FOREVER, batch=8)
+    core.handle_command(long_submit(1))
+    for _ in range(3):  # past its prompt and its first token
+        core.step()
+    core.handle_command(followed_submit(2))
+    assert len(factory.current.inserted) == 2
