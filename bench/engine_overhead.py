@@ -75,6 +75,7 @@ from loadgen import (  # noqa: E402
     ServerProcess,
     Workload,
     add_workload_args,
+    descendants,
     run_level,
     sampling_of,
     self_cpu_s,
@@ -95,19 +96,6 @@ def pin_process(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def child_pids(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -533,7 +521,7 @@ class Server:
             api = self.proc.pid
             engines = [
                 c
-                for c in child_pids(api)
+                for c in descendants(api)
                 if b"runtime.engine.process" in Path(f"/proc/{c}/cmdline").read_bytes()
             ]
             if not engines:

@@ -249,7 +249,8 @@ def _read_status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -276,7 +277,7 @@ def proc_tree_stats(pid: int | None) -> dict[str, float] | None:
     if root is None:
         return None
     cpu = root[1] + root[2]
-    pids = [pid, *_descendants(pid)]
+    pids = [pid, *descendants(pid)]
     for child in pids[1:]:
         st = _read_stat(child)
         if st is not None:
