@@ -57,11 +57,13 @@ import json
 import logging
 import os
 import pstats
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -483,8 +485,6 @@ def _per_token(cpu_s: float | None, tokens: int) -> float | None:
 class Server:
     """``python -m api.cli`` over HTTP (the whole server) at the same level."""
 
-    name = "server"
-
     def __init__(
         self,
         model_path: str,
@@ -492,8 +492,14 @@ class Server:
         log_dir: Path,
         engine_cpu: int | None = None,
         other_cpus: set[int] | None = None,
+        *,
+        name: str = "server",
+        repo: Path = REPO,
+        extra_args: Sequence[str] = (),
     ):
         import socket
+
+        self.name = name
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -508,13 +514,14 @@ class Server:
             str(port),
             "--decode-concurrency",
             str(decode_concurrency),
+            *extra_args,
         ]
         self.proc = ServerProcess(
-            "mlx-trio-server", argv, f"http://127.0.0.1:{port}", log_dir / f"server-{port}.log"
+            name, argv, f"http://127.0.0.1:{port}", log_dir / f"server-{port}.log"
         )
         # each engine step's host-speed probe (runtime.engine.host_speed), read per run
         self.probe_prefix = str(log_dir / f"probe-{port}")
-        self.proc.start(cwd=str(REPO), env={PROBE_ENV: self.probe_prefix})
+        self.proc.start(cwd=str(repo), env={PROBE_ENV: self.probe_prefix})
         self.proc.wait_healthy()
         self.builder = PromptBuilder(model_path)
         if engine_cpu is not None:
@@ -663,6 +670,15 @@ def main(argv: list[str] | None = None) -> int:
         + "; ".join(f"{k}: {v}" for k, v in CORE_VARIANTS.items()),
     )
     p.add_argument("--server", action="store_true", help="also the whole server over HTTP")
+    p.add_argument(
+        "--server-variant",
+        action="append",
+        default=[],
+        metavar="NAME[@DIR][:ARGS]",
+        help="also a server named NAME, run from the source tree DIR (default: this one) "
+        "with the extra command-line ARGS (e.g. 'w10:--admission-window-ms 10', "
+        "'before@/tmp/before'); repeatable",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--decode-concurrency", type=int, default=64)
     p.add_argument("--prompt-concurrency", type=int, default=8)
@@ -731,6 +747,19 @@ def main(argv: list[str] | None = None) -> int:
         systems["server"] = Server(
             model, ns.decode_concurrency, BENCH / "results" / "logs", ns.engine_cpu, others
         )
+    for spec in ns.server_variant:
+        name, _, args = spec.partition(":")
+        name, _, tree = name.partition("@")
+        systems[name] = Server(
+            model,
+            ns.decode_concurrency,
+            BENCH / "results" / "logs",
+            ns.engine_cpu,
+            others,
+            name=name,
+            repo=Path(tree) if tree else REPO,
+            extra_args=shlex.split(args),
+        )
     profile_dir = Path(ns.profile) if ns.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)
@@ -738,9 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list]] = {}
     first = 0
     try:
-        for name, system in systems.items():  # first-call costs off the clock
+        for system in systems.values():  # first-call costs off the clock
             warm = Workload(prompt_tokens=w.prompt_tokens, max_tokens=4, seed=w.seed + 1000)
-            if name == "server":
+            if isinstance(system, Server):
                 system.warm_up(w)
             else:
                 closed_loop(system, warm, 2, 2, 10_000_000, 0.0)
@@ -751,12 +780,16 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
                 for name in order:
                     if others is not None:  # the engine's CPU for an in-process engine only
-                        os.sched_setaffinity(0, others if name == "server" else {ns.engine_cpu})
+                        os.sched_setaffinity(
+                            0, others if isinstance(systems[name], Server) else {ns.engine_cpu}
+                        )
                     profiler = None
-                    if profile_dir and rnd == ns.rounds - 1 and name != "server":
+                    if profile_dir and rnd == ns.rounds - 1 and not isinstance(
+                        systems[name], Server
+                    ):
                         profiler = cProfile.Profile()
                         profiler.enable()
-                    if name == "server":
+                    if isinstance(systems[name], Server):
                         r = systems[name].run(w, level, requests, first)
                     else:
                         delay = ns.arrival_delay_ms / 1000
@@ -772,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 first += requests  # every system sees the same prompts in a round
     finally:
-        if "server" in systems:
-            systems["server"].close()
+        for system in systems.values():
+            if isinstance(system, Server):
+                system.close()
     sys.stdout.write("\n" + summary(results) + "\n")
     if ns.json_out:
         meta = {

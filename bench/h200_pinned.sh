@@ -3,12 +3,17 @@
 # core and the whole server with every engine on the same CPU (engine_overhead.py
 # --engine-cpu; the server's API process and the load generator on the other CPUs), so that
 # the vCPUs' different speeds (bench/h200_one_client_probe.sh) do not decide the comparison.
-# About 5 minutes with the 8B model built. Results: $OUT/pinned.{txt,json}.
+# VARIANTS: more servers, each "NAME[@DIR][:ARGS]" (engine_overhead.py --server-variant),
+# separated by ";" — e.g. an older build extracted to /tmp/before, or other flags.
+# About 5 minutes with the 8B model built (three systems). Results: $OUT/pinned.{txt,json}.
 source "$(dirname "$0")/h200_prelude.sh"
 make_llama
 step pinned
+variants=()
+IFS=';' read -ra specs <<< "${VARIANTS:-}"
+for spec in "${specs[@]}"; do [ -n "$spec" ] && variants+=(--server-variant "$spec"); done
 timeout ${LIMIT:-420} python3 bench/engine_overhead.py --model $L --levels ${LEVELS:-8,32,64} --rounds ${ROUNDS:-3} \
-  --prompt-tokens 136 --max-tokens 128 --systems ceiling,core --server --engine-cpu ${CPU:-3} \
+  --prompt-tokens 136 --max-tokens 128 --systems ceiling,core --server "${variants[@]}" --engine-cpu ${CPU:-3} \
   --json-out "$OUT/pinned.json" > "$OUT/pinned.txt" 2>&1
 sed -n '/^medians/,$p' "$OUT/pinned.txt"
 step done
