@@ -117,6 +117,20 @@ class ServerConfig:
         "engine at once.",
     )
     prefill_step_size: int = setting(2048, help="prompt tokens per prefill step", above=0)
+    prefill_group_tokens: int = setting(
+        2048,
+        help="beyond --prompt-concurrency prompts, more waiting prompts join a prefill step "
+        "while the step's prompt tokens stay within this (0: --prompt-concurrency exactly, "
+        "as mlx-lm)",
+        minimum=0,
+        ours=True,
+        notes="Short prompts are prefilled in fewer, fuller steps (at 136 tokens, fifteen a "
+        "step instead of eight), and a group's next one joins in the step its predecessor "
+        "leaves for decoding rather than one step later; long prompts keep mlx-lm's groups "
+        "of `--prompt-concurrency`. The admission window then holds requests until they "
+        "make such a group. Each group that joins the batch rebuilds its KV cache, so fewer "
+        "groups mean fewer rebuilds (docs/performance.md).",
+    )
     prompt_cache_size: int = setting(
         10,
         help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",

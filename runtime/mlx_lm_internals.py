@@ -27,6 +27,9 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``install_row_hooks`` (with ``RowAwarePromptBatch``,
   ``RowAwareGenerationBatch`` and ``check_internals``): tells a row-aware
   sampler which rows it samples (``runtime.batch_sampling``); below.
+* ``size_prefill_group``: how many waiting prompts join the prefill in the
+  coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
+  ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
 
 Receives and emits nothing.
 """
@@ -330,14 +333,26 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "inputs" in init and "fallback_sampler" in init,
         "GenerationBatch.__init__(..., inputs, ..., fallback_sampler, ...)",
     )
+    next_source = _source(BatchGenerator._next)
+    expect(
+        "self.prefill_batch_size - len(self._prompt_batch)" in next_source
+        and next_source.find("prefill_batch_size")
+        < next_source.find("_currently_processing")
+        < next_source.find(".split("),
+        "BatchGenerator._next takes prefill_batch_size - len(_prompt_batch) waiting "
+        "sequences before it splits the done members off _currently_processing",
+    )
     if generator is not None:
         for name in (
             "model",
             "sampler",
             "prefill_step_size",
+            "prefill_batch_size",
+            "completion_batch_size",
             "_prompt_batch",
             "_generation_batch",
             "_unprocessed_sequences",
+            "_currently_processing",
         ):
             expect(hasattr(generator, name), f"BatchGenerator instance attribute {name}")
         expect(
@@ -375,3 +390,53 @@ def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
     )
     generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
     return generator
+
+
+# ------------------------------------------------------ prefill groups by tokens
+#
+# mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
+# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, ...)``) into
+# the prompt batch each step, *before* it splits off the members whose prompt is
+# done (``_currently_processing`` entries ``[segments, done, total]``; a member is
+# done when one segment of one token is left, which ``generate`` takes). So a
+# group of short prompts blocks the next group for a step after its prefill, and
+# short prompts are prefilled eight at a time however few tokens that is. Before
+# each step, ``size_prefill_group`` sets ``prefill_batch_size`` so that the step
+# takes exactly the sequences we want: the done members leave room, and beyond
+# ``base`` prefilling prompts more join while the tokens prefilled in the step stay
+# within a budget.
+
+
+def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
+    """Prompt tokens a sequence's next prefill step processes (mlx-lm's rule)."""
+    return min(len(segments[0]), step_size) if segments else 0
+
+
+def _is_done(member: Sequence[Any]) -> bool:
+    segments = member[0]
+    return len(segments) == 1 and len(segments[0]) == 1
+
+
+def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
+    """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
+    moves into the prompt batch the waiting sequences (in their order) that fit:
+    up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
+    whose prompt is done (they leave the prompt batch in this step), and more while
+    the step's prompt tokens stay within ``token_budget``; never more than the
+    decode batch has room for. Returns how many join."""
+    step_size = generator.prefill_step_size
+    members = generator._currently_processing
+    prefilling = [m for m in members if not _is_done(m)]
+    room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
+    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    joining = 0
+    for sequence in generator._unprocessed_sequences:
+        if joining >= free:
+            break
+        tokens = _first_chunk(sequence[1], step_size)
+        if len(prefilling) + joining >= base and tokens > room:
+            break
+        room -= tokens
+        joining += 1
+    generator.prefill_batch_size = len(generator._prompt_batch) + joining
+    return joining

@@ -103,6 +103,9 @@ class EngineCore:
         commands: CommandSource | None = None,
         admission_window: float = 0.0,
         admission_batch: int = 8,
+        admission_tokens: int = 0,
+        admission_limit: int | None = None,
+        prefill_group: Callable[[Any], Any] | None = None,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
@@ -145,7 +148,15 @@ class EngineCore:
         requests of a burst reach an idle engine one by one, and would
         otherwise start a prefill group each. (While some decode, holding
         followed requests too cost more TTFT than the fewer prefill steps
-        saved, on the CPU at 16 clients.)"""
+        saved, on the CPU at 16 clients.) With ``admission_tokens``, the window
+        lets held requests go once ``admission_batch`` of them hold that many
+        prompt tokens together (the prefill group they make), or once they and
+        those decoding reach ``admission_limit`` (no more fit the batch).
+
+        ``prefill_group(generator)``: called before each step of the generator
+        to size the step's prefill group
+        (``runtime.mlx_lm_internals.size_prefill_group``); None: mlx-lm's own
+        ``prefill_batch_size``."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -160,6 +171,9 @@ class EngineCore:
         self._stop_sequences = stop_sequences
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
         self._admission_batch = admission_batch
+        self._admission_tokens = admission_tokens
+        self._admission_limit = admission_limit
+        self._prefill_group = prefill_group
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
@@ -323,7 +337,7 @@ class EngineCore:
         if time.monotonic() - self._held[0][0] < self._admission_window and (
             self._awaiting_first
             or (
-                len(self._held) < self._admission_batch
+                not self._held_make_a_group()
                 and (
                     len(self._by_uid) >= self._admission_batch
                     or (self._held[-1][1].followed and not self._by_uid)
@@ -333,6 +347,15 @@ class EngineCore:
             return
         while self._held:
             self._submit(self._held.popleft()[1])
+
+    def _held_make_a_group(self) -> bool:
+        """Do the held requests make a prefill group worth starting now?"""
+        held = len(self._held)
+        if held < self._admission_batch:
+            return False
+        if self._admission_limit is not None and held + len(self._by_uid) >= self._admission_limit:
+            return True
+        return sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
 
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
@@ -397,6 +420,8 @@ class EngineCore:
         return outputs
 
     def _run_step(self, progress: list[PromptProgress], tokens: list[TokenEvent]) -> None:
+        if self._prefill_group is not None:
+            self._prefill_group(self._batch)
         prompt_responses, generation_responses = self._batch.next()
         key = self.handle.model_key
 

@@ -30,7 +30,7 @@ from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
-from runtime.mlx_lm_internals import sharded_load_on_the_default_stream
+from runtime.mlx_lm_internals import sharded_load_on_the_default_stream, size_prefill_group
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 
@@ -246,6 +246,15 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         # One request at a time: nothing for a window to gather.
         admission_window=0.0 if serial else config.admission_window_ms / 1000,
         admission_batch=config.prompt_concurrency,
+        admission_tokens=0 if serial else config.prefill_group_tokens,
+        admission_limit=config.decode_concurrency,
+        prefill_group=None
+        if serial or config.prefill_group_tokens == 0
+        else functools.partial(
+            size_prefill_group,
+            base=config.prompt_concurrency,
+            token_budget=config.prefill_group_tokens,
+        ),
     )
 
 

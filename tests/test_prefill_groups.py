@@ -1,0 +1,167 @@
+"""Prefill groups sized by tokens (``--prefill-group-tokens``), on the real tiny model.
+
+``runtime.mlx_lm_internals.size_prefill_group`` sets mlx-lm's
+``prefill_batch_size`` before each step: beyond ``base`` prompts, more waiting
+prompts join while the step's prompt tokens stay within the budget; members
+whose prompt is done leave room in the step they go to decoding; the decode
+batch's room caps the group. The engine's greedy tokens do not depend on how
+prompts were grouped, and the admission window holds requests until they make
+such a group.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from runtime.config import ServerConfig
+from runtime.engine.core import EngineCore
+from runtime.engine.loading import make_engine_core
+from runtime.messages import ModelHandle
+from runtime.mlx_lm_internals import size_prefill_group
+from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
+from tests.test_engine_sampling import run, submit
+from tests.test_properties_scheduler import EOS, VOCAB, make_submit
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    from mlx_lm import load
+
+    return load(tiny_model_path)[0]
+
+
+def generator(model, *, base: int = 2, completion: int = 32, step: int = 2048):
+    return BatchGenerator(
+        model,
+        max_tokens=4,
+        completion_batch_size=completion,
+        prefill_batch_size=base,
+        prefill_step_size=step,
+    )
+
+
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[(7 * i + j) % 500 + 10 for j in range(length)] for i in range(n)]
+
+
+def prefilled_uids(prompt_responses) -> set[int]:
+    """The uids whose prompt tokens this step processed (not those just done)."""
+    return {r.uid for r in prompt_responses if not r.end_of_prompt}
+
+
+def test_short_prompts_join_while_their_tokens_fit(model):
+    gen = generator(model, base=2)
+    uids = gen.insert(prompts(6, 10))  # 9 tokens each before the last
+    assert size_prefill_group(gen, base=2, token_budget=40) == 4  # 4 x 9 <= 40 < 5 x 9
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(uids[:4])
+
+
+def test_without_a_budget_the_group_is_the_base(model):
+    gen = generator(model, base=2)
+    uids = gen.insert(prompts(6, 10))
+    assert size_prefill_group(gen, base=2, token_budget=0) == 2
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(uids[:2])
+
+
+def test_long_prompts_keep_the_base_group(model):
+    gen = generator(model, base=2, step=64)
+    uids = gen.insert(prompts(5, 200))  # 64-token chunks: two already exceed 100
+    assert size_prefill_group(gen, base=2, token_budget=100) == 2
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(uids[:2])
+    # Both still prefill (200 tokens in 64-token chunks): nobody else joins.
+    assert size_prefill_group(gen, base=2, token_budget=100) == 0
+
+
+def test_done_members_make_room_in_the_step_they_leave(model):
+    """mlx-lm counts a group that finished its prompt against the next group for one
+    more step; sized here, the next group prefills in that very step."""
+    ours, theirs = generator(model, base=2), generator(model, base=2)
+    ours_uids, theirs_uids = ours.insert(prompts(4, 10)), theirs.insert(prompts(4, 10))
+    size_prefill_group(ours, base=2, token_budget=0)
+    ours.next()
+    theirs.next()
+    size_prefill_group(ours, base=2, token_budget=0)
+    ours_second, _ = ours.next()
+    theirs_second, _ = theirs.next()
+    assert prefilled_uids(ours_second) == set(ours_uids[2:])
+    assert prefilled_uids(theirs_second) == set()  # mlx-lm: one step later
+    theirs_third, _ = theirs.next()
+    assert prefilled_uids(theirs_third) == set(theirs_uids[2:])
+
+
+def test_the_decode_batch_caps_the_group(model):
+    gen = generator(model, base=2, completion=3)
+    gen.insert(prompts(6, 10))
+    assert size_prefill_group(gen, base=2, token_budget=1000) == 3
+
+
+def test_greedy_tokens_do_not_depend_on_the_grouping(tiny_model_path):
+    """Twelve prompts of different lengths at once: groups by tokens against mlx-lm's."""
+    texts = [f"say {'many ' * (i % 4)}things about the number {i}" for i in range(12)]
+    results = {}
+    for budget in (0, 4096):
+        core = make_engine_core(
+            ServerConfig(model=tiny_model_path, prompt_concurrency=2, prefill_group_tokens=budget),
+            tiny_model_path,
+        )
+        assert (core._prefill_group is None) == (budget == 0)
+        prefills = []
+        seen = run(
+            core,
+            [submit(core, i, t, max_tokens=8) for i, t in enumerate(texts)],
+            on_step=lambda core, out, calls, prefills=prefills: prefills.append(bool(out.progress)),
+        )
+        results[budget] = (seen, sum(prefills))
+    (plain, plain_prefills), (grouped, grouped_prefills) = results[0], results[4096]
+    assert grouped == plain
+    assert all(len(s["tokens"]) == 8 or s["reason"] == "stop" for s in grouped.values())
+    assert grouped_prefills < plain_prefills
+
+
+def test_the_window_holds_until_the_held_prompts_make_a_group():
+    factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, completion_batch_size=16)
+    core = EngineCore(
+        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        batch_generator_factory=factory,
+        prompt_cache=FakePromptCache(),
+        admission_window=3600.0,
+        admission_batch=2,
+        admission_tokens=10,
+    )
+    for rid in (1, 2):  # two decoding: the window holds the next arrivals
+        core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
+    for _ in range(3):  # past their first tokens
+        core.step()
+    for rid in (3, 4):  # two held with 4 prompt tokens: not yet a group
+        core.handle_command(make_submit(rid, (1, 1, 1, 1), max_tokens=30))
+    core.step()
+    assert len(factory.current.inserted) == 2
+    core.handle_command(make_submit(5, (1, 1, 1, 1), max_tokens=30))  # 12 tokens held
+    out = core.step()
+    assert len(factory.current.inserted) == 5
+    assert {e.request_id for e in out.started} == {3, 4, 5}
+
+
+def test_the_window_lets_go_when_the_batch_cannot_take_more():
+    factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, completion_batch_size=16)
+    core = EngineCore(
+        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        batch_generator_factory=factory,
+        prompt_cache=FakePromptCache(),
+        admission_window=3600.0,
+        admission_batch=2,
+        admission_tokens=1000,
+        admission_limit=4,
+    )
+    for rid in (1, 2):
+        core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
+    for _ in range(3):  # past their first tokens
+        core.step()
+    for rid in (3, 4):  # 2 decoding + 2 held = the limit: no more can join anyway
+        core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
+    core.step()
+    assert len(factory.current.inserted) == 4
