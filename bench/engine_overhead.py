@@ -323,6 +323,7 @@ CORE_VARIANTS = {
     "core-nocache": "no prompt-cache entries stored (the ceiling drops them too)",
     "core-nowindow": "--admission-window-ms 0",
     "core-nohold": "the window without the first-token hold (as before issue 15's fix)",
+    "core-g0": "--prefill-group-tokens 0 (mlx-lm's prefill groups)",
 }
 
 
@@ -348,6 +349,8 @@ class Core(Driven):
         self.name = variant
         if variant == "core-nowindow":
             flags["admission_window_ms"] = 0
+        elif variant == "core-g0":
+            flags["prefill_group_tokens"] = 0
         self.config = ServerConfig(model=model_path, decode_concurrency=decode_concurrency, **flags)
         self.core = make_engine_core(self.config, model_path)
         entries = self.core.cache_entries
