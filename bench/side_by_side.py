@@ -463,9 +463,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     sys.stdout.write(f"wrote {out_json}\n")
     if not ns.no_plot:
-        out_png = results_dir / f"{stamp}.png"
-        plot(ns.levels, pooled, out_png, title)
-        sys.stdout.write(f"wrote {out_png}\n")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            log.warning("no matplotlib: no plot (pip install matplotlib, or --no-plot)")
+        else:
+            out_png = results_dir / f"{stamp}.png"
+            plot(ns.levels, pooled, out_png, title)
+            sys.stdout.write(f"wrote {out_png}\n")
     return 0
 
 

@@ -129,7 +129,12 @@ class ServerConfig:
         "leaves for decoding rather than one step later; long prompts keep mlx-lm's groups "
         "of `--prompt-concurrency`. The admission window then holds requests until they "
         "make such a group. Each group that joins the batch rebuilds its KV cache, so fewer "
-        "groups mean fewer rebuilds (docs/performance.md).",
+        "groups mean fewer rebuilds. Measured: tokens/s +11-16 % at 16 clients on a 2-core "
+        "CPU (medians of three runs); on an H200 at 64 clients, in rounds on a fast core, "
+        "0.96-1.0x the engine ceiling against 0.84-0.90x with 0 (another run: 0.96x of 0's). "
+        "A burst's first tokens come later in bigger groups (TTFT "
+        "p50 at 64 clients 1.3-2.2x). Set 0 where the first token of every request under heavy "
+        "load matters more than throughput (docs/performance.md).",
     )
     prompt_cache_size: int = setting(
         10,
