@@ -132,31 +132,15 @@ class EngineCore:
         turns the admission window off, since every rank must run the same
         steps and a window that ends on each rank's own clock would not.
 
-        ``admission_window`` (seconds; 0: off): while at least
-        ``admission_batch`` sequences are decoding, a new request waits in the
-        engine up to this long, or until ``admission_batch`` are waiting, so
-        that arrivals a few milliseconds apart join the batch together. Each
-        join rebuilds the whole batch's KV cache (mlx-lm's prompt batch extend,
-        split and filter), so on a GPU one join per arrival costs more than the
-        decoding itself (docs/performance.md); a small batch admits at once.
-        With the window on, a new request also waits (as long) while a sequence
-        has its prompt processed but not yet its first token: mlx-lm gives that
-        token two steps after the prefill, and a prefill started in between
-        (it runs in the same step) would delay it by its whole length. And with
-        nothing decoding, a ``Submit.followed`` request (others were on their
-        way when it was sent) waits, as long, for those that follow it: the
-        requests of a burst reach an idle engine one by one, and would
-        otherwise start a prefill group each. (While some decode, holding
-        followed requests too cost more TTFT than the fewer prefill steps
-        saved, on the CPU at 16 clients.) With ``admission_tokens``, the window
-        lets held requests go once ``admission_batch`` of them hold that many
-        prompt tokens together (the prefill group they make), or once they and
-        those decoding reach ``admission_limit`` (no more fit the batch).
+        ``admission_window`` (seconds; 0: off; docs/architecture.md): a new
+        request waits in the engine up to this long while ``admission_batch``
+        sequences decode (until ``admission_batch`` wait with
+        ``admission_tokens`` prompt tokens, or with those decoding reach
+        ``admission_limit``), while a sequence waits for its first token after
+        its prompt, or into an idle engine if ``Submit.followed``.
 
-        ``prefill_group(generator)``: called before each step of the generator
-        to size the step's prefill group
-        (``runtime.mlx_lm_internals.size_prefill_group``); None: mlx-lm's own
-        ``prefill_batch_size``."""
+        ``prefill_group(generator)`` sizes each step's prefill group (None:
+        mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``)."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -350,12 +334,11 @@ class EngineCore:
 
     def _held_make_a_group(self) -> bool:
         """Do the held requests make a prefill group worth starting now?"""
-        held = len(self._held)
-        if held < self._admission_batch:
-            return False
-        if self._admission_limit is not None and held + len(self._by_uid) >= self._admission_limit:
-            return True
-        return sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
+        held, limit = len(self._held), self._admission_limit
+        return held >= self._admission_batch and (
+            (limit is not None and held + len(self._by_uid) >= limit)
+            or sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
+        )
 
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
