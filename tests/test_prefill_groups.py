@@ -122,7 +122,9 @@ def test_greedy_tokens_do_not_depend_on_the_grouping(tiny_model_path):
     assert grouped_prefills < plain_prefills
 
 
-def test_the_window_holds_until_the_held_prompts_make_a_group():
+def two_decoding(**window):
+    """An engine with a window of an hour (only its other rules end it) and two
+    sequences decoding past their first tokens, over the fake generator."""
     factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, completion_batch_size=16)
     core = EngineCore(
         ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
@@ -130,13 +132,18 @@ def test_the_window_holds_until_the_held_prompts_make_a_group():
         prompt_cache=FakePromptCache(),
         admission_window=3600.0,
         admission_batch=2,
-        admission_tokens=10,
+        **window,
     )
-    for rid in (1, 2):  # two decoding: the window holds the next arrivals
+    for rid in (1, 2):
         core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
-    for _ in range(3):  # past their first tokens
+    for _ in range(3):
         core.step()
-    for rid in (3, 4):  # two held with 4 prompt tokens: not yet a group
+    return core, factory
+
+
+def test_the_window_holds_until_the_held_prompts_make_a_group():
+    core, factory = two_decoding(admission_tokens=10)
+    for rid in (3, 4):  # two held, 8 prompt tokens: not yet a group
         core.handle_command(make_submit(rid, (1, 1, 1, 1), max_tokens=30))
     core.step()
     assert len(factory.current.inserted) == 2
@@ -147,20 +154,7 @@ def test_the_window_holds_until_the_held_prompts_make_a_group():
 
 
 def test_the_window_lets_go_when_the_batch_cannot_take_more():
-    factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, completion_batch_size=16)
-    core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
-        batch_generator_factory=factory,
-        prompt_cache=FakePromptCache(),
-        admission_window=3600.0,
-        admission_batch=2,
-        admission_tokens=1000,
-        admission_limit=4,
-    )
-    for rid in (1, 2):
-        core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
-    for _ in range(3):  # past their first tokens
-        core.step()
+    core, factory = two_decoding(admission_tokens=1000, admission_limit=4)
     for rid in (3, 4):  # 2 decoding + 2 held = the limit: no more can join anyway
         core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
     core.step()
