@@ -525,6 +525,13 @@ class Server:
         # each engine step's host-speed probe (runtime.engine.host_speed), read per run
         self.probe_prefix = str(log_dir / f"probe-{port}")
         self.proc.start(cwd=str(repo), env={PROBE_ENV: self.probe_prefix})
+        try:
+            self._ready(model_path, engine_cpu, other_cpus)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    def _ready(self, model_path: str, engine_cpu: int | None, other_cpus: set[int] | None) -> None:
         self.proc.wait_healthy()
         self.builder = PromptBuilder(model_path)
         if engine_cpu is not None:
@@ -746,30 +753,30 @@ def main(argv: list[str] | None = None) -> int:
         others = os.sched_getaffinity(0) - {ns.engine_cpu}
         if ns.engine_cpu not in os.sched_getaffinity(0) or not others:
             raise SystemExit(f"--engine-cpu {ns.engine_cpu}: not one of several allowed CPUs")
-    if ns.server:
-        systems["server"] = Server(
-            model, ns.decode_concurrency, BENCH / "results" / "logs", ns.engine_cpu, others
-        )
-    for spec in ns.server_variant:
-        name, _, args = spec.partition(":")
-        name, _, tree = name.partition("@")
-        systems[name] = Server(
-            model,
-            ns.decode_concurrency,
-            BENCH / "results" / "logs",
-            ns.engine_cpu,
-            others,
-            name=name,
-            repo=Path(tree) if tree else REPO,
-            extra_args=shlex.split(args),
-        )
     profile_dir = Path(ns.profile) if ns.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, dict[str, list]] = {}
     first = 0
-    try:
+    try:  # a server started before a failure is stopped below
+        if ns.server:
+            systems["server"] = Server(
+                model, ns.decode_concurrency, BENCH / "results" / "logs", ns.engine_cpu, others
+            )
+        for spec in ns.server_variant:
+            name, _, args = spec.partition(":")
+            name, _, tree = name.partition("@")
+            systems[name] = Server(
+                model,
+                ns.decode_concurrency,
+                BENCH / "results" / "logs",
+                ns.engine_cpu,
+                others,
+                name=name,
+                repo=Path(tree) if tree else REPO,
+                extra_args=shlex.split(args),
+            )
         for system in systems.values():  # first-call costs off the clock
             warm = Workload(prompt_tokens=w.prompt_tokens, max_tokens=4, seed=w.seed + 1000)
             if isinstance(system, Server):
