@@ -141,9 +141,9 @@ class Submit:
     # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
     # once and starts each from a copy of choice 0's cache (runtime.engine.choices).
     choice_ids: tuple[int, ...] = ()
-    # More requests were being prepared (templated, tokenised) when this one was sent: an
-    # engine with fewer than a prefill group decoding may hold it (the admission window)
-    # so that they start their prefill together.
+    # Other requests were on their way (received over HTTP, or being templated and
+    # tokenised) when this one was sent: an idle engine holds it within the admission
+    # window so that the burst starts its prefill together.
     followed: bool = False
 
     @property
