@@ -174,6 +174,7 @@ def closed_loop(
     first: int,
     delay: float,
     jitter: float = 0.0,
+    trace: list[str] | None = None,
 ) -> dict[str, Any]:
     """``concurrency`` requests in flight; a finished one's replacement arrives ``delay``
     seconds later (0: before the next step, as ``engine_ceiling.py`` does), plus up to
@@ -201,12 +202,21 @@ def closed_loop(
             i = arrivals.pop(0)[1]
             arrived[i] = now
             system.admit(i)
+            if trace is not None:
+                trace.append(f"C {time.time():.4f} Submit {i}\n")
         if not system.has_work:
             time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
             continue
         began, began_thread = time.perf_counter(), time.thread_time()
+        began_epoch = time.time()
         prefill, events = system.step()
         ended = time.perf_counter()
+        if trace is not None:
+            done = sum(1 for _, finished in events if finished)
+            trace.append(
+                f"S {began_epoch:.4f} {began_epoch + ended - began:.4f} {len(events)} {done} "
+                f"{int(prefill)} -\n"
+            )
         thread += time.thread_time() - began_thread
         probes.append(cpu_probe_us())  # this core's speed now (outside the step's timing)
         step_s.append(ended - began)
@@ -560,12 +570,24 @@ class Server:
                     out.append(float(probe))
         return out
 
+    def steps_between(self, began: float, ended: float) -> list[str]:
+        """The engine process's step and command lines (``ProbeLog.trace_steps``) in a run."""
+        out = []
+        for path in Path(self.probe_prefix).parent.glob(Path(self.probe_prefix).name + "-steps.*"):
+            out += [
+                line + "\n"
+                for line in path.read_text().splitlines()
+                if began <= float(line.split()[1]) <= ended
+            ]
+        return sorted(out, key=lambda line: float(line.split()[1]))
+
     def run(self, w: Workload, concurrency: int, requests: int, first: int) -> dict[str, Any]:
         began = time.time()
         r = run_level(self.proc.url, w, concurrency, requests, self.builder, self.proc.pid, first)
         ended = time.time()
         time.sleep(0.7)  # the engine writes its probes every half second
         probes = self.probes_between(began, ended)
+        self.last_steps = self.steps_between(began, ended)
         tokens = r["completion_tokens"]
         steps = int(r["engine_steps"]) if r.get("engine_steps") is not None else None
         busy = r.get("engine_busy_s")
@@ -711,6 +733,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="write cProfile stats of the last round here")
     p.add_argument("--json-out", default=None)
     p.add_argument(
+        "--trace",
+        default=None,
+        help="write each run's steps and arrivals here (<system>-c<level>-r<round>.txt: "
+        "'S began ended tokens finished prefill -' per step, 'C epoch Submit request' per "
+        "arrival; a server's from its engine process)",
+    )
+    p.add_argument(
         "--engine-cpu",
         type=int,
         default=None,
@@ -756,6 +785,9 @@ def main(argv: list[str] | None = None) -> int:
     profile_dir = Path(ns.profile) if ns.profile else None
     if profile_dir:
         profile_dir.mkdir(parents=True, exist_ok=True)
+    trace_dir = Path(ns.trace) if ns.trace else None
+    if trace_dir:
+        trace_dir.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, dict[str, list]] = {}
     first = 0
@@ -799,12 +831,18 @@ def main(argv: list[str] | None = None) -> int:
                     ):
                         profiler = cProfile.Profile()
                         profiler.enable()
+                    trace: list[str] | None = [] if trace_dir else None
                     if isinstance(systems[name], Server):
                         r = systems[name].run(w, level, requests, first)
+                        trace = systems[name].last_steps if trace_dir else None
                     else:
                         delay = ns.arrival_delay_ms / 1000
                         jitter = ns.arrival_jitter_ms / 1000
-                        r = closed_loop(systems[name], w, level, requests, first, delay, jitter)
+                        r = closed_loop(
+                            systems[name], w, level, requests, first, delay, jitter, trace
+                        )
+                    if trace_dir and trace is not None:
+                        (trace_dir / f"{name}-c{level}-r{rnd}.txt").write_text("".join(trace))
                     if profiler is not None:
                         profiler.disable()
                         path = profile_dir / f"{name}-c{level}.prof"

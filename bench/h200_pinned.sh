@@ -8,6 +8,7 @@
 # SYSTEMS: the in-process ones (default ceiling,core). Each engine keeps its peak MLX memory
 # (about 37 GB on the 8B shape at 64 clients): four engines in all are at the GPU's limit (one
 # run of four failed, runs of five did): the last server to run at 64 then fails its requests.
+# TRACE=1: each run's engine steps and arrivals in $OUT/trace/ (engine_overhead.py --trace).
 # About 5 minutes with the 8B model built (three systems). Results: $OUT/pinned.{txt,json}.
 source "$(dirname "$0")/h200_prelude.sh"
 make_llama
@@ -17,6 +18,6 @@ IFS=';' read -ra specs <<< "${VARIANTS:-}"
 for spec in "${specs[@]}"; do [ -n "$spec" ] && variants+=(--server-variant "$spec"); done
 timeout ${LIMIT:-420} python3 bench/engine_overhead.py --model $L --levels ${LEVELS:-8,32,64} --rounds ${ROUNDS:-3} \
   --prompt-tokens 136 --max-tokens 128 --systems ${SYSTEMS:-ceiling,core} --server "${variants[@]}" --engine-cpu ${CPU:-3} \
-  --json-out "$OUT/pinned.json" > "$OUT/pinned.txt" 2>&1
+  --json-out "$OUT/pinned.json" ${TRACE:+--trace "$OUT/trace"} > "$OUT/pinned.txt" 2>&1
 sed -n '/^medians/,$p' "$OUT/pinned.txt"
 step done

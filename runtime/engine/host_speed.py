@@ -7,7 +7,10 @@ loop takes about 16 or 30 us, in stretches of seconds), and a comparison of two
 engines measures that unless it knows it. ``cpu_probe_us`` times the loop once;
 ``ProbeLog`` keeps one probe per engine step in an engine process and writes
 ``epoch_seconds probe_us`` lines (``PROBE_ENV`` names the file; unset, the
-engine does nothing of this). Emits nothing else.
+engine does nothing of this). ``ProbeLog.trace_steps`` also times the engine
+core's steps and commands into ``PATH-steps.PID``: ``S began ended tokens
+finished prompts started`` per step (``prompts``: prompts it prefilled) and
+``C epoch kind request_id`` per command. Emits nothing else.
 """
 
 from __future__ import annotations
@@ -32,15 +35,42 @@ def cpu_probe_us(iterations: int = PROBE_ITERATIONS) -> float:
 class ProbeLog:
     """One probe per call, appended to ``path`` every ``FLUSH_SECONDS`` (synchronous)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, steps_path: str | None = None):
         self.path = path
+        self.steps_path = steps_path
         self._lines: list[str] = []
+        self._steps: list[str] = []
         self._flushed = time.monotonic()
 
     @classmethod
     def from_environment(cls) -> ProbeLog | None:
         prefix = os.environ.get(PROBE_ENV)
-        return cls(f"{prefix}.{os.getpid()}") if prefix else None
+        if not prefix:
+            return None
+        return cls(f"{prefix}.{os.getpid()}", f"{prefix}-steps.{os.getpid()}")
+
+    def trace_steps(self, core):
+        """Wrap ``core``'s ``step`` and ``handle_command`` to log each (benchmarks only)."""
+        step, handle_command = core.step, core.handle_command
+
+        def traced_step():
+            began = time.time()
+            outputs = step()
+            finished = sum(1 for e in outputs.tokens if e.finish_reason is not None)
+            prompts = len({p.request_id for p in outputs.progress})
+            self._steps.append(
+                f"S {began:.4f} {time.time():.4f} {len(outputs.tokens)} {finished} "
+                f"{prompts} {len(outputs.started)}\n"
+            )
+            return outputs
+
+        def traced_command(command):
+            request_id = getattr(command, "request_id", "-")
+            self._steps.append(f"C {time.time():.4f} {type(command).__name__} {request_id}\n")
+            return handle_command(command)
+
+        core.step, core.handle_command = traced_step, traced_command
+        return core
 
     def tick(self) -> None:
         self._lines.append(f"{time.time():.3f} {cpu_probe_us():.1f}\n")
@@ -49,7 +79,8 @@ class ProbeLog:
 
     def flush(self) -> None:
         self._flushed = time.monotonic()
-        if self._lines:
-            with open(self.path, "a") as f:
-                f.writelines(self._lines)
-            self._lines.clear()
+        for path, lines in ((self.path, self._lines), (self.steps_path, self._steps)):
+            if lines and path:
+                with open(path, "a") as f:
+                    f.writelines(lines)
+                lines.clear()

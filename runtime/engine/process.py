@@ -107,7 +107,7 @@ def engine_process_main(conn) -> None:
     probes = ProbeLog.from_environment()  # benchmarks only (runtime.engine.host_speed)
     try:
         run_engine_loop(
-            make_core,
+            make_core if probes is None else lambda: probes.trace_steps(make_core()),
             inbox,
             conn.send,
             lambda: None,
