@@ -32,9 +32,10 @@ and MLX's peak memory; then medians over the rounds with their ranges.
 (``DIR/<system>-c<level>.prof``) and logs its top functions.
 
 ``--engine-cpu N`` runs every engine on the one CPU ``N``: this process's main
-thread while it drives an in-process system, and the server's engine process
-(all its threads), with the server's API process and this process's load
-generator on the other CPUs. On a shared host whose cores run at different
+thread while it drives an in-process system, and the main thread of the server's
+engine process (the engine loop; in both, CUDA's and MLX's helper threads keep
+every CPU), with the server's API process and this process's load generator on
+the other CPUs. On a shared host whose cores run at different
 speeds (the H200 machine's vCPUs: a fixed Python loop takes 16 or 30 us,
 ``step_modes.cpu_probe_us``), the engines then share one core's speed, and
 alternated rounds share its changes over time; without it the server's engine
@@ -555,7 +556,11 @@ class Server:
                 raise RuntimeError("--engine-cpu: the server has no engine process")
             pin_process(api, other_cpus)
             for pid in engines:
-                pin_process(pid, {engine_cpu})
+                # Its main thread only (the engine loop's), as an in-process system pins only
+                # the thread that drives it: CUDA's and MLX's helper threads keep every CPU in
+                # both (pinning them onto the engine's CPU too cost the server 1.6-2.2 ms a
+                # decode step at 32 clients on the H200, against the ceiling).
+                os.sched_setaffinity(pid, {engine_cpu})
 
     def warm_up(self, w: Workload) -> None:
         warm_up(self.proc.url, w, self.builder)
