@@ -5,7 +5,7 @@
 #      ceiling / core, the main thread on CPU 3) under 32 clients, py-spy sampling that process
 #      for 15 s each (idle frames on: time blocked in mx.eval, waiting for the GPU, shows as
 #      its line);
-#   2. the server (its engine process on CPU 3, the API process elsewhere) under
+#   2. the server (its engine loop on CPU 3, the API process elsewhere) under
 #      bench/loadgen.py at 32 clients, py-spy sampling its engine process for 15 s; the engine
 #      also logs its steps (MLX_TRIO_ENGINE_PROBE, runtime.engine.host_speed).
 # Both also write a per-step trace. Results: $OUT/step-profile.tgz. About 5 minutes.
@@ -41,7 +41,7 @@ MLX_TRIO_ENGINE_PROBE=$work/probe taskset -c $others python3 -m api.cli --model 
 API=$!
 for i in $(seq 1 120); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
 ENGINE=$(pgrep -P $API -f runtime.engine.process | head -1)
-taskset -a -c -p $CPU $ENGINE > /dev/null
+taskset -c -p $CPU $ENGINE > /dev/null  # its main thread (the engine loop), as in-process
 taskset -c $others python3 bench/loadgen.py --url http://127.0.0.1:$PORT --model $L --levels 32 \
   --requests $REQUESTS --prompt-tokens 136 --max-tokens 128 > $work/load.txt 2>&1 &
 LOAD=$!
