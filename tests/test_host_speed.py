@@ -30,3 +30,66 @@ def test_the_log_writes_one_timed_probe_per_tick(monkeypatch, tmp_path):
     lines = [line.split() for line in open(log.path).read().splitlines()]
     assert len(lines) == 5
     assert all(began - 1 <= float(at) <= time.time() + 1 and float(us) > 0 for at, us in lines)
+
+
+class _FakeCore:
+    """What ``ProbeLog.trace_steps`` wraps: ``step()`` and ``handle_command``."""
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+        self.commands = []
+
+    def step(self):
+        return self.outputs
+
+    def handle_command(self, command):
+        self.commands.append(command)
+
+
+def test_the_step_trace_logs_each_step_and_command(monkeypatch, tmp_path):
+    from runtime.messages import (
+        Abort,
+        PromptProgress,
+        SamplingParams,
+        SequenceStarted,
+        StepOutputs,
+        Submit,
+        TokenEvent,
+    )
+
+    monkeypatch.setenv(PROBE_ENV, str(tmp_path / "probe"))
+    log = ProbeLog.from_environment()
+    outputs = StepOutputs(
+        started=(SequenceStarted(request_id=9, prompt_tokens=4, cached_tokens=0),),
+        progress=(
+            PromptProgress(request_id=9, done=2, total=4),
+            PromptProgress(request_id=9, done=4, total=4),
+            PromptProgress(request_id=8, done=4, total=4),
+        ),
+        tokens=(
+            TokenEvent(request_id=1, token=5),
+            TokenEvent(request_id=2, token=6, finish_reason="length"),
+            TokenEvent(request_id=3, token=7),
+        ),
+    )
+    core = log.trace_steps(_FakeCore(outputs))
+    submit = Submit(
+        request_id=7,
+        prompt=(1, 2),
+        segments=((1, 2),),
+        segment_types=("user",),
+        sampling=SamplingParams(),
+        max_tokens=4,
+    )
+    began = time.time()
+    core.handle_command(submit)
+    core.handle_command(Abort(request_id=3))
+    assert core.step() is outputs  # the wrapped core still answers
+    assert core.commands[0] is submit and isinstance(core.commands[1], Abort)
+    log.flush()
+    lines = [line.split() for line in open(log.steps_path).read().splitlines()]
+    assert [line[0] for line in lines] == ["C", "C", "S"]
+    assert lines[0][2:] == ["Submit", "7"] and lines[1][2:] == ["Abort", "3"]
+    kind, start, end, tokens, finished, prompts, started = lines[2]
+    assert began - 1 <= float(start) <= float(end) <= time.time() + 1
+    assert (tokens, finished, prompts, started) == ("3", "1", "2", "1")
