@@ -565,26 +565,25 @@ class Server:
     def warm_up(self, w: Workload) -> None:
         warm_up(self.proc.url, w, self.builder)
 
+    def _logged_between(self, suffix: str, at: int, began: float, ended: float) -> list[list[str]]:
+        """The engine process's log lines (``PREFIX<suffix>.PID``, split) whose field ``at``,
+        an epoch time, lies between ``began`` and ``ended``, in time order."""
+        prefix = Path(self.probe_prefix)
+        rows = [
+            line.split()
+            for path in prefix.parent.glob(prefix.name + suffix + ".*")
+            for line in path.read_text().splitlines()
+        ]
+        kept = (r for r in rows if began <= float(r[at]) <= ended)
+        return sorted(kept, key=lambda r: float(r[at]))
+
     def probes_between(self, began: float, ended: float) -> list[float]:
         """The engine process's probes of the steps between two epoch times."""
-        out = []
-        for path in Path(self.probe_prefix).parent.glob(Path(self.probe_prefix).name + ".*"):
-            for line in path.read_text().splitlines():
-                at, probe = line.split()
-                if began <= float(at) <= ended:
-                    out.append(float(probe))
-        return out
+        return [float(probe) for _, probe in self._logged_between("", 0, began, ended)]
 
     def steps_between(self, began: float, ended: float) -> list[str]:
         """The engine process's step and command lines (``ProbeLog.trace_steps``) in a run."""
-        out = []
-        for path in Path(self.probe_prefix).parent.glob(Path(self.probe_prefix).name + "-steps.*"):
-            out += [
-                line + "\n"
-                for line in path.read_text().splitlines()
-                if began <= float(line.split()[1]) <= ended
-            ]
-        return sorted(out, key=lambda line: float(line.split()[1]))
+        return [" ".join(r) + "\n" for r in self._logged_between("-steps", 1, began, ended)]
 
     def run(self, w: Workload, concurrency: int, requests: int, first: int) -> dict[str, Any]:
         began = time.time()
