@@ -36,7 +36,7 @@ import attrs
 import trio
 
 from runtime.engine.core import EngineCore
-from runtime.engine.loop import run_engine_loop
+from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.engine.process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable
 from runtime.handover import Handover
@@ -374,7 +374,9 @@ class ModelLoader:
 
         def ready(handle: ModelHandle, attach=inbox) -> None:
             # ``attach``: what the trio side puts commands into (an engine
-            # process gives its ``ProcessInbox``).
+            # process gives its ``ProcessInbox``). First this process's heap:
+            # the model (thread mode) or its tokenizer, out of the GC's way.
+            settle_heap()
             trio.from_thread.run(self._ready, handle, attach)
 
         def crashed(reason: str) -> None:

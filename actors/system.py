@@ -58,10 +58,12 @@ from runtime.messages import (
     TextSpec,
 )
 from runtime.models import (
+    DEFAULT_ALIASES,
     ModelKey,
     ModelPolicy,
     RealEngineCore,
     default_key,
+    names_served,
     resolve_key,
     resolve_model,
 )
@@ -170,7 +172,15 @@ class Runtime:
     ) -> ModelKey:
         """The model a request names (404 if it is not allowed or not on this machine).
 
-        Looking on disk and in the Hugging Face cache is blocking work: a worker thread."""
+        Looking on disk and in the Hugging Face cache is blocking work: a worker thread;
+        the served model under one of its names, with its own adapter and draft, needs
+        no look (most requests: answered here, without the thread's hand-overs)."""
+        if (
+            adapters is None
+            and draft_model in (None, *DEFAULT_ALIASES)
+            and names_served(self.config, self.model_id, self.model_path, model)
+        ):
+            return self.default_model
         key = await trio.to_thread.run_sync(
             functools.partial(
                 resolve_key,

@@ -17,12 +17,18 @@ sees every HTTP request from its first byte to its last, streams included
   a generation its prompt, generated and cached tokens, finish, time to first
   output and duration. The line's fields are also on the log record, as the
   dict ``access``, for structured handlers.
+
+For benchmarks only (``runtime.engine.host_speed.PROBE_ENV`` set, as the engine
+process's probes), ``RequestTrace`` also appends one line per generation
+request to ``PREFIX-api.PID``: ``R request_id arrived submitted first_output
+ended`` in epoch seconds (``-``: never reached).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 import uuid
@@ -33,6 +39,7 @@ from quart import request
 
 from actors.metrics import CLIENT_CLOSED, ServerMetrics
 from actors.session import Arrivals, RequestTiming
+from runtime.engine.host_speed import PROBE_ENV
 
 ACCESS_LOG = logging.getLogger("mlx_trio.access")
 SCOPE_KEY = "mlx_trio.request"
@@ -101,6 +108,29 @@ def note_timing(timing: RequestTiming) -> None:
             timing.on_submitted = record.left_arrivals
 
 
+class RequestTrace:
+    """Each generation request's milestones, appended to ``path`` (benchmarks only)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def from_environment(cls) -> RequestTrace | None:
+        prefix = os.environ.get(PROBE_ENV)
+        return cls(f"{prefix}-api.{os.getpid()}") if prefix else None
+
+    def record(self, record: RequestRecord) -> None:
+        """Synchronous: one short append (the engine's probes are benchmarks' too)."""
+        timing = record.timing
+        if timing is None:
+            return
+        to_epoch = time.time() - time.monotonic()
+        marks = (record.started, timing.submitted, timing.first_output, timing.ended)
+        fields = " ".join("-" if m is None else f"{m + to_epoch:.4f}" for m in marks)
+        with open(self.path, "a") as f:
+            f.write(f"R {record.request_id} {fields}\n")
+
+
 class RequestObserver:
     """ASGI middleware: request ids, the access log and the HTTP metrics."""
 
@@ -108,6 +138,7 @@ class RequestObserver:
         self._app = app
         self._metrics = metrics
         self._arrivals = arrivals  # generation requests on their way (Submit.followed)
+        self._trace = RequestTrace.from_environment()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -146,6 +177,8 @@ class RequestObserver:
         # Health probes every few seconds would drown the requests: DEBUG for them.
         level = logging.DEBUG if fields.get("endpoint") == "/health" else logging.INFO
         ACCESS_LOG.log(level, "%s", access_line(fields), extra={"access": fields})
+        if self._trace is not None:
+            self._trace.record(record)
 
 
 def access_fields(record: RequestRecord, status: int) -> dict[str, Any]:

@@ -592,6 +592,15 @@ class Server:
         time.sleep(0.7)  # the engine writes its probes every half second
         probes = self.probes_between(began, ended)
         self.last_steps = self.steps_between(began, ended)
+        # The API's record of each request (``api.observability.RequestTrace``) and the
+        # load generator's, joined by the x-request-id it sends (``loadgen-INDEX``).
+        self.last_steps += [" ".join(r) + "\n" for r in self._logged_between("-api", 2, began, ended)]
+        self.last_steps += [
+            "L loadgen-{} {}\n".format(
+                index, " ".join("-" if t is None else f"{t:.4f}" for t in (sent, first, end))
+            )
+            for index, sent, first, end in r.get("request_epochs", ())
+        ]
         tokens = r["completion_tokens"]
         steps = int(r["engine_steps"]) if r.get("engine_steps") is not None else None
         busy = r.get("engine_busy_s")

@@ -416,11 +416,14 @@ async def _one_request(client, w: Workload, builder: PromptBuilder, index: int) 
     import httpx
 
     path, body = builder.payload(w, index)
+    # Our server logs it (access log, request trace): the client's and the server's
+    # records of one request can be joined (mlx_lm.server ignores it).
+    headers = {"x-request-id": f"loadgen-{index}"}
     leave_after = w.disconnect_after if w.leaves_early(index) else None
     rec = _Record(index=index, start=time.perf_counter())
     try:
         if not w.stream:
-            resp = await client.post(path, json=body)
+            resp = await client.post(path, json=body, headers=headers)
             rec.status = resp.status_code
             if resp.status_code == 200:
                 data = resp.json()
@@ -430,7 +433,7 @@ async def _one_request(client, w: Workload, builder: PromptBuilder, index: int) 
             else:
                 rec.error = resp.text[:200]
             return rec
-        async with client.stream("POST", path, json=body) as resp:
+        async with client.stream("POST", path, json=body, headers=headers) as resp:
             rec.status = resp.status_code
             if resp.status_code != 200:
                 rec.error = (await resp.aread()).decode(errors="replace")[:200]
@@ -555,6 +558,7 @@ async def _run_level_async(
         before = proc_tree_stats(pid)
         client_before = self_cpu_s()
         t0 = time.perf_counter()
+        epoch_offset = time.time() - t0
         async with trio.open_nursery() as nursery:
             for _ in range(min(concurrency, requests)):
                 nursery.start_soon(client_task, client)
@@ -564,6 +568,16 @@ async def _run_level_async(
         engine_after = await engine_counters(client)
         drain = await _probe_drain(client) if w.disconnect_after is not None else None
     result = _result_from_records(sorted(records, key=lambda r: r.index), wall, w)
+    # (index, sent, first content chunk or None, end) in epoch seconds, for traces
+    result["request_epochs"] = [
+        (
+            r.index,
+            r.start + epoch_offset,
+            r.chunk_times[0] + epoch_offset if r.chunk_times else None,
+            r.end + epoch_offset,
+        )
+        for r in sorted(records, key=lambda r: r.index)
+    ]
     result["client_cpu_s"] = client_cpu
     if before is not None and after is not None:
         result["cpu_s"] = after["cpu_s"] - before["cpu_s"]

@@ -8,11 +8,20 @@ time the engine spent stepping, the prefill steps (count, time, decoding rows th
 on average) and the other steps, then the median step by decoding rows (``--by-rows``), or
 each step (``--timeline N``: the first N, with the arrivals handled before each).
 
+A server's trace also holds, per request, the API's record (``R id arrived submitted
+first_output ended``, ``api.observability.RequestTrace``) and the load generator's (``L id
+sent first end``), joined by the x-request-id the load generator sends. ``--requests N``
+prints where each request's time to first token went, for the first N requests sent (by
+send time) and as medians and maxima over all: sent to the API (connection, HTTP), the
+API's own part until the Submit (templating, tokenising, the Scheduler), the engine until
+the first output reached the API, and back to the client.
+
 ``--pyspy FILE`` instead sums a ``py-spy record -f raw`` profile: the share of samples
 per innermost frame (self) and per frame anywhere on the stack (inclusive).
 
     python bench/trace_summary.py trace/*-c32-r1.txt --by-rows
     python bench/trace_summary.py trace/server-c32-r1.txt --timeline 60
+    python bench/trace_summary.py trace/server-c32-r1.txt --requests 40
     python bench/trace_summary.py --pyspy pyspy-engine.txt
 """
 
@@ -62,12 +71,14 @@ def summary(path: str, by_rows: bool) -> str:
 
 
 def timeline(path: str, limit: int) -> str:
-    lines = read_steps(path)
+    lines = [s for s in read_steps(path) if s[0] in "SC"]
     t0 = float(lines[0][1])
     out, arrivals, previous_end = [], 0, None
     for s in lines:
         if s[0] == "C":
             arrivals += s[2] == "Submit"
+            continue
+        if s[0] != "S":
             continue
         began, ended = float(s[1]), float(s[2])
         gap = 1000 * (began - previous_end) if previous_end is not None else 0.0
@@ -78,6 +89,50 @@ def timeline(path: str, limit: int) -> str:
         )
         arrivals, previous_end = 0, ended
     return "\n".join(out[:limit])
+
+
+REQUEST_PHASES = ("to API", "API to Submit", "engine to 1st out", "back to client", "TTFT")
+
+
+def _epoch(field: str) -> float | None:
+    return None if field == "-" else float(field)
+
+
+def requests(path: str, limit: int) -> str:
+    """Per request: the phases of its time to first token (ms), from its R and L lines."""
+    lines = read_steps(path)
+    api = {s[1]: [_epoch(f) for f in s[2:6]] for s in lines if s[0] == "R"}
+    client = {s[1]: [_epoch(f) for f in s[2:5]] for s in lines if s[0] == "L"}
+    rows = []
+    for rid, (sent, first, _end) in client.items():
+        arrived, submitted, first_out, _ended = api.get(rid, [None] * 4)
+
+        def ms(a, b):
+            return None if a is None or b is None else 1000 * (b - a)
+
+        rows.append(
+            (sent, rid, [ms(sent, arrived), ms(arrived, submitted), ms(submitted, first_out),
+                         ms(first_out, first), ms(sent, first)])
+        )
+    if not rows:
+        return f"{path}: no request records"
+    rows.sort()
+    t0 = rows[0][0]
+
+    def cell(v):
+        return f"{v:9.1f}" if v is not None else "        -"
+
+    out = [f"{path}: {len(rows)} requests; ms", f"{'sent':>9} {'id':>14} " +
+           " ".join(f"{h:>9.9}" for h in REQUEST_PHASES)]
+    for sent, rid, phases in rows[:limit]:
+        out.append(f"{1000 * (sent - t0):9.1f} {rid:>14} " + " ".join(cell(v) for v in phases))
+    for name, pick in (("median", statistics.median), ("max", max)):
+        values = []
+        for i in range(len(REQUEST_PHASES)):
+            col = [p[i] for _, _, p in rows if p[i] is not None]
+            values.append(pick(col) if col else None)
+        out.append(f"{name:>9} {'':>14} " + " ".join(cell(v) for v in values))
+    return "\n".join(out)
 
 
 def pyspy(path: str, top: int) -> str:
@@ -103,12 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", type=int, default=0, metavar="N", help="the first N steps")
     p.add_argument("--pyspy", default=None, metavar="FILE", help="a raw py-spy profile")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument(
+        "--requests", type=int, default=0, metavar="N", help="time to first token by phase"
+    )
     ns = p.parse_args(argv)
     if ns.pyspy:
         print(pyspy(ns.pyspy, ns.top))
         return 0
     for path in ns.files:
-        print(timeline(path, ns.timeline) if ns.timeline else summary(path, ns.by_rows))
+        if ns.requests:
+            print(requests(path, ns.requests))
+        elif ns.timeline:
+            print(timeline(path, ns.timeline))
+        else:
+            print(summary(path, ns.by_rows))
     return 0
 
 

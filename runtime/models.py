@@ -158,6 +158,11 @@ def allowed_model_ids(policy: ModelPolicy) -> list[str]:
     return found
 
 
+def names_served(config: ServerConfig, served_id: str, served_path: str, model: str | None) -> bool:
+    """Does ``model`` name the served model by one of its aliases (no look on disk)?"""
+    return model is None or model in {*DEFAULT_ALIASES, served_id, served_path, config.model}
+
+
 def resolve_key(
     config: ServerConfig,
     served_id: str,
@@ -171,10 +176,7 @@ def resolve_key(
     """The ``ModelKey`` a request names; 404 if ``policy`` refuses a part of it or it is
     not on this machine."""
     default = default_key(config, served_path)
-    aliases = {*DEFAULT_ALIASES, served_id, served_path}
-    if config.model:
-        aliases.add(config.model)
-    if model is None or model in aliases or _same_path(model, served_path):
+    if names_served(config, served_id, served_path, model) or _same_path(model, served_path):
         path = served_path
         adapter = adapters if adapters is not None else default.adapter
     else:

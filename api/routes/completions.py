@@ -20,7 +20,7 @@ from actors.system import Runtime
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
-from api.http import fingerprint, read_json
+from api.http import fingerprint, read_json, small_body
 from api.responses import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from api.structured import constrain_step
@@ -147,6 +147,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             constrain=constrain,
             n=req.n,
             prompt_param=prompt_param,
+            prepare_inline=small_body(),
         )
         make_renderer = functools.partial(
             renderer_class,

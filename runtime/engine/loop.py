@@ -17,6 +17,9 @@ a ``LeaderWatch`` (it leaves when its launcher or rank 0 is gone).
 
 Both loops end the same way (``_close``): fail what is left, release the
 batch generator, and drop the model on the thread that made its arrays.
+
+``settle_heap`` (once a model is up, in each process that serves it) moves
+what the process holds after loading out of the garbage collector's way.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import queue
+import time
 from collections.abc import Callable
 
 from runtime.distributed import LeaderWatch, ParentWatch, launched_rank
@@ -35,6 +39,29 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.05
 SHUTTING_DOWN = "the engine is shutting down"
+
+
+def settle_heap() -> None:
+    """Collect, then freeze every object the process holds (``gc.freeze``).
+
+    Called once a model is up. What loading made (modules, the model's Python
+    objects, the tokenizer's tables: about 110,000 objects with the tiny test
+    model) lives as long as the model, yet every full collection walked it:
+    60-90 ms on a 2-core CPU, a pause of the engine loop (ten decode steps at
+    32 rows on an H200) or of the API's event loop (no arrivals, no chunks)
+    whenever a burst of requests set one off. Frozen, a full collection walks
+    only what came after. Unfrozen first: the cycles of a model swapped out
+    since the last call can go.
+    """
+    began = time.perf_counter()
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "froze %d objects for the garbage collector in %.0f ms",
+        gc.get_freeze_count(),
+        1000 * (time.perf_counter() - began),
+    )
 
 
 def run_engine_loop(
@@ -91,6 +118,7 @@ def run_engine_loop(
             source.leave()  # cancelled: stop the other ranks too
         _close(core, reason, emit)
         del core
+        gc.unfreeze()  # the model's frozen objects (settle_heap) may be cycles
         gc.collect()
 
 
@@ -110,6 +138,7 @@ def run_follower_loop(core: EngineCore, on_tick: Callable[[], None] = lambda: No
             on_tick()
     finally:
         _close(core, "this rank is stopping", None)
+        gc.unfreeze()
         gc.collect()
 
 
@@ -127,6 +156,7 @@ def run_follower(config, parent: ParentWatch | None = None) -> int:
     if not core.commands.lockstep:
         log.error("this process was launched as rank %s but found no group", rank)
         return 1
+    settle_heap()
     log.info("rank %s ready; following rank 0", rank)
     watch.tick()
     try:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.engine.host_speed import ProbeLog
-from runtime.engine.loop import run_engine_loop
+from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.messages import (
     EngineCrashed,
     EngineExited,
@@ -91,6 +91,7 @@ def engine_process_main(conn) -> None:
     inbox = ConnectionInbox(conn)
 
     def ready(core) -> None:
+        settle_heap()  # before the first request: the loaded model out of the GC's way
         conn.send(engine_ready(core.handle))
 
     def crashed(reason: str) -> None:
