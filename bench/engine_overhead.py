@@ -176,10 +176,13 @@ def closed_loop(
     delay: float,
     jitter: float = 0.0,
     trace: list[str] | None = None,
+    first_wave: float = 0.0,
 ) -> dict[str, Any]:
     """``concurrency`` requests in flight; a finished one's replacement arrives ``delay``
     seconds later (0: before the next step, as ``engine_ceiling.py`` does), plus up to
-    ``jitter`` seconds (uniform, the same draws for every system)."""
+    ``jitter`` seconds (uniform, the same draws for every system). The first
+    ``concurrency`` arrive at once, or (``first_wave``) spread uniformly over that many
+    seconds, as a server receives a burst of HTTP requests one after another."""
     import random
 
     rng = random.Random(first)
@@ -188,8 +191,11 @@ def closed_loop(
     arrived: dict[int, float] = {}
     first_token: dict[int, float] = {}
     todo = deque(range(requests))
-    for _ in range(min(concurrency, requests)):
-        arrivals.append((0.0, todo.popleft()))  # the first ones all at once
+    opening = time.perf_counter()
+    spread = sorted(rng.uniform(0.0, first_wave) for _ in range(min(concurrency, requests)))
+    for offset in spread:
+        # all at once (0.0: already due), or spread from now on
+        arrivals.append((opening + offset if first_wave else 0.0, todo.popleft()))
     tokens = 0
     step_s: list[float] = []
     decode_only: list[bool] = []
@@ -742,6 +748,13 @@ def main(argv: list[str] | None = None) -> int:
         help="in-process systems: a finished request's replacement arrives this much later "
         "(0: before the next step; an HTTP client comes back after a few ms)",
     )
+    p.add_argument(
+        "--first-wave-ms",
+        type=float,
+        default=0.0,
+        help="in-process systems: the first requests arrive spread uniformly over this many "
+        "ms (0: all before the first step), as a burst reaches a server over HTTP",
+    )
     p.add_argument("--no-pickle", action="store_true", help="do not pickle the core's outputs")
     p.add_argument("--profile", default=None, help="write cProfile stats of the last round here")
     p.add_argument("--json-out", default=None)
@@ -852,7 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                         delay = ns.arrival_delay_ms / 1000
                         jitter = ns.arrival_jitter_ms / 1000
                         r = closed_loop(
-                            systems[name], w, level, requests, first, delay, jitter, trace
+                            systems[name], w, level, requests, first, delay, jitter, trace,
+                            ns.first_wave_ms / 1000,
                         )
                     if trace_dir and trace is not None:
                         (trace_dir / f"{name}-c{level}-r{rnd}.txt").write_text("".join(trace))
@@ -878,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": ns.rounds,
             "arrival_delay_ms": ns.arrival_delay_ms,
             "arrival_jitter_ms": ns.arrival_jitter_ms,
+            "first_wave_ms": ns.first_wave_ms,
             "engine_cpu": ns.engine_cpu,
             "argv": sys.argv,
         }

@@ -9,6 +9,8 @@
 # (about 37 GB on the 8B shape at 64 clients): four engines in all are at the GPU's limit (one
 # run of four failed, runs of five did): the last server to run at 64 then fails its requests.
 # TRACE=1: each run's engine steps and arrivals in $OUT/trace/ (engine_overhead.py --trace).
+# EXTRA: more engine_overhead.py arguments (e.g. the in-process arrivals: --first-wave-ms 80
+# --arrival-delay-ms 10 --arrival-jitter-ms 40). JSON=NAME: $OUT/NAME.{txt,json} (default pinned).
 # About 5 minutes with the 8B model built (three systems). Results: $OUT/pinned.{txt,json}.
 source "$(dirname "$0")/h200_prelude.sh"
 make_llama
@@ -18,6 +20,7 @@ IFS=';' read -ra specs <<< "${VARIANTS:-}"
 for spec in "${specs[@]}"; do [ -n "$spec" ] && variants+=(--server-variant "$spec"); done
 timeout ${LIMIT:-420} python3 bench/engine_overhead.py --model $L --levels ${LEVELS:-8,32,64} --rounds ${ROUNDS:-3} \
   --prompt-tokens 136 --max-tokens 128 --systems ${SYSTEMS:-ceiling,core} --server "${variants[@]}" --engine-cpu ${CPU:-3} \
-  --json-out "$OUT/pinned.json" ${TRACE:+--trace "$OUT/trace"} > "$OUT/pinned.txt" 2>&1
-sed -n '/^medians/,$p' "$OUT/pinned.txt"
+  --json-out "$OUT/${JSON:-pinned}.json" ${TRACE:+--trace "$OUT/trace"} ${EXTRA:-} \
+  > "$OUT/${JSON:-pinned}.txt" 2>&1
+sed -n '/^medians/,$p' "$OUT/${JSON:-pinned}.txt"
 step done

@@ -342,13 +342,15 @@ def run_title(meta: dict[str, Any]) -> str:
     )
 
 
-def replot(results_json: Path) -> int:
+def replot(results_json: Path, draw: bool = True) -> int:
     data = json.loads(results_json.read_text())
     meta = data["meta"]
     pooled = {int(lv): by for lv, by in data["pooled"].items()}
     levels = sorted(pooled)
     title = run_title(meta)
     sys.stdout.write(f"{title}\n{render_table(levels, pooled)}\n")
+    if not draw:  # --no-plot: the table alone
+        return 0
     out_png = results_json.with_suffix(".png")
     plot(levels, pooled, out_png, title)
     sys.stdout.write(f"wrote {out_png}\n")
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     setup_logging()
     if ns.replot:
-        return replot(Path(ns.replot))
+        return replot(Path(ns.replot), draw=not ns.no_plot)
     w = workload_from_args(ns)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     results_dir = Path(ns.results_dir)
