@@ -5,7 +5,8 @@ already objects) or a text prompt; returns a ``PreparedPrompt`` with the
 tokens, the prompt cache's segment plan, the text state the model starts
 in (inside a thinking block or not), and for chat the keys the prompt cache's
 miss explanation compares (``template_key``, ``conversation_keys``). Runs in a worker thread
-(``trio.to_thread``) because chat templates and tokenizers are slow Python.
+(``trio.to_thread``) because chat templates and tokenizers are slow Python, but for short
+prompts (about 1 ms; ``api.http.small_body``), which the Session prepares on the event loop.
 
 ``plan_segments`` is the segmentation policy: where in a chat prompt the
 engine keeps a copy of the KV cache (end of the system prompt, end of the
