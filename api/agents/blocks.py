@@ -96,7 +96,8 @@ def tool_arguments(arguments: Any, *, param: str) -> dict[str, Any]:
 
 
 def prepare_turn(tokenizer, *, turn: ChatTurn):
-    """The prompt of ``turn`` (runs in a worker thread, like the chat route's)."""
+    """The prompt of ``turn``, in a worker thread always (a stored conversation can make a
+    short request body a long prompt, so the chat route's short-body rule does not apply)."""
     return prepare_chat(tokenizer, turn.messages, tools=turn.tools, template_args=turn.template_args)
 
 
