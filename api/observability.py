@@ -18,7 +18,7 @@ sees every HTTP request from its first byte to its last, streams included
   output and duration. The line's fields are also on the log record, as the
   dict ``access``, for structured handlers.
 
-For benchmarks only (``runtime.engine.host_speed.PROBE_ENV`` set, as the engine
+For benchmarks only (``runtime.engine.host_speed.PROBE_ENV`` set, ``probe_path``; as the engine
 process's probes), ``RequestTrace`` also appends one line per generation
 request to ``PREFIX-api.PID``: ``R request_id arrived submitted first_output
 ended`` in epoch seconds (``-``: never reached).
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -39,7 +38,7 @@ from quart import request
 
 from actors.metrics import CLIENT_CLOSED, ServerMetrics
 from actors.session import Arrivals, RequestTiming
-from runtime.engine.host_speed import PROBE_ENV
+from runtime.engine.host_speed import probe_path
 
 ACCESS_LOG = logging.getLogger("mlx_trio.access")
 SCOPE_KEY = "mlx_trio.request"
@@ -116,8 +115,8 @@ class RequestTrace:
 
     @classmethod
     def from_environment(cls) -> RequestTrace | None:
-        prefix = os.environ.get(PROBE_ENV)
-        return cls(f"{prefix}-api.{os.getpid()}") if prefix else None
+        path = probe_path("-api")
+        return cls(path) if path else None
 
     def record(self, record: RequestRecord) -> None:
         """Synchronous: one short append (the engine's probes are benchmarks' too)."""

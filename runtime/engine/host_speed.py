@@ -23,6 +23,12 @@ PROBE_ITERATIONS = 400  # about 16-30 us of pure Python on a server core
 FLUSH_SECONDS = 0.5  # the engine ticks while idle too (every 50 ms), so the tail goes out
 
 
+def probe_path(suffix: str = "") -> str | None:
+    """This process's benchmark log ``PREFIX<suffix>.PID`` (None: ``PROBE_ENV`` unset)."""
+    prefix = os.environ.get(PROBE_ENV)
+    return f"{prefix}{suffix}.{os.getpid()}" if prefix else None
+
+
 def cpu_probe_us(iterations: int = PROBE_ITERATIONS) -> float:
     """Microseconds a fixed pure-Python loop takes now on this thread's core."""
     began = time.perf_counter_ns()
@@ -44,10 +50,8 @@ class ProbeLog:
 
     @classmethod
     def from_environment(cls) -> ProbeLog | None:
-        prefix = os.environ.get(PROBE_ENV)
-        if not prefix:
-            return None
-        return cls(f"{prefix}.{os.getpid()}", f"{prefix}-steps.{os.getpid()}")
+        path = probe_path()
+        return cls(path, probe_path("-steps")) if path else None
 
     def trace_steps(self, core):
         """Wrap ``core``'s ``step`` and ``handle_command`` to log each (benchmarks only)."""
