@@ -40,9 +40,9 @@ from loadgen import (  # noqa: E402  (a script beside loadgen.py)
     PromptBuilder,
     ServerProcess,
     Workload,
-    default_requests,
     format_summary,
     parse_levels,
+    requests_for,
     run_level,
     setup_logging,
     summarize,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_ in range(ns.rounds):
             for level in ns.levels:
                 for mode in modes if round_ % 2 == 0 else modes[::-1]:
-                    n = ns.requests or default_requests(level)
+                    n = requests_for(ns, level)
                     run = run_level(url, workloads[mode], level, n, builder, server.pid,
                                     first_index)
                     first_index += n

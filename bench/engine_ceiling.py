@@ -36,8 +36,8 @@ from loadgen import (  # noqa: E402
     PromptBuilder,
     Workload,
     add_workload_args,
-    default_requests,
     format_summary,
+    requests_for,
     self_cpu_s,
     setup_logging,
     summarize,
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = {}
     first_index = ns.first_index
     for level in ns.levels:
-        n = ns.requests or default_requests(level)
+        n = requests_for(ns, level)
         run = engine.run(w, level, n, first_index, ns.arrival_delay_steps)
         first_index += n
         raw[level] = run

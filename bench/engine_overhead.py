@@ -79,6 +79,7 @@ from loadgen import (  # noqa: E402
     Workload,
     add_workload_args,
     descendants,
+    requests_for,
     run_level,
     sampling_of,
     self_cpu_s,
@@ -843,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
                 closed_loop(system, warm, 2, 2, 10_000_000, 0.0)
         sys.stdout.write(LEGEND + "\n\n" + HEADER + "\n")
         for level in ns.levels:
-            requests = ns.requests or max(8, 2 * level)
+            requests = requests_for(ns, level)
             for rnd in range(ns.rounds):
                 order = list(systems) if rnd % 2 == 0 else list(reversed(systems))
                 for name in order:

@@ -651,8 +651,15 @@ def warm_up(url: str, w: Workload, builder: PromptBuilder | None = None) -> dict
     return result
 
 
-def default_requests(concurrency: int) -> int:
-    return max(8, 2 * concurrency)
+def default_requests(concurrency: int, per_client: int = 2) -> int:
+    return max(8, per_client * concurrency)
+
+
+def requests_for(ns: argparse.Namespace, concurrency: int) -> int:
+    """``--requests``, else ``--requests-per-client`` (default 2) times the level, at least 8."""
+    if ns.requests:
+        return ns.requests
+    return default_requests(concurrency, getattr(ns, "requests_per_client", None) or 2)
 
 
 # ---------------------------------------------------------------- server process
@@ -739,6 +746,13 @@ def parse_levels(text: str) -> list[int]:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--levels", type=parse_levels, default=[1, 4, 16, 64])
     p.add_argument("--requests", type=int, default=None, help="per level (default max(8, 2c))")
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="without --requests: this many per client at each level (default 2); more "
+        "requests let a run's first burst and last drain weigh less",
+    )
     p.add_argument("--prompt-tokens", type=int, default=110)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
@@ -841,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.warm_up:
             warm_up(ns.url, w, builder)
         for level in ns.levels:
-            n = ns.requests or default_requests(level)
+            n = requests_for(ns, level)
             s = summarize([run_level(ns.url, w, level, n, builder, pid, first_index)])
             first_index += n
             results[level] = s

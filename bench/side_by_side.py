@@ -50,6 +50,7 @@ from loadgen import (  # noqa: E402
     add_workload_args,
     default_requests,
     proc_tree_stats,
+    requests_for,
     run_level,
     setup_logging,
     summarize,
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         first_index = 0
         flips = 0
         for level in ns.levels:
-            n = ns.requests or default_requests(level)
+            n = requests_for(ns, level)
             for rnd in range(ns.rounds):
                 order = ["engine", "ref", "ours", "ours-thread"]
                 if flips % 2:

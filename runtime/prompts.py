@@ -25,6 +25,7 @@ from typing import Any
 from runtime.errors import ClientError
 from runtime.messages import PreparedPrompt, SegmentPlan
 from runtime.mlx_lm_internals import convert_chat
+from runtime.tokenizing import encode
 
 RESERVED_TEMPLATE_ARGS = frozenset(
     {"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "conversation",
@@ -120,7 +121,7 @@ def _digest(*parts: str) -> str:
 
 
 def prepare_text(tokenizer, prompt: str | Sequence[int]) -> PreparedPrompt:
-    tokens = tuple(prompt) if not isinstance(prompt, str) else tuple(tokenizer.encode(prompt))
+    tokens = tuple(prompt) if not isinstance(prompt, str) else tuple(encode(tokenizer, prompt))
     if not tokens:
         raise ClientError("prompt must not be empty", param="prompt")
     return PreparedPrompt(
@@ -140,7 +141,7 @@ def prepare_chat(
     """``add_generation_prompt=False``: the conversation alone (``POST /tokenize``)."""
     keys = conversation_keys(messages)
     if not getattr(tokenizer, "has_chat_template", False):
-        tokens = tuple(tokenizer.encode(convert_chat(messages, role_mapping)))
+        tokens = tuple(encode(tokenizer, convert_chat(messages, role_mapping)))
         return PreparedPrompt(
             tokens=tokens,
             plan=SegmentPlan(segments=(tokens,), segment_types=("assistant",)),
@@ -152,13 +153,14 @@ def prepare_chat(
     kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
     try:
-        tokens = tuple(
-            tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
     except Exception as exc:  # templates raise on messages they cannot render
         raise ClientError(f"the chat template rejected the messages: {exc}", param="messages") from None
+    # Rendered, then encoded as apply_chat_template(tokenize=True) does (no special
+    # tokens added: the template wrote them), through the backend when it agrees.
+    tokens = tuple(encode(tokenizer, rendered, add_special_tokens=False))
 
     initial_state = "normal"
     has_thinking = getattr(tokenizer, "has_thinking", False)
@@ -174,10 +176,15 @@ def prepare_chat(
         n_system += 1
     if n_system and messages[-1]["role"] == "user":
         try:
-            system_prefix = tokenizer.apply_chat_template(
-                messages[:n_system] + [{"role": "user", "content": ""}],
-                add_generation_prompt=False,
-                **kwargs,
+            system_prefix = encode(
+                tokenizer,
+                tokenizer.apply_chat_template(
+                    messages[:n_system] + [{"role": "user", "content": ""}],
+                    add_generation_prompt=False,
+                    tokenize=False,
+                    **kwargs,
+                ),
+                add_special_tokens=False,
             )
         except Exception:
             system_prefix = None

@@ -1,0 +1,106 @@
+"""The request path's encoder: the backend's ids only where they equal transformers' ``encode``."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from runtime import tokenizing
+from runtime.models import demo_model_dir
+from runtime.prompts import prepare_chat, prepare_text
+
+TEXTS = [
+    "plain words",
+    "  two leading spaces, one trailing ",
+    "tabs\tand\nnewlines\n\n",
+    "Grüße aus Köln — 東京 🚀",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<think>\nreasoning\n</think>\n\nanswer",
+    "x" * 300,
+]
+
+
+def _tokenizers(tiny_tokenizer):
+    yield tiny_tokenizer
+    demo = demo_model_dir()
+    if (demo / "tokenizer.json").exists():
+        yield load_tokenizer(demo)
+
+
+def test_the_fast_encoder_is_chosen_and_gives_encodes_ids(tiny_tokenizer):
+    for tokenizer in _tokenizers(tiny_tokenizer):
+        encoder = tokenizing.encoder_for(tokenizer)
+        assert encoder.__name__ == "encode_fast"
+        assert tokenizing.encoder_for(tokenizer) is encoder  # decided once
+        for text in TEXTS:
+            for special in (False, True):
+                assert encoder(text, special) == list(
+                    tokenizer.encode(text, add_special_tokens=special)
+                ), (text, special)
+
+
+def test_chat_prompts_are_the_templates_own_tokens(tiny_tokenizer):
+    conversations = [
+        [{"role": "user", "content": "What is 47 + 85?"}],
+        [
+            {"role": "system", "content": "You are terse. Ünïcödé."},
+            {"role": "user", "content": "hello\n\nthere"},
+        ],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c <|im_end|> d"},
+        ],
+    ]
+    for tokenizer in _tokenizers(tiny_tokenizer):
+        for messages in conversations:
+            prepared = prepare_chat(tokenizer, messages, tools=None, template_args={})
+            expected = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=None
+            )
+            assert list(prepared.tokens) == list(expected)
+        text = prepare_text(tokenizer, "Once upon a time")
+        assert list(text.tokens) == list(tokenizer.encode("Once upon a time"))
+
+
+class _Backend:
+    def __init__(self, shift: int):
+        self.shift = shift
+
+    def encode(self, text, add_special_tokens=True):
+        class _Encoding:
+            ids = [ord(c) + self.shift for c in text]
+
+        return _Encoding()
+
+
+class _PythonLayer:
+    """A tokenizer whose Python ``encode`` is the backend's ids shifted by ``python_shift``."""
+
+    all_special_tokens: list[str] = []
+
+    def __init__(self, python_shift: int):
+        self._tokenizer = _Backend(0)
+        self.python_shift = python_shift
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) + self.python_shift for c in text]
+
+
+@pytest.mark.parametrize(("python_shift", "fast"), [(0, True), (1, False)])
+def test_a_python_layer_that_changes_the_ids_keeps_the_slow_path(python_shift, fast):
+    tokenizer = _PythonLayer(python_shift)
+    encoder = tokenizing.encoder_for(tokenizer)
+    assert (encoder.__name__ == "encode_fast") is fast
+    assert tokenizing.encode(tokenizer, "abc") == tokenizer.encode("abc")
+
+
+def test_no_backend_means_the_tokenizers_own_encode():
+    class NoBackend:
+        def encode(self, text, add_special_tokens=True):
+            return [len(text), int(add_special_tokens)]
+
+    tokenizer = NoBackend()
+    assert tokenizing.encode(tokenizer, "abcd", add_special_tokens=False) == [4, 0]
+    assert tokenizing.encoder_for(tokenizer).__name__ == "encode_slowly"
+
