@@ -9,11 +9,17 @@
 # (about 37 GB on the 8B shape at 64 clients): four engines in all are at the GPU's limit (one
 # run of four failed, runs of five did): the last server to run at 64 then fails its requests.
 # TRACE=1: each run's engine steps and arrivals in $OUT/trace/ (engine_overhead.py --trace).
+# SHAPE=qwen3-0.6b: the Qwen3-0.6B shape instead of Llama-3-8B.
 # EXTRA: more engine_overhead.py arguments (e.g. the in-process arrivals: --first-wave-ms 80
 # --arrival-delay-ms 10 --arrival-jitter-ms 40). JSON=NAME: $OUT/NAME.{txt,json} (default pinned).
 # About 5 minutes with the 8B model built (three systems). Results: $OUT/pinned.{txt,json}.
 source "$(dirname "$0")/h200_prelude.sh"
-make_llama
+if [ "${SHAPE:-llama3-8b}" = qwen3-0.6b ]; then  # SHAPE=qwen3-0.6b: the small shape
+  [ -f $Q/config.json ] || { step make-qwen; timeout 60 python3 bench/make_shaped_model.py qwen3-0.6b $Q > "$OUT/make-qwen.log" 2>&1; }
+  L=$Q
+else
+  make_llama
+fi
 step pinned
 variants=()
 IFS=';' read -ra specs <<< "${VARIANTS:-}"
