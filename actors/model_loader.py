@@ -49,6 +49,7 @@ from runtime.messages import (
     StepOutputs,
 )
 from runtime.models import ModelKey
+from runtime.tokenizing import encoder_for
 
 log = logging.getLogger(__name__)
 
@@ -374,8 +375,11 @@ class ModelLoader:
 
         def ready(handle: ModelHandle, attach=inbox) -> None:
             # ``attach``: what the trio side puts commands into (an engine
-            # process gives its ``ProcessInbox``). First this process's heap:
-            # the model (thread mode) or its tokenizer, out of the GC's way.
+            # process gives its ``ProcessInbox``). The tokenizer's encoder is
+            # chosen now (about 20 ms of probes), not on the first request's
+            # event loop. Then this process's heap: the model (thread mode) or
+            # its tokenizer, out of the GC's way.
+            encoder_for(handle.tokenizer)
             settle_heap()
             trio.from_thread.run(self._ready, handle, attach)
 

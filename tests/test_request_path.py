@@ -120,3 +120,18 @@ def test_settling_the_heap_freezes_what_is_there_and_frees_cycles_of_an_earlier_
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+async def test_the_encoder_is_chosen_when_the_model_is_ready_not_on_the_first_request(
+    monkeypatch,
+):
+    import actors.model_loader
+
+    chosen = []
+    monkeypatch.setattr(actors.model_loader, "encoder_for", chosen.append)
+    runtime = _runtime()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        await poll_until(lambda: bool(chosen))
+        assert len(chosen) == 1 and isinstance(chosen[0], FakeTokenizer)
+        nursery.cancel_scope.cancel()
