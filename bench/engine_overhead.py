@@ -215,11 +215,6 @@ def closed_loop(
         if not system.has_work:
             time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
             continue
-        hold = getattr(system, "hold_timeout", lambda: None)()
-        if hold and (not arrivals or arrivals[0][0] > now):
-            # held requests and nothing decoding: wait as the engine loop does (no empty steps)
-            time.sleep(min(hold, arrivals[0][0] - now) if arrivals else hold)
-            continue
         began, began_thread = time.perf_counter(), time.thread_time()
         began_epoch = time.time()
         prefill, events = system.step()
@@ -435,9 +430,6 @@ class Core(Driven):
     @property
     def has_work(self) -> bool:
         return self.core.has_work
-
-    def hold_timeout(self) -> float | None:
-        return self.core.hold_timeout()
 
     def admit(self, i: int) -> None:
         self.core.handle_command(self.todo[i])

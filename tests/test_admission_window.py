@@ -4,8 +4,7 @@ While at least ``admission_batch`` sequences decode, a new request waits in
 the engine (not in the batch) until the window is over or ``admission_batch``
 requests wait; then they all join in one step. A small batch admits at once,
 unless a sequence waits for its first token after its prompt, or the request
-says others are on their way (``Submit.followed``), or more of the clients whose
-answers just ended may come back (then their prefills start together).
+says others are on their way (``Submit.followed``).
 Held requests count as active, can be aborted, and fail on close.
 """
 
@@ -137,7 +136,6 @@ def test_a_held_request_can_be_aborted_and_never_enters_the_batch():
 
 
 def test_held_requests_join_when_the_batch_shrinks_and_fail_on_close():
-    # 3 waited before the batch emptied: it does not wait for 1's and 2's clients to return.
     core, factory = engine(FOREVER, batch=2)
     core.handle_command(make_submit(1, (1, 1), max_tokens=2))
     core.handle_command(make_submit(2, (1, 1), max_tokens=2))
@@ -281,56 +279,3 @@ def test_a_followed_request_joins_at_once_while_a_small_batch_decodes():
         core.step()
     core.handle_command(followed_submit(2))
     assert len(factory.current.inserted) == 2
-
-
-def finish_together(core, rids) -> None:
-    """Run requests of equal length until every one has finished: an idle engine."""
-    for rid in rids:
-        core.handle_command(make_submit(rid, (1, 1), max_tokens=2))
-    finished: set[int] = set()
-    for _ in range(10):
-        out = core.step()
-        finished |= {e.request_id for e in out.tokens if e.finish_reason is not None}
-        if finished == set(rids):
-            return
-    raise AssertionError(f"only {finished} finished")
-
-
-def test_clients_whose_answers_ended_together_start_their_next_prefill_together():
-    """Closed-loop clients come back milliseconds after their answers end, one by one over
-    HTTP. Into the idle engine their requests wait (within the window) until as many have
-    come as finished, then start in one prefill group."""
-    core, factory = engine(60.0, batch=8)
-    finish_together(core, [1, 2, 3])
-    gen = factory.current
-    inserted = len(gen.inserted)
-    core.handle_command(long_submit(4))
-    assert len(gen.inserted) == inserted and 0 < core.hold_timeout() <= 60.0
-    core.handle_command(long_submit(5))
-    out = core.step()
-    assert len(gen.inserted) == inserted and not out.started  # two of three are back
-    core.handle_command(long_submit(6))
-    out = core.step()
-    assert {e.request_id for e in out.started} == {4, 5, 6}
-    assert len(gen.steps[-1].prompt_uids) == 3
-
-
-def test_a_lone_clients_next_request_starts_at_once():
-    core, factory = engine(60.0, batch=8)
-    finish_together(core, [1])
-    inserted = len(factory.current.inserted)
-    core.handle_command(long_submit(2))  # one finished, one back: nobody else to wait for
-    assert len(factory.current.inserted) == inserted + 1
-
-
-def test_clients_that_do_not_come_back_hold_the_others_no_longer_than_the_window():
-    core, factory = engine(0.05, batch=8)
-    finish_together(core, [1, 2, 3])
-    inserted = len(factory.current.inserted)
-    core.handle_command(long_submit(4))
-    core.step()
-    assert len(factory.current.inserted) == inserted
-    time.sleep(0.06)
-    out = core.step()
-    assert [e.request_id for e in out.started] == [4]
-

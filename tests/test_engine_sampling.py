@@ -12,7 +12,6 @@ enforces constraints through a logits processor.
 from __future__ import annotations
 
 import json
-import time
 
 import attrs
 import jsonschema
@@ -57,9 +56,6 @@ def run(core, submits, *, steps: int = 400, on_step=None) -> dict:
     for s in submits:
         core.handle_command(s)
     for _ in range(steps):
-        hold = core.hold_timeout()  # as the engine loop: wait out the admission window
-        if hold:
-            time.sleep(hold)
         before = core.batch_sampler.calls if core.batch_sampler is not None else 0
         out = core.step()
         if on_step is not None:

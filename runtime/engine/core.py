@@ -26,7 +26,6 @@ Several choices of one request (n > 1) share its prompt's prefill
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import time
@@ -138,8 +137,7 @@ class EngineCore:
         sequences decode (until ``admission_batch`` wait with
         ``admission_tokens`` prompt tokens, or with those decoding reach
         ``admission_limit``), while a sequence waits for its first token after
-        its prompt, or into an idle engine if ``Submit.followed`` or while more
-        clients whose answers just ended may return (``_awaiting_returns``).
+        its prompt, or into an idle engine if ``Submit.followed``.
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
         mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``)."""
@@ -161,7 +159,6 @@ class EngineCore:
         self._admission_limit = admission_limit
         self._prefill_group = prefill_group
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
-        self._finished_at: collections.deque[float] = collections.deque(maxlen=1024)
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._by_uid: dict[int, _Sequence] = {}
@@ -203,7 +200,6 @@ class EngineCore:
                 or self._awaiting_first
                 or len(self._by_uid) >= self._admission_batch
                 or (command.followed and not self._by_uid)
-                or self._awaiting_returns(arriving=1)
             ):
                 if command.request_id not in self.active_request_ids:
                     self._held.append((time.monotonic(), command))
@@ -329,7 +325,6 @@ class EngineCore:
                 and (
                     len(self._by_uid) >= self._admission_batch
                     or (self._held[-1][1].followed and not self._by_uid)
-                    or self._awaiting_returns()
                 )
             )
         ):
@@ -344,17 +339,6 @@ class EngineCore:
             (limit is not None and held + len(self._by_uid) >= limit)
             or sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
         )
-
-    def _awaiting_returns(self, arriving: int = 0) -> bool:
-        """Idle engine: more clients whose answers ended within the window likely on their
-        way back than wait here (all arrived since)? Then their prefills start together."""
-        if self._by_uid or not self._finished_at:
-            return False
-        if self._held and self._held[0][0] < self._finished_at[-1]:
-            return False  # one waited before the batch emptied
-        since = time.monotonic() - self._admission_window  # the times are in order
-        returning = len(self._finished_at) - bisect.bisect_left(self._finished_at, since)
-        return len(self._held) + arriving < returning
 
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
@@ -397,8 +381,6 @@ class EngineCore:
             except Exception as exc:
                 log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
                 self._fail_all(f"engine step failed: {exc}")
-        if self._admission_window > 0:  # for _awaiting_returns
-            self._finished_at.extend(time.monotonic() for t in tokens if t.finish_reason)
         self.counters.stepped(
             time.perf_counter() - began,
             prefill=bool(progress),
@@ -539,9 +521,27 @@ class EngineCore:
                 log.exception("closing the batch generator failed")
 
     def stats(self) -> EngineStats:
-        store, active = self.prompt_cache, len(self._request_ids())
-        return self.counters.snapshot(
-            active_sequences=active, cache_entries=len(store), cache_bytes=int(store.nbytes)
+        c = self.counters
+        return EngineStats(
+            active_sequences=len(self._request_ids()),
+            steps=c.steps,
+            prefill_steps=c.prefill_steps,
+            busy_seconds=c.busy_seconds,
+            prompt_cache_entries=len(self.prompt_cache),
+            prompt_cache_bytes=int(self.prompt_cache.nbytes),
+            prompt_cache_hits=c.cache_hits,
+            prompt_cache_cached_tokens=c.cached_tokens,
+            aborts=c.aborts,
+            abort_wait_ms_total=c.abort_wait_ms_total,
+            abort_wait_ms_max=c.abort_wait_ms_max,
+            abort_wait_steps_max=c.abort_wait_steps_max,
+            prompt_tokens=c.prompt_tokens,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            generated_tokens=c.generated_tokens,
+            step_seconds_counts=tuple(c.step_seconds_counts),
+            step_seconds_sum=c.step_seconds_sum,
+            batch_size_counts=tuple(c.batch_size_counts),
+            batch_size_sum=c.batch_size_sum,
         )
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS, EngineStats
+from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
 
 RECENT_STEPS = 8  # step end times kept to count the steps an abort waited for
 
@@ -90,32 +90,6 @@ class EngineCounters:
             self.step_seconds_sum += seconds
             self.batch_size_counts[bisect.bisect_left(BATCH_SIZE_BUCKETS, batch_size)] += 1
             self.batch_size_sum += batch_size
-
-    def snapshot(
-        self, *, active_sequences: int, cache_entries: int, cache_bytes: int
-    ) -> EngineStats:
-        """These totals as the ``EngineStats`` every ``StepOutputs`` carries."""
-        return EngineStats(
-            active_sequences=active_sequences,
-            steps=self.steps,
-            prefill_steps=self.prefill_steps,
-            busy_seconds=self.busy_seconds,
-            prompt_cache_entries=cache_entries,
-            prompt_cache_bytes=cache_bytes,
-            prompt_cache_hits=self.cache_hits,
-            prompt_cache_cached_tokens=self.cached_tokens,
-            aborts=self.aborts,
-            abort_wait_ms_total=self.abort_wait_ms_total,
-            abort_wait_ms_max=self.abort_wait_ms_max,
-            abort_wait_steps_max=self.abort_wait_steps_max,
-            prompt_tokens=self.prompt_tokens,
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            generated_tokens=self.generated_tokens,
-            step_seconds_counts=tuple(self.step_seconds_counts),
-            step_seconds_sum=self.step_seconds_sum,
-            batch_size_counts=tuple(self.batch_size_counts),
-            batch_size_sum=self.batch_size_sum,
-        )
 
     def aborted(self, posted_at: float) -> None:
         """An abort was applied: how long it waited, in ms and in engine steps finished."""
