@@ -421,20 +421,23 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
     """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
     moves into the prompt batch the waiting sequences (in their order) that fit:
     up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
-    whose prompt is done (they leave the prompt batch in this step), and more while
-    the step's prompt tokens stay within ``token_budget``; never more than the
-    decode batch has room for. Returns how many join."""
+    whose prompt is done (they leave the prompt batch in this step), and, while fewer
+    than ``base`` sequences decode, more while the step's prompt tokens stay within
+    ``token_budget``; never more than the decode batch has room for. Returns how many
+    join. (Big groups shorten a burst into an idle engine; while a batch decodes,
+    groups of ``base`` keep most of its rows decoding when a group's rows finish.)"""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
     room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
-    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    decoding = len(generator._generation_batch)
+    free = generator.completion_batch_size - decoding - len(members)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
         tokens = _first_chunk(sequence[1], step_size)
-        if len(prefilling) + joining >= base and tokens > room:
+        if len(prefilling) + joining >= base and (decoding >= base or tokens > room):
             break
         room -= tokens
         joining += 1

@@ -4,7 +4,8 @@ While at least ``admission_batch`` sequences decode, a new request waits in
 the engine (not in the batch) until the window is over or ``admission_batch``
 requests wait; then they all join in one step. A small batch admits at once,
 unless a sequence waits for its first token after its prompt, or the request
-says others are on their way (``Submit.followed``).
+says others are on their way (``Submit.followed``: it waits for the last of
+them, into an idle engine or a small batch).
 Held requests count as active, can be aborted, and fail on close.
 """
 
@@ -270,12 +271,24 @@ def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
     assert len(held_steps) <= 2, len(held_steps)  # a spinning loop makes thousands
 
 
-def test_a_followed_request_joins_at_once_while_a_small_batch_decodes():
-    """Only an idle engine waits for the rest of a burst: with a few sequences decoding,
-    holding cost more first-token time than the prefill steps it saved."""
+def test_a_followed_request_waits_for_its_burst_while_a_small_batch_decodes():
+    """A burst waits for its last request while a few sequences decode too: one prefill
+    group joins them instead of one per request (each slowing the decoding rows)."""
     core, factory = engine(FOREVER, batch=8)
     core.handle_command(long_submit(1))
     for _ in range(3):  # past its prompt and its first token
         core.step()
     core.handle_command(followed_submit(2))
-    assert len(factory.current.inserted) == 2
+    core.handle_command(followed_submit(3))
+    core.step()
+    assert len(factory.current.inserted) == 1  # held: more are on their way
+    assert core.hold_timeout() is None  # a sequence decodes: the loop keeps stepping
+    core.handle_command(long_submit(4))  # the burst's last
+    out = core.step()
+    assert {e.request_id for e in out.started} == {2, 3, 4}
+    assert len(factory.current.steps[-1].prompt_uids) == 3
+    for _ in range(2):  # their first tokens
+        core.step()
+    # A lone request (not followed) into the small batch still joins at once.
+    core.handle_command(long_submit(5))
+    assert len(factory.current.inserted) == 5

@@ -137,7 +137,7 @@ class EngineCore:
         sequences decode (until ``admission_batch`` wait with
         ``admission_tokens`` prompt tokens, or with those decoding reach
         ``admission_limit``), while a sequence waits for its first token after
-        its prompt, or into an idle engine if ``Submit.followed``.
+        its prompt, or while ``Submit.followed`` says more are on their way.
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
         mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``)."""
@@ -199,7 +199,7 @@ class EngineCore:
                 self._held  # behind those already waiting (the next step decides for all)
                 or self._awaiting_first
                 or len(self._by_uid) >= self._admission_batch
-                or (command.followed and not self._by_uid)
+                or command.followed
             ):
                 if command.request_id not in self.active_request_ids:
                     self._held.append((time.monotonic(), command))
@@ -322,10 +322,7 @@ class EngineCore:
             self._awaiting_first
             or (
                 not self._held_make_a_group()
-                and (
-                    len(self._by_uid) >= self._admission_batch
-                    or (self._held[-1][1].followed and not self._by_uid)
-                )
+                and (len(self._by_uid) >= self._admission_batch or self._held[-1][1].followed)
             )
         ):
             return
@@ -333,10 +330,13 @@ class EngineCore:
             self._submit(self._held.popleft()[1])
 
     def _held_make_a_group(self) -> bool:
-        """Do the held requests make a prefill group worth starting now?"""
-        held, limit = len(self._held), self._admission_limit
+        """Do the held requests make a prefill group worth starting now? While a batch
+        decodes, ``admission_batch`` do (its rows keep decoding through the turn-over);
+        into a small one, as many as ``admission_tokens`` allow."""
+        held, decoding, limit = len(self._held), len(self._by_uid), self._admission_limit
         return held >= self._admission_batch and (
-            (limit is not None and held + len(self._by_uid) >= limit)
+            decoding >= self._admission_batch
+            or (limit is not None and held + decoding >= limit)
             or sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
         )
 
