@@ -94,19 +94,23 @@ def test_done_members_make_room_in_the_step_they_leave(model):
     assert prefilled_uids(theirs_third) == set(theirs_uids[2:])
 
 
-def test_while_a_batch_decodes_the_group_is_the_base(model):
-    """Beyond ``base`` only while fewer than ``base`` sequences decode: a group of
-    the base's size keeps the others decoding when its rows finish together."""
+def test_while_a_batch_decodes_groups_are_mlx_lms(model):
+    """While sequences decode: groups of ``base``, the next one a step after its
+    predecessor is done (so groups also finish apart, and the others keep decoding
+    while a finished group is replaced)."""
     gen = generator(model, base=2)
-    gen.insert(prompts(2, 10), max_tokens=[30, 30])
-    size_prefill_group(gen, base=2, token_budget=1000)
-    for _ in range(3):  # both past their prompt and decoding
+    gen.insert(prompts(1, 10), max_tokens=[30])
+    for _ in range(3):  # past its prompt and decoding
+        size_prefill_group(gen, base=2, token_budget=1000)
         gen.next()
-    assert len(gen._generation_batch) == 2
+    assert len(gen._generation_batch) == 1
     uids = gen.insert(prompts(6, 10))
-    assert size_prefill_group(gen, base=2, token_budget=1000) == 2
-    prompt_responses, _ = gen.next()
-    assert prefilled_uids(prompt_responses) == set(uids[:2])
+    seen = []
+    for _ in range(4):
+        size_prefill_group(gen, base=2, token_budget=1000)
+        prompt_responses, _ = gen.next()
+        seen.append(prefilled_uids(prompt_responses))
+    assert seen == [set(uids[:2]), set(), set(uids[2:4]), set()]
 
 
 def test_the_decode_batch_caps_the_group(model):
