@@ -400,10 +400,9 @@ def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
 # done (``_currently_processing`` entries ``[segments, done, total]``; a member is
 # done when one segment of one token is left, which ``generate`` takes). So a
 # group of short prompts blocks the next group for a step after its prefill, and
-# short prompts are prefilled eight at a time however few tokens that is. While a
-# batch decodes that spacing is what we want (``size_prefill_group``); into an idle
-# one, ``size_prefill_group`` sets ``prefill_batch_size`` before the step so that
-# it takes exactly the sequences we want: the done members leave room, and beyond
+# short prompts are prefilled eight at a time however few tokens that is. Before
+# each step, ``size_prefill_group`` sets ``prefill_batch_size`` so that the step
+# takes exactly the sequences we want: the done members leave room, and beyond
 # ``base`` prefilling prompts more join while the tokens prefilled in the step stay
 # within a budget.
 
@@ -419,31 +418,17 @@ def _is_done(member: Sequence[Any]) -> bool:
 
 
 def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
-    """Before ``generator.next()``: set its ``prefill_batch_size`` for this step;
-    returns how many waiting sequences join the prompt batch in it.
-
-    While sequences decode: mlx-lm's own rule, groups of ``base`` that join a step
-    after their predecessor leaves for decoding. Groups that start two steps apart
-    also finish two steps apart, so when a group's rows finish the others keep
-    decoding while it is replaced (on an H200 at 64 clients, groups that joined in
-    consecutive steps left as few as 22 of 64 rows decoding through a turn-over).
-
-    Into an idle decode batch (a burst): the waiting sequences (in their order) that
-    fit, up to ``base`` prompts prefilling at once not counting members whose prompt
-    is done (they leave the prompt batch in this step), and more while the step's
-    prompt tokens stay within ``token_budget``; never more than the decode batch has
-    room for."""
-    members = generator._currently_processing
-    decoding = len(generator._generation_batch)
-    waiting = len(generator._unprocessed_sequences)
-    if decoding:
-        generator.prefill_batch_size = base
-        room = generator.completion_batch_size - decoding
-        return max(0, min(base - len(generator._prompt_batch), room, waiting))
+    """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
+    moves into the prompt batch the waiting sequences (in their order) that fit:
+    up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
+    whose prompt is done (they leave the prompt batch in this step), and more while
+    the step's prompt tokens stay within ``token_budget``; never more than the
+    decode batch has room for. Returns how many join."""
     step_size = generator.prefill_step_size
+    members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
     room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
-    free = generator.completion_batch_size - len(members)
+    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:

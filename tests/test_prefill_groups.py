@@ -11,7 +11,6 @@ such a group.
 
 from __future__ import annotations
 
-import attrs
 import pytest
 from mlx_lm.generate import BatchGenerator
 
@@ -94,25 +93,6 @@ def test_done_members_make_room_in_the_step_they_leave(model):
     assert prefilled_uids(theirs_third) == set(theirs_uids[2:])
 
 
-def test_while_a_batch_decodes_groups_are_mlx_lms(model):
-    """While sequences decode: groups of ``base``, the next one a step after its
-    predecessor is done (so groups also finish apart, and the others keep decoding
-    while a finished group is replaced)."""
-    gen = generator(model, base=2)
-    gen.insert(prompts(1, 10), max_tokens=[30])
-    for _ in range(3):  # past its prompt and decoding
-        size_prefill_group(gen, base=2, token_budget=1000)
-        gen.next()
-    assert len(gen._generation_batch) == 1
-    uids = gen.insert(prompts(6, 10))
-    seen = []
-    for _ in range(4):
-        size_prefill_group(gen, base=2, token_budget=1000)
-        prompt_responses, _ = gen.next()
-        seen.append(prefilled_uids(prompt_responses))
-    assert seen == [set(uids[:2]), set(), set(uids[2:4]), set()]
-
-
 def test_the_decode_batch_caps_the_group(model):
     gen = generator(model, base=2, completion=3)
     gen.insert(prompts(6, 10))
@@ -162,23 +142,15 @@ def two_decoding(**window):
 
 
 def test_the_window_holds_until_the_held_prompts_make_a_group():
-    """While a batch decodes, ``admission_batch`` held requests make a group (its rows
-    keep decoding through the turn-over); a followed burst into a smaller batch waits
-    for its tokens to make one (or for its last request)."""
     core, factory = two_decoding(admission_tokens=10)
-    core.handle_command(make_submit(3, (1, 1, 1, 1), max_tokens=30))
+    for rid in (3, 4):  # two held, 8 prompt tokens: not yet a group
+        core.handle_command(make_submit(rid, (1, 1, 1, 1), max_tokens=30))
     core.step()
-    assert len(factory.current.inserted) == 2  # one held: not yet a group
-    core.handle_command(make_submit(4, (1, 1, 1, 1), max_tokens=30))
+    assert len(factory.current.inserted) == 2
+    core.handle_command(make_submit(5, (1, 1, 1, 1), max_tokens=30))  # 12 tokens held
     out = core.step()
-    assert {e.request_id for e in out.started} == {3, 4}
-
-    core, factory = two_decoding(admission_tokens=10)
-    core._admission_batch = 3  # two decoding: a small batch now
-    for rid in (3, 4, 5):  # followed: more on their way; 8 tokens held, then 12
-        core.handle_command(attrs.evolve(make_submit(rid, (1, 1, 1, 1), max_tokens=30), followed=True))
-        core.step()
-        assert len(factory.current.inserted) == (2 if rid < 5 else 5)
+    assert len(factory.current.inserted) == 5
+    assert {e.request_id for e in out.started} == {3, 4, 5}
 
 
 def test_the_window_lets_go_when_the_batch_cannot_take_more():

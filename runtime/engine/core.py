@@ -330,13 +330,10 @@ class EngineCore:
             self._submit(self._held.popleft()[1])
 
     def _held_make_a_group(self) -> bool:
-        """Do the held requests make a prefill group worth starting now? While a batch
-        decodes, ``admission_batch`` do (its rows keep decoding through the turn-over);
-        into a small one, as many as ``admission_tokens`` allow."""
-        held, decoding, limit = len(self._held), len(self._by_uid), self._admission_limit
+        """Do the held requests make a prefill group worth starting now?"""
+        held, limit = len(self._held), self._admission_limit
         return held >= self._admission_batch and (
-            decoding >= self._admission_batch
-            or (limit is not None and held + decoding >= limit)
+            (limit is not None and held + len(self._by_uid) >= limit)
             or sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
         )
 
