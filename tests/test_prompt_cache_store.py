@@ -187,3 +187,31 @@ def test_the_copies_of_a_steps_entries_start_in_one_evaluation(monkeypatch):
     entries.insert(MODEL, [7, 8], _cache(2), cache_type="user", request_id=9)
     entries.fetch(MODEL, [7, 8, 9])  # a lookup mid-step sees the entry as its own arrays
     assert evaluations == [3 * per_entry, per_entry]
+
+
+def test_cache_arrays_are_every_layers_state_arrays():
+    """The direct path for plain ``KVCache`` layers gives what ``state`` holds; other
+    layer types (a rotating cache, an arrays cache) still go through their state."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    from runtime.prompt_cache_store import cache_arrays
+
+    rotating = RotatingKVCache(max_size=8)
+    kv = mx.ones((1, 1, 3, 4))
+    rotating.update_and_fetch(kv, kv)
+    arrays_cache = ArraysCache(2)
+    arrays_cache[0] = mx.zeros((1, 2))
+    layers = [*_cache(5), rotating, arrays_cache, KVCache()]  # the last one empty
+    want = [
+        leaf
+        for layer in layers
+        for _, leaf in tree_flatten(layer.state)
+        if isinstance(leaf, mx.array)
+    ]
+    got = cache_arrays(layers)
+    assert len(got) == len(want) == 5
+    assert all(
+        a.shape == b.shape and mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True)
+    )
+    assert got[0] is layers[0].keys and got[1] is layers[0].values  # no copies, no slices
