@@ -248,9 +248,9 @@ class ServerConfig:
         minimum=0,
         maximum=1000,
         ours=True,
-        notes="With fewer decoding, a request joins at the next step; into an idle engine, a "
-        "request sent while others were on their way (received over HTTP, not yet submitted) "
-        "waits, as long, for the last of them, and the burst starts its prefill together. "
+        notes="With fewer decoding, a request joins at the next step, but a request sent while "
+        "others were on their way (received over HTTP, not yet submitted) waits, as long, for "
+        "the last of them, and the burst starts its prefill together. "
         "Each join rebuilds the "
         "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
         "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
