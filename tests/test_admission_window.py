@@ -155,22 +155,37 @@ def test_held_requests_join_when_the_batch_shrinks_and_fail_on_close():
     assert all(e.retryable for e in out.failed)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    batch=st.integers(1, 3),
-    ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("submit"), st.integers(1, 6), st.integers(1, 8)),
-            st.tuples(st.just("abort"), st.integers(0, 12)),
-            st.tuples(st.just("step")),
-        ),
-        max_size=40,
+SUBMIT_OPS = st.tuples(st.just("submit"), st.integers(1, 6), st.integers(1, 8), st.booleans())
+OPS = st.lists(
+    st.one_of(
+        SUBMIT_OPS, st.tuples(st.just("abort"), st.integers(0, 12)), st.tuples(st.just("step"))
     ),
+    max_size=40,
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), ops=OPS)
 def test_every_request_ends_once_with_its_own_tokens(batch, ops):
     """Random arrivals, aborts and steps with a window that only fills up: every
     request gets one terminal, finished ones exactly their scripted tokens."""
-    core, factory = engine(FOREVER, batch=batch, completion=4)
+    core, _ = engine(FOREVER, batch=batch, completion=4)
+    run_ops(core, ops, followed=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), ops=OPS)
+def test_followed_requests_whose_burst_never_comes_still_end(batch, ops):
+    """Requests that say more are on their way (``Submit.followed``), whether or not
+    any come: the window's own bound ends every wait, and every request still gets
+    one terminal and its own tokens."""
+    core, _ = engine(0.004, batch=batch, completion=4)
+    run_ops(core, ops, followed=True)
+
+
+def run_ops(core: EngineCore, ops, *, followed: bool) -> None:
+    """Apply ``ops`` (submit / abort / step), then step until nothing is left (waiting
+    out the window's holds, as the engine loop does) and check the ledger."""
     ledger = Ledger()
     submitted: dict[int, tuple] = {}
     for op in ops:
@@ -178,15 +193,19 @@ def test_every_request_ends_once_with_its_own_tokens(batch, ops):
             rid = len(submitted) + 1
             prompt = tuple(range(1, op[1] + 1))
             submitted[rid] = (prompt, op[2])
-            core.handle_command(make_submit(rid, prompt, max_tokens=op[2]))
+            sub = make_submit(rid, prompt, max_tokens=op[2])
+            core.handle_command(attrs.evolve(sub, followed=followed and op[3]))
         elif op[0] == "abort":
             core.handle_command(Abort(request_id=op[1]))
         else:
             ledger.record(core.step())
         assert core.stats().active_sequences == len(core.active_request_ids)
-    for _ in range(100):
+    for _ in range(200):
         if not core.has_work:
             break
+        wait = core.hold_timeout()
+        if wait:
+            time.sleep(wait)
         ledger.record(core.step())
     assert not core.has_work
     ledger.record(core.step())  # what the last aborts produced goes out with a step
@@ -292,3 +311,20 @@ def test_a_followed_request_waits_for_its_burst_while_a_small_batch_decodes():
     # A lone request (not followed) into the small batch still joins at once.
     core.handle_command(long_submit(5))
     assert len(factory.current.inserted) == 5
+
+
+def test_requests_held_behind_a_full_batch_join_as_soon_as_it_empties():
+    """Held only because the batch was full: when its last rows finish, the engine loop
+    steps at once (``hold_timeout`` None) and they join, without waiting out the window."""
+    core, factory = engine(FOREVER, batch=2)
+    for rid in (1, 2):
+        core.handle_command(make_submit(rid, (1, 1), max_tokens=3))
+    core.step()
+    core.handle_command(long_submit(3))  # two decoding: held
+    ledger = Ledger()
+    while {1, 2} - set(ledger.terminal):
+        assert len(factory.current.inserted) == 2
+        ledger.record(core.step())
+    assert core.has_work and core.hold_timeout() is None
+    out = core.step()
+    assert [e.request_id for e in out.started] == [3]

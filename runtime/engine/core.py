@@ -187,9 +187,10 @@ class EngineCore:
         return bool(self._by_request or self._held)
 
     def hold_timeout(self) -> float | None:
-        """While the window holds requests and nothing decodes: how long the engine loop
-        may wait for a command before the oldest one's window ends (None: step now)."""
-        if self._by_uid or not self._held:
+        """While the window holds a burst (``Submit.followed``) and nothing decodes: how
+        long the engine loop may wait for a command before the oldest one's window ends
+        (None: step now; held requests that nothing else holds join in that step)."""
+        if self._by_uid or not self._held or not self._held[-1][1].followed:
             return None
         return max(0.0, self._held[0][0] + self._admission_window - time.monotonic())
 
