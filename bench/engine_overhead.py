@@ -221,9 +221,11 @@ def closed_loop(
         ended = time.perf_counter()
         if trace is not None:
             done = sum(1 for _, finished in events if finished)
+            inner = getattr(system, "inner", None)  # the generator's next(), timed
+            next_ms = f"{1000 * inner.calls[-1]:.2f}" if inner and inner.calls else "-"
             trace.append(
                 f"S {began_epoch:.4f} {began_epoch + ended - began:.4f} {len(events)} {done} "
-                f"{int(prefill)} -\n"
+                f"{int(prefill)} - {next_ms}\n"
             )
         thread += time.thread_time() - began_thread
         probes.append(cpu_probe_us())  # this core's speed now (outside the step's timing)
@@ -301,6 +303,7 @@ class Ceiling(Driven):
             prefill_batch_size=e.prompt_concurrency,
             stream=e.stream,
         )
+        self.inner = Timed(self.gen.next)
         self.by_uid: dict[int, int] = {}
 
     @property
@@ -318,7 +321,7 @@ class Ceiling(Driven):
         self.by_uid[uid] = i
 
     def step(self) -> tuple[bool, list[tuple[int, bool]]]:
-        prompt_responses, responses = self.gen.next()
+        prompt_responses, responses = self.inner()
         events = []
         for r in responses:
             finished = r.finish_reason is not None
@@ -342,6 +345,8 @@ CORE_VARIANTS = {
     "core-nowindow": "--admission-window-ms 0",
     "core-nohold": "the window without the first-token hold (as before issue 15's fix)",
     "core-g0": "--prefill-group-tokens 0 (mlx-lm's prefill groups)",
+    "core-storeall": "every prompt-cache entry stored, also those the count limit evicts at "
+    "once (as before they were passed over)",
 }
 
 
@@ -375,9 +380,11 @@ class Core(Driven):
         if variant == "core-nocache":
             entries.insert = lambda *args, **kwargs: None
         elif variant == "core-lazy":
-            entries.insert = _lazy(entries)
+            entries._store = _lazy(entries)
         elif variant == "core-each":
-            entries.insert = _each(entries)
+            entries._store = _each(entries)
+        elif variant == "core-storeall":  # every entry stored, as before the count limit
+            entries.max_entries = None
         elif variant == "core-nohold":
             self.core._awaiting_first = _NeverAwaiting()
         self.pickle_outputs = pickle_outputs
@@ -475,25 +482,25 @@ class _NeverAwaiting(set):
 
 
 def _lazy(entries):
-    """``CacheEntries.insert`` that leaves the entry a lazy slice (no copy is ever started)."""
-    insert = entries.insert
+    """``CacheEntries._store`` that leaves the entry a lazy slice (no copy is ever started)."""
+    store = entries._store
 
-    def lazy_insert(*args, **kwargs):
-        insert(*args, **kwargs)
+    def lazy_store(*args, **kwargs):
+        store(*args, **kwargs)
         entries._unowned.clear()
 
-    return lazy_insert
+    return lazy_store
 
 
 def _each(entries):
-    """``CacheEntries.insert`` that starts each entry's copy at once (one evaluation per entry)."""
-    insert = entries.insert
+    """``CacheEntries._store`` that starts each entry's copy at once (one evaluation per entry)."""
+    store = entries._store
 
-    def insert_and_settle(*args, **kwargs):
-        insert(*args, **kwargs)
+    def store_and_settle(*args, **kwargs):
+        store(*args, **kwargs)
         entries.settle()
 
-    return insert_and_settle
+    return store_and_settle
 
 
 # -------------------------------------------------------------------- server

@@ -7,7 +7,10 @@
 #      process for 25 s (raw, idle frames and thread ids on);
 #   2. engine_ceiling.py (mlx-lm's BatchGenerator, in-process) under the same load, py-spy
 #      --native on it for 25 s.
-# Results in $OUT: pyspy-{engine,ceiling}.txt, probe*, load-*.txt. About 4 minutes.
+# RATE: py-spy's samples per second (default 100; native sampling stops the process for each
+# sample: at 100 Hz it halved the engine's tokens/s in the eighth session).
+# Results in $OUT/profile.tgz (pyspy-{engine,ceiling}.txt, probe*, load-*.txt: one file, since
+# a call returns at most eight). About 4 minutes.
 source "$(dirname "$0")/h200_prelude.sh"
 L=${MODEL:-$L}
 LEVEL=${LEVEL:-32}
@@ -28,7 +31,7 @@ timeout 150 python3 bench/loadgen.py --url http://127.0.0.1:$PORT --pid $API --m
   --levels $LEVEL --requests $REQUESTS $ARGS > "$OUT/load-server.txt" 2>&1 &
 LOAD=$!
 sleep 8
-timeout 60 "$SPY" record -p "$ENGINE" -d 25 -r 100 -f raw --native --idle --threads \
+timeout 60 "$SPY" record -p "$ENGINE" -d 25 -r ${RATE:-100} -f raw --native --idle --threads \
   -o "$OUT/pyspy-engine.txt" > "$OUT/pyspy-engine.log" 2>&1
 wait $LOAD
 kill -TERM $API
@@ -39,8 +42,9 @@ timeout 170 python3 bench/engine_ceiling.py --model $L --levels $LEVEL --request
   $ARGS > "$OUT/load-ceiling.txt" 2>&1 &
 CEIL=$!
 sleep 30  # past its load and warm-up
-timeout 60 "$SPY" record -p "$CEIL" -d 25 -r 100 -f raw --native --idle --threads \
+timeout 60 "$SPY" record -p "$CEIL" -d 25 -r ${RATE:-100} -f raw --native --idle --threads \
   -o "$OUT/pyspy-ceiling.txt" > "$OUT/pyspy-ceiling.log" 2>&1
 wait $CEIL
 tail -n 2 "$OUT/load-ceiling.txt" "$OUT/pyspy-ceiling.log"
+(cd "$OUT" && tar czf profile.tgz pyspy-* probe* load-* server.log && rm -f pyspy-* probe* load-*)
 step done

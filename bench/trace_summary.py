@@ -1,11 +1,14 @@
 """Summaries of per-step engine traces and of py-spy's raw profiles, for issue 15's notes.
 
 Reads the files ``engine_overhead.py --trace DIR`` writes (``S began ended tokens finished
-prefill -`` per step, ``C epoch Submit request`` per arrival; a server's come from its engine
-process, ``runtime.engine.host_speed.ProbeLog.trace_steps``, with the number of prompts
-prefilled in place of ``prefill``) and prints, per file: tokens/s over the traced span, the
+prefill - next_ms`` per step, ``next_ms`` the time inside the generator's ``next()``;
+``C epoch Submit request`` per arrival; a server's come from its engine process,
+``runtime.engine.host_speed.ProbeLog.trace_steps``, with the number of prompts prefilled in
+place of ``prefill``) and prints, per file: tokens/s over the traced span, the
 time the engine spent stepping, the prefill steps (count, time, decoding rows they carried
-on average) and the other steps, then the median step by decoding rows (``--by-rows``), or
+on average) and the other steps, then the median step by decoding rows (``--by-rows``: with
+``next_ms``, also its median time in ``next()``, the rest of the step, and the gap between the
+step and the one before it: the engine loop's own work, a server's hand-over of outputs), or
 each step (``--timeline N``: the first N, with the arrivals handled before each).
 
 A server's trace also holds, per request, the API's record (``R id arrived submitted
@@ -58,15 +61,28 @@ def summary(path: str, by_rows: bool) -> str:
         f"{ms(other):.0f} ms"
     ]
     if by_rows:
+        gaps = {id(b): 1000 * (float(b[1]) - float(a[2])) for a, b in zip(steps, steps[1:], strict=False)}
         by = collections.defaultdict(list)
         for s in other:
-            by[int(s[3])].append(1000 * (float(s[2]) - float(s[1])))
+            by[int(s[3])].append(s)
         for rows in sorted(by):
-            durations = by[rows]
-            out.append(
+            group = by[rows]
+            durations = [1000 * (float(s[2]) - float(s[1])) for s in group]
+            line = (
                 f"    {rows:3d} rows: {len(durations):4d} steps, p50 "
                 f"{statistics.median(durations):6.1f} ms, {sum(durations):7.0f} ms in all"
             )
+            inside = [float(s[7]) for s in group if len(s) > 7 and s[7] != "-"]
+            if inside:  # the step's time in the generator's next(), the rest, and the gap
+                outside = [d - n for d, s in zip(durations, group, strict=True) if len(s) > 7
+                           for n in [float(s[7])]]  # fmt: skip
+                between = [gaps[id(s)] for s in group if id(s) in gaps]
+                line += (
+                    f" | next() p50 {statistics.median(inside):6.2f}, rest of the step "
+                    f"{statistics.median(outside):5.2f}, gap before it "
+                    f"{statistics.median(between) if between else float('nan'):5.2f} ms"
+                )
+            out.append(line)
     return "\n".join(out)
 
 

@@ -40,6 +40,7 @@ largest part of what our engine adds to a step; docs/performance.md).
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -128,23 +129,35 @@ class CacheEntries:
     methods: ``fetch_nearest_cache``, ``insert_cache``, ``has_entry``,
     ``remove_entry``, ``len`` and ``nbytes``)."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Any, max_entries: int | None = None):
         self.store = store
+        # The PromptCacheActor's count limit (None: not known here, every entry is stored).
+        self.max_entries = max_entries
         self._next_id = 1
         self._keys: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id -> (model, tokens)
         self._ids: dict[Any, dict[tuple[int, ...], int]] = {}  # model -> tokens -> id
+        self._passed_over: set[int] = set()  # ids reported stored, never stored: doomed
+        self._queued: list[tuple] = []  # inserts since the last lookup, eviction or step end
         self._events: list[CacheEvent] = []
         self._unowned: list = []  # arrays of entries stored since the last ``settle``
 
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def passed_over(self) -> set[int]:
+        """Ids reported stored but never stored, until their ``EvictCache`` comes."""
+        return set(self._passed_over)
+
     def held(self) -> dict[int, tuple[Any, tuple[int, ...]]]:
         """The entries held now: id -> (model, tokens)."""
         return dict(self._keys)
 
     def settle(self) -> None:
-        """Start the copies of every entry stored since the last call, in one evaluation."""
+        """Store what is queued, then start the copies of every entry stored since the
+        last call, in one evaluation."""
+        if self._queued:
+            self._store_queued()
         if self._unowned:
             arrays, self._unowned = self._unowned, []
             own_arrays(arrays)
@@ -156,28 +169,75 @@ class CacheEntries:
     def insert(
         self, model: Any, tokens: list[int], cache: list, *, cache_type: str, request_id: int | None
     ) -> None:
+        """Store an entry: at once without a count limit, else queued until the next
+        lookup, eviction or ``take_events`` (``_store_queued``)."""
+        if self.max_entries is None:
+            self._store(model, tokens, cache, cache_type, request_id, doomed=False)
+        else:
+            self._queued.append((model, tokens, cache, cache_type, request_id))
+
+    def _store_queued(self) -> None:
+        """Store the queued entries, in order, passing over those the count limit evicts
+        before anything could look them up.
+
+        The PromptCacheActor applies the count limit after every stored entry, in
+        mlx-lm's order: one LRU per segment type, each oldest first. So of the entries
+        of one type stored in a row, with no lookup between them, only the last
+        ``max_entries`` can outlive the row, and the others are evicted when the
+        actor takes the step's events. Such an entry (a wave of 64 finishing
+        sequences, a cache of 10) is reported stored as before, so the actor's
+        index, statistics and explanations are unchanged, and what it does to the
+        store is done (the entries it replaces or supersedes go), but it is not
+        stored: no copy of its KV arrays, no trie insert, no removal when the
+        ``EvictCache`` that names it comes."""
+        queued, self._queued = self._queued, []
+        later: collections.Counter[str] = collections.Counter()
+        doomed = [False] * len(queued)
+        for i in range(len(queued) - 1, -1, -1):
+            cache_type = queued[i][3]
+            doomed[i] = later[cache_type] >= self.max_entries
+            later[cache_type] += 1
+        for entry, passed_over in zip(queued, doomed, strict=True):
+            self._store(*entry, doomed=passed_over)
+
+    def _store(
+        self,
+        model: Any,
+        tokens: list[int],
+        cache: list,
+        cache_type: str,
+        request_id: int | None,
+        *,
+        doomed: bool,
+    ) -> None:
         key = tuple(tokens)
         by_tokens = self._ids.setdefault(model, {})
         replaced = by_tokens.pop(key, None)
         if replaced is not None:
-            del self._keys[replaced]
+            self._forget(replaced, keep_tokens=True)
+            if doomed:  # its replacement would have been evicted: neither stays
+                self.store.remove_entry(model, list(key))
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
         trimmable = can_trim_prompt_cache(cache)
-        self._unowned.extend(cache_arrays(cache))
-        self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
+        if not doomed:
+            self._unowned.extend(cache_arrays(cache))
+            self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
         if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
             for other, entry_id in list(by_tokens.items()):
                 n = len(other)
                 if 0 < n < len(key) and other[-1] == key[n - 1] and key[:n] == other:
-                    if not self.store.has_entry(model, list(other)):
-                        self._forget(entry_id)
-                        self._events.append(
-                            CacheEntryRemoved(entry_id=entry_id, reason="superseded")
-                        )
+                    if doomed:
+                        self.store.remove_entry(model, list(other))
+                    elif self.store.has_entry(model, list(other)):
+                        continue
+                    self._forget(entry_id)
+                    self._events.append(CacheEntryRemoved(entry_id=entry_id, reason="superseded"))
         entry_id = self._next_id
         self._next_id += 1
         self._keys[entry_id] = (model, key)
         by_tokens[key] = entry_id
+        if doomed:
+            self._passed_over.add(entry_id)
         self._events.append(
             CacheEntryStored(
                 entry_id=entry_id,
@@ -200,13 +260,19 @@ class CacheEntries:
             key = self._keys.get(entry_id)
             if key is None:
                 continue
+            passed_over = entry_id in self._passed_over
             self._forget(entry_id)
-            freed += self.store.remove_entry(key[0], list(key[1])) or 0
+            if not passed_over:
+                freed += self.store.remove_entry(key[0], list(key[1])) or 0
         return freed
 
-    def _forget(self, entry_id: int) -> None:
+    def _forget(self, entry_id: int, *, keep_tokens: bool = False) -> None:
+        """Drop ``entry_id`` from the ledger (``keep_tokens``: its tokens' slot is
+        already taken by another id)."""
         model, tokens = self._keys.pop(entry_id)
-        del self._ids[model][tokens]
+        self._passed_over.discard(entry_id)
+        if not keep_tokens:
+            del self._ids[model][tokens]
 
     def take_events(self) -> tuple[CacheEvent, ...]:
         """What changed since the last call; the entries stored since then start their copies."""

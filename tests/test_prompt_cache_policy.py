@@ -48,8 +48,9 @@ class PolicyMachine(RuleBasedStateMachine):
         min_reuse=st.integers(0, 5),
         per_segment=st.booleans(),
         batch=st.integers(1, 3),
+        engine_knows_limit=st.booleans(),
     )
-    def setup(self, max_entries, max_bytes, min_reuse, per_segment, batch):
+    def setup(self, max_entries, max_bytes, min_reuse, per_segment, batch, engine_knows_limit):
         self.factory = FakeBatchGeneratorFactory(
             vocab=VOCAB,
             completion_batch_size=batch,
@@ -58,8 +59,12 @@ class PolicyMachine(RuleBasedStateMachine):
         )
         self.store = PromptCacheStore(min_reuse_tokens=min_reuse)
         handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+        # Knowing the limit, the engine stores no entry the limit evicts at once.
         self.engine = EngineCore(
-            handle, batch_generator_factory=self.factory, prompt_cache=self.store
+            handle,
+            batch_generator_factory=self.factory,
+            prompt_cache=self.store,
+            prompt_cache_max_entries=max_entries if engine_knows_limit else None,
         )
         self.policy = PromptCacheCore(
             max_entries=max_entries, max_bytes=max_bytes, min_reuse=min_reuse
@@ -114,9 +119,15 @@ class PolicyMachine(RuleBasedStateMachine):
                 event(f"stored {e.cache_type}")
             else:
                 event(f"removed: {e.reason}")
+        passed_over = self.engine.cache_entries.passed_over
+        if passed_over:
+            event("passed over")
+        # Every entry the engine passed over is one the policy evicts in this step.
+        assert passed_over <= set(evicted)
         if evicted:
             event("evicted")
             self.engine.handle_command(EvictCache(entry_ids=evicted))  # between steps
+        assert not self.engine.cache_entries.passed_over
 
     def _started(self, started: SequenceStarted) -> None:
         predicted = self.predicted.pop(started.request_id)

@@ -215,3 +215,74 @@ def test_cache_arrays_are_every_layers_state_arrays():
         a.shape == b.shape and mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True)
     )
     assert got[0] is layers[0].keys and got[1] is layers[0].values  # no copies, no slices
+
+
+def test_entries_the_count_limit_evicts_at_once_are_reported_but_never_stored(monkeypatch):
+    """A wave of finishing sequences, more than the cache keeps: of each type stored in a
+    row only the last ``max_entries`` are stored (copied, inserted); the others are
+    reported as before, and the PromptCacheActor's own limit evicts exactly those, so
+    its index, its statistics and the store end as if every entry had been stored."""
+    import runtime.prompt_cache_store as module
+    from actors.prompt_cache import PromptCacheCore
+    from runtime.messages import CacheEntryStored, StepOutputs
+
+    evaluations: list[int] = []
+    monkeypatch.setattr(module.mx, "async_eval", lambda arrays: evaluations.append(len(arrays)))
+    store = PromptCacheStore()
+    entries = CacheEntries(store, max_entries=2)
+    policy = PromptCacheCore(max_entries=2, min_reuse=0)
+    policy.engine_changed(MODEL)
+    entries.insert(MODEL, [9, 1], _cache(2), cache_type="user", request_id=1)
+    for i in range(5):  # five sequences finish in one step
+        entries.insert(MODEL, [9, 2, i], _cache(3), cache_type="assistant", request_id=10 + i)
+    assert len(store) == 0  # queued until the step's end (or a lookup)
+    events = entries.take_events()
+    ids = [e.entry_id for e in events if isinstance(e, CacheEntryStored)]
+    assert ids == [1, 2, 3, 4, 5, 6]
+    assert evaluations == [3 * len(module.cache_arrays(_cache(2)))]  # the user entry, two more
+    assert len(store) == 3 and entries.passed_over == {2, 3, 4}
+    _, evicted = policy.on_step(StepOutputs(cache_events=events))
+    assert set(evicted) >= {2, 3, 4}
+    entries.evict(evicted)
+    assert entries.passed_over == set()
+    assert set(entries.held()) == set(policy.entries()) == {
+        i for i in (1, 5, 6) if i not in evicted
+    }
+    assert len(store) == len(entries.held()) and policy.stats.evictions == len(evicted)
+
+
+def test_a_passed_over_entry_still_replaces_and_supersedes_what_it_covers():
+    """What storing an entry does to the store happens for one the limit evicts at
+    once: the entry of the same tokens and the prefixes a trimmable one covers go."""
+    store = PromptCacheStore()
+    entries = CacheEntries(store, max_entries=1)
+    entries.insert(MODEL, [1, 2], _cache(2), cache_type="user", request_id=1)
+    entries.insert(MODEL, [5, 6], _cache(2), cache_type="assistant", request_id=2)
+    entries.take_events()
+    assert len(store) == 2
+    entries.insert(MODEL, [1, 2, 3], _cache(3), cache_type="assistant", request_id=3)  # covers 1
+    entries.insert(MODEL, [5, 6], _cache(2), cache_type="assistant", request_id=4)  # replaces 2
+    entries.insert(MODEL, [7], _cache(1), cache_type="assistant", request_id=5)
+    events = entries.take_events()
+    assert [(type(e).__name__, e.entry_id, getattr(e, "reason", None)) for e in events] == [
+        ("CacheEntryRemoved", 1, "superseded"),
+        ("CacheEntryStored", 3, None),
+        ("CacheEntryRemoved", 2, "replaced"),
+        ("CacheEntryStored", 4, None),
+        ("CacheEntryStored", 5, None),
+    ]
+    assert entries.passed_over == {3, 4}
+    assert len(store) == 1 and store.has_entry(MODEL, [7])
+    assert entries.evict([3, 4]) == 0  # never stored: nothing to free
+    assert entries.held() == {5: (MODEL, (7,))}
+
+
+def test_a_lookup_ends_the_row_an_entry_can_be_passed_over_in():
+    """An entry a lookup could see is stored, however many follow it."""
+    store = PromptCacheStore()
+    entries = CacheEntries(store, max_entries=1)
+    entries.insert(MODEL, [1, 2], _cache(2), cache_type="assistant", request_id=1)
+    entries.fetch(MODEL, [1, 2, 3])
+    entries.insert(MODEL, [4, 5], _cache(2), cache_type="assistant", request_id=2)
+    entries.take_events()
+    assert entries.passed_over == set() and len(store) == 2

@@ -94,6 +94,7 @@ class EngineCore:
         *,
         batch_generator_factory: Callable[[], Any],
         prompt_cache: Any,
+        prompt_cache_max_entries: int | None = None,
         sampler_factory: Callable[[Any], Any] | None = None,
         logits_processors_factory: Callable[[Any], list] | None = None,
         batch_sampler: Any = None,
@@ -110,7 +111,8 @@ class EngineCore:
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
         ``prompt_cache``: a ``runtime.prompt_cache_store.PromptCacheStore`` (or
-        a test double with its methods), without limits of its own.
+        a test double with its methods), without limits of its own; ``CacheEntries``
+        stores no entry the actor's count limit (``prompt_cache_max_entries``) evicts at once.
 
         Sampling: with a ``batch_sampler`` (``BatchSampler``: ``register(uid,
         params, constraint)``, ``forget(uid)``) every sequence is inserted
@@ -146,7 +148,7 @@ class EngineCore:
         self._new_batch_generator = batch_generator_factory
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
-        self.cache_entries = CacheEntries(prompt_cache)
+        self.cache_entries = CacheEntries(prompt_cache, prompt_cache_max_entries)
         self._sampler_factory = sampler_factory or (lambda params: None)
         self._logits_processors_factory = logits_processors_factory or (lambda params: [])
         self.batch_sampler = batch_sampler

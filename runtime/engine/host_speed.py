@@ -9,7 +9,8 @@ engines measures that unless it knows it. ``cpu_probe_us`` times the loop once;
 ``epoch_seconds probe_us`` lines (``PROBE_ENV`` names the file; unset, the
 engine does nothing of this). ``ProbeLog.trace_steps`` also times the engine
 core's steps and commands into ``PATH-steps.PID``: ``S began ended tokens
-finished prompts started`` per step (``prompts``: prompts it prefilled) and
+finished prompts started next_ms`` per step (``prompts``: prompts it prefilled;
+``next_ms``: of the step, the time inside the batch generator's ``next``) and
 ``C epoch kind request_id`` per command. Emits nothing else.
 """
 
@@ -56,15 +57,31 @@ class ProbeLog:
     def trace_steps(self, core):
         """Wrap ``core``'s ``step`` and ``handle_command`` to log each (benchmarks only)."""
         step, handle_command = core.step, core.handle_command
+        inside = [0.0]  # seconds in the generator's next() during this step
+
+        def timed(next_):
+            def timed_next():
+                began = time.perf_counter()
+                try:
+                    return next_()
+                finally:
+                    inside[0] += time.perf_counter() - began
+
+            timed_next.timed = True
+            return timed_next
 
         def traced_step():
+            batch = core._batch  # a new one after a failed step: wrap that too
+            if not getattr(batch.next, "timed", False):
+                batch.next = timed(batch.next)
+            inside[0] = 0.0
             began = time.time()
             outputs = step()
             finished = sum(1 for e in outputs.tokens if e.finish_reason is not None)
             prompts = len({p.request_id for p in outputs.progress})
             self._steps.append(
                 f"S {began:.4f} {time.time():.4f} {len(outputs.tokens)} {finished} "
-                f"{prompts} {len(outputs.started)}\n"
+                f"{prompts} {len(outputs.started)} {1000 * inside[0]:.2f}\n"
             )
             return outputs
 

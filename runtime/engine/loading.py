@@ -236,6 +236,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         # No limits here: the PromptCacheActor decides what to evict (EvictCache),
         # with rank 0's byte counts when distributed, for every rank alike.
         prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
+        prompt_cache_max_entries=config.prompt_cache_size,
         sampler_factory=lambda params: build_sampler(params, xtc_special),
         logits_processors_factory=build_logits_processors,
         batch_sampler=batch_sampler,
