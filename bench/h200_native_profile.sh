@@ -42,7 +42,8 @@ timeout 170 python3 bench/engine_ceiling.py --model $L --levels $LEVEL --request
   $ARGS > "$OUT/load-ceiling.txt" 2>&1 &
 CEIL=$!
 sleep 30  # past its load and warm-up
-timeout 60 "$SPY" record -p "$CEIL" -d 25 -r ${RATE:-100} -f raw --native --idle --threads \
+CEIL_PY=$(pgrep -P $CEIL python3 | head -1)  # $CEIL is timeout's pid, python3 its child
+timeout 60 "$SPY" record -p "$CEIL_PY" -d 25 -r ${RATE:-100} -f raw --native --idle --threads \
   -o "$OUT/pyspy-ceiling.txt" > "$OUT/pyspy-ceiling.log" 2>&1
 wait $CEIL
 tail -n 2 "$OUT/load-ceiling.txt" "$OUT/pyspy-ceiling.log"

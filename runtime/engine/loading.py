@@ -30,6 +30,7 @@ from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
+from runtime.mlx_environment import server_defaults
 from runtime.mlx_lm_internals import sharded_load_on_the_default_stream, size_prefill_group
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
@@ -186,6 +187,10 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
     from mlx_lm.generate import make_stop_sequences
 
+    # Before MLX builds its caches: no failing steps once they have missed "too often".
+    chosen = server_defaults()
+    if chosen:
+        log.debug("MLX settings for a server: %s", ", ".join(chosen))
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
     if group is None and config.pipeline:
