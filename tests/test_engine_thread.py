@@ -143,3 +143,99 @@ def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
     core.handle_command(Abort(request_id=99))
     assert core.stats().aborts == 2
     assert core.stats().abort_wait_steps_max == 1
+
+
+async def test_steps_that_keep_failing_restart_the_engine():
+    """One failed step fails its batch and the engine goes on; when the batches after
+    it fail too (``FAILED_STEPS_TO_RESTART`` in a row), the engine itself is broken:
+    its loop ends as a crash, /health turns 503 and the ModelLoader makes a new one,
+    which serves. Every request gets its one terminal."""
+    from runtime.engine.core import EngineCore
+    from runtime.engine.records import FAILED_STEPS_TO_RESTART
+    from runtime.messages import ModelHandle
+    from tests.fakes import FakeTokenizer
+
+    # The first engine's generators all fail at their first step; the second's never.
+    broken = FakeBatchGeneratorFactory(fail_on_step=[1] * 10)
+    healthy = FakeBatchGeneratorFactory()
+    factories = [broken, healthy]
+    tokenizer = FakeTokenizer()
+
+    def make_core():
+        handle = ModelHandle(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        factory = factories.pop(0)
+        return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
+
+    runtime = Runtime(ServerConfig(model="fake"), make_core=make_core)
+
+    async def run_one():
+        session = runtime.session(
+            prepare=lambda tok: prepare_text(tok, [5, 6, 7]),
+            sampling=SamplingParams(),
+            max_tokens=3,
+        )
+        events = []
+        try:
+            async with session:
+                while True:
+                    try:
+                        events.extend(await session.receive())
+                    except trio.EndOfChannel:
+                        return events
+        except Exception as exc:  # refused while the engine restarts
+            return [exc]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runtime.run)
+        await poll_until(lambda: runtime.model_loader.core.handle is not None)
+        with trio.fail_after(10):
+            failed = [await run_one() for _ in range(FAILED_STEPS_TO_RESTART)]
+            await poll_until(lambda: runtime.model_loader.core.restarts == 1, 5)
+            await poll_until(lambda: runtime.model_loader.core.handle is not None, 5)
+            served = await run_one()
+        nursery.cancel_scope.cancel()
+    assert all(type(events[-1]).__name__ == "Failed" for events in failed), failed
+    # The first generator and one after each failure (the last closed with its engine).
+    assert len(broken.instances) == FAILED_STEPS_TO_RESTART + 1
+    assert type(served[-1]).__name__ == "Finished" and served[-1].usage.completion_tokens == 3
+
+
+def test_a_step_that_succeeds_between_failures_keeps_the_engine():
+    """Only failures in a row count: a step that runs resets the count."""
+    import pytest
+
+    from runtime.engine.core import EngineCore
+    from runtime.engine.records import FAILED_STEPS_TO_RESTART, EngineBroken
+    from runtime.messages import ModelHandle, Submit
+
+    assert FAILED_STEPS_TO_RESTART == 3
+    # Generator by generator: the step on which it fails (None: never).
+    factory = FakeBatchGeneratorFactory(fail_on_step=[1, 1, 2, 1, 1])
+    core = EngineCore(
+        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=64),
+        batch_generator_factory=factory,
+        prompt_cache=FakePromptCache(),
+    )
+    failed: list[int] = []
+
+    def submit(rid: int) -> None:
+        core.handle_command(Submit(request_id=rid, prompt=(5, 6, 7), segments=((5, 6, 7),),
+                                   segment_types=("user",), sampling=SamplingParams(),
+                                   max_tokens=5))
+
+    def step() -> None:
+        failed.extend(f.request_id for f in core.step().failed)
+
+    for rid in (1, 2):  # two failures in a row
+        submit(rid)
+        step()
+    submit(3)
+    step()  # this one runs: the count starts again
+    step()  # and the next fails it
+    submit(4)
+    step()  # a second failure in a row, not a third
+    assert failed == [1, 2, 3, 4]
+    submit(5)
+    with pytest.raises(EngineBroken):
+        step()  # the third in a row
+    assert [f.request_id for f in core.close("broken").failed] == [5]

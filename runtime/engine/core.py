@@ -19,7 +19,7 @@ itself), the requests held by the admission window, and the counters of
 ``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
-place, ``_token_event`` (as vLLM v1's engine core loops over its outputs).
+place, ``records.token_event`` (as vLLM v1's engine core loops over its outputs).
 Several choices of one request (n > 1) share its prompt's prefill
 (``runtime.engine.choices``).
 """
@@ -42,17 +42,18 @@ from runtime.engine.choices import (
 )
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.engine.records import (
+    FAILED_STEPS_TO_RESTART,
+    EngineBroken,
     EngineCounters,
     SequenceError,
     back_off_one_token,
-    token_logprobs,
+    token_event,
 )
 from runtime.messages import (
     Abort,
     EngineCommand,
     EngineStats,
     EvictCache,
-    FinishReason,
     ModelHandle,
     PromptProgress,
     SequenceAborted,
@@ -65,10 +66,6 @@ from runtime.messages import (
 from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
-
-# mlx-lm's finish reasons ("stop", "length") as ours, without an enum lookup per token.
-_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
-
 
 @attrs.define
 class _Sequence:
@@ -169,6 +166,7 @@ class EngineCore:
         self._aborted: list[SequenceAborted] = []
         self._failed: list[SequenceFailed] = []
         self.counters = EngineCounters()
+        self._failed_steps = 0  # steps in a row that failed their whole batch
 
     # ------------------------------------------------------------ commands
 
@@ -376,11 +374,15 @@ class EngineCore:
         if self._by_uid:
             try:
                 self._run_step(progress, tokens)
+                self._failed_steps = 0
             except SequenceError as exc:
                 self._fail_sequence(exc)
             except Exception as exc:
                 log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
                 self._fail_all(f"engine step failed: {exc}")
+                self._failed_steps += 1
+                if self._failed_steps >= FAILED_STEPS_TO_RESTART:  # its failures go at close()
+                    raise EngineBroken(f"{self._failed_steps} steps in a row failed: {exc}") from exc
         self.counters.stepped(
             time.perf_counter() - began,
             prefill=bool(progress),
@@ -439,7 +441,6 @@ class EngineCore:
             self._clones.start(first, extracted[uid][0], self._submit, own=uid not in save)
 
         by_uid, clones, awaiting_first = self._by_uid, self._clones, self._awaiting_first
-        token_event = self._token_event
         any_clones = bool(clones)  # none waiting now: none can start waiting in this loop
         for r in generation_responses:
             seq = by_uid.get(r.uid)
@@ -460,23 +461,6 @@ class EngineCore:
                         cache_type="assistant",
                         request_id=seq.request_id,
                     )
-
-    @staticmethod
-    def _token_event(seq: _Sequence, response: Any) -> TokenEvent:
-        """The one place a generator's response becomes a ``TokenEvent``."""
-        token = int(response.token)
-        logprob, top = None, ()
-        if seq.wants_logprobs:
-            logprob, top = token_logprobs(response.logprobs, token, seq.top_logprobs)
-        reason = response.finish_reason  # mlx-lm: "stop", "length" or None
-        return TokenEvent(
-            request_id=seq.request_id,
-            token=token,
-            finish_reason=None if reason is None else _FINISH_REASONS.get(reason)
-            or FinishReason(reason),
-            logprob=logprob,
-            top_logprobs=top,
-        )
 
     def _fail_sequence(self, error: SequenceError) -> None:
         seq = self._by_uid.get(error.uid)

@@ -1,10 +1,12 @@
-"""What the engine counts, how one sequence fails, and two small helpers of its step.
+"""What the engine counts, how one sequence fails, and small helpers of its step.
 
 Owns no state of its own: ``EngineCounters`` is the record an ``EngineCore``
 keeps of its running totals (read into every ``EngineStats``);
 ``SequenceError`` is what a batch generator raises to fail one sequence
-alone; ``token_logprobs`` and ``back_off_one_token`` work on MLX arrays for
-the core's step and admission. Everything here runs on the engine thread.
+alone; ``EngineBroken`` what the core raises when its steps keep failing;
+``token_event`` turns a generator's response into a ``TokenEvent``;
+``token_logprobs`` and ``back_off_one_token`` work on MLX arrays for the
+core's step and admission. Everything here runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from typing import Any
 
 import attrs
 
-from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS
+from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS, FinishReason, TokenEvent
 
 RECENT_STEPS = 8  # step end times kept to count the steps an abort waited for
+# Steps in a row that failed their whole batch: then the engine, not a request, is broken.
+FAILED_STEPS_TO_RESTART = 3
+# mlx-lm's finish reasons ("stop", "length") as ours, without an enum lookup per token.
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
 class SequenceError(Exception):
@@ -32,6 +38,35 @@ class SequenceError(Exception):
         super().__init__(message)
         self.uid = uid
         self.message = message
+
+
+class EngineBroken(RuntimeError):
+    """``FAILED_STEPS_TO_RESTART`` steps in a row failed every sequence they held.
+
+    A step that raises fails its batch and the engine goes on with a new one,
+    which is right when one batch was bad. When the batches that follow fail
+    too, MLX itself is in a state no new batch mends (a sticky CUDA error, a
+    cache past a limit): this ends the engine loop as a crash, so /health turns
+    503 and the ModelLoader starts a fresh engine (a fresh process by default).
+    """
+
+
+def token_event(seq: Any, response: Any) -> TokenEvent:
+    """The one place a generator's response becomes a ``TokenEvent`` (``seq``: the
+    core's record of the sequence: ``request_id``, ``wants_logprobs``, ``top_logprobs``)."""
+    token = int(response.token)
+    logprob, top = None, ()
+    if seq.wants_logprobs:
+        logprob, top = token_logprobs(response.logprobs, token, seq.top_logprobs)
+    reason = response.finish_reason  # mlx-lm: "stop", "length" or None
+    return TokenEvent(
+        request_id=seq.request_id,
+        token=token,
+        finish_reason=None if reason is None else _FINISH_REASONS.get(reason)
+        or FinishReason(reason),
+        logprob=logprob,
+        top_logprobs=top,
+    )
 
 
 @attrs.define
