@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 FAILED_LOAD_MEMORY = 10.0  # seconds a failed load is answered from memory
 STEPS_AHEAD = 4  # engine steps handed over but not yet taken by the Scheduler
 SHUTDOWN_GRACE = 10.0  # distributed: seconds to wait for the engine thread at shutdown
+RESTART_WINDOW_SECONDS = 600.0  # restarts counted against max_restarts: those this recent
 
 
 @attrs.frozen
@@ -84,7 +85,10 @@ class ModelLoaderCore:
         self.state = ModelState.LOADING
         self.reason: str | None = None
         self.handle: ModelHandle | None = None
-        self.restarts = 0
+        self.restarts = 0  # since the server started (/health, /metrics)
+        # Restarts within the last RESTART_WINDOW_SECONDS: max_restarts of them mark the
+        # model failed; older ones no longer count (a crash a week does not add up).
+        self._recent_restarts: collections.deque[float] = collections.deque()
         self.max_restarts = max_restarts
         self.failed_loads: dict[ModelKey, tuple[str, float]] = {}
         self.waiting: collections.Counter[ModelKey] = collections.Counter()
@@ -153,16 +157,20 @@ class ModelLoaderCore:
                 return True
             self.state = ModelState.FAILED
             return False
-        if self.restarts >= self.max_restarts:
+        now = trio.current_time()
+        while self._recent_restarts and now - self._recent_restarts[0] > RESTART_WINDOW_SECONDS:
+            self._recent_restarts.popleft()
+        if len(self._recent_restarts) >= self.max_restarts:
             self.state = ModelState.FAILED
             return False
         self.restarts += 1
+        self._recent_restarts.append(now)
         self.state = ModelState.RESTARTING
         self.handle = None
         return True
 
     def backoff(self) -> float:
-        return min(0.1 * 2**self.restarts, 5.0)
+        return min(0.1 * 2 ** len(self._recent_restarts), 5.0)
 
 
 class ModelLoader:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from api.server import create_app
 from runtime.config import ServerConfig
@@ -187,3 +188,27 @@ async def test_metrics_report_the_runtime(tiny_model_path, path):
         assert values["mlx_trio_engine_steps_total"] >= 3
         assert 1 <= values["mlx_trio_engine_prefill_steps_total"] < values["mlx_trio_engine_steps_total"]
         assert values["mlx_trio_engine_busy_seconds_total"] > 0
+
+
+def test_only_recent_restarts_count_against_the_restart_budget():
+    """``max_restarts`` crashes within ``RESTART_WINDOW_SECONDS`` mark the model failed;
+    a crash now and then over a long life does not add up to that."""
+    from actors.model_loader import RESTART_WINDOW_SECONDS, ModelLoaderCore, ModelState
+
+    async def main():
+        core = ModelLoaderCore(max_restarts=3)
+        core.handle = object()  # loaded once
+        for _ in range(6):  # one crash every 1.5 windows: always restarted
+            assert core.engine_exited(RuntimeError("crash")) is True
+            core.handle = object()
+            await trio.sleep(1.5 * RESTART_WINDOW_SECONDS)
+        assert core.restarts == 6 and core.backoff() == pytest.approx(0.2)
+        for _ in range(3):  # three within the window: restarted, backing off
+            assert core.engine_exited(RuntimeError("crash")) is True
+            core.handle = object()
+            await trio.sleep(1.0)
+        assert core.backoff() == pytest.approx(0.8)
+        assert core.engine_exited(RuntimeError("crash")) is False  # the fourth: failed
+        assert core.state is ModelState.FAILED and core.restarts == 9
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
