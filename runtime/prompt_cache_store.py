@@ -122,6 +122,24 @@ def own_arrays(arrays: list) -> None:
         mx.async_eval(arrays)
 
 
+def _lasting(keys: list[tuple[int, ...]], caches: list[list]) -> list[bool]:
+    """For entries stored in this order: whether each stays past the later ones (none
+    of them has its tokens, and no trimmable one extends them, as mlx-lm's
+    ``insert_cache`` then drops it)."""
+    trimmable = [can_trim_prompt_cache(cache) for cache in caches]
+    lasting = [True] * len(keys)
+    for i, key in enumerate(keys):
+        n = len(key)
+        for j in range(i + 1, len(keys)):
+            other = keys[j]
+            if other == key or (
+                trimmable[j] and n < len(other) and other[n - 1] == key[-1] and other[:n] == key
+            ):
+                lasting[i] = False
+                break
+    return lasting
+
+
 class CacheEntries:
     """The engine's record of its prompt-cache entries, by id, and what changed.
 
@@ -182,21 +200,26 @@ class CacheEntries:
 
         The PromptCacheActor applies the count limit after every stored entry, in
         mlx-lm's order: one LRU per segment type, each oldest first. So of the entries
-        of one type stored in a row, with no lookup between them, only the last
-        ``max_entries`` can outlive the row, and the others are evicted when the
-        actor takes the step's events. Such an entry (a wave of 64 finishing
+        of one type stored in a row, with no lookup between them, an entry followed
+        by ``max_entries`` of its type that stay (none of the row replaces or
+        supersedes them) cannot outlive the row: it is evicted when the actor
+        takes the step's events. Such an entry (a wave of 64 finishing
         sequences, a cache of 10) is reported stored as before, so the actor's
         index, statistics and explanations are unchanged, and what it does to the
         store is done (the entries it replaces or supersedes go), but it is not
         stored: no copy of its KV arrays, no trie insert, no removal when the
         ``EvictCache`` that names it comes."""
         queued, self._queued = self._queued, []
-        later: collections.Counter[str] = collections.Counter()
         doomed = [False] * len(queued)
-        for i in range(len(queued) - 1, -1, -1):
-            cache_type = queued[i][3]
-            doomed[i] = later[cache_type] >= self.max_entries
-            later[cache_type] += 1
+        types = collections.Counter(entry[3] for entry in queued)
+        if any(n > self.max_entries for n in types.values()):
+            # Only later entries that stay count: none replaces or supersedes them here.
+            lasting = _lasting([tuple(e[1]) for e in queued], [e[2] for e in queued])
+            later: collections.Counter[str] = collections.Counter()
+            for i in range(len(queued) - 1, -1, -1):
+                cache_type = queued[i][3]
+                doomed[i] = later[cache_type] >= self.max_entries
+                later[cache_type] += lasting[i]
         for entry, passed_over in zip(queued, doomed, strict=True):
             self._store(*entry, doomed=passed_over)
 

@@ -286,3 +286,25 @@ def test_a_lookup_ends_the_row_an_entry_can_be_passed_over_in():
     entries.insert(MODEL, [4, 5], _cache(2), cache_type="assistant", request_id=2)
     entries.take_events()
     assert entries.passed_over == set() and len(store) == 2
+
+
+def test_only_later_entries_that_stay_push_an_entry_out():
+    """An entry superseded within the same row frees its slot: the entry before it
+    may outlive the row, so it is stored (with a limit of 2: [9] stays beside
+    [1, 2, 3], which supersedes [1, 2])."""
+    from actors.prompt_cache import PromptCacheCore
+    from runtime.messages import StepOutputs
+
+    store = PromptCacheStore()
+    entries = CacheEntries(store, max_entries=2)
+    policy = PromptCacheCore(max_entries=2, min_reuse=0)
+    policy.engine_changed(MODEL)
+    for i, tokens in enumerate(([9], [1, 2], [1, 2, 3])):
+        entries.insert(MODEL, tokens, _cache(len(tokens)), cache_type="assistant", request_id=i)
+    events = entries.take_events()
+    assert entries.passed_over == set()
+    _, evicted = policy.on_step(StepOutputs(cache_events=events))
+    assert evicted == ()
+    entries.evict(evicted)
+    assert set(entries.held()) == set(policy.entries()) == {1, 3}
+    assert len(store) == 2 and store.has_entry(MODEL, [9])
