@@ -15,6 +15,22 @@ from tests.conftest import poll_until
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 
 
+async def run_one(runtime, max_tokens: int) -> list:
+    """One text request through ``runtime``: its events, the terminal last."""
+    session = runtime.session(
+        prepare=lambda tok: prepare_text(tok, [5, 6, 7]),
+        sampling=SamplingParams(),
+        max_tokens=max_tokens,
+    )
+    events = []
+    async with session:
+        while True:
+            try:
+                events.extend(await session.receive())
+            except trio.EndOfChannel:
+                return events
+
+
 class RecordingCore:
     """Wraps a real EngineCore and records the thread of every call into it."""
 
@@ -86,26 +102,12 @@ async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keep
 
     runtime = Runtime(ServerConfig(model="fake"), make_core=make_core)
 
-    async def run_one(max_tokens):
-        session = runtime.session(
-            prepare=lambda tok: prepare_text(tok, [5, 6, 7]),
-            sampling=SamplingParams(),
-            max_tokens=max_tokens,
-        )
-        events = []
-        async with session:
-            while True:
-                try:
-                    events.extend(await session.receive())
-                except trio.EndOfChannel:
-                    return events
-
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
         await poll_until(lambda: runtime.model_loader.core.handle is not None)
         with trio.fail_after(10):
-            first = await run_one(10)
-            second = await run_one(3)
+            first = await run_one(runtime, 10)
+            second = await run_one(runtime, 3)
         nursery.cancel_scope.cancel()
     assert type(first[-1]).__name__ == "Failed"
     assert type(second[-1]).__name__ == "Finished"
@@ -168,20 +170,9 @@ async def test_steps_that_keep_failing_restart_the_engine():
 
     runtime = Runtime(ServerConfig(model="fake"), make_core=make_core)
 
-    async def run_one():
-        session = runtime.session(
-            prepare=lambda tok: prepare_text(tok, [5, 6, 7]),
-            sampling=SamplingParams(),
-            max_tokens=3,
-        )
-        events = []
+    async def run_or_refused():
         try:
-            async with session:
-                while True:
-                    try:
-                        events.extend(await session.receive())
-                    except trio.EndOfChannel:
-                        return events
+            return await run_one(runtime, 3)
         except Exception as exc:  # refused while the engine restarts
             return [exc]
 
@@ -189,10 +180,10 @@ async def test_steps_that_keep_failing_restart_the_engine():
         await nursery.start(runtime.run)
         await poll_until(lambda: runtime.model_loader.core.handle is not None)
         with trio.fail_after(10):
-            failed = [await run_one() for _ in range(FAILED_STEPS_TO_RESTART)]
+            failed = [await run_or_refused() for _ in range(FAILED_STEPS_TO_RESTART)]
             await poll_until(lambda: runtime.model_loader.core.restarts == 1, 5)
             await poll_until(lambda: runtime.model_loader.core.handle is not None, 5)
-            served = await run_one()
+            served = await run_or_refused()
         nursery.cancel_scope.cancel()
     assert all(type(events[-1]).__name__ == "Failed" for events in failed), failed
     # The first generator and one after each failure (the last closed with its engine).
