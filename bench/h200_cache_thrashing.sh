@@ -7,6 +7,9 @@
 #   2. the server of this tree and of an older tree (BEFORE, default .gpu/before) on the
 #      Qwen3-0.6B shape, each given SERIAL requests one after another (default 600), every
 #      prompt a different length (a new prefill shape each): how many were answered 200.
+#      SERVER_ARGS (default --prompt-cache-size 0: with the cache on, each prompt extends the
+#      one before, hits, and prefills only a few tokens, as in the tenth session's call e,
+#      which stayed below MLX's limit) are given to both servers.
 # Results in $OUT: misses-*.json, serial-*.txt. About 3 minutes.
 source "$(dirname "$0")/h200_prelude.sh"
 SERIAL=${SERIAL:-600}
@@ -22,7 +25,8 @@ done
 [ -f $Q/config.json ] || { step make-qwen; timeout 60 python3 bench/make_shaped_model.py qwen3-0.6b $Q > "$OUT/make-qwen.log" 2>&1; }
 serial() {  # NAME DIR PORT
   step "serial $1"
-  (cd "$2" && exec python3 -m api.cli --model $Q --port $3 --log-level WARNING) > "$OUT/server-$1.log" 2>&1 &
+  (cd "$2" && exec python3 -m api.cli --model $Q --port $3 --log-level WARNING \
+    ${SERVER_ARGS---prompt-cache-size 0}) > "$OUT/server-$1.log" 2>&1 &
   local pid=$!
   for i in $(seq 1 90); do curl -sf localhost:$3/health > /dev/null && break; sleep 1; done
   timeout 150 python3 - "$3" "$SERIAL" > "$OUT/serial-$1.txt" 2>&1 <<'PY'
