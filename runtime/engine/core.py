@@ -67,6 +67,7 @@ from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
 
+
 @attrs.define
 class _Sequence:
     request_id: int
