@@ -24,6 +24,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from cattrs.gen import make_dict_structure_fn, override
 
 from runtime.distributed import BACKENDS
+from runtime.mlx_environment import PREFILL_ATTENTION_MODES
 from runtime.settings import ENV_PREFIX, METADATA_KEY, SIZE, Setting, complete_settings, setting
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
@@ -239,6 +240,21 @@ class ServerConfig:
         "thread of the server process, as before. Throughput is the same within the noise of "
         "our measurements ([lab notes](benchmarks/2026-11-29-issue5.md#engine-process-or-engine-thread)). "
         "A distributed launch always uses `thread`.",
+    )
+    prefill_attention: str = setting(
+        "unfused",
+        help="on CUDA, a prefill's attention through MLX's unfused path (no cuDNN graph built "
+        "per prompt shape) or as MLX picks it (cuDNN)",
+        choices=PREFILL_ATTENTION_MODES,
+        ours=True,
+        notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
+        "(group size, prompt length, cached prefix) on the engine's thread: on an H200 a "
+        "one-prompt prefill took 62-89 ms the first time against 9-12 ms once cached, some "
+        "shapes 0.8-8 s, and a server meets new shapes with nearly every prompt. `unfused` "
+        "sends prefill attention whose scores stay under 2^29 elements to MLX's own unfused "
+        "attention (float32 scores, no graph to build); decoding and long prompts' chunks keep "
+        "MLX's choice. `mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
+        "([performance.md](performance.md#h200-eleventh-session)).",
     )
     admission_window_ms: float = setting(
         30.0,

@@ -7,7 +7,12 @@ import os
 
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
-from runtime.mlx_environment import SERVER_DEFAULTS, server_defaults
+from runtime.mlx_environment import (
+    SERVER_DEFAULTS,
+    install_prefill_attention,
+    server_defaults,
+    unfused_prefill_attention,
+)
 
 
 def test_server_defaults_fill_in_what_the_operator_left_unset():
@@ -37,3 +42,70 @@ def test_the_engine_sets_them_before_it_loads(monkeypatch, tiny_model_path):
     monkeypatch.setattr(loading, "load_model", load_and_look)
     make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
     assert at_load == SERVER_DEFAULTS
+
+
+def _qkv(mx, batch, length, keys_length, dtype):
+    """Grouped-query shapes as a prefill has them: 4 query heads over 2 KV heads."""
+    mx.random.seed(3)
+    q = mx.random.normal((batch, 4, length, 16)).astype(dtype)
+    k = mx.random.normal((batch, 2, keys_length, 16)).astype(dtype)
+    v = mx.random.normal((batch, 2, keys_length, 16)).astype(dtype)
+    return q, k, v
+
+
+def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
+    """Which calls the wrapper sends to MLX's unfused path (a float32 query: cuDNN takes
+    only half precision), which it passes on untouched, and that results keep their dtype."""
+    import mlx.core as mx
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None):
+        seen.append((q.dtype, q.shape[2], mask))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 8 * 8)
+    q, k, v = _qkv(mx, 2, 8, 8, mx.bfloat16)
+    out = attention(q, k, v, scale=0.25, mask="causal")  # a prefill
+    assert out.dtype == mx.bfloat16 and out.shape == q.shape
+    assert seen.pop() == (mx.float32, 8, "causal")
+    attention(q[:, :, :1], k, v, scale=0.25)  # a decode step
+    assert seen.pop() == (mx.bfloat16, 1, None)
+    q, k, v = _qkv(mx, 2, 8, 9, mx.bfloat16)  # scores over the limit: a long prompt's chunk
+    attention(q, k, v, scale=0.25, mask="causal")
+    assert seen.pop() == (mx.bfloat16, 8, "causal")
+    q, k, v = _qkv(mx, 1, 8, 8, mx.float32)  # not half precision: nothing to avoid
+    attention(q, k, v, scale=0.25)
+    assert seen.pop() == (mx.float32, 8, None)
+
+
+def test_unfused_prefill_attention_computes_the_same_attention():
+    """Against MLX's own attention, with a causal mask over a cached prefix and with an
+    additive mask as a padded prefill group has; bfloat16's precision."""
+    import mlx.core as mx
+
+    fused = mx.fast.scaled_dot_product_attention
+    attention = unfused_prefill_attention(fused, mx)
+    q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
+    padding = mx.where(mx.arange(10) < 2, -mx.inf, 0.0).astype(mx.bfloat16)
+    for mask in ("causal", padding[None, None, None, :]):
+        expected = fused(q, k, v, scale=0.25, mask=mask).astype(mx.float32)
+        got = attention(q, k, v, scale=0.25, mask=mask)
+        assert got.dtype == mx.bfloat16
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def test_install_prefill_attention_only_on_cuda(monkeypatch):
+    import mlx.core as mx
+
+    original = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert install_prefill_attention(mx) is False
+    assert mx.fast.scaled_dot_product_attention is original
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", original)  # restored after
+    assert install_prefill_attention(mx) is True
+    wrapped = mx.fast.scaled_dot_product_attention
+    assert wrapped.fused is original
+    assert install_prefill_attention(mx) is True  # a second engine in the process: once
+    assert mx.fast.scaled_dot_product_attention is wrapped

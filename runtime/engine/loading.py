@@ -30,7 +30,7 @@ from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
-from runtime.mlx_environment import server_defaults
+from runtime.mlx_environment import install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import sharded_load_on_the_default_stream, size_prefill_group
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
@@ -191,6 +191,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     chosen = server_defaults()
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
+    if config.prefill_attention == "unfused" and install_prefill_attention(mx):
+        log.debug("prefill attention: MLX's unfused path")
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
     if group is None and config.pipeline:
