@@ -249,11 +249,12 @@ class ServerConfig:
         ours=True,
         notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
         "(group size, prompt length, cached prefix) on the engine's thread: on an H200 a "
-        "one-prompt prefill took 62-89 ms the first time against 9-12 ms once cached, some "
-        "shapes 0.8-8 s, and a server meets new shapes with nearly every prompt. `unfused` "
-        "sends prefill attention whose scores stay under 2^29 elements to MLX's own unfused "
-        "attention (float32 scores, no graph to build); decoding and long prompts' chunks keep "
-        "MLX's choice. `mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
+        "one-prompt prefill took 62-89 ms the first time against 12-17 ms once cached, some "
+        "shapes 0.9-8 s, and a server meets new shapes with nearly every prompt. `unfused` "
+        "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
+        "prompt with 32 heads) to MLX's own unfused attention (float32 scores, no graph to "
+        "build: 19-31 ms the first time, 14 after); decoding and longer prompts keep MLX's "
+        "choice. `mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
         "([performance.md](performance.md#h200-eleventh-session)).",
     )
     admission_window_ms: float = setting(

@@ -29,18 +29,19 @@ unfused attention:
 * MLX's CUDA backend runs attention through a cuDNN graph built for the exact
   shapes and strides of the call and kept in an LRU cache. A prefill step of a
   shape not seen before (its group size, prompt length, cached prefix) builds
-  one on the engine's thread before the step can run: measured on an H200, a
-  prefill of one 100-400-token prompt took 62-89 ms (median) the first time
-  against 9-12 ms once cached, some shapes 0.8-8 s, and a server meets new
-  shapes with nearly every prompt. MLX's unfused attention (its own fallback,
-  plain matmuls and a softmax) builds no graph: 24-39 ms the first time,
-  10-16 ms after (docs/performance.md, "H200, eleventh session").
-* MLX picks the fallback, call by call, for inputs cuDNN does not take: float32
-  ones. So for a query longer than one token whose scores stay small (at most
-  ``UNFUSED_SCORES_LIMIT`` elements; a long prompt's chunks keep cuDNN, whose
-  build their compute outweighs) the query goes in as float32 and the result
-  comes back in the input's dtype. Decoding (one query token a row) keeps
-  MLX's choice (cuDNN or its vector kernel), whose shapes are few.
+  one on the engine's thread before the step can run. Measured on an H200
+  (docs/performance.md, "H200, eleventh session"): a prefill of one
+  100-400-token prompt took 62-89 ms (medians) the first time against 12-17 ms
+  once cached, some shapes 0.9-8 s; a server meets new shapes with nearly every
+  prompt. Through MLX's unfused attention (its own fallback: matmuls and a
+  softmax, no graph to build) the same prefills took 19-31 ms the first time
+  and 14 ms after.
+* MLX takes the fallback, call by call, for inputs cuDNN does not take: float32
+  ones. So a query longer than one token whose scores stay small (at most
+  ``UNFUSED_SCORES_LIMIT`` elements) goes in as float32 and the result comes
+  back in the input's dtype. Beyond the limit (a long prompt's chunks) float32
+  scores cost more than a graph build, and decoding (one query token a row)
+  meets few shapes: both keep MLX's choice.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ def server_defaults(environ: MutableMapping[str, str] | None = None) -> list[str
 
 
 # Scores of at most this many elements (batch x query heads x query x keys) go
-# through the unfused path: 2 GiB of float32, e.g. one 2048-token chunk over 8192
-# keys with 32 heads; beyond it, a prefill's compute outweighs a cuDNN build.
-UNFUSED_SCORES_LIMIT = 1 << 29
+# through the unfused path: one 1024-token prompt with 32 heads, a group of eight
+# 360-token prompts. Measured on an H200 past it, float32 scores cost more than
+# cuDNN's build: a 4096-token prompt took 155 ms unfused against 80-90 cached
+# (134 the first time) on the Qwen3-0.6B shape.
+UNFUSED_SCORES_LIMIT = 1 << 25
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
 

@@ -109,3 +109,30 @@ def test_install_prefill_attention_only_on_cuda(monkeypatch):
     assert wrapped.fused is original
     assert install_prefill_attention(mx) is True  # a second engine in the process: once
     assert mx.fast.scaled_dot_product_attention is wrapped
+
+
+def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_path):
+    """mlx-lm's models look ``mx.fast.scaled_dot_product_attention`` up at each call: a
+    prefill through a real model goes through the wrapper (were a model to bind the
+    function at import, the server would silently keep cuDNN's per-shape graphs)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    original = mx.fast.scaled_dot_product_attention
+    queries = []
+
+    def counting(q, *args, **kwargs):
+        queries.append((q.dtype, q.shape[2]))
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+    model, _ = load(tiny_model_path)
+    model.set_dtype(mx.bfloat16)  # as served models are: the prefill's query goes float32
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))  # a prefill
+    mx.eval(model(mx.array([[9]]), cache=cache))  # a decode step
+    layers = len(model.layers)
+    assert queries == [(mx.float32, 4)] * layers + [(mx.bfloat16, 1)] * layers
