@@ -80,11 +80,11 @@ def unfused_prefill_attention(fused, mx, limit: int = UNFUSED_SCORES_LIMIT):
     half = (mx.bfloat16, mx.float16)
 
     def attention(queries, keys, values, *args, **kwargs):
-        batch, heads, length = queries.shape[:3]
         if (
-            length > 1
+            queries.ndim == 4
+            and queries.shape[2] > 1
             and queries.dtype in half
-            and batch * heads * length * keys.shape[2] <= limit
+            and queries.size // queries.shape[3] * keys.shape[2] <= limit
         ):
             out = fused(queries.astype(mx.float32), keys, values, *args, **kwargs)
             return out.astype(queries.dtype)
