@@ -35,17 +35,21 @@ import time
 from pathlib import Path
 
 
-def prefill_ms(mx, model, group: list[int], step_size: int) -> float:
+def prompt_batch(model, lengths: list[int], step_size: int):
+    """A fresh prefill group of prompts of these lengths, and its tokens."""
     from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import make_prompt_cache
 
-    tokens = [[(7 * i + 3 * j) % 1000 + 10 for j in range(n)] for i, n in enumerate(group)]
+    tokens = [[(7 * i + 3 * j) % 1000 + 10 for j in range(n)] for i, n in enumerate(lengths)]
+    caches = [make_prompt_cache(model) for _ in lengths]
     batch = PromptProcessingBatch(
-        model,
-        list(range(len(group))),
-        [make_prompt_cache(model) for _ in group],
-        prefill_step_size=step_size,
+        model, list(range(len(lengths))), caches, prefill_step_size=step_size
     )
+    return batch, tokens
+
+
+def prefill_ms(mx, model, group: list[int], step_size: int) -> float:
+    batch, tokens = prompt_batch(model, group, step_size)
     mx.synchronize()
     began = time.perf_counter()
     batch.prompt(tokens)
@@ -54,14 +58,7 @@ def prefill_ms(mx, model, group: list[int], step_size: int) -> float:
 
 
 def decode_ms(mx, model, rows: int, kv: int, steps: int) -> float:
-    from mlx_lm.generate import PromptProcessingBatch
-    from mlx_lm.models.cache import make_prompt_cache
-
-    group = [kv - i for i in range(rows)]
-    tokens = [[(5 * i + j) % 1000 + 10 for j in range(n)] for i, n in enumerate(group)]
-    batch = PromptProcessingBatch(
-        model, list(range(rows)), [make_prompt_cache(model) for _ in group], prefill_step_size=2048
-    )
+    batch, tokens = prompt_batch(model, [kv - i for i in range(rows)], 2048)
     gen = batch.generate(tokens)
     for _ in range(3):  # warm
         gen.next()

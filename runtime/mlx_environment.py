@@ -1,6 +1,7 @@
-"""The MLX settings a long-running server needs, as MLX reads them: environment variables.
+"""The MLX settings a long-running server needs: environment variables MLX reads, and
+the attention path of a prefill.
 
-Owns nothing but ``server_defaults``, called by the engine before its first MLX
+Owns ``server_defaults``, called by the engine before its first MLX
 operation (``runtime.engine.loading.make_engine_core``, in the engine's thread
 or process). It receives the environment and sets, where the operator has not,
 the variables MLX's CUDA backend reads when it builds its caches (each cache
