@@ -102,6 +102,9 @@ class Workload:
     """What every request of a run looks like."""
 
     prompt_tokens: int = 110
+    # request i's prompt: prompt_tokens plus a seeded draw from [-spread, spread], so that
+    # the prompts' lengths (and a batch's prefill shapes) do not repeat from wave to wave
+    prompt_tokens_spread: int = 0
     max_tokens: int = 64
     stream: bool = True
     endpoint: str = "chat"  # "chat" (/v1/chat/completions) or "text" (/v1/completions)
@@ -127,6 +130,8 @@ class Workload:
             raise ValueError(f"constrained must be json_schema or json_object, not {self.constrained!r}")
         if self.constrained and self.endpoint != "chat":
             raise ValueError("constrained requests need the chat endpoint")
+        if not 0 <= self.prompt_tokens_spread < self.prompt_tokens:
+            raise ValueError("prompt_tokens_spread must be at least 0 and below prompt_tokens")
 
     def is_constrained(self, index: int) -> bool:
         if self.constrained is None:
@@ -185,7 +190,11 @@ class PromptBuilder:
         rng = random.Random(f"{w.seed}-user-{index}")
         # The request number first: distinct prompts diverge early (no accidental
         # prompt-cache hits between requests beyond the shared system prompt).
-        return self.words(w.prompt_tokens, rng, lead=f"Request {index}:")
+        length = w.prompt_tokens
+        if w.prompt_tokens_spread:
+            spread = w.prompt_tokens_spread
+            length += random.Random(f"{w.seed}-length-{index}").randint(-spread, spread)
+        return self.words(length, rng, lead=f"Request {index}:")
 
     def messages(self, w: Workload, index: int) -> list[dict[str, str]]:
         msgs = []
@@ -754,6 +763,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "requests let a run's first burst and last drain weigh less",
     )
     p.add_argument("--prompt-tokens", type=int, default=110)
+    p.add_argument("--prompt-tokens-spread", type=int, default=0,
+                   help="each prompt's length drawn from --prompt-tokens +- this (seeded), "
+                   "so that prompt lengths do not repeat")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--endpoint", choices=("chat", "text"), default="chat")
@@ -788,6 +800,7 @@ def sampling_of(w: Workload, index: int) -> tuple[float, float]:
 def workload_from_args(ns: argparse.Namespace) -> Workload:
     return Workload(
         prompt_tokens=ns.prompt_tokens,
+        prompt_tokens_spread=getattr(ns, "prompt_tokens_spread", 0),
         max_tokens=ns.max_tokens,
         stream=ns.stream,
         endpoint=ns.endpoint,
