@@ -275,6 +275,22 @@ class ServerConfig:
         "([lab notes](benchmarks/2026-11-29-issue5.md#the-admission-window)). Always off in a "
         "distributed launch (each rank's clock would end it at a different step).",
     )
+    burst_wait_ms: float = setting(
+        0.0,
+        help="when nothing decodes, hold a request that arrives alone up to this long for "
+        "others of its burst, so that they start their prefill together (0: admit at once)",
+        minimum=0,
+        maximum=100,
+        ours=True,
+        notes="A burst of requests on new connections reaches the engine one by one (the API "
+        "accepts and parses each connection in turn), so without it the first request of a burst "
+        "to an idle server is prefilled alone and stays a prefill step ahead of the others "
+        "through every later wave of a closed loop. A few milliseconds join such a burst, at "
+        "that cost to the time to first token of every request that reaches an idle server "
+        "alone: off by default ([performance.md](performance.md#h200-twelfth-session)). "
+        "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
+        "launch.",
+    )
     prompt_cache_min_reuse: int = setting(
         64,
         help="reuse a cached prompt prefix only if it covers at least this many tokens "

@@ -5,13 +5,15 @@ the engine (not in the batch) until the window is over or ``admission_batch``
 requests wait; then they all join in one step. A small batch admits at once,
 unless a sequence waits for its first token after its prompt, or the request
 says others are on their way (``Submit.followed``: it waits for the last of
-them, into an idle engine or a small batch).
+them, into an idle engine or a small batch). With a burst wait
+(``--burst-wait-ms``), a request into an idle engine waits that long for others.
 Held requests count as active, can be aborted, and fail on close.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import attrs
@@ -28,7 +30,9 @@ from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 FOREVER = 3600.0  # a window that only the batch-size rule ends
 
 
-def engine(window: float, batch: int = 2, completion: int = 8, commands=None):
+def engine(
+    window: float, batch: int = 2, completion: int = 8, commands=None, burst_wait: float = 0.0
+):
     factory = FakeBatchGeneratorFactory(
         vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
     )
@@ -39,6 +43,7 @@ def engine(window: float, batch: int = 2, completion: int = 8, commands=None):
         admission_window=window,
         admission_batch=batch,
         commands=commands,
+        burst_wait=burst_wait,
     )
     return core, factory
 
@@ -328,3 +333,82 @@ def test_requests_held_behind_a_full_batch_join_as_soon_as_it_empties():
     assert core.has_work and core.hold_timeout() is None
     out = core.step()
     assert [e.request_id for e in out.started] == [3]
+
+
+def test_an_idle_engine_waits_the_burst_wait_for_a_lone_requests_companions():
+    """``burst_wait``: into an idle engine, a request that says nothing of others waits
+    that long, so that a burst whose first Submit came before the rest had reached the
+    API still starts its prefill together; a lone request then starts alone."""
+    core, factory = engine(FOREVER, batch=8, burst_wait=0.05)
+    core.handle_command(long_submit(1))
+    gen = factory.current
+    assert not gen.inserted and core.has_work
+    assert 0 < core.hold_timeout() <= 0.05  # the loop may sleep until it ends
+    out = core.step()
+    assert not gen.inserted and not out.started
+    core.handle_command(followed_submit(2))  # the rest of the burst: the window holds it
+    core.handle_command(long_submit(3))  # its last
+    out = core.step()
+    assert {e.request_id for e in out.started} == {1, 2, 3}
+    assert len(gen.steps[-1].prompt_uids) == 3
+    # While sequences decode, a lone request of a small batch joins at once.
+    core.step()
+    core.handle_command(long_submit(4))
+    assert len(gen.inserted) == 4
+
+
+def test_the_burst_wait_ends_and_a_lone_request_starts_alone():
+    core, factory = engine(FOREVER, batch=8, burst_wait=0.02)
+    core.handle_command(long_submit(1))
+    core.step()
+    assert not factory.current.inserted
+    time.sleep(0.03)
+    assert core.hold_timeout() is not None and core.hold_timeout() == 0.0
+    out = core.step()
+    assert [e.request_id for e in out.started] == [1]
+    assert core.hold_timeout() is None
+    # Off (the default), or without the window, an idle engine admits at once.
+    for window, wait in ((FOREVER, 0.0), (0.0, 0.02)):
+        core, factory = engine(window, batch=8, burst_wait=wait)
+        core.handle_command(long_submit(1))
+        assert len(factory.current.inserted) == 1
+
+
+def test_the_engine_loop_sleeps_through_the_burst_wait():
+    """The loop blocks on its inbox for the burst wait (no busy stepping), and a request
+    that arrives meanwhile ends it and joins the first one's prefill."""
+    core, factory = engine(FOREVER, batch=8, burst_wait=1.0)
+    steps = []
+    real_step = core.step
+
+    def counted_step():
+        steps.append(time.monotonic())
+        return real_step()
+
+    core.step = counted_step
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox.put(long_submit(1))
+    emitted = []
+    began = time.monotonic()
+
+    def check_cancelled():
+        if emitted or time.monotonic() - began > 5:
+            inbox.put(Shutdown())
+
+    second = threading.Timer(0.05, inbox.put, args=(long_submit(2),))  # another thread posts
+    second.start()
+    try:
+        run_engine_loop(
+            lambda: core,
+            inbox,
+            lambda out: emitted.append((time.monotonic(), out)),
+            check_cancelled,
+            idle_wait=0.001,
+        )
+    finally:
+        second.cancel()
+    at, first_out = next((t, o) for t, o in emitted if o.started)
+    assert {e.request_id for e in first_out.started} == {1, 2}
+    assert at - began < 0.9  # the second request ended the wait, not its second
+    held_steps = [t for t in steps if t - began < 0.045]
+    assert len(held_steps) <= 2, len(held_steps)  # a spinning loop makes thousands

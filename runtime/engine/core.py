@@ -105,6 +105,7 @@ class EngineCore:
         admission_tokens: int = 0,
         admission_limit: int | None = None,
         prefill_group: Callable[[Any], Any] | None = None,
+        burst_wait: float = 0.0,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
@@ -138,6 +139,8 @@ class EngineCore:
         ``admission_tokens`` prompt tokens, or with those decoding reach
         ``admission_limit``), while a sequence waits for its first token after
         its prompt, or while ``Submit.followed`` says more are on their way.
+        ``burst_wait`` (seconds; 0: off; needs the window): while nothing
+        decodes, a request that arrives alone waits this long for a second one.
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
         mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``)."""
@@ -154,6 +157,7 @@ class EngineCore:
         self._insert_options = insert_options or (lambda submit: {})
         self._stop_sequences = stop_sequences
         self._admission_window = 0.0 if self.commands.lockstep else admission_window
+        self._burst_wait = burst_wait if self._admission_window > 0 else 0.0
         self._admission_batch = admission_batch
         self._admission_tokens = admission_tokens
         self._admission_limit = admission_limit
@@ -188,12 +192,18 @@ class EngineCore:
         return bool(self._by_request or self._held)
 
     def hold_timeout(self) -> float | None:
-        """While the window holds a burst (``Submit.followed``) and nothing decodes: how
-        long the engine loop may wait for a command before the oldest one's window ends
-        (None: step now; held requests that nothing else holds join in that step)."""
-        if self._by_uid or not self._held or not self._held[-1][1].followed:
+        """While nothing decodes and requests are held (a burst: ``Submit.followed``, or the
+        burst wait): how long the engine loop may wait for a command before the oldest
+        one's hold ends (None: step now; held requests that nothing else holds join then)."""
+        if self._by_uid or not self._held:
             return None
-        return max(0.0, self._held[0][0] + self._admission_window - time.monotonic())
+        hold = self._admission_window if self._held[-1][1].followed else self._lone_wait()
+        return max(0.0, self._held[0][0] + hold - time.monotonic()) if hold else None
+
+    def _lone_wait(self) -> float:
+        """The burst wait while one request is held and nothing decodes (a second one
+        that says nothing of others ends it: its burst has come), else 0."""
+        return self._burst_wait if len(self._held) == 1 and not self._by_uid else 0.0
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
@@ -202,6 +212,7 @@ class EngineCore:
                 or self._awaiting_first
                 or len(self._by_uid) >= self._admission_batch
                 or command.followed
+                or (self._burst_wait > 0 and not self._by_uid)
             ):
                 if command.request_id not in self.active_request_ids:
                     self._held.append((time.monotonic(), command))
@@ -320,7 +331,8 @@ class EngineCore:
         """Hand the held requests to the batch once the window is over (or it is full)."""
         if not self._held:
             return
-        if time.monotonic() - self._held[0][0] < self._admission_window and (
+        waited = time.monotonic() - self._held[0][0]
+        if waited < self._admission_window and (
             self._awaiting_first
             or (
                 not self._held_make_a_group()
@@ -328,6 +340,8 @@ class EngineCore:
             )
         ):
             return
+        if waited < self._lone_wait():
+            return  # an idle engine's burst wait: others of the burst may follow
         while self._held:
             self._submit(self._held.popleft()[1])
 

@@ -253,6 +253,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         commands=commands,
         # One request at a time: nothing for a window to gather.
         admission_window=0.0 if serial else config.admission_window_ms / 1000,
+        burst_wait=0.0 if serial else config.burst_wait_ms / 1000,
         admission_batch=config.prompt_concurrency,
         admission_tokens=0 if serial else config.prefill_group_tokens,
         admission_limit=config.decode_concurrency,
