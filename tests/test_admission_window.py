@@ -267,11 +267,10 @@ def test_a_followed_request_waits_no_longer_than_the_window():
     assert len(factory.current.inserted) == 1
 
 
-def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
-    """Held requests and nothing decoding: the loop blocks on its inbox until the window
-    ends (or a command comes), instead of stepping an empty batch in a tight loop."""
-    core, factory = engine(0.2, batch=8)
-    steps = []
+def run_until_first_output(core, inbox) -> tuple[float, list[float], float, object]:
+    """Run the engine loop over ``inbox`` until a step starts a sequence (5 s at most):
+    (when the loop began, when each step began, when that output came, the output)."""
+    steps: list[float] = []
     real_step = core.step
 
     def counted_step():
@@ -279,8 +278,6 @@ def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
         return real_step()
 
     core.step = counted_step
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
-    inbox.put(followed_submit(1))
     emitted = []
     began = time.monotonic()
 
@@ -288,8 +285,22 @@ def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
         if emitted or time.monotonic() - began > 5:
             inbox.put(Shutdown())
 
-    run_engine_loop(lambda: core, inbox, emitted.append, check_cancelled, idle_wait=0.001)
-    first_out = next(o for o in emitted if o.started)
+    def emit(out):
+        if out.started:
+            emitted.append((time.monotonic(), out))
+
+    run_engine_loop(lambda: core, inbox, emit, check_cancelled, idle_wait=0.001)
+    at, first_out = emitted[0]
+    return began, steps, at, first_out
+
+
+def test_the_engine_loop_waits_for_a_held_burst_without_spinning():
+    """Held requests and nothing decoding: the loop blocks on its inbox until the window
+    ends (or a command comes), instead of stepping an empty batch in a tight loop."""
+    core, factory = engine(0.2, batch=8)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox.put(followed_submit(1))
+    began, steps, _, first_out = run_until_first_output(core, inbox)
     assert [e.request_id for e in first_out.started] == [1]
     held_steps = [t for t in steps if t - began < 0.19]
     assert len(held_steps) <= 2, len(held_steps)  # a spinning loop makes thousands
@@ -378,36 +389,14 @@ def test_the_engine_loop_sleeps_through_the_burst_wait():
     """The loop blocks on its inbox for the burst wait (no busy stepping), and a request
     that arrives meanwhile ends it and joins the first one's prefill."""
     core, factory = engine(FOREVER, batch=8, burst_wait=1.0)
-    steps = []
-    real_step = core.step
-
-    def counted_step():
-        steps.append(time.monotonic())
-        return real_step()
-
-    core.step = counted_step
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     inbox.put(long_submit(1))
-    emitted = []
-    began = time.monotonic()
-
-    def check_cancelled():
-        if emitted or time.monotonic() - began > 5:
-            inbox.put(Shutdown())
-
     second = threading.Timer(0.05, inbox.put, args=(long_submit(2),))  # another thread posts
     second.start()
     try:
-        run_engine_loop(
-            lambda: core,
-            inbox,
-            lambda out: emitted.append((time.monotonic(), out)),
-            check_cancelled,
-            idle_wait=0.001,
-        )
+        began, steps, at, first_out = run_until_first_output(core, inbox)
     finally:
         second.cancel()
-    at, first_out = next((t, o) for t, o in emitted if o.started)
     assert {e.request_id for e in first_out.started} == {1, 2}
     assert at - began < 0.9  # the second request ended the wait, not its second
     held_steps = [t for t in steps if t - began < 0.045]
