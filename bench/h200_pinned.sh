@@ -29,4 +29,5 @@ timeout ${LIMIT:-420} python3 bench/engine_overhead.py --model $L --levels ${LEV
   --json-out "$OUT/${JSON:-pinned}.json" ${TRACE:+--trace "$OUT/trace"} ${EXTRA:-} \
   > "$OUT/${JSON:-pinned}.txt" 2>&1
 sed -n '/^medians/,$p' "$OUT/${JSON:-pinned}.txt"
+python3 bench/like_for_like.py "$OUT/${JSON:-pinned}.json" 2> /dev/null  # ratios at like host speed
 step done
