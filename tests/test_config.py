@@ -143,6 +143,7 @@ TEXT_VALUES = {
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "prefill_attention": "mlx",
+    "decode_path": "mlx",
     "admission_window_ms": "5", "burst_wait_ms": "4", "prompt_cache_min_reuse": "0",
     "stream_interval_ms": "40",
     "api_key": "key-1, key-2", "api_key_file": "/etc/mlx-trio/keys",

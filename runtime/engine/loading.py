@@ -22,6 +22,7 @@ import logging
 import time
 
 from runtime.batch_sampling import BatchSampler, make_batch_generator
+from runtime.compiled_decode import install_compiled_decode
 from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
@@ -202,6 +203,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         handle = load_model(config, model_path, group)
     tokenizer = handle.tokenizer
     commands = None
+    serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
+    if config.decode_path == "compiled" and group is None and not serial:
+        install_compiled_decode(handle.model)  # on this thread, before the first step
     if group is not None:
         # Collectives on the batch's stream: in order with the model's own
         # (an all_sum on another stream could interleave with an in-flight step's).
@@ -211,7 +215,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     xtc_special = list(tokenizer.encode("\n")) + list(tokenizer.eos_token_ids)
 
     grammar = _grammar_tokenizer(handle)
-    serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
     batch_sampler = None
     if serial:
         if not handle.batchable:

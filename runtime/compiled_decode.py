@@ -1,0 +1,178 @@
+"""A compiled decode path for mlx-lm's llama / qwen2 / qwen3 decoder layers.
+
+Owns ``install_compiled_decode(model)``: it receives a loaded mlx-lm model
+(on the engine's thread, before its first step) and gives each decoder layer
+of a known kind a decode step through two ``mx.compile``d functions: the
+layer before its KV cache (input norm, q/k/v projections, q/k norms, RoPE at
+the cache's offsets) and the layer after its attention (output projection,
+residual, norm, MLP, residual). The KV-cache update and the attention stay as
+mlx-lm has them, so what changes shape every step (the cache's length) never
+enters a compiled function. It emits nothing; it returns how many layers took
+the path.
+
+Why: at a small batch the decode step is host-bound (docs/performance.md):
+each of a layer's ~30 operations is built from Python and dispatched one by
+one. Compiled, a layer is two calls and MLX fuses the element-wise work, so
+the step takes less of the host (on this repo's CPU, a 32-layer narrow model
+at batch 1: 0.70x the step time; the same greedy tokens).
+
+A layer takes the compiled path only for a decode step (one token per row)
+on a batch KV cache (its offsets an array: mlx-lm's ``BatchKVCache``); a
+prefill, a single-sequence cache (``stream_generate``: Python offsets, which a
+trace would bake in) or any other call runs mlx-lm's own ``__call__``. All
+layers with the same parameter shapes share one compiled pair, the layer's
+weights passed in: one trace per batch size for the whole model, and no
+weight held by a trace (each layer's list of its weights is taken at
+installation: install once the weights are final). Layers whose
+projections are not plain or quantized ``Linear`` (LoRA adapters, a tensor-
+parallel shard with its collectives) keep mlx-lm's path.
+
+Relies on mlx-lm's layer layout (attribute names ``self_attn``,
+``input_layernorm``, ``post_attention_layernorm``, ``mlp``, ``q_proj`` ...
+``o_proj``, ``rope``, ``n_heads``, ``n_kv_heads``, ``scale``; qwen3's
+``q_norm`` / ``k_norm``) and on its ``TransformerBlock.__call__`` computing
+what ``_before_cache`` and ``_after_attention`` do around the cache;
+``tests/test_compiled_decode.py`` compares the tokens with mlx-lm's own path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DECODE_PATHS = ("compiled", "mlx")
+
+
+def _before_cache(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
+    """A decoder layer's decode step up to its KV cache: queries, keys, values."""
+    attn = layer.self_attn
+    rows, length, _ = x.shape
+    h = layer.input_layernorm(x)
+    queries = attn.q_proj(h).reshape(rows, length, attn.n_heads, -1)
+    keys = attn.k_proj(h).reshape(rows, length, attn.n_kv_heads, -1)
+    values = attn.v_proj(h).reshape(rows, length, attn.n_kv_heads, -1)
+    if hasattr(attn, "q_norm"):
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
+    return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
+
+
+def _after_attention(layer: Any, x: Any, attended: Any) -> Any:
+    """A decoder layer's decode step from its attention's output to the layer's output."""
+    rows, _, length, _ = attended.shape
+    merged = attended.transpose(0, 2, 1, 3).reshape(rows, length, -1)
+    h = x + layer.self_attn.o_proj(merged)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _block_classes() -> tuple[type, ...]:
+    from mlx_lm.models import llama, qwen2, qwen3
+
+    return (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
+
+
+def _plain_projections(layer: Any) -> bool:
+    """Every projection a plain or quantized ``Linear`` (not LoRA, not a shard)."""
+    import mlx.nn as nn
+
+    attn, mlp = layer.self_attn, layer.mlp
+    try:
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                       mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    except AttributeError:
+        return False
+    return all(type(p) in (nn.Linear, nn.QuantizedLinear) for p in projections)
+
+
+class _SharedPair:
+    """The two compiled functions of every layer with one parameter layout.
+
+    Each takes the layer's parameters as trailing inputs (in ``names``' order)
+    and runs the pure layer code on ``template`` with them swapped in for the
+    trace; a traced call swaps nothing.
+    """
+
+    def __init__(self, template: Any):
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        self.template = template
+        self.names = [name for name, _ in tree_flatten(template.parameters())]
+        self.before_cache = mx.compile(self._with_weights(_before_cache))
+        self.after_attention = mx.compile(self._with_weights(_after_attention))
+
+    def _with_weights(self, piece: Callable) -> Callable:
+        from mlx.utils import tree_unflatten
+
+        template, names = self.template, self.names
+
+        def run(x, y, *weights):
+            saved = template.parameters()
+            template.update(tree_unflatten(list(zip(names, weights, strict=True))))
+            try:
+                return piece(template, x, y)
+            finally:
+                template.update(saved)
+
+        return run
+
+
+def _layout(layer: Any) -> tuple:
+    from mlx.utils import tree_flatten
+
+    return tuple(
+        (name, tuple(v.shape), v.dtype) for name, v in tree_flatten(layer.parameters())
+    )
+
+
+def install_compiled_decode(model: Any) -> int:
+    """Give ``model``'s decoder layers of a known kind the compiled decode path.
+
+    Returns how many layers took it (0: the model is as it was). Call it on the
+    thread that steps the model, once the model's weights are final.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    layers = getattr(model, "layers", None) or []
+    known = _block_classes()
+    pairs: dict[tuple, _SharedPair] = {}
+    subclasses: dict[type, type] = {}
+    installed = 0
+    for layer in layers:
+        base = type(layer)
+        if base not in known or not _plain_projections(layer):
+            continue
+        layout = _layout(layer)
+        if layout not in pairs:
+            pairs[layout] = _SharedPair(layer)
+        layer._compiled_decode = pairs[layout]
+        layer._compiled_weights = [v for _, v in tree_flatten(layer.parameters())]
+        if base not in subclasses:
+            subclasses[base] = _compiled_subclass(base, mx, scaled_dot_product_attention)
+        layer.__class__ = subclasses[base]
+        installed += 1
+    if installed:
+        log.info("compiled decode path on %d of %d layers", installed, len(layers))
+    return installed
+
+
+def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
+    """``base`` with a ``__call__`` that takes the compiled path for a batched decode step."""
+
+    def __call__(self, x, mask=None, cache=None):
+        if x.shape[1] != 1 or cache is None or not isinstance(cache.offset, mx.array):
+            return base.__call__(self, x, mask, cache)
+        pair, weights = self._compiled_decode, self._compiled_weights
+        queries, keys, values = pair.before_cache(x, cache.offset, *weights)
+        keys, values = cache.update_and_fetch(keys, values)
+        attended = attention(
+            queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
+        )
+        return pair.after_attention(x, attended, *weights)
+
+    return type(f"CompiledDecode{base.__name__}", (base,), {"__call__": __call__})

@@ -1,0 +1,142 @@
+"""The compiled decode path (runtime.compiled_decode) against mlx-lm's own layers.
+
+Real mlx (CPU) on tiny models of each known architecture: a model with the
+path installed must give the very tokens of the same model without it, through
+mlx-lm's ``BatchGenerator`` (where it applies) and ``stream_generate`` (where
+it must not), plain and quantized; layers it cannot take keep mlx-lm's path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.generate import BatchGenerator
+
+from runtime.compiled_decode import install_compiled_decode
+from runtime.tiny_model import ARCHS, build_tiny_model
+
+PROMPTS = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_path(request, tmp_path_factory) -> str:
+    arch = request.param
+    return str(build_tiny_model(tmp_path_factory.mktemp(f"cd-{arch}") / arch, arch=arch))
+
+
+def batch_tokens(model, prompts=PROMPTS, max_tokens: int = 12) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` decoded together (one batch, rows of different lengths)."""
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    left = set(uids)
+    while left:
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def count_calls(model) -> list[int]:
+    """Count the compiled pieces' calls (wrapping each layer's shared pair once)."""
+    calls = [0]
+    for pair in {id(layer._compiled_decode): layer._compiled_decode for layer in model.layers}.values():
+        inner = pair.after_attention
+
+        def counted(*args, inner=inner):
+            calls[0] += 1
+            return inner(*args)
+
+        pair.after_attention = counted
+    return calls
+
+
+def test_batched_decode_gives_mlx_lms_tokens(model_path):
+    stock, _ = load(model_path)
+    compiled, _ = load(model_path)
+    assert install_compiled_decode(compiled) == len(compiled.layers)
+    calls = count_calls(compiled)
+    expected = batch_tokens(stock)
+    assert batch_tokens(compiled) == expected
+    assert all(len(t) == 12 for t in expected)
+    # Every decode step ran every layer through the compiled pieces; prefill did not.
+    assert calls[0] > 0 and calls[0] % len(compiled.layers) == 0
+    # A new batch size (one row, then two) is a new trace and the same tokens.
+    assert batch_tokens(compiled, PROMPTS[:1]) == batch_tokens(stock, PROMPTS[:1])
+    assert batch_tokens(compiled, PROMPTS[1:]) == batch_tokens(stock, PROMPTS[1:])
+
+
+def decode_logits(model) -> mx.array:
+    """Two decode steps' logits over a batch KV cache (rows left-padded differently)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache([2, 0]) for _ in model.layers]
+    model(mx.array([[0, 0, 5, 9, 12, 40], [3, 3, 8, 1, 2, 7]]), cache=cache)
+    first = model(mx.array([[4], [6]]), cache=cache)
+    return mx.concatenate([first, model(mx.array([[11], [13]]), cache=cache)], axis=1)
+
+
+def test_decode_logits_match_mlx_lms(model_path):
+    stock, _ = load(model_path)
+    compiled, _ = load(model_path)
+    install_compiled_decode(compiled)
+    calls = count_calls(compiled)
+    expected, got = decode_logits(stock), decode_logits(compiled)
+    assert calls[0] == 2 * len(compiled.layers)
+    np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_single_sequence_generation_keeps_mlx_lms_path(model_path):
+    """stream_generate's KV cache has Python offsets: the layers run as mlx-lm builds them."""
+    stock, tokenizer = load(model_path)
+    compiled, _ = load(model_path)
+    install_compiled_decode(compiled)
+    calls = count_calls(compiled)
+
+    def run(model):
+        prompt = mx.array(PROMPTS[0])
+        return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=10)]
+
+    assert run(compiled) == run(stock)
+    assert calls[0] == 0
+
+
+def test_quantized_layers_take_the_path(tiny_model_path):
+    stock, _ = load(tiny_model_path)
+    compiled, _ = load(tiny_model_path)
+    for model in (stock, compiled):
+        nn.quantize(model, group_size=32, bits=8)
+    assert install_compiled_decode(compiled) == len(compiled.layers)
+    assert batch_tokens(compiled) == batch_tokens(stock)
+
+
+def test_layers_with_adapters_keep_mlx_lms_path(tiny_model_path):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(tiny_model_path)
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 1.0, "dropout": 0.0})
+    before = [type(layer) for layer in model.layers]
+    # The last layer has LoRA projections: only the others take the path.
+    assert install_compiled_decode(model) == len(model.layers) - 1
+    assert type(model.layers[-1]) is before[-1]
+    assert type(model.layers[0]) is not before[0]
+
+
+def test_unknown_models_are_left_alone():
+    class Block(nn.Module):
+        def __call__(self, x, mask=None, cache=None):
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Block(), Block()]
+
+    model = Model()
+    assert install_compiled_decode(model) == 0
+    assert all(type(layer) is Block for layer in model.layers)
