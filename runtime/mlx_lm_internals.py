@@ -31,6 +31,11 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
   coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
   ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
 
+One more reliance lives beside what it serves: ``runtime.compiled_decode``
+relies on the attribute layout of mlx-lm's llama / qwen2 / qwen3 decoder
+layers, and ``tests/test_compiled_decode.py`` compares its tokens and logits
+with mlx-lm's own layers.
+
 Receives and emits nothing.
 """
 
