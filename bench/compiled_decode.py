@@ -34,92 +34,52 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.compiled_decode import (  # noqa: E402
+    _after_attention,
+    _before_cache,
+    install_compiled_decode,
+)
 from runtime.engine.host_speed import cpu_probe_us  # noqa: E402
 
-MODE = {"how": "stock"}
+SWITCH: dict = {}
 VARIANTS = ("stock", "layer", "shared")
 
 
-def _pre(layer, x, offset):
-    """Everything of a decoder layer's decode step before its KV cache."""
-    attn = layer.self_attn
-    B, L, _ = x.shape
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).reshape(B, L, attn.n_heads, -1)
-    k = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1)
-    v = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1)
-    if hasattr(attn, "q_norm"):
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    return attn.rope(q, offset=offset), attn.rope(k, offset=offset), v
+class _LayerPair:
+    """The per-layer variant: one layer's own compiled pieces, its weights constants of the trace."""
 
+    def __init__(self, layer):
+        import mlx.core as mx
 
-def _post(layer, x, out):
-    """Everything of a decoder layer's decode step after its attention."""
-    B, _, L, _ = out.shape
-    h = x + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+        before = mx.compile(lambda x, o: _before_cache(layer, x, o))
+        after = mx.compile(lambda x, a: _after_attention(layer, x, a))
+        self.before_cache = lambda x, o, *_: before(x, o)  # the layer's weights: constants
+        self.after_attention = lambda x, a, *_: after(x, a)
 
 
 def patch_layers(model) -> int:
-    """Give each llama / qwen3 decoder layer a compiled decode path; returns how many.
+    """Prepare the three variants on ``model``'s layers; ``use(variant)`` switches between them.
 
-    MODE["how"] picks it per call: "stock" (mlx-lm's), "layer" (two compiled
-    closures per layer, its weights constants of the trace) or "shared" (two
-    compiled functions for all layers, the layer's weights inputs of the trace:
-    one trace per batch size for the whole model).
+    "stock": mlx-lm's layers; "shared": ``runtime.compiled_decode`` as the
+    server installs it; "layer": its decode path with each layer's own pieces.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import llama, qwen3
-    from mlx_lm.models.base import scaled_dot_product_attention
+    stock = [type(layer) for layer in model.layers]
+    count = install_compiled_decode(model)
+    compiled = [type(layer) for layer in model.layers]
+    shared = [getattr(layer, "_compiled_decode", None) for layer in model.layers]
+    own = [_LayerPair(layer) if pair is not None else None
+           for layer, pair in zip(model.layers, shared, strict=True)]
 
-    layers = [layer for layer in model.layers
-              if type(layer) in (llama.TransformerBlock, qwen3.TransformerBlock)]
-    if not layers:
-        return 0
-    template = layers[0]
-    names = [name for name, _ in tree_flatten(template.parameters())]
+    def use(variant: str) -> None:
+        for i, layer in enumerate(model.layers):
+            if shared[i] is None:
+                continue
+            layer.__class__ = stock[i] if variant == "stock" else compiled[i]
+            layer._compiled_decode = own[i] if variant == "layer" else shared[i]
 
-    def with_weights(fn):
-        def run(x, y, *leaves):
-            saved = template.parameters()
-            template.update(tree_unflatten(list(zip(names, leaves, strict=True))))
-            try:
-                return fn(template, x, y)
-            finally:
-                template.update(saved)
-        return mx.compile(run)
-
-    shared_pre, shared_post = with_weights(_pre), with_weights(_post)
-    subclasses: dict[type, type] = {}
-    for layer in layers:
-        base = type(layer)
-        layer._decode_leaves = [v for _, v in tree_flatten(layer.parameters())]
-        layer._decode_pre = mx.compile(lambda x, o, layer=layer: _pre(layer, x, o))
-        layer._decode_post = mx.compile(lambda x, a, layer=layer: _post(layer, x, a))
-        if base not in subclasses:
-
-            def call(self, x, mask=None, cache=None, _base=base):
-                how = MODE["how"]
-                if (how == "stock" or x.shape[1] != 1 or cache is None
-                        or not isinstance(cache.offset, mx.array)):
-                    return _base.__call__(self, x, mask, cache)
-                if how == "shared":
-                    q, k, v = shared_pre(x, cache.offset, *self._decode_leaves)
-                else:
-                    q, k, v = self._decode_pre(x, cache.offset)
-                k, v = cache.update_and_fetch(k, v)
-                out = scaled_dot_product_attention(
-                    q, k, v, cache=cache, scale=self.self_attn.scale, mask=mask
-                )
-                if how == "shared":
-                    return shared_post(x, out, *self._decode_leaves)
-                return self._decode_post(x, out)
-
-            subclasses[base] = type(f"CompiledDecode{base.__name__}", (base,), {"__call__": call})
-        layer.__class__ = subclasses[base]
-    return len(layers)
+    SWITCH["use"] = use
+    use("stock")
+    return count
 
 
 def one_rep(gen, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -183,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in [int(r) for r in ns.rows.split(",")]:
         prompts = [prompt(i) for i in range(rows)]
         for variant in VARIANTS:  # warm-up: kernels and traces
-            MODE["how"] = variant
+            SWITCH["use"](variant)
             began = time.perf_counter()
             one_rep(gen, prompts, 8)
             print(f"rows {rows:3d} warm-up {variant}: {1000 * (time.perf_counter() - began):.0f} ms"
@@ -192,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
             got = {}
             for variant in order:
-                MODE["how"] = variant
+                SWITCH["use"](variant)
                 r = one_rep(gen, prompts, ns.max_tokens)
                 got[variant] = r.pop("tokens")
                 results.setdefault(f"{variant}@{rows}", []).append(r)
