@@ -25,7 +25,10 @@ weights passed in: one trace per batch size for the whole model, and no
 weight held by a trace (each layer's list of its weights is taken at
 installation: install once the weights are final). Layers whose
 projections are not plain or quantized ``Linear`` (LoRA adapters, a tensor-
-parallel shard with its collectives) keep mlx-lm's path.
+parallel shard with its collectives) keep mlx-lm's path. A compiled call that
+raises (a layer variant these functions do not trace) is not a failed step:
+the layer finishes uncompiled and the layers of its layout keep mlx-lm's path
+from then on, with a warning in the log.
 
 Relies on mlx-lm's layer layout (attribute names ``self_attn``,
 ``input_layernorm``, ``post_attention_layernorm``, ``mlp``, ``q_proj`` ...
@@ -103,6 +106,13 @@ class _SharedPair:
         self.names = [name for name, _ in tree_flatten(template.parameters())]
         self.before_cache = mx.compile(self._with_weights(_before_cache))
         self.after_attention = mx.compile(self._with_weights(_after_attention))
+        self.broken = False  # a compiled call raised: mlx-lm's path from then on
+
+    def give_up(self, error: Exception) -> None:
+        if not self.broken:
+            log.warning("the compiled decode path failed (%s: %s); the model's layers "
+                        "decode as mlx-lm builds them from now on", type(error).__name__, error)
+        self.broken = True
 
     def _with_weights(self, piece: Callable) -> Callable:
         from mlx.utils import tree_unflatten
@@ -168,11 +178,21 @@ def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
         if x.shape[1] != 1 or cache is None or not isinstance(cache.offset, mx.array):
             return base.__call__(self, x, mask, cache)
         pair, weights = self._compiled_decode, self._compiled_weights
-        queries, keys, values = pair.before_cache(x, cache.offset, *weights)
+        if pair.broken:
+            return base.__call__(self, x, mask, cache)
+        try:
+            queries, keys, values = pair.before_cache(x, cache.offset, *weights)
+        except Exception as exc:  # a trace that fails: this step, and every later one, uncompiled
+            pair.give_up(exc)
+            return base.__call__(self, x, mask, cache)
         keys, values = cache.update_and_fetch(keys, values)
         attended = attention(
             queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
         )
-        return pair.after_attention(x, attended, *weights)
+        try:
+            return pair.after_attention(x, attended, *weights)
+        except Exception as exc:  # the cache has this token: finish the layer uncompiled
+            pair.give_up(exc)
+            return _after_attention(self, x, attended)
 
     return type(f"CompiledDecode{base.__name__}", (base,), {"__call__": __call__})

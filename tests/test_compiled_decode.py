@@ -140,3 +140,24 @@ def test_unknown_models_are_left_alone():
     model = Model()
     assert install_compiled_decode(model) == 0
     assert all(type(layer) is Block for layer in model.layers)
+
+
+@pytest.mark.parametrize("piece", ["before_cache", "after_attention"])
+def test_a_compiled_piece_that_raises_falls_back_to_mlx_lms_path(tiny_model_path, piece, caplog):
+    """A failing compiled call is not a failed step: the same tokens, uncompiled from then on."""
+    stock, _ = load(tiny_model_path)
+    compiled, _ = load(tiny_model_path)
+    install_compiled_decode(compiled)
+    pair = compiled.layers[0]._compiled_decode
+    calls = [0]
+
+    def failing(*args):
+        calls[0] += 1
+        raise RuntimeError("cannot trace this layer")
+
+    setattr(pair, piece, failing)
+    with caplog.at_level("WARNING", logger="runtime.compiled_decode"):
+        assert batch_tokens(compiled) == batch_tokens(stock)
+    assert pair.broken
+    assert calls[0] == 1  # given up at the first failure
+    assert sum("compiled decode path failed" in r.getMessage() for r in caplog.records) == 1
