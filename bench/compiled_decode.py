@@ -48,6 +48,8 @@ VARIANTS = ("stock", "layer", "shared")
 class _LayerPair:
     """The per-layer variant: one layer's own compiled pieces, its weights constants of the trace."""
 
+    broken = False  # runtime.compiled_decode's fallback flag: never set here
+
     def __init__(self, layer):
         import mlx.core as mx
 

@@ -4,7 +4,8 @@
 that ``mlx_lm.load`` reads: the tiny test model's tokenizer and chat template
 (ids past its small vocabulary decode as "!"), and bf16 random weights with
 the layer sizes of SHAPE (``qwen3-0.6b``, ``llama3-8b``, ``llama3-8b-qwen2`` for pipeline
-runs, ``llama3-8b-narrow`` for host-overhead profiles on a CPU, or ``test`` for a smoke run).
+runs, ``llama3-8b-narrow`` and ``qwen3-moe-narrow`` for host-overhead profiles on a CPU, or
+``test`` for a smoke run).
 Compute per token matches the real model (but the narrow one's); the text is noise.
 """
 
@@ -42,6 +43,16 @@ SHAPES = {
         model_type="llama", hidden_size=64, num_hidden_layers=32, intermediate_size=224,
         num_attention_heads=8, num_key_value_heads=2, vocab_size=32768, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    # A mixture-of-experts layer stack (48 qwen3_moe layers, 32 experts, 8 a token, as a
+    # Qwen3-30B-A3B has 48 layers and 8 of 128 experts a token) at a tiny width: the
+    # per-layer Python of an MoE model on a CPU (bench/compiled_decode.py).
+    "qwen3-moe-narrow": dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=48, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=32,
+        num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=32, norm_topk_prob=True, vocab_size=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
     "test": dict(
         model_type="qwen3", hidden_size=128, num_hidden_layers=2, intermediate_size=256,

@@ -1,11 +1,11 @@
-"""A compiled decode path for mlx-lm's llama / qwen2 / qwen3 decoder layers.
+"""A compiled decode path for mlx-lm's llama / qwen2 / qwen3 / qwen3_moe decoder layers.
 
 Owns ``install_compiled_decode(model)``: it receives a loaded mlx-lm model
 (on the engine's thread, before its first step) and gives each decoder layer
 of a known kind a decode step through two ``mx.compile``d functions: the
 layer before its KV cache (input norm, q/k/v projections, q/k norms, RoPE at
 the cache's offsets) and the layer after its attention (output projection,
-residual, norm, MLP, residual). The KV-cache update and the attention stay as
+residual, norm, MLP or mixture of experts, residual). The KV-cache update and the attention stay as
 mlx-lm has them, so what changes shape every step (the cache's length) never
 enters a compiled function. It emits nothing; it returns how many layers took
 the path.
@@ -72,22 +72,43 @@ def _after_attention(layer: Any, x: Any, attended: Any) -> Any:
 
 
 def _block_classes() -> tuple[type, ...]:
-    from mlx_lm.models import llama, qwen2, qwen3
+    from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
 
-    return (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
+    return (
+        llama.TransformerBlock,
+        qwen2.TransformerBlock,
+        qwen3.TransformerBlock,
+        qwen3_moe.Qwen3MoeDecoderLayer,
+    )
 
 
 def _plain_projections(layer: Any) -> bool:
-    """Every projection a plain or quantized ``Linear`` (not LoRA, not a shard)."""
-    import mlx.nn as nn
+    """Every projection a plain or quantized ``Linear`` (not LoRA, not a shard).
 
+    A mixture-of-experts MLP (qwen3_moe's sparse block): its router a plain or
+    quantized ``Linear``, its experts mlx-lm's ``SwitchLinear`` layers, and no
+    sharding group (a sharded block sums over its group).
+    """
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    plain, experts = (nn.Linear, nn.QuantizedLinear), (SwitchLinear, QuantizedSwitchLinear)
     attn, mlp = layer.self_attn, layer.mlp
     try:
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                       mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        if hasattr(mlp, "switch_mlp"):
+            if getattr(mlp, "sharding_group", None) is not None:
+                return False
+            projections.append(mlp.gate)
+            switch = mlp.switch_mlp
+            if not all(type(p) in experts
+                       for p in (switch.gate_proj, switch.up_proj, switch.down_proj)):
+                return False
+        else:
+            projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     except AttributeError:
         return False
-    return all(type(p) in (nn.Linear, nn.QuantizedLinear) for p in projections)
+    return all(type(p) in plain for p in projections)
 
 
 class _SharedPair:

@@ -32,7 +32,7 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
   ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
 
 One more reliance lives beside what it serves: ``runtime.compiled_decode``
-relies on the attribute layout of mlx-lm's llama / qwen2 / qwen3 decoder
+relies on the attribute layout of mlx-lm's llama / qwen2 / qwen3 / qwen3_moe decoder
 layers, and ``tests/test_compiled_decode.py`` compares its tokens and logits
 with mlx-lm's own layers.
 

@@ -1,6 +1,7 @@
 """The compiled decode path (runtime.compiled_decode) against mlx-lm's own layers.
 
-Real mlx (CPU) on tiny models of each known architecture: a model with the
+Real mlx (CPU) on tiny models of each known architecture (qwen3_moe built here,
+with a dense layer and an expert layer): a model with the
 path installed must give the very tokens of the same model without it, through
 mlx-lm's ``BatchGenerator`` (where it applies) and ``stream_generate`` (where
 it must not), plain and quantized; layers it cannot take keep mlx-lm's path.
@@ -161,3 +162,37 @@ def test_a_compiled_piece_that_raises_falls_back_to_mlx_lms_path(tiny_model_path
     assert pair.broken
     assert calls[0] == 1  # given up at the first failure
     assert sum("compiled decode path failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def tiny_moe_model():
+    """A random two-layer qwen3_moe model: layer 0 a dense MLP, layer 1 four experts (top 2)."""
+    from mlx_lm.models import qwen3_moe
+
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        mlp_only_layers=[0], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=128,
+        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=512, norm_topk_prob=True,
+    )
+    mx.random.seed(3)
+    model = qwen3_moe.Model(args)
+    mx.eval(model.parameters())
+    twin = qwen3_moe.Model(args)
+    twin.update(model.parameters())
+    return model, twin
+
+
+def test_mixture_of_experts_layers_match_mlx_lms():
+    stock, compiled = tiny_moe_model()
+    assert install_compiled_decode(compiled) == 2
+    # The dense layer and the expert layer have different layouts: a compiled pair each.
+    assert compiled.layers[0]._compiled_decode is not compiled.layers[1]._compiled_decode
+    calls = count_calls(compiled)
+    np.testing.assert_allclose(
+        np.array(decode_logits(compiled)), np.array(decode_logits(stock)), rtol=1e-5, atol=1e-5
+    )
+    assert calls[0] == 2 * len(compiled.layers)
+    assert not any(layer._compiled_decode.broken for layer in compiled.layers)
+    prompts = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
+    assert batch_tokens(compiled, prompts) == batch_tokens(stock, prompts)
