@@ -20,7 +20,7 @@ A layer takes the compiled path only for a decode step (one token per row)
 on a batch KV cache (its offsets an array: mlx-lm's ``BatchKVCache``); a
 prefill, a single-sequence cache (``stream_generate``: Python offsets, which a
 trace would bake in) or any other call runs mlx-lm's own ``__call__``. All
-layers with the same parameter shapes share one compiled pair, the layer's
+layers with the same parameter shapes and settings (``_layout``) share one compiled pair, the layer's
 weights passed in: one trace per batch size for the whole model, and no
 weight held by a trace (each layer's list of its weights is taken at
 installation: install once the weights are final). Layers whose
@@ -152,11 +152,23 @@ class _SharedPair:
 
 
 def _layout(layer: Any) -> tuple:
+    """What a trace of ``layer`` depends on: its parameters' names, shapes and types, and
+    every submodule's scalar settings (RoPE base and scale, norms' eps, heads, top-k,
+    quantization bits), which a trace bakes in: layers share a compiled pair only where
+    all of these agree."""
     from mlx.utils import tree_flatten
 
-    return tuple(
+    parameters = tuple(
         (name, tuple(v.shape), v.dtype) for name, v in tree_flatten(layer.parameters())
     )
+    settings = tuple(
+        (name, tuple(sorted(
+            (key, value) for key, value in vars(module).items()
+            if isinstance(value, int | float | bool | str)
+        )))
+        for name, module in layer.named_modules()
+    )
+    return parameters, settings
 
 
 def install_compiled_decode(model: Any) -> int:

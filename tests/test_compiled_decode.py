@@ -196,3 +196,16 @@ def test_mixture_of_experts_layers_match_mlx_lms():
     assert not any(layer._compiled_decode.broken for layer in compiled.layers)
     prompts = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
     assert batch_tokens(compiled, prompts) == batch_tokens(stock, prompts)
+
+
+def test_layers_that_differ_in_a_setting_get_their_own_trace(tiny_model_path):
+    """A trace bakes in the template layer's RoPE base: a layer with another base must not share it."""
+    stock, _ = load(tiny_model_path)
+    compiled, _ = load(tiny_model_path)
+    for model in (stock, compiled):
+        model.layers[1].self_attn.rope.base = 500.0
+    install_compiled_decode(compiled)
+    assert compiled.layers[0]._compiled_decode is not compiled.layers[1]._compiled_decode
+    np.testing.assert_allclose(
+        np.array(decode_logits(compiled)), np.array(decode_logits(stock)), rtol=1e-5, atol=1e-5
+    )
