@@ -112,7 +112,7 @@ def _plain_projections(layer: Any) -> bool:
 
 
 class _SharedPair:
-    """The two compiled functions of every layer with one parameter layout.
+    """The two compiled functions of every layer with one layout (``_layout``).
 
     Each takes the layer's parameters as trailing inputs (in ``names``' order)
     and runs the pure layer code on ``template`` with them swapped in for the
@@ -131,7 +131,7 @@ class _SharedPair:
 
     def give_up(self, error: Exception) -> None:
         if not self.broken:
-            log.warning("the compiled decode path failed (%s: %s); the model's layers "
+            log.warning("the compiled decode path failed (%s: %s); the layers of its layout "
                         "decode as mlx-lm builds them from now on", type(error).__name__, error)
         self.broken = True
 
@@ -151,16 +151,12 @@ class _SharedPair:
         return run
 
 
-def _layout(layer: Any) -> tuple:
+def _layout(layer: Any, parameters: list[tuple[str, Any]]) -> tuple:
     """What a trace of ``layer`` depends on: its parameters' names, shapes and types, and
     every submodule's scalar settings (RoPE base and scale, norms' eps, heads, top-k,
     quantization bits), which a trace bakes in: layers share a compiled pair only where
-    all of these agree."""
-    from mlx.utils import tree_flatten
-
-    parameters = tuple(
-        (name, tuple(v.shape), v.dtype) for name, v in tree_flatten(layer.parameters())
-    )
+    all of these agree. ``parameters``: the layer's, flattened."""
+    shapes = tuple((name, tuple(v.shape), v.dtype) for name, v in parameters)
     settings = tuple(
         (name, tuple(sorted(
             (key, value) for key, value in vars(module).items()
@@ -168,7 +164,7 @@ def _layout(layer: Any) -> tuple:
         )))
         for name, module in layer.named_modules()
     )
-    return parameters, settings
+    return shapes, settings
 
 
 def install_compiled_decode(model: Any) -> int:
@@ -190,11 +186,12 @@ def install_compiled_decode(model: Any) -> int:
         base = type(layer)
         if base not in known or not _plain_projections(layer):
             continue
-        layout = _layout(layer)
+        parameters = tree_flatten(layer.parameters())
+        layout = _layout(layer, parameters)
         if layout not in pairs:
             pairs[layout] = _SharedPair(layer)
         layer._compiled_decode = pairs[layout]
-        layer._compiled_weights = [v for _, v in tree_flatten(layer.parameters())]
+        layer._compiled_weights = [v for _, v in parameters]
         if base not in subclasses:
             subclasses[base] = _compiled_subclass(base, mx, scaled_dot_product_attention)
         layer.__class__ = subclasses[base]
