@@ -194,8 +194,7 @@ def test_mixture_of_experts_layers_match_mlx_lms():
     )
     assert calls[0] == 2 * len(compiled.layers)
     assert not any(layer._compiled_decode.broken for layer in compiled.layers)
-    prompts = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
-    assert batch_tokens(compiled, prompts) == batch_tokens(stock, prompts)
+    assert batch_tokens(compiled) == batch_tokens(stock)
 
 
 def test_layers_that_differ_in_a_setting_get_their_own_trace(tiny_model_path):
