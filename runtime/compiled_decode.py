@@ -201,6 +201,40 @@ def install_compiled_decode(model: Any) -> int:
     return installed
 
 
+def trace_batch_sizes(model: Any, sizes: Any) -> int:
+    """Trace, and run once, every compiled pair of ``model`` at each batch size in ``sizes``.
+
+    A compiled function traces anew for every input shape it has not met, and a
+    server's decode batch changes size with every arrival and finish; tracing the
+    sizes it can meet at load moves that cost off the first steps that meet them.
+    Runs on zeros (a batch of ``rows`` one-token rows at offset 0) on the calling
+    thread's default stream; returns how many (pair, size) traces it made. Call it
+    after ``install_compiled_decode``, on the thread that steps the model.
+    """
+    import mlx.core as mx
+
+    representatives: dict[int, Any] = {}
+    for layer in getattr(model, "layers", None) or []:
+        pair = getattr(layer, "_compiled_decode", None)
+        if pair is not None and not pair.broken:
+            representatives.setdefault(id(pair), layer)
+    traced = 0
+    for layer in representatives.values():
+        pair, weights = layer._compiled_decode, layer._compiled_weights
+        norm_weight = layer.input_layernorm.weight
+        for rows in sizes:
+            x = mx.zeros((rows, 1, norm_weight.shape[0]), dtype=norm_weight.dtype)
+            offset = mx.zeros((rows,), dtype=mx.int32)
+            try:
+                queries, keys, values = pair.before_cache(x, offset, *weights)
+                mx.eval(pair.after_attention(x, queries, *weights), keys, values)
+            except Exception as exc:  # as in a step: this layout keeps mlx-lm's path
+                pair.give_up(exc)
+                break
+            traced += 1
+    return traced
+
+
 def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
     """``base`` with a ``__call__`` that takes the compiled path for a batched decode step."""
 

@@ -277,6 +277,17 @@ class ServerConfig:
         "draft model, a quantized KV cache) keep mlx-lm's path "
         "([performance.md](performance.md#h200-thirteenth-session)).",
     )
+    lazy_decode_traces: bool = setting(
+        False,
+        help="with --decode-path compiled, trace the compiled decode step for each batch size "
+        "when a step first meets it instead of for every size up to --decode-concurrency at load",
+        ours=True,
+        notes="A compiled function is traced for every input shape it has not met, and a "
+        "server's decode batch changes size with every arrival and finish. At load the engine "
+        "traces sizes 1 to `--decode-concurrency` (on a 2-core CPU about 1 ms a size, plus "
+        "2-5 s once per machine while MLX builds and caches its fused CPU kernels, which "
+        "otherwise the first requests wait for).",
+    )
     admission_window_ms: float = setting(
         30.0,
         help="while at least --prompt-concurrency sequences decode, hold a new request up to "

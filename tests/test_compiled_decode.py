@@ -208,3 +208,42 @@ def test_layers_that_differ_in_a_setting_get_their_own_trace(tiny_model_path):
     np.testing.assert_allclose(
         np.array(decode_logits(compiled)), np.array(decode_logits(stock)), rtol=1e-5, atol=1e-5
     )
+
+
+def test_batch_sizes_traced_at_load_are_not_traced_again(model_path, monkeypatch):
+    """``trace_batch_sizes`` traces each layout once a size; a decode step at a traced size
+    adds no trace (the same tokens), one at a size not traced adds one."""
+    import runtime.compiled_decode as compiled_decode
+
+    traces: list[int] = []
+    before_cache = compiled_decode._before_cache
+
+    def counted(layer, x, offset):  # runs only while MLX traces the compiled function
+        traces.append(x.shape[0])
+        return before_cache(layer, x, offset)
+
+    monkeypatch.setattr(compiled_decode, "_before_cache", counted)
+    stock, _ = load(model_path)
+    compiled, _ = load(model_path)
+    install_compiled_decode(compiled)
+    layouts = len({id(layer._compiled_decode) for layer in compiled.layers})
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):
+        assert compiled_decode.trace_batch_sizes(compiled, [1, 3]) == 2 * layouts
+    assert sorted(traces) == [1] * layouts + [3] * layouts
+
+    def tokens(model, prompts):
+        gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stream=stream)
+        uids = gen.insert(prompts, max_tokens=[6] * len(prompts))
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while len(out) and any(len(t) < 6 for t in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[u] for u in uids]
+
+    assert tokens(compiled, PROMPTS) == tokens(stock, PROMPTS)  # three rows: traced
+    assert len(traces) == 2 * layouts
+    four = [*PROMPTS, [8, 8, 1]]
+    assert tokens(compiled, four) == tokens(stock, four)  # four rows: a new trace
+    assert traces[2 * layouts:] == [4] * layouts
