@@ -270,9 +270,9 @@ class ServerConfig:
         "all layers (the cache update and the attention stay mlx-lm's), with the same tokens: "
         "on an H200 0.91-0.99x the step time at like host speed (1 to 64 rows, both benchmark "
         "shapes), on a 2-core CPU 0.70x at batch 1 on a 32-layer model and 0.6x on a 48-layer "
-        "mixture of experts. In a whole server on "
-        "an H200 it measured 5-6 % below `mlx` at 32 clients on a 0.6B model (not explained "
-        "yet) and within 4 % either way at 8 and 64. Prefill, other "
+        "mixture of experts. In a whole server on an H200: within 4 % of `mlx` either way "
+        "at 8 and 64 clients; at 32 on a 0.6B model 5-6 % below it in one session and "
+        "4-25 % above it in the next, at like host speed (the host's noise). Prefill, other "
         "architectures, LoRA adapters, a distributed group and the one-at-a-time engine (a "
         "draft model, a quantized KV cache) keep mlx-lm's path "
         "([performance.md](performance.md#h200-thirteenth-session)).",
@@ -284,9 +284,12 @@ class ServerConfig:
         ours=True,
         notes="A compiled function is traced for every input shape it has not met, and a "
         "server's decode batch changes size with every arrival and finish. At load the engine "
-        "traces sizes 1 to `--decode-concurrency` (on a 2-core CPU about 1 ms a size, plus "
-        "2-5 s once per machine while MLX builds and caches its fused CPU kernels, which "
-        "otherwise the first requests wait for).",
+        "traces sizes 1 to `--decode-concurrency`: on a 2-core CPU about 1 ms a size, plus "
+        "about 7 s on the demo model once per machine while MLX builds and caches its fused "
+        "CPU kernels, which otherwise the first request waits for (its reply took 7.5 s); on "
+        "an H200 0.33 s for 64 sizes, where a new size's first step costs 2-6 ms more with "
+        "either decode path and the traces gained nothing measurable "
+        "([performance.md](performance.md#h200-fourteenth-session)).",
     )
     admission_window_ms: float = setting(
         30.0,
