@@ -53,9 +53,13 @@ from runtime.mlx_lm_internals import new_eviction_order
 
 log = logging.getLogger(__name__)
 
-# Tokens of evicted entries remembered, to explain misses: 4 bytes a token plus about
-# 1.3 KB an entry for its index (measured: 6,990 entries of 150 tokens fill it in 12.6 MB).
+# Evicted entries remembered (their tokens only), to explain misses: the most recent
+# GHOST_ENTRIES of them within GHOST_TOKENS tokens. 4 bytes a token plus about 1.3 KB an
+# entry for its index (measured: 6,990 entries of 150 tokens in 12.6 MB), so 1,024
+# short entries take about 2 MB and a server's memory stops growing after as many
+# evictions; long prompts are held to the token bound (about 4 MB).
 GHOST_TOKENS = 1 << 20
+GHOST_ENTRIES = 1024
 CLOSED_KEPT = 1024  # requests closed before they started, still remembered
 
 
@@ -122,6 +126,7 @@ class PromptCacheCore:
         max_bytes: int | None = None,
         min_reuse: int = 0,
         ghost_tokens: int = GHOST_TOKENS,
+        ghost_entries: int = GHOST_ENTRIES,
     ):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -134,6 +139,7 @@ class PromptCacheCore:
         self._order = new_eviction_order()  # last use: when stored, per segment type
         self._by_conversation: dict[str, set[int]] = collections.defaultdict(set)
         self._ghost_limit = ghost_tokens
+        self._ghost_entries = ghost_entries
         self._ghosts = TokenTrie()
         self._ghost_info: dict[int, _Ghost] = {}
         self._ghost_fifo: collections.deque[int] = collections.deque()
@@ -357,8 +363,9 @@ class PromptCacheCore:
             self._remember(model, tokens, info)
 
     def _remember(self, model: str, tokens, ghost: _Ghost) -> None:
-        """Keep a gone entry's tokens (oldest forgotten first, within ``ghost_tokens``)."""
-        if ghost.ntokens > self._ghost_limit:
+        """Keep a gone entry's tokens (oldest forgotten first, within ``ghost_tokens``
+        and ``ghost_entries``)."""
+        if ghost.ntokens > self._ghost_limit or self._ghost_entries < 1:
             return
         ghost_id = self._next_ghost
         self._next_ghost += 1
@@ -368,7 +375,7 @@ class PromptCacheCore:
         self._ghost_tokens += ghost.ntokens
         if ghost.conversation_key is not None:
             self._ghosts_by_conversation[ghost.conversation_key].add(ghost_id)
-        while self._ghost_tokens > self._ghost_limit:
+        while self._ghost_tokens > self._ghost_limit or len(self._ghost_fifo) > self._ghost_entries:
             old = self._ghost_fifo.popleft()
             self._ghosts.remove(old)
             info = self._ghost_info.pop(old)

@@ -242,6 +242,20 @@ def test_an_evicted_entry_explains_the_miss_and_the_order_is_mlx_lms():
     assert (figures["entries"], figures["bytes"]) == (3, len(A) + 20)
 
 
+def test_evicted_entries_are_remembered_within_their_count_and_token_bounds():
+    """The oldest ghosts go first once either bound is passed: their prompts then read
+    ``no_entry``, the newer ones still ``evicted``."""
+    prompts = [tuple(range(10 * i + 1000, 10 * i + 1010)) for i in range(5)]
+    for bounds, remembered in (({"ghost_entries": 3}, 3), ({"ghost_tokens": 20}, 2)):
+        core = core_with(max_entries=1, **bounds)
+        for i, tokens in enumerate(prompts, start=1):
+            feed(core, stored(i, tokens))
+        assert list(core.entries()) == [5]  # entries 1-4 evicted, one after another
+        reasons = [core.explain(MODEL, tokens + (1,)).miss_reason for tokens in prompts[:4]]
+        forgotten = 4 - remembered
+        assert reasons == [CacheMissReason.NO_ENTRY] * forgotten + [CacheMissReason.EVICTED] * remembered
+
+
 def test_the_byte_budget_gives_way_to_the_running_sequences():
     core = core_with(max_bytes=50)
     feed(core, stored(1, A), stored(2, B))
