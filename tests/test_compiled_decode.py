@@ -28,9 +28,10 @@ def model_path(request, tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp(f"cd-{arch}") / arch, arch=arch))
 
 
-def batch_tokens(model, prompts=PROMPTS, max_tokens: int = 12) -> list[list[int]]:
-    """Greedy tokens of ``prompts`` decoded together (one batch, rows of different lengths)."""
-    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+def batch_tokens(model, prompts=PROMPTS, max_tokens: int = 12, **options) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` decoded together (one batch, rows of different lengths);
+    ``options``: more ``BatchGenerator`` arguments (its ``stream``)."""
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, **options)
     uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
     out: dict[int, list[int]] = {u: [] for u in uids}
     left = set(uids)
@@ -233,14 +234,7 @@ def test_batch_sizes_traced_at_load_are_not_traced_again(model_path, monkeypatch
     assert sorted(traces) == [1] * layouts + [3] * layouts
 
     def tokens(model, prompts):
-        gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stream=stream)
-        uids = gen.insert(prompts, max_tokens=[6] * len(prompts))
-        out: dict[int, list[int]] = {u: [] for u in uids}
-        while len(out) and any(len(t) < 6 for t in out.values()):
-            for r in gen.next_generated():
-                out[r.uid].append(r.token)
-        gen.close()
-        return [out[u] for u in uids]
+        return batch_tokens(model, prompts, max_tokens=6, stream=stream)
 
     assert tokens(compiled, PROMPTS) == tokens(stock, PROMPTS)  # three rows: traced
     assert len(traces) == 2 * layouts
