@@ -35,6 +35,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(count: int, avoid: int) -> int:
+    """A first port of ``count`` consecutive free ports, none of them ``avoid``: mlx.launch's
+    ring gives rank i ``--starting-port + i`` (a free first port alone once ran into the
+    server's own HTTP port, chosen just before)."""
+    while True:
+        first = free_port()
+        ports = range(first, first + count)
+        if avoid in ports:
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+
+
 def server_command(model: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
             "--max-tokens", "24", *extra]
@@ -290,7 +308,7 @@ def test_mlx_launch_starts_a_serving_group(llama_model_path, tmp_path):
     base = f"http://127.0.0.1:{port}"
     log = (tmp_path / "launch.log").open("wb")
     proc = subprocess.Popen(
-        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port_run(2, avoid=port)),
          "--", *server_command(llama_model_path, port, "--distributed-backend", "ring")],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -325,7 +343,7 @@ def test_killing_the_launcher_ends_both_ranks(llama_model_path, tmp_path):
     port = free_port()
     log = (tmp_path / "launch.log").open("wb")
     proc = subprocess.Popen(
-        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port()),
+        [str(launcher), "--backend", "ring", "-n", "2", "--starting-port", str(free_port_run(2, avoid=port)),
          "--", *server_command(llama_model_path, port, "--distributed-backend", "ring")],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
