@@ -325,6 +325,20 @@ class ServerConfig:
         "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
         "launch.",
     )
+    shared_prefill_min_tokens: int = setting(
+        256,
+        help="a request that repeats at least this many tokens of a prompt being prefilled, "
+        "not in the prompt cache yet, waits until that prefix is cached and starts from it "
+        "instead of computing it again (0: every request computes its own)",
+        minimum=0,
+        ours=True,
+        notes="For sessions that start together over one long system prompt (coding agents): "
+        "the prefix is prefilled once, at the end of the system prompt, where the prompt "
+        "cache stores a copy; the others then prefill only what follows it. A waiting "
+        "request's stream gets keep-alive comments with its leader's progress. Lower it to "
+        "share shorter prefixes; 0 turns it off "
+        "([performance.md](performance.md#coding-agents-sessions)).",
+    )
     prompt_cache_min_reuse: int = setting(
         64,
         help="reuse a cached prompt prefix only if it covers at least this many tokens "

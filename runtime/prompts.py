@@ -36,6 +36,12 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 THINKING_TAIL_TOKENS = 11
 
 
+# Prompts whose last message is one of these are split into segments. A coding
+# agent's turn often ends with a tool result: its system prompt gets a cache
+# entry of its own as a user turn's does.
+SEGMENTED_ROLES = ("user", "tool")
+
+
 def plan_segments(
     prompt: Sequence[int],
     *,
@@ -53,7 +59,7 @@ def plan_segments(
     """
     prompt = tuple(prompt)
     whole = SegmentPlan(segments=(prompt,), segment_types=("assistant",))
-    if last_role != "user" or not prompt:
+    if last_role not in SEGMENTED_ROLES or not prompt:
         return whole
 
     segments: list[tuple[int, ...]] = []
@@ -174,7 +180,7 @@ def prepare_chat(
         if m["role"] != "system":
             break
         n_system += 1
-    if n_system and messages[-1]["role"] == "user":
+    if n_system and messages[-1]["role"] in SEGMENTED_ROLES:
         try:
             system_prefix = encode(
                 tokenizer,

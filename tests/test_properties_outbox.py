@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from runtime.messages import Delta, Failed, Finished, Progress, ToolCall, Usage
 from runtime.outbox import Outbox
-from runtime.prompts import THINKING_TAIL_TOKENS, plan_segments
+from runtime.prompts import SEGMENTED_ROLES, THINKING_TAIL_TOKENS, plan_segments
 
 # ------------------------------------------------------------------- Outbox
 
@@ -231,7 +231,7 @@ def plan_inputs(draw):
 def test_plan_segments(inputs):
     prompt, system_prefix, last_role, thinking = inputs
     d = divergence(system_prefix or [], prompt)
-    has_system = bool(last_role == "user" and prompt and system_prefix and d)
+    has_system = bool(last_role in SEGMENTED_ROLES and prompt and system_prefix and d)
 
     plan = plan_segments(
         prompt,
@@ -248,7 +248,7 @@ def test_plan_segments(inputs):
     assert list(types) == sorted(set(types), key=SEGMENT_TYPES.index)
     if prompt:
         assert all(segments)
-    if last_role != "user" or not prompt:
+    if last_role not in SEGMENTED_ROLES or not prompt:
         assert (segments, types) == ((prompt,), ("assistant",))
         return
     # A system segment iff the system rendering diverges from the prompt at d > 0;

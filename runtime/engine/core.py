@@ -49,6 +49,7 @@ from runtime.engine.records import (
     back_off_one_token,
     token_event,
 )
+from runtime.engine.shared_prefill import SharedPrefills, save_points
 from runtime.messages import (
     Abort,
     EngineCommand,
@@ -106,6 +107,7 @@ class EngineCore:
         admission_limit: int | None = None,
         prefill_group: Callable[[Any], Any] | None = None,
         burst_wait: float = 0.0,
+        shared_prefill_min_tokens: int = 0,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
@@ -143,7 +145,12 @@ class EngineCore:
         decodes, a request that arrives alone waits this long for a second one.
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
-        mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``)."""
+        mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``).
+
+        ``shared_prefill_min_tokens`` (0: off): a request that repeats at least this
+        many tokens, not in the prompt cache yet, of a prompt being prefilled waits
+        until that prefix is stored, then starts from it
+        (``runtime.engine.shared_prefill``)."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -165,6 +172,7 @@ class EngineCore:
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
+        self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
         self._by_uid: dict[int, _Sequence] = {}
         self._by_request: dict[int, _Sequence] = {}
         self._started: list[SequenceStarted] = []
@@ -181,6 +189,7 @@ class EngineCore:
         ids += self._clones.request_ids()
         if held:
             ids += [i for _, sub in self._held for i in sub.request_ids]
+            ids += self._shared.request_ids()
         return ids
 
     @property
@@ -189,7 +198,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_request or self._held)
+        return bool(self._by_request or self._held or self._shared)
 
     def hold_timeout(self) -> float | None:
         """While nothing decodes and requests are held (a burst: ``Submit.followed``, or the
@@ -231,6 +240,8 @@ class EngineCore:
         instead of the prompt cache's nearest entry; ``clone``: a further choice)."""
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
+        if start is None and not clone and self._shared.wait_behind(sub, self._cached_now):
+            return  # behind a sequence that is prefilling the same prefix
         try:
             uid, cached, segment_types, batch_kv_bytes = self._insert(sub, start)
         except Exception as exc:  # one bad request must not take the engine down
@@ -248,6 +259,8 @@ class EngineCore:
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
+        if not clone:
+            self._shared.track(sub.request_id, sub.prompt, save_points(sub.segments, cached), cached)
         # A copy of the first choice's cache is no prompt-cache hit.
         self.counters.started(cached if start is None else 0, len(sub.prompt))
         self.counters.prompt_tokens_computed += len(sub.prompt) - cached
@@ -264,6 +277,12 @@ class EngineCore:
         elif sub.choice_ids:  # nothing to share: the prompt cache (if anything) serves each
             for choice in further_choices(sub):
                 self._submit(choice, clone=True)
+
+    def _cached_now(self, tokens) -> int:
+        """How many leading ``tokens`` the prompt cache could serve now."""
+        self.cache_entries.settle()  # entries queued in this step count
+        shared_prefix = getattr(self.prompt_cache, "shared_prefix", None)
+        return shared_prefix(self.handle.model_key, list(tokens)) if shared_prefix else 0
 
     def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str], int]:
         """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
@@ -356,7 +375,9 @@ class EngineCore:
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
         choice takes with it the choices still waiting for its prompt."""
-        ended = withdraw_waiting(self._held, self._clones, request_id)
+        ended = withdraw_waiting(self._held, self._clones, request_id) or self._shared.drop(
+            request_id
+        )
         self._aborted.extend(SequenceAborted(request_id=r) for r in ended)
         if ended:
             return True
@@ -376,6 +397,8 @@ class EngineCore:
         del self._by_request[seq.request_id]
         if self.batch_sampler is not None:
             self.batch_sampler.forget(seq.uid)
+        for follower in self._shared.ended(seq.request_id):
+            self._submit(follower)  # its leader left: the prompt cache serves what it holds
 
     # ---------------------------------------------------------------- steps
 
@@ -427,12 +450,14 @@ class EngineCore:
 
         save = []
         share = []  # first choices whose prompt is processed up to its last token
+        shared = self._shared
         for r in prompt_responses:
             seq = self._by_uid.get(r.uid)
             if seq is None:
                 continue
             done, total = r.progress
             progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
+            shared.progressed(seq.request_id, done)
             if r.end_of_segment and not r.end_of_prompt and seq.segment_types:
                 save.append(r.uid)
             if seq.request_id in self._clones and prompt_but_last_done(r):
@@ -441,6 +466,7 @@ class EngineCore:
                 self._awaiting_first.add(r.uid)
         wanted = sorted(set(save) | set(share))
         extracted = self._batch.extract_cache(wanted) if wanted else {}
+        released: list[Submit] = []
         for uid in save:
             cache, cache_tokens = extracted[uid]
             seq = self._by_uid[uid]
@@ -451,6 +477,12 @@ class EngineCore:
                 cache_type=seq.segment_types.pop(),
                 request_id=seq.request_id,
             )
+            released += shared.stored(seq.request_id, len(cache_tokens))
+        for follower in released:  # their lookup finds the prefix just stored
+            self._submit(follower)
+        if shared:  # the waiting ones' streams hear of their leader's progress
+            for request_id, done, total in shared.progress():
+                progress.append(PromptProgress(request_id=request_id, done=done, total=total))
         for uid in share:  # the prompt cache may hold this very cache: only copies then
             first = self._by_uid[uid].request_id
             self._clones.start(first, extracted[uid][0], self._submit, own=uid not in save)
@@ -501,6 +533,7 @@ class EngineCore:
             )
         if closing:
             self._held.clear()
+        waiting = self._shared.clear()  # their leaders are gone
         self._clones.clear()
         self._by_uid.clear()
         self._awaiting_first.clear()
@@ -510,6 +543,8 @@ class EngineCore:
         self._close_batch()
         if not closing:
             self._batch = self._new_batch_generator()
+            for sub in waiting:
+                self._submit(sub)
 
     def _close_batch(self) -> None:
         close = getattr(self._batch, "close", None)

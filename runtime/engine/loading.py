@@ -265,6 +265,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         admission_batch=config.prompt_concurrency,
         admission_tokens=0 if serial else config.prefill_group_tokens,
         admission_limit=config.decode_concurrency,
+        shared_prefill_min_tokens=0 if serial else config.shared_prefill_min_tokens,
         prefill_group=None
         if serial or config.prefill_group_tokens == 0
         else functools.partial(
