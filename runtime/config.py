@@ -325,6 +325,21 @@ class ServerConfig:
         "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
         "launch.",
     )
+    decode_stall_factor: float = setting(
+        1.5,
+        help="while sequences decode, a step prefills only as many prompt tokens as take about "
+        "this many decode steps' time (0: full --prefill-step-size chunks, as mlx-lm)",
+        minimum=0,
+        maximum=100,
+        ours=True,
+        notes="A long prompt arriving while others stream would otherwise hold every one of "
+        "their tokens back for a whole chunk (2,048 tokens of prefill per prompt). The engine "
+        "learns a decode step's time and a prompt token's from the steps it runs and sizes "
+        "the chunk so that the time between the others' tokens stays within about one plus "
+        "this factor decode steps; with nothing decoding, chunks are full. Raise it (or 0) "
+        "for faster prefills under load at the cost of the others' smoothness "
+        "([performance.md](performance.md#coding-agents-sessions)).",
+    )
     shared_prefill_min_tokens: int = setting(
         256,
         help="a request that repeats at least this many tokens of a prompt being prefilled, "

@@ -30,6 +30,9 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``size_prefill_group``: how many waiting prompts join the prefill in the
   coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
   ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
+* ``coming_prefill``: what the coming step decodes and prefills, for the chunk
+  size set between steps (the same attributes, ``_generation_batch``,
+  ``prefill_step_size``; ``runtime.engine.pacing``).
 
 One more reliance lives beside what it serves: ``runtime.compiled_decode``
 relies on the attribute layout of mlx-lm's llama / qwen2 / qwen3 / qwen3_moe decoder
@@ -445,3 +448,24 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
         joining += 1
     generator.prefill_batch_size = len(generator._prompt_batch) + joining
     return joining
+
+
+def coming_prefill(generator: BatchGenerator) -> tuple[int, int, int]:
+    """What the coming ``generator.next()`` will do, with the generator's sizes as set:
+    (sequences it decodes, prompts it prefills, their prefill tokens padded to the
+    longest chunk, as mlx-lm pads them)."""
+    decoding = len(generator._generation_batch)
+    if decoding >= generator.completion_batch_size:
+        return decoding, 0, 0  # mlx-lm prefills nothing in such a step
+    step_size = generator.prefill_step_size
+    chunks = [_first_chunk(m[0], step_size) for m in generator._currently_processing
+              if not _is_done(m)]
+    joining = min(
+        generator.prefill_batch_size - len(generator._prompt_batch),
+        generator.completion_batch_size - decoding,
+        len(generator._unprocessed_sequences),
+    )
+    for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
+        chunks.append(_first_chunk(sequence[1], step_size))
+    chunks = [c for c in chunks if c]
+    return decoding, len(chunks), len(chunks) * max(chunks, default=0)

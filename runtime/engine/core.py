@@ -108,6 +108,7 @@ class EngineCore:
         prefill_group: Callable[[Any], Any] | None = None,
         burst_wait: float = 0.0,
         shared_prefill_min_tokens: int = 0,
+        paced_steps: Any = None,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
@@ -150,7 +151,11 @@ class EngineCore:
         ``shared_prefill_min_tokens`` (0: off): a request that repeats at least this
         many tokens, not in the prompt cache yet, of a prompt being prefilled waits
         until that prefix is stored, then starts from it
-        (``runtime.engine.shared_prefill``)."""
+        (``runtime.engine.shared_prefill``).
+
+        ``paced_steps`` (``runtime.engine.pacing.PacedSteps``; None: mlx-lm's full
+        chunks) sizes each step's prefill chunk while sequences decode, around the
+        prefill group's sizing, and times each ``next()``."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -169,6 +174,7 @@ class EngineCore:
         self._admission_tokens = admission_tokens
         self._admission_limit = admission_limit
         self._prefill_group = prefill_group
+        self._paced = paced_steps
         self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
@@ -443,9 +449,15 @@ class EngineCore:
         return outputs
 
     def _run_step(self, progress: list[PromptProgress], tokens: list[TokenEvent]) -> None:
-        if self._prefill_group is not None:
+        paced = self._paced
+        if paced is not None:
+            paced.before(self._batch, self._prefill_group)
+        elif self._prefill_group is not None:
             self._prefill_group(self._batch)
+        began = time.perf_counter()
         prompt_responses, generation_responses = self._batch.next()
+        if paced is not None:
+            paced.after(time.perf_counter() - began)
         key = self.handle.model_key
 
         save = []

@@ -27,12 +27,17 @@ from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
+from runtime.engine.pacing import PacedSteps, PrefillPacer
 from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
 from runtime.mlx_environment import install_prefill_attention, server_defaults
-from runtime.mlx_lm_internals import sharded_load_on_the_default_stream, size_prefill_group
+from runtime.mlx_lm_internals import (
+    coming_prefill,
+    sharded_load_on_the_default_stream,
+    size_prefill_group,
+)
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 
@@ -266,6 +271,11 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         admission_tokens=0 if serial else config.prefill_group_tokens,
         admission_limit=config.decode_concurrency,
         shared_prefill_min_tokens=0 if serial else config.shared_prefill_min_tokens,
+        paced_steps=None
+        if serial or config.decode_stall_factor == 0
+        else PacedSteps(
+            PrefillPacer(config.decode_stall_factor, config.prefill_step_size), coming_prefill
+        ),
         prefill_group=None
         if serial or config.prefill_group_tokens == 0
         else functools.partial(

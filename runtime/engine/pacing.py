@@ -1,0 +1,102 @@
+"""How many prompt tokens a step prefills while other sequences decode.
+
+mlx-lm's ``BatchGenerator`` runs, in one ``next()``, a decode step for the
+sequences that are generating and then one prefill chunk of up to
+``prefill_step_size`` tokens for each prompt being processed (right-padded to
+the longest). With a long prompt arriving while others stream, every such
+step holds their next token back for the whole chunk: 2,048 tokens of an 8B
+model's prefill are many decode steps long. As vLLM's token budget and
+Sarathi-Serve do, ``PrefillPacer`` sizes the chunk so that a step's prefill
+takes about ``factor`` times a decode step: the decoding sequences' time
+between tokens stays within about ``1 + factor`` of a decode step during any
+prefill, and the prompt is still prefilled as fast as that allows. With
+nothing decoding, chunks are mlx-lm's full ``prefill_step_size``.
+
+It learns both times from the steps it sees: the wall time of steps that only
+decode, and the time per (padded) prompt token of steps that prefill, less
+their decode part (exponential averages: the time per token grows with the
+context). Sans-IO: ``observe`` after each step, ``chunk`` before the next;
+the generator is read and set through ``runtime.mlx_lm_internals``.
+"""
+
+from __future__ import annotations
+
+# Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
+MIN_CHUNK = 64
+# Weight of the newest observation in the running estimates.
+SMOOTHING = 0.3
+
+
+class PrefillPacer:
+    """Running estimates of a decode step's time and a prompt token's, and the chunk
+    they allow.
+
+    ``factor``: a step's prefill may take this many decode steps' time (0: off,
+    every chunk is ``full_chunk``). ``full_chunk``: the configured
+    ``--prefill-step-size``."""
+
+    def __init__(self, factor: float, full_chunk: int, min_chunk: int = MIN_CHUNK):
+        self.factor = factor
+        self.full_chunk = full_chunk
+        self.min_chunk = min(min_chunk, full_chunk)
+        self.decode_seconds: float | None = None  # a step that only decodes
+        self.token_seconds: float | None = None  # one padded prompt token of a prefill
+
+    def observe(self, seconds: float, *, decoding: int, prefill_tokens: int) -> None:
+        """One step took ``seconds`` with ``decoding`` sequences generating and
+        ``prefill_tokens`` prompt tokens processed (padding counted)."""
+        if decoding and not prefill_tokens:
+            self.decode_seconds = _average(self.decode_seconds, seconds)
+        elif prefill_tokens:
+            decode_part = (self.decode_seconds or 0.0) if decoding else 0.0
+            if seconds > decode_part:
+                per_token = (seconds - decode_part) / prefill_tokens
+                self.token_seconds = _average(self.token_seconds, per_token)
+
+    def chunk(self, *, decoding: int, prompts: int) -> int:
+        """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
+        generating and ``prompts`` prompts prefilling."""
+        if (
+            not self.factor
+            or not decoding
+            or not prompts
+            or self.decode_seconds is None
+            or not self.token_seconds
+        ):
+            return self.full_chunk
+        tokens = self.factor * self.decode_seconds / self.token_seconds
+        return max(self.min_chunk, min(self.full_chunk, int(tokens / prompts)))
+
+
+def _average(current: float | None, new: float) -> float:
+    return new if current is None else current + SMOOTHING * (new - current)
+
+
+class PacedSteps:
+    """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
+    before it (``before``, with the prefill group's sizing in between) and times it
+    (``after``). ``coming`` reads what the step will do:
+    ``runtime.mlx_lm_internals.coming_prefill``."""
+
+    def __init__(self, pacer: PrefillPacer, coming) -> None:
+        self.pacer = pacer
+        self._coming = coming
+        self._decoding = 0
+        self._tokens = 0
+
+    def before(self, generator, size_group=None) -> None:
+        """Size the coming step's prefill chunk (``size_group(generator)``: the group's
+        sizing, which reads the chunk, runs in between)."""
+        decoding, prompts, _ = self._coming(generator)
+        generator.prefill_step_size = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        if size_group is not None:
+            size_group(generator)
+        decoding, prompts, tokens = self._coming(generator)
+        narrower = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        if narrower < generator.prefill_step_size:  # more joined than first counted
+            generator.prefill_step_size = narrower
+            tokens = self._coming(generator)[2]
+        self._decoding, self._tokens = decoding, tokens
+
+    def after(self, seconds: float) -> None:
+        self.pacer.observe(seconds, decoding=self._decoding, prefill_tokens=self._tokens)

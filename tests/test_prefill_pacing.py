@@ -1,0 +1,131 @@
+"""A long prefill does not freeze the sequences that decode: its chunks are paced.
+
+``PrefillPacer`` on its own (what it learns, what chunk it allows), then
+``coming_prefill`` against mlx-lm's real ``BatchGenerator`` (it predicts what
+``next()`` prefills), then the engine core on the tiny model: a long prompt
+that arrives while others decode is prefilled in small chunks, one per
+decode step, and every sequence still gets the tokens it gets unpaced.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from runtime.config import ServerConfig
+from runtime.engine.loading import make_engine_core
+from runtime.engine.pacing import MIN_CHUNK, PacedSteps, PrefillPacer
+from runtime.messages import SamplingParams, Submit
+from runtime.mlx_lm_internals import coming_prefill
+
+
+def test_without_both_estimates_or_anything_decoding_the_chunk_is_full():
+    pacer = PrefillPacer(1.5, 2048)
+    assert pacer.chunk(decoding=4, prompts=1) == 2048  # nothing learnt yet
+    pacer.observe(0.010, decoding=4, prefill_tokens=0)
+    assert pacer.decode_seconds == pytest.approx(0.010)
+    assert pacer.chunk(decoding=4, prompts=1) == 2048  # no prompt token timed yet
+    pacer.observe(0.010 + 0.0001 * 1000, decoding=4, prefill_tokens=1000)
+    assert pacer.token_seconds == pytest.approx(0.0001)
+    assert pacer.chunk(decoding=0, prompts=1) == 2048  # nobody waits on it
+    assert PrefillPacer(0, 2048).chunk(decoding=4, prompts=1) == 2048  # off
+
+
+def test_the_chunk_takes_about_factor_decode_steps_shared_by_the_prompts():
+    pacer = PrefillPacer(1.5, 2048)
+    pacer.observe(0.010, decoding=8, prefill_tokens=0)
+    pacer.observe(0.0001 * 500, decoding=0, prefill_tokens=500)  # a prefill-only step
+    # 1.5 decode steps = 15 ms = 150 tokens at 0.1 ms each: 75 for each of two prompts.
+    assert pacer.chunk(decoding=8, prompts=1) == 150
+    assert pacer.chunk(decoding=8, prompts=2) == 75
+    assert pacer.chunk(decoding=8, prompts=8) == MIN_CHUNK  # never below the floor
+    # Later observations move the estimates part of the way.
+    pacer.observe(0.020, decoding=8, prefill_tokens=0)
+    assert 0.010 < pacer.decode_seconds < 0.020
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    from mlx_lm import load
+
+    return load(tiny_model_path)[0]
+
+
+def test_coming_prefill_predicts_what_next_prefills(model):
+    gen = BatchGenerator(model, max_tokens=4, prefill_batch_size=2, prefill_step_size=64)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 400) for _ in range(n)] for n in (300, 50, 20)]
+    gen.insert(prompts)
+    seen: dict[int, int] = {}
+    for _ in range(12):
+        decoding, n, padded = coming_prefill(gen)
+        expected = {}
+        for i, m in enumerate(gen._currently_processing):
+            if not (len(m[0]) == 1 and len(m[0][0]) == 1):
+                expected[gen._prompt_batch.uids[i]] = min(len(m[0][0]), 64)
+        prompt_responses, _ = gen.next()
+        done = {r.uid: r.progress[0] for r in prompt_responses if not r.end_of_prompt}
+        chunks = {uid: d - seen.get(uid, 0) for uid, d in done.items()}
+        seen.update(done)
+        # Members already in the batch go as predicted; joiners are counted in n.
+        for uid, chunk in expected.items():
+            if uid in chunks:
+                assert chunks[uid] == chunk
+        assert n == len(chunks)
+        assert padded == n * max(chunks.values(), default=0)
+    assert decoding >= 0
+
+
+def submits(vocab: int) -> list[Submit]:
+    rng = random.Random(3)
+
+    def make(i, n, max_tokens):
+        prompt = tuple(rng.randrange(10, vocab - 10) for _ in range(n))
+        return Submit(request_id=i, prompt=prompt, segments=(prompt,), segment_types=("user",),
+                      max_tokens=max_tokens, sampling=SamplingParams())
+
+    return [make(1, 12, 40), make(2, 15, 40), make(3, 600, 4)]
+
+
+def drive(core, subs) -> tuple[dict[int, list[int]], list[int]]:
+    """Start the two short ones, let them decode, then the long one; its chunks while
+    they decode, and every request's tokens."""
+    tokens: dict[int, list[int]] = {s.request_id: [] for s in subs}
+    long_chunks, done = [], 0
+    for s in subs[:2]:
+        core.handle_command(s)
+    for step in range(400):
+        if step == 4:
+            core.handle_command(subs[2])
+        out = core.step()
+        for p in out.progress:
+            if p.request_id == 3 and p.done > done:
+                long_chunks.append(p.done - done)
+                done = p.done
+        for e in out.tokens:
+            tokens[e.request_id].append(e.token)
+        if step > 4 and not core.has_work:
+            return tokens, long_chunks
+    raise AssertionError("the engine did not finish")
+
+
+def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_model_path):
+    cores = {}
+    for factor in (0, 1.5):
+        config = ServerConfig(model=tiny_model_path, decode_stall_factor=factor,
+                              admission_window_ms=0, prefill_step_size=512)
+        cores[factor] = make_engine_core(config, tiny_model_path)
+    paced = cores[1.5]._paced
+    assert isinstance(paced, PacedSteps) and cores[0]._paced is None
+    # Seed the estimates so that this CPU's timings do not decide the chunk:
+    # a decode step 10 ms, a prompt token 0.2 ms: 1.5 steps are 75 tokens.
+    paced.pacer.decode_seconds, paced.pacer.token_seconds = 0.010, 0.0002
+    paced.pacer.observe = lambda *a, **k: None
+    results = {f: drive(core, submits(core.handle.vocab_size)) for f, core in cores.items()}
+    (plain_tokens, plain_chunks), (paced_tokens, paced_chunks) = results[0], results[1.5]
+    assert plain_chunks[0] == 512  # mlx-lm's full chunk, though two decode
+    assert max(paced_chunks) == 75 and len(paced_chunks) > len(plain_chunks)
+    assert sum(paced_chunks) == sum(plain_chunks)
+    assert paced_tokens == plain_tokens
