@@ -63,7 +63,11 @@ SHAPES = {
 }
 
 
-def make_shaped_model(shape: str, out: Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+def make_shaped_model(
+    shape: str, out: Path, seed: int = 0, dtype: str = "bfloat16", context: int | None = None
+) -> Path:
+    """``context``: the context window (the config's ``max_position_embeddings`` and the
+    tokenizer's ``model_max_length``); by default the shape's and the tiny tokenizer's."""
     import importlib
 
     import mlx.core as mx
@@ -72,12 +76,18 @@ def make_shaped_model(shape: str, out: Path, seed: int = 0, dtype: str = "bfloat
     from runtime.tiny_model import build_tiny_model
 
     config = dict(SHAPES[shape])
+    if context is not None:
+        config["max_position_embeddings"] = context
     with tempfile.TemporaryDirectory() as tmp:
         tiny = build_tiny_model(Path(tmp) / "tok")
         out.mkdir(parents=True, exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             shutil.copy(tiny / name, out / name)
         eos = json.loads((tiny / "config.json").read_text())["eos_token_id"]
+    if context is not None:
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        tokenizer_config["model_max_length"] = context
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     config["eos_token_id"] = eos
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
@@ -104,8 +114,13 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="bfloat16", help="of the weights (the CPU: float32 is much faster)"
     )
+    parser.add_argument(
+        "--context", type=int, default=None,
+        help="context window in tokens (config and tokenizer; default: the shape's "
+        "max_position_embeddings, the tokenizer's 2048)",
+    )
     args = parser.parse_args()
-    print(make_shaped_model(args.shape, args.out, dtype=args.dtype))
+    print(make_shaped_model(args.shape, args.out, dtype=args.dtype, context=args.context))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""bench/agent_sessions.py's pure parts: the sessions' histories, the prompts, the statistics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import agent_sessions as bench  # noqa: E402
+from loadgen import PromptBuilder  # noqa: E402
+
+
+def test_each_turn_repeats_the_last_with_its_reply_and_a_new_user_turn():
+    conv = bench.Conversation("the tools")
+    previous = None
+    for turn in range(1, 5):
+        request = conv.request(f"user turn {turn}")
+        assert request[0] == {"role": "system", "content": "the tools"}
+        assert request[-1] == {"role": "user", "content": f"user turn {turn}"}
+        if previous is not None:
+            prev_request, prev_reply = previous
+            assert request[: len(prev_request)] == prev_request
+            assert request[len(prev_request)] == {"role": "assistant", "content": prev_reply}
+            assert len(request) == len(prev_request) + 2
+        reply = f"reply {turn}"
+        conv.reply(request, reply)
+        previous = (request, reply)
+    assert [m["role"] for m in conv.messages] == ["system"] + ["user", "assistant"] * 4
+
+
+def test_prompts_share_the_system_prompt_and_differ_per_session_and_turn():
+    w = bench.AgentWorkload(sessions=3, turns=4, system_tokens=300, user_tokens=(20, 40), seed=7)
+    a, b = bench.Prompts(PromptBuilder(), w), bench.Prompts(PromptBuilder(), w)
+    assert a.system() == b.system()
+    assert a.system().startswith(bench.SYSTEM_LEAD)
+    users = {(s, t): a.user(s, t) for s in range(3) for t in range(1, 5)}
+    assert len(set(users.values())) == len(users)
+    assert users == {(s, t): b.user(s, t) for s in range(3) for t in range(1, 5)}
+    assert users[(1, 2)].startswith("Tool result")  # even turns: a tool result
+    assert users[(1, 3)].startswith("Session 1 turn 3")
+    for s in range(3):
+        for t in range(1, 5):
+            assert 20 <= w.user_length(s, t) <= 40
+            assert w.max_tokens_of(s, t) == 64
+
+
+def test_ranges_and_levels_parse():
+    assert bench.parse_range("64") == (64, 64)
+    assert bench.parse_range("64-256") == (64, 256)
+    assert bench.parse_levels("1,4,16") == [1, 4, 16]
+    for bad in ("0", "9-3", "a-b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_range(bad)
+
+
+def test_quick_fills_only_what_is_not_given():
+    ns = bench.parse_args(["--quick", "--turns", "5", "--systems", "engine,ours"])
+    assert ns.turns == 5 and ns.system_tokens == 1500 and ns.sessions == [1, 4]
+    assert ns.systems == ["ours", "engine"]  # the alternation's order
+
+
+def _record(system, turn, *, ttft, prompt, cached, reusable=None, tokens=10, error=None):
+    rec = bench.TurnRecord(system, 0, 2, 0, turn, max_tokens=10, user_tokens=50)
+    rec.completion_tokens, rec.prompt_tokens, rec.cached_tokens = tokens, prompt, cached
+    rec.reusable_tokens, rec.error = reusable, error
+    rec.finish([ttft, ttft + 0.01, ttft + 0.03], ttft + 0.03)
+    return asdict(rec)
+
+
+def test_summary_of_synthetic_turns():
+    records = [
+        _record("ours", 1, ttft=1.0, prompt=1000, cached=0),
+        _record("ours", 1, ttft=2.0, prompt=1000, cached=900),
+        _record("ours", 2, ttft=0.1, prompt=1200, cached=1000, reusable=1010),
+        _record("ours", 2, ttft=0.3, prompt=1200, cached=1010, reusable=1010),
+        _record("ours", 3, ttft=9.0, prompt=1, cached=1, error="500: boom"),
+    ]
+    s = bench.summarize(records, [{"wall_s": 4.0, "cpu_s": 0.4}])
+    assert s["turns"] == 5 and s["errors"] == 1
+    assert s["completion_tokens"] == 40 and s["tok_s"] == 10.0
+    assert s["ttft_turn1_p50_ms"] == 1500.0
+    assert s["ttft_later_p50_ms"] == 200.0
+    assert s["cached_fraction"] == round(2910 / 4400, 4)
+    assert s["cached_fraction_later"] == round(2010 / 2400, 4)
+    assert s["reused_of_reusable"] == round(2010 / 2020, 4)
+    assert s["itl_p50_ms"] == 15.0  # gaps of 10 and 20 ms in every turn
+    assert s["cpu_ms_per_token"] == 10.0
+    assert s["by_turn"]["2"]["cached_fraction"] == round(2010 / 2400, 4)
+    assert "3" not in s["by_turn"]  # the failed turn counts as an error only
+
+
+def test_summaries_per_level_and_the_table():
+    records = [
+        _record(system, 1, ttft=0.5, prompt=100, cached=0)
+        for system in ("ours", "mlx_lm", "engine")
+    ]
+    runs = [{"system": s, "sessions": 2, "wall_s": 1.0} for s in ("ours", "mlx_lm", "engine")]
+    summary = bench.summarize_all(records, runs)
+    assert set(summary["2"]) == {"ours", "mlx_lm", "engine"}
+    table = bench.render_table(summary)
+    assert "ours/mlx_lm" in table and "ours/engine" in table
+
+
+def test_reuse_helpers():
+    prev = bench.TurnRecord("engine", 0, 1, 0, 1, 8, 50)
+    assert bench.reusable_after(None) is None
+    prev.prompt_tokens, prev.completion_tokens = 100, 8
+    assert bench.reusable_after(prev) == 108
+    assert bench.common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
+    assert bench.common_prefix([], [1]) == 0
