@@ -15,7 +15,7 @@ machine hits them alike:
   (``loadgen.BENCH_SCHEMA``: never finished within max_tokens, so every token
   is masked and a request is as long as a free one);
 * ``half-constrained``: the same on half of the requests (free and constrained
-  rows in one batch);
+  rows in one batch); ``quarter-constrained``: on a quarter of them;
 * ``constrained-sampled``: ``constrained`` with temperature 0.7, top_p 0.9.
 
 Prints one line per (mode, level) and a table of tokens/s with each mode's
@@ -58,6 +58,7 @@ MODES = {
     "distinct": {"temperature": 0.7, "distinct_sampling": True},
     "constrained": {"constrained": "json_schema"},
     "half-constrained": {"constrained": "json_schema", "constrained_fraction": 0.5},
+    "quarter-constrained": {"constrained": "json_schema", "constrained_fraction": 0.25},
     "constrained-sampled": {"constrained": "json_schema", **SAMPLED},
 }
 

@@ -1,0 +1,107 @@
+#!/bin/bash
+# The benchmarks on the H200 device machine (kind nvidia-h200), one parameterised
+# script that stages everything it needs from the repository.
+#
+# Here, once: ../shared/tools/mlx-cuda/pack.sh .gpu (mlx-cuda in two pieces, plus the
+# mlx and mlx-lm wheels) and the server's own wheels for Python 3.12 in .whl/ (trio,
+# hypercorn, quart, quart-trio, cattrs, llguidance, prometheus-client, httpx and what
+# they need: docs/performance.md, "How we measure"); both folders are git-ignored.
+#
+#   call 1: bash bench/device.sh stage1
+#           carry .gpu/mlxcuda.part.aa .gpu/stage1.sh
+#   call 2 (within 30 s), and later calls on the warm machine:
+#           bash bench/device.sh SCENARIO[=ARG] ...
+#           carry .gpu/mlxcuda.part.ab .gpu/stage2.sh .gpu/mlx-*.whl .gpu/mlx_lm-*.whl .whl
+#
+# Scenarios (each bounded by its own timeout; a failing one does not stop the rest):
+#   agents=SHAPE:S:SESSIONS:TURNS  bench/agent_sessions.py, ours / mlx_lm.server / the bare
+#                                  engine, system prompt of S tokens (e.g. qwen3-0.6b:12000:1,4,16:6)
+#   cold=SHAPE:TOKENS              a cold prompt alone and in a wave of 8: the server's TTFT
+#                                  against the bare engine's (bench/engine_overhead.py)
+#   interleave=SHAPE:TOKENS        16 streams while a prompt of TOKENS is prefilled
+#                                  (bench/long_prefill.py), ours and mlx_lm.server
+#   one-client=SHAPE               bench/one_client.py, five alternated reps
+#   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
+#                                  against none (bench/constraints.py)
+# SHAPE: qwen3-0.6b or llama3-8b (random weights, a 32k window: bench/make_shaped_model.py).
+# Everything lands in $OUT: the console log and one archive of the JSON results.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/m
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+
+if [ "${1:-}" = stage1 ]; then
+  bash .gpu/stage1.sh
+  exit
+fi
+
+if [ ! -d /tmp/site/mlx/lib ]; then
+  bash .gpu/stage2.sh || exit 1
+fi
+if [ ! -d /tmp/site/trio ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$here PYTHONUNBUFFERED=1
+export PATH=/tmp/site/bin:$PATH
+
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu \
+  --format=csv -lms 1000 > "$OUT/smi.csv" 2>&1 &
+SMI=$!
+trap 'kill $SMI 2> /dev/null' EXIT
+
+step() { echo "== $1 $(date +%T)"; }
+model() {  # the shaped model's directory, built once per warm machine
+  local dir=/tmp/m/$1
+  if [ ! -f "$dir/config.json" ]; then
+    timeout 200 python3 bench/make_shaped_model.py "$1" "$dir" --context 32768 \
+      > "$OUT/make-$1.log" 2>&1 || { echo "could not build $1"; tail -5 "$OUT/make-$1.log"; }
+  fi
+  echo "$dir"
+}
+
+for scenario in "$@"; do
+  name=${scenario%%=*}
+  arg=${scenario#*=}
+  IFS=: read -r shape p1 p2 p3 <<< "$arg"
+  step "$scenario"
+  case $name in
+    agents)
+      dir=$(model "$shape")
+      timeout 540 python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
+        --system-tokens "$p1" --sessions "${p2:-1,4,16}" --turns "${p3:-6}" \
+        --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
+        --out "$OUT/agents-$shape-$p1.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -40
+      ;;
+    cold)
+      dir=$(model "$shape")
+      timeout 400 python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
+        --levels 1,8 --requests 8 --prompt-tokens "$p1" --max-tokens 2 --rounds 1 \
+        --no-pickle --json-out "$OUT/cold-$shape-$p1.json" 2>&1 | tail -25
+      ;;
+    interleave)
+      dir=$(model "$shape")
+      timeout 400 python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
+        --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
+        --out "$OUT/interleave-$shape-$p1.json" 2>&1 | tail -6
+      ;;
+    one-client)
+      dir=$(model "$shape")
+      timeout 300 python3 bench/one_client.py --model "$dir" --reps 5 \
+        --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
+      ;;
+    constraints)
+      dir=$(model "$shape")
+      timeout 400 python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
+        --levels 64 --requests 128 --rounds 3 --max-tokens 128 \
+        --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -12
+      ;;
+    *)
+      echo "unknown scenario $name"
+      ;;
+  esac
+done
+step done
+tar czf "$OUT/results-$(date +%H%M%S).tgz" -C "$OUT" --exclude '*.tgz' . 2> /dev/null
+find "$OUT" -mindepth 1 ! -name '*.tgz' -delete
