@@ -7,7 +7,8 @@ the entries from the events this module reports and sends ``EvictCache``
 commands, which the engine applies between steps. So the store has no limits
 of its own.
 
-``PromptCacheStore``: ``LRUPromptCache`` without limits and with a reuse floor.
+``PromptCacheStore``: ``LRUPromptCache`` without limits, with a reuse floor, and
+with entries that share their common prefix's KV arrays.
 ``min_reuse_tokens``: a cached prefix shorter than this is not reused. A chat
 template's opening tokens (``<|im_start|>user\\n``, a Llama header) are common
 to almost every prompt, so without a floor nearly every request "hits" some
@@ -18,6 +19,17 @@ layer) and trims it, to skip a few tokens of prefill. With the floor, a walk
 down the trie along the prompt (no copies, no subtree search) says how many
 tokens any entry shares with it; below the floor the request is a miss at
 once, at or above it mlx-lm's own fetch runs unchanged.
+
+Shared prefixes. mlx-lm stores each entry as whole per-sequence KV arrays, so
+sixteen agent sessions over one 20k-token system prompt hold sixteen copies of
+its KV (about 2.6 GB each on an 8B model). Here an entry of plain ``KVCache``
+layers is stored as a chain of ``SharedSpan``s (the KV of a run of tokens in
+every layer, linked to the span before it): when a system or user segment is
+stored, its end is remembered, and a later entry that repeats those tokens
+links to that span and copies only what follows. A fetch builds a plain
+``KVCache`` from the chain (mlx-lm deep-copies an entry on every fetch anyway).
+The byte counts stay those of whole entries, so ``--prompt-cache-bytes`` and
+the PromptCacheActor's decisions hold as before, now with memory to spare.
 
 ``CacheEntries``: the ledger ``EngineCore`` goes through. It gives every
 stored entry an id, reports ``CacheEntryStored`` and ``CacheEntryRemoved``
@@ -42,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,10 +70,70 @@ from runtime.mlx_lm_internals import (
 )
 
 NO_LIMIT = sys.maxsize
+# Segment ends at least this long are remembered for other entries to share.
+MIN_SHARED_TOKENS = 256
+# The segment types whose ends other entries may share (a system prompt; a conversation).
+SHARED_TYPES = ("system", "user")
+
+
+class SharedSpan:
+    """The KV of tokens ``[start, end)`` in every layer (``keys[i]``, ``values[i]``: the
+    layer's arrays, batch 1), after the span ``prev`` (None: it starts at 0)."""
+
+    __slots__ = ("keys", "values", "start", "end", "prev", "__weakref__")
+
+    def __init__(self, keys: list, values: list, start: int, end: int, prev: SharedSpan | None):
+        self.keys, self.values = keys, values
+        self.start, self.end, self.prev = start, end, prev
+
+    def chain(self) -> list[SharedSpan]:
+        spans, span = [], self
+        while span is not None:
+            spans.append(span)
+            span = span.prev
+        return spans[::-1]
+
+
+class SharedKVLayer:
+    """One layer of a stored entry whose KV lies in a chain of ``SharedSpan``s.
+
+    Lives only inside the store: ``copy.deepcopy`` (what a fetch does) gives a
+    plain ``KVCache`` of the whole chain. ``nbytes`` is what the layer it was
+    made from counted, as if unshared; ``state`` is this entry's own span, the
+    arrays its store computes."""
+
+    __slots__ = ("span", "layer", "nbytes")
+
+    def __init__(self, span: SharedSpan, layer: int, nbytes: int):
+        self.span, self.layer, self.nbytes = span, layer, nbytes
+
+    @property
+    def offset(self) -> int:
+        return self.span.end
+
+    @property
+    def state(self) -> tuple:
+        return self.span.keys[self.layer], self.span.values[self.layer]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def __deepcopy__(self, memo) -> KVCache:
+        spans = self.span.chain()
+        cache = KVCache()
+        if len(spans) == 1:  # a copy: the batch writes into the cache it is given
+            cache.keys = mx.array(spans[0].keys[self.layer])
+            cache.values = mx.array(spans[0].values[self.layer])
+        else:
+            cache.keys = mx.concatenate([s.keys[self.layer] for s in spans], axis=2)
+            cache.values = mx.concatenate([s.values[self.layer] for s in spans], axis=2)
+        cache.offset = self.span.end
+        return cache
 
 
 class PromptCacheStore(LRUPromptCache):
-    """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``.
+    """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``
+    and stores entries of plain ``KVCache`` layers as shared spans.
 
     Its limits default to none: the PromptCacheActor decides what to evict."""
 
@@ -69,6 +142,50 @@ class PromptCacheStore(LRUPromptCache):
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.min_reuse_tokens = min_reuse_tokens
+        # model -> end -> tokens[:end] -> the span ending there (alive while an entry uses it)
+        self._shared_ends: dict[Any, dict[int, dict[tuple[int, ...], weakref.ref]]] = {}
+
+    def insert_cache(
+        self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"
+    ) -> list:
+        """Store an entry (shared spans where it can); the layers stored."""
+        layers = self._as_spans(model, tokens, prompt_cache, cache_type)
+        super().insert_cache(model, tokens, layers, cache_type=cache_type)
+        return layers
+
+    def _as_spans(self, model: Any, tokens: list[int], cache: list, cache_type: str) -> list:
+        n = len(tokens)
+        if not cache or not all(
+            type(layer) is KVCache and layer.keys is not None and layer.offset == n
+            for layer in cache
+        ):
+            return cache
+        ends = self._shared_ends.setdefault(model, {})
+        before = None
+        for end in sorted(ends, reverse=True):
+            if end > n:
+                continue
+            spans = ends[end]
+            for key in [k for k, ref in spans.items() if ref() is None]:
+                del spans[key]  # no entry uses it any more
+            ref = spans.get(tuple(tokens[:end]))
+            before = ref() if ref is not None else None
+            if before is not None:
+                break
+        for end in [e for e, spans in ends.items() if not spans]:
+            del ends[end]
+        start = before.end if before is not None else 0
+        if start == n:
+            last = before
+        else:
+            last = SharedSpan(
+                [mx.contiguous(layer.keys[..., start:n, :]) for layer in cache],
+                [mx.contiguous(layer.values[..., start:n, :]) for layer in cache],
+                start, n, before,
+            )
+        if cache_type in SHARED_TYPES and n >= MIN_SHARED_TOKENS:
+            ends.setdefault(n, {})[tuple(tokens)] = weakref.ref(last)
+        return [SharedKVLayer(last, i, layer.nbytes) for i, layer in enumerate(cache)]
 
     def shared_prefix(self, model: Any, tokens: list[int]) -> int:
         """How many leading ``tokens`` some cached entry shares: at most what a fetch reuses."""
@@ -243,8 +360,8 @@ class CacheEntries:
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
         trimmable = can_trim_prompt_cache(cache)
         if not doomed:
-            self._unowned.extend(cache_arrays(cache))
-            self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
+            stored = self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
+            self._unowned.extend(cache_arrays(stored if stored is not None else cache))
         if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
             for other, entry_id in list(by_tokens.items()):
                 n = len(other)

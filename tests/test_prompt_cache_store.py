@@ -308,3 +308,79 @@ def test_only_later_entries_that_stay_push_an_entry_out():
     entries.evict(evicted)
     assert set(entries.held()) == set(policy.entries()) == {1, 3}
     assert len(store) == 2 and store.has_entry(MODEL, [9])
+
+
+# ------------------------------------------------------- entries sharing spans
+
+
+def layer_of(keys: mx.array, values: mx.array) -> KVCache:
+    cache = KVCache()
+    cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+    return cache
+
+
+def sequence_kv(n: int, seed: int, layers: int = 2) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, keys and values of ``n`` tokens (batch 1, 2 heads, dim 4)."""
+    mx.random.seed(seed)
+    return [(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+            for _ in range(layers)]
+
+
+def entry(kv, n: int | None = None) -> list[KVCache]:
+    return [layer_of(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+
+
+def test_entries_that_repeat_a_stored_segment_share_its_arrays_and_fetch_whole():
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS, SharedKVLayer
+
+    store = PromptCacheStore()
+    system = list(range(MIN_SHARED_TOKENS + 44))
+    s = len(system)
+    a_tokens, b_tokens = system + [7] * 50, system + [8] * 30
+    # What a model computes for both conversations: the same KV over the system prompt.
+    full_a, full_b = sequence_kv(s + 50, seed=1), sequence_kv(s + 30, seed=2)
+    full_b = [
+        (mx.concatenate([ka[:, :, :s], kb[:, :, s:]], axis=2),
+         mx.concatenate([va[:, :, :s], vb[:, :, s:]], axis=2))
+        for (ka, va), (kb, vb) in zip(full_a, full_b, strict=True)
+    ]
+    stored_system = store.insert_cache(MODEL, system, entry(full_a, s), cache_type="system")
+    stored_a = store.insert_cache(MODEL, a_tokens, entry(full_a), cache_type="assistant")
+    # mlx-lm dropped the system entry (a's covers it), yet b still shares its span.
+    assert not store.has_entry(MODEL, system)
+    stored_b = store.insert_cache(MODEL, b_tokens, entry(full_b), cache_type="assistant")
+    system_span = stored_system[0].span
+    for stored in (stored_a, stored_b):
+        assert all(isinstance(layer, SharedKVLayer) for layer in stored)
+        assert stored[0].span.prev is system_span
+    assert stored_b[0].span.keys[0].shape[2] == 30  # only its own tokens were copied
+    # Counted as whole entries, as mlx-lm counts them.
+    assert store.nbytes == sum(k.nbytes + v.nbytes for k, v in full_a + full_b)
+    for tokens, full in ((a_tokens, full_a), (b_tokens, full_b)):
+        cache, rest = store.fetch_nearest_cache(MODEL, tokens + [99])
+        assert rest == [99]
+        for layer, (k, v) in zip(cache, full, strict=True):
+            assert type(layer) is KVCache and layer.offset == len(tokens)
+            assert mx.array_equal(layer.keys, k) and mx.array_equal(layer.values, v)
+    # A fetch that trims a longer entry back to the system prompt.
+    cache, rest = store.fetch_nearest_cache(MODEL, system + [5, 5])
+    assert rest == [5, 5] and cache[0].offset == s
+    assert mx.array_equal(cache[0].keys[:, :, :s], full_a[0][0][:, :, :s])
+
+
+def test_short_segments_and_other_caches_are_stored_as_they_are():
+    store = PromptCacheStore()
+    short = list(range(20))
+    kv = sequence_kv(20, seed=3)
+    stored = store.insert_cache(MODEL, short, entry(kv), cache_type="system")
+    longer = store.insert_cache(MODEL, short + [1, 2], entry(sequence_kv(22, seed=4)))
+    assert longer[0].span.prev is None  # a 20-token segment is not worth sharing
+    assert stored[0].span.end == 20
+    class OtherLayer:  # a rotating or quantized cache, say
+        nbytes = 64
+
+        def is_trimmable(self):
+            return False
+
+    odd = [OtherLayer()]
+    assert store.insert_cache(MODEL, [9, 9], odd) is odd
