@@ -1,7 +1,8 @@
 """HTTP plumbing every route shares: JSON bodies in and out, error answers, SSE headers.
 
-Receives Quart's request (``read_json``: strict UTF-8 JSON, NaN refused, a
-400 naming the problem); emits ``Response`` objects (``json_response``,
+Receives Quart's request (``read_json``: strict UTF-8 JSON, NaN refused,
+nesting and lone surrogates refused by ``api.json_input``, a 400 naming the
+problem); emits ``Response`` objects (``json_response``,
 ``error_response``: the status, OpenAI error body and ``Retry-After`` that
 ``api.errors.error_answer`` makes).
 """
@@ -15,6 +16,7 @@ from typing import Any
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
+from api import json_input
 from api.errors import error_answer
 from api.responses import dumps
 from runtime.errors import ClientError, ServerError
@@ -71,6 +73,6 @@ async def read_json() -> Any:
     except UnicodeDecodeError:
         raise ClientError("the request body is not valid UTF-8") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json_input.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError) as exc:
         raise ClientError(f"the request body is not valid JSON: {exc}") from None

@@ -88,6 +88,9 @@ class ToolCallOut:
 
 @attrs.frozen(kw_only=True)
 class TopLogprob:
+    """One of the most likely tokens: OpenAI's fields and mlx_lm.server's ``id``."""
+
+    id: int  # the token id (a key for ``logit_bias``); ``token`` is its text
     token: str
     logprob: float
     bytes: list[int]
@@ -95,6 +98,9 @@ class TopLogprob:
 
 @attrs.frozen(kw_only=True)
 class ChatTokenLogprob:
+    """The sampled token: OpenAI's fields and mlx_lm.server's ``id``."""
+
+    id: int
     token: str
     logprob: float
     bytes: list[int]
@@ -166,10 +172,18 @@ class ChatCompletionChunk:
 
 @attrs.frozen(kw_only=True)
 class TextLogprobs:
+    """OpenAI's legacy completions logprobs (``logprobs: N``), and the sampled tokens' ids.
+
+    ``token_ids`` (ours) is parallel to ``tokens``; the ``top_logprobs`` maps
+    are keyed by token text, which has no room for ids (``logprobs: true`` with
+    ``top_logprobs`` gives the alternatives' ids).
+    """
+
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
+    token_ids: list[int]
 
 
 @attrs.frozen(kw_only=True)
@@ -329,11 +343,13 @@ def chat_logprobs(entries) -> ChatLogprobs:
     return ChatLogprobs(
         content=[
             ChatTokenLogprob(
+                id=e.token,
                 token=e.text,
                 logprob=e.logprob,
                 bytes=_bytes(e.text),
                 top_logprobs=[
-                    TopLogprob(token=text, logprob=lp, bytes=_bytes(text)) for _, text, lp in e.top
+                    TopLogprob(id=token, token=text, logprob=lp, bytes=_bytes(text))
+                    for token, text, lp in e.top
                 ],
             )
             for e in entries
@@ -472,6 +488,7 @@ class TextRenderer(_Renderer):
             # The N most likely, and always the sampled token (OpenAI: up to N + 1).
             top_logprobs=[_legacy_top(e) for e in entries],
             text_offset=offsets,
+            token_ids=[e.token for e in entries],
         )
 
     def _completion(

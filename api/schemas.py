@@ -118,9 +118,18 @@ class GenerationFields:
 
 
 def _function_tools(name: str, tools: list[Any]) -> None:
+    """Each tool is ``{"type": "function", "function": {"name": ..., ...}}`` (OpenAI's
+    required fields; the rest is the chat template's to render)."""
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise InvalidParam(f"{name}[{i}]", f"{name} must be function tools")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            at = f"{name}[{i}].function"
+            raise InvalidParam(at, f"{at}: is required (an object with the function's name)")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            at = f"{name}[{i}].function.name"
+            raise InvalidParam(at, f"{at}: is required (a non-empty string)")
 
 
 @attrs.frozen(kw_only=True)
@@ -135,7 +144,15 @@ class ChatCompletionRequest(GenerationFields):
             "array": {
                 "items": {
                     "type": "object",
-                    "properties": {"type": {"const": "function"}},
+                    "required": ["function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {"name": {"type": "string", "minLength": 1}},
+                        },
+                    },
                     "description": "a function tool, as OpenAI defines it",
                 }
             }
@@ -170,9 +187,14 @@ class ChatCompletionRequest(GenerationFields):
         schema={
             "string": {"enum": list(TOOL_CHOICE_MODES)},
             "object": {
+                "required": ["type", "function"],
                 "properties": {
                     "type": {"const": "function"},
-                    "function": {"type": "object", "properties": {"name": {"type": "string"}}},
+                    "function": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
                 },
                 "description": "exactly one call of the named function",
             },

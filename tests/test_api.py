@@ -128,6 +128,62 @@ async def test_text_completion_stream_and_not(client):
     assert "".join(p["choices"][0]["text"] for p in payloads if p["choices"]) == text
 
 
+def _logprobs_of(payloads: list[dict]) -> list[dict]:
+    """The logprobs objects of a body's or a stream's choices, in order."""
+    return [
+        p["choices"][0]["logprobs"] for p in payloads if p["choices"] and p["choices"][0].get("logprobs")
+    ]
+
+
+def assert_entries_carry_ids(entries: list[dict], tokenizer, top: int) -> None:
+    """mlx_lm.server's ``id`` next to OpenAI's fields, on each entry and each alternative."""
+    assert entries
+    for entry in entries:
+        assert set(entry) == {"id", "token", "logprob", "bytes", "top_logprobs"}, entry
+        assert type(entry["id"]) is int and tokenizer.decode([entry["id"]]) == entry["token"]
+        assert len(entry["top_logprobs"]) == top
+        for alternative in entry["top_logprobs"]:
+            assert set(alternative) == {"id", "token", "logprob", "bytes"}, alternative
+            assert type(alternative["id"]) is int
+            assert tokenizer.decode([alternative["id"]]) == alternative["token"]
+        if top:  # greedy: the sampled token is the most likely one
+            assert entry["top_logprobs"][0]["id"] == entry["id"]
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+async def test_logprobs_carry_the_token_id(client, tiny_tokenizer, path):
+    """Each logprobs entry and each top_logprobs entry names its token id, streamed or not,
+    on both endpoints; the legacy completions shape (``logprobs: N``) has ``token_ids``."""
+    base = (chat_body("the weather in Paris") if path == CHAT else {"prompt": "the weather in"})
+    base = {**base, "max_tokens": 4, "temperature": 0}
+    for fields, top in [({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 3}, 3)]:
+        status, body, _ = await post(client, path, {**base, **fields})
+        assert status == 200, body
+        [logprobs] = _logprobs_of([body])
+        assert_entries_carry_ids(logprobs["content"], tiny_tokenizer, top)
+        _, _, raw = await stream_post(client, path, {**base, **fields, "stream": True})
+        payloads, _, done = parse_sse(raw)
+        assert done
+        streamed = [e for lp in _logprobs_of(payloads) for e in lp["content"]]
+        assert_entries_carry_ids(streamed, tiny_tokenizer, top)
+        assert streamed == logprobs["content"]
+    if path == CHAT:
+        return
+    status, body, _ = await post(client, path, {**base, "logprobs": 2})
+    assert status == 200, body
+    [legacy] = _logprobs_of([body])
+    assert set(legacy) == {"tokens", "token_logprobs", "top_logprobs", "text_offset", "token_ids"}
+    assert len(legacy["token_ids"]) == len(legacy["tokens"]) == 4
+    for token_id, token in zip(legacy["token_ids"], legacy["tokens"], strict=True):
+        assert type(token_id) is int and tiny_tokenizer.decode([token_id]) == token
+    _, _, raw = await stream_post(client, path, {**base, "logprobs": 2, "stream": True})
+    payloads, _, done = parse_sse(raw)
+    assert done
+    streamed = _logprobs_of(payloads)
+    assert [i for lp in streamed for i in lp["token_ids"]] == legacy["token_ids"]
+    assert [t for lp in streamed for t in lp["tokens"]] == legacy["tokens"]
+
+
 async def test_stop_string_cuts_text_across_tokens(client):
     for prompt in ["tell me about the time in Tokyo", "weather in Paris", "hello", "3 + 4", "cats"]:
         body = chat_body(prompt, max_tokens=24)

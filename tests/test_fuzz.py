@@ -553,3 +553,240 @@ def test_chat_template_kwargs_cannot_untokenize_the_prompt(fuzz_server):
     assert response.status_code == plain.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] > 0
+
+
+# ------------------------------------------- JSON the server cannot use
+#
+# Refused at the edge (api.json_input, the request types): nesting past the
+# limit (about a thousand levels exhausts the parser's stack), a lone UTF-16
+# surrogate (a str the tokenizer cannot encode), and a tool or tool call
+# without its name. Each family is sent to every endpoint that reads a JSON
+# body, at several places; each answer is a 400 whose param (the message, in
+# Anthropic's shape) names the field. "@V@" in a body marks the place: the
+# JSON string "@V@" is replaced by the value's JSON text.
+
+HOLE = "@V@"
+MSG = [{"role": "user", "content": "hi"}]
+ANTHROPIC = {"model": "claude-test", "max_tokens": 1, "messages": MSG}
+SCHEMA_WITH_HOLE = {"type": "object", "properties": {"a": {"type": "string"}}, "x": HOLE}
+JSON_BODY_ENDPOINTS = {
+    "/v1/chat/completions": {"messages": MSG, "max_tokens": 1},
+    "/chat/completions": {"messages": MSG, "max_tokens": 1},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/v1/messages": ANTHROPIC,
+    "/v1/messages/count_tokens": {"model": "claude-test", "messages": MSG},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [1, 2]},
+}
+# (endpoint, body with the hole at a value, the path of that value)
+VALUE_PLACES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HOLE}]}, "messages[0].content"),
+    ("/v1/chat/completions",
+     {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": HOLE}}]},
+     "tools[0].function.parameters"),
+    ("/v1/chat/completions",
+     {"messages": MSG, "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "n", "schema": SCHEMA_WITH_HOLE}}},
+     "response_format.json_schema.schema.x"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": HOLE}]}, "messages[0].content"),
+    ("/chat/completions", {"messages": MSG, "metadata": {"k": HOLE}}, "metadata.k"),
+    ("/v1/completions", {"prompt": HOLE}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": HOLE}, "stop"),
+    ("/v1/responses", {"input": HOLE}, "input"),
+    ("/v1/responses", {"input": [{"role": "user", "content": HOLE}]}, "input[0].content"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": HOLE}]},
+     "tools[0].parameters"),
+    ("/v1/responses", {"input": "hi", "metadata": {"k": HOLE}}, "metadata.k"),
+    ("/v1/messages", {**ANTHROPIC, "messages": [{"role": "user", "content": HOLE}]},
+     "messages[0].content"),
+    ("/v1/messages", {**ANTHROPIC, "tools": [{"name": "f", "input_schema": SCHEMA_WITH_HOLE}]},
+     "tools[0].input_schema.x"),
+    ("/v1/messages", {**ANTHROPIC, "system": HOLE}, "system"),
+    ("/v1/messages/count_tokens", {"model": "claude-test", "messages": [{"role": "user", "content": HOLE}]},
+     "messages[0].content"),
+    ("/v1/messages/count_tokens", {"model": "claude-test", "messages": MSG, "system": HOLE}, "system"),
+    ("/tokenize", {"prompt": HOLE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": HOLE}]}, "messages[0].content"),
+    ("/detokenize", {"tokens": HOLE}, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": HOLE}, "model"),
+]
+# (endpoint, body with the hole as a key or a name, the path of the field it names)
+NAME_PLACES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": HOLE}]},
+     "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": HOLE}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function", "function": {"name": HOLE}}]},
+     "tools[0].function.name"),
+    ("/chat/completions", {"messages": MSG, "model": HOLE}, "model"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", HOLE]}, "stop[1]"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": HOLE}]}, "tools[0].name"),
+    ("/v1/responses", {"input": "hi", "instructions": HOLE}, "instructions"),
+    ("/v1/messages", {**ANTHROPIC, "tools": [{"name": HOLE, "input_schema": {}}]}, "tools[0].name"),
+    ("/v1/messages/count_tokens",
+     {"model": "claude-test", "messages": [{"role": "user", "content": [{"type": "text", "text": HOLE}]}]},
+     "messages[0].content[0].text"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi", "name": HOLE}]}, "messages[0].name"),
+]
+# (endpoint, body whose object holds the hole as a key, the path of that object)
+KEY_PLACES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", HOLE: 1}]}, "messages[0]"),
+    ("/v1/chat/completions",
+     {"messages": MSG, "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "object", "properties": {HOLE: {"type": "string"}}}}}]},
+     "tools[0].function.parameters.properties"),
+    ("/chat/completions", {"messages": MSG, HOLE: 1}, ""),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {HOLE: 1}}, "logit_bias"),
+    ("/v1/responses", {"input": "hi", "metadata": {HOLE: "v"}}, "metadata"),
+    ("/v1/messages", {**ANTHROPIC, "metadata": {HOLE: "v"}}, "metadata"),
+    ("/v1/messages/count_tokens",
+     {"model": "claude-test", "messages": MSG, "tools": [{"name": "f", "input_schema": {HOLE: 1}}]},
+     "tools[0].input_schema"),
+    ("/tokenize", {"prompt": "hi", HOLE: 1}, ""),
+    ("/detokenize", {"tokens": [1], "extra": {"k": {HOLE: 1}}}, "extra.k"),
+]
+LONE_SURROGATES = ["\ud800", "\udfff", "a\udc00b", "\udc00\ud800", "\ud800x", "\udbff\u0041"]
+
+
+_CLIENT = httpx.Client(timeout=30)  # one connection for the many small requests below
+
+
+def post_text(server: Server, path: str, text: str) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    return _CLIENT.post(f"{server.base}{path}", content=text.encode(), headers=headers)
+
+
+def filled(body: dict, value_text: str) -> str:
+    """``body`` as JSON text, its hole replaced by ``value_text`` (JSON text)."""
+    text = json.dumps(body)
+    assert text.count(json.dumps(HOLE)) == 1, text
+    return text.replace(json.dumps(HOLE), value_text)
+
+
+def assert_400_naming(response: httpx.Response, path: str, param: str) -> None:
+    """A 400 naming ``param``: its ``param`` (OpenAI), or its message's start (Anthropic)."""
+    assert response.status_code == 400, response.text
+    assert_error_shape_httpx(response, path)
+    body = response.json()
+    if path.startswith("/v1/messages"):
+        assert re.match(re.escape(param) + "[: ]", body["error"]["message"]), (param, body)
+    else:
+        assert body["error"]["param"] == param, (param, body)
+
+
+def place_id(value) -> str:
+    return value if isinstance(value, str) and value != HOLE else ""
+
+
+def nesting_past_the_limit(param: str):
+    """(JSON text, expected param) pairs: arrays and objects at ``param`` that reach one
+    level past MAX_DEPTH (the body is level 1), and far past it."""
+    from api.json_input import MAX_DEPTH
+
+    just = MAX_DEPTH + 1 - levels_of(param)  # containers from the value's level to MAX_DEPTH + 1
+    for count in (just, 3000):
+        yield "[" * count + "1" + "]" * count, param + "[0]" * (just - 1)
+        yield '{"a":' * count + "1" + "}" * count, param + ".a" * (just - 1)
+
+
+def levels_of(param: str) -> int:
+    """How many keys and indexes lead from the body to ``param``'s value."""
+    return len(re.findall(r"\[\d+\]|[^.\[\]]+", param))
+
+
+@pytest.mark.parametrize(("path", "body", "param"), VALUE_PLACES, ids=place_id)
+def test_json_nested_too_deep_is_a_400_naming_where(fuzz_server, path, body, param):
+    for text, expected in nesting_past_the_limit(param):
+        response = post_text(fuzz_server, path, filled(body, text))
+        assert_400_naming(response, path, expected)
+
+
+@pytest.mark.parametrize("path", list(JSON_BODY_ENDPOINTS))
+def test_json_nested_to_the_limit_is_served(fuzz_server, path):
+    """64 levels (the body is the first) are accepted wherever the request allows JSON."""
+    from api.json_input import MAX_DEPTH
+
+    deep = "[" * (MAX_DEPTH - 2) + "1" + "]" * (MAX_DEPTH - 2)  # in {"metadata": {"k": ...}}
+    body = {**JSON_BODY_ENDPOINTS[path], "metadata": {"k": HOLE}}
+    response = post_text(fuzz_server, path, filled(body, deep))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), VALUE_PLACES + NAME_PLACES, ids=place_id
+)
+def test_a_lone_surrogate_is_a_400_naming_its_field(fuzz_server, path, body, param):
+    for surrogate in LONE_SURROGATES:
+        response = post_text(fuzz_server, path, filled(body, json.dumps(surrogate)))
+        assert_400_naming(response, path, param)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), KEY_PLACES, ids=place_id)
+def test_a_lone_surrogate_in_a_key_is_a_400_naming_the_key(fuzz_server, path, body, param):
+    for surrogate in LONE_SURROGATES:
+        key = "[" + json.dumps(surrogate) + "]"  # as paths write keys that are not names
+        response = post_text(fuzz_server, path, filled(body, json.dumps(surrogate)))
+        assert_400_naming(response, path, param + key)
+
+
+def test_lone_surrogates_inside_tool_call_arguments_are_400s(fuzz_server):
+    """Arguments are JSON inside a JSON string: checked as they are parsed."""
+    arguments = json.dumps({"city": "\ud800"})
+    chat = {"messages": [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "user", "content": "hi"}], "max_tokens": 1}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = post_text(fuzz_server, path, json.dumps(chat))
+        assert_400_naming(response, path, "messages[0].tool_calls[0].function.arguments")
+    responses = {"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                            "arguments": "[" * 3000 + "]" * 3000}]}
+    response = post_text(fuzz_server, "/v1/responses", json.dumps(responses))
+    assert_400_naming(response, "/v1/responses", "input[0].arguments")
+
+
+TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c", "type": "function", "function": {"arguments": "{}"}}]}
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "c", "input": {}}]}
+NAMED_TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+MISSING_NAMES = [
+    *[(path, {"messages": MSG, **fields}, param)
+      for path in ("/v1/chat/completions", "/chat/completions")
+      for fields, param in [
+          ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+          ({"tools": [NAMED_TOOL, {"type": "function", "function": {"name": ""}}]},
+           "tools[1].function.name"),
+          ({"tools": [{"type": "function"}]}, "tools[0].function"),
+          ({"tools": [NAMED_TOOL], "tool_choice": {"type": "function", "function": {}}},
+           "tool_choice.function.name"),
+          ({"tools": [NAMED_TOOL], "tool_choice": {"type": "function"}}, "tool_choice.function.name"),
+          ({"messages": [TOOL_CALL, *MSG]}, "messages[0].tool_calls[0].function.name"),
+      ]],
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "parameters": {}}]},
+     "tools[0].name"),
+    ("/v1/responses",
+     {"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]},
+     "tools[0].tools[0].name"),
+    ("/v1/responses", {"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ("/v1/responses",
+     {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    *[(path, {**body, **fields}, param)
+      for path, body in [("/v1/messages", ANTHROPIC),
+                         ("/v1/messages/count_tokens", {"model": "claude-test", "messages": MSG})]
+      for fields, param in [
+          ({"tools": [{"input_schema": {}}]}, "tools[0].name"),
+          ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool"}},
+           "tool_choice.name"),
+          ({"messages": [*MSG, TOOL_USE]}, "messages[1].content[0].name"),
+      ]],
+    ("/tokenize", {"messages": MSG, "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name"),
+    ("/tokenize", {"messages": [TOOL_CALL, *MSG]}, "messages[0].tool_calls[0].function.name"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), MISSING_NAMES, ids=place_id)
+def test_a_missing_name_is_a_400_naming_it(fuzz_server, path, body, param):
+    response = post_text(fuzz_server, path, json.dumps(body))
+    assert_400_naming(response, path, param)

@@ -157,7 +157,7 @@ def test_streamed_and_chat_answers_end_at_the_window_too(short_server, never_end
 def test_completions_logprobs_integer_is_the_legacy_shape(server):
     body = complete(server, prompt="the weather in Paris", max_tokens=5, logprobs=3).json()
     lp = body["choices"][0]["logprobs"]
-    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset", "token_ids"}
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
     assert "".join(lp["tokens"]) == body["choices"][0]["text"]
     # The same (greedy) request in chat's shape lists the 3 most likely as a list.

@@ -477,7 +477,7 @@ def test_penalties_and_logit_bias(servers, hello_first_tokens, fields):
 def test_logprobs_of_the_sampled_token(servers, tiny_tokenizer):
     # DELIBERATE DIFFERENCE (shape): the reference's entries are
     # {"id", "logprob"} (no "token", "bytes" or "top_logprobs"); ours are
-    # OpenAI's {"token", "logprob", "bytes", "top_logprobs": []}, no "id".
+    # OpenAI's {"token", "logprob", "bytes", "top_logprobs": []} with the same "id".
     body = chat_body("hello", logprobs=True)
     ours, ref = both(servers, "post", "/v1/chat/completions", body)
     assert chat_out(ours) == chat_out(ref)
@@ -486,7 +486,8 @@ def test_logprobs_of_the_sampled_token(servers, tiny_tokenizer):
     assert len(o) == len(r) == 24
     for mine, theirs in zip(o, r, strict=True):
         assert set(theirs) == {"id", "logprob"}
-        assert set(mine) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert set(mine) == {"id", "token", "logprob", "bytes", "top_logprobs"}
+        assert mine["id"] == theirs["id"]
         assert mine["token"] == tiny_tokenizer.decode([theirs["id"]])
         assert mine["bytes"] == list(mine["token"].encode())
         assert mine["top_logprobs"] == []

@@ -80,8 +80,12 @@ def _assistant_message(blocks: list[ContentBlockIn], where: str, tool_names: dic
         elif block.type == "redacted_thinking":
             continue  # encrypted by Anthropic: nothing a local model can read
         elif block.type == "tool_use":
-            if not block.id or not block.name:
-                raise ClientError(f"{at}: a tool_use block needs 'id' and 'name'", param=at)
+            for key in ("id", "name"):
+                if not getattr(block, key):
+                    raise ClientError(
+                        f"{at}.{key}: is required (a tool_use block needs 'id' and 'name')",
+                        param=f"{at}.{key}",
+                    )
             if block.input is not None and not isinstance(block.input, dict):
                 raise ClientError(f"{at}.input must be an object", param=f"{at}.input")
             tool_names[block.id] = block.name

@@ -95,6 +95,10 @@ def unsupported(message: str) -> Any:
 def _tool_choice(name: str, value: Any) -> None:
     if isinstance(value, str) and value not in TOOL_CHOICES:
         raise InvalidParam(name, f"{name} must be auto, none or required")
+    if isinstance(value, dict) and value.get("type") == "function":
+        named = value.get("name")
+        if not isinstance(named, str) or not named:
+            raise InvalidParam(f"{name}.name", f"{name}.name: is required for type 'function'")
 
 
 def _named_schema(name: str, value: TextFormatIn) -> None:

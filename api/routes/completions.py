@@ -17,6 +17,7 @@ from typing import Any
 from quart import Blueprint
 
 from actors.system import Runtime
+from api import json_input
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
@@ -29,8 +30,8 @@ from runtime.errors import ClientError
 from runtime.prompts import prepare_chat, prepare_text
 
 
-def plain_message(message: ChatMessage) -> dict[str, Any]:
-    """A validated message as the chat template expects it."""
+def plain_message(message: ChatMessage, where: str = "messages") -> dict[str, Any]:
+    """A validated message as the chat template expects it (``where``: its path, for 400s)."""
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content)
@@ -41,15 +42,15 @@ def plain_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
         calls = []
-        for call in message.tool_calls:
+        for j, call in enumerate(message.tool_calls):
             arguments = call.function.arguments
             if isinstance(arguments, str):
+                param = f"{where}.tool_calls[{j}].function.arguments"
                 try:
-                    arguments = json.loads(arguments) if arguments.strip() else {}
+                    arguments = json_input.loads(arguments, where=param) if arguments.strip() else {}
                 except json.JSONDecodeError:
                     raise ClientError(
-                        "tool call arguments must be a JSON object",
-                        param="messages.tool_calls.function.arguments",
+                        "tool call arguments must be a JSON object", param=param
                     ) from None
             calls.append(
                 {
@@ -70,7 +71,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     @routes.post("/chat/completions")
     async def chat_completions():
         req = structure_or_400(await read_json(), ChatCompletionRequest)
-        messages = [plain_message(m) for m in req.messages]
+        messages = [plain_message(m, f"messages[{i}]") for i, m in enumerate(req.messages)]
         template_args = {**config.chat_template_args, **(req.chat_template_kwargs or {})}
         prepare = functools.partial(
             _prepare_chat,

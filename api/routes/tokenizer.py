@@ -50,7 +50,7 @@ def tokenizer_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         if req.messages is not None:
             work = functools.partial(
                 _chat_tokens,
-                messages=[plain_message(m) for m in req.messages],
+                messages=[plain_message(m, f"messages[{i}]") for i, m in enumerate(req.messages)],
                 tools=req.tools,
                 template_args={**config.chat_template_args, **(req.chat_template_kwargs or {})},
                 add_generation_prompt=req.add_generation_prompt,
