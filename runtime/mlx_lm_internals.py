@@ -450,22 +450,31 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
     return joining
 
 
-def coming_prefill(generator: BatchGenerator) -> tuple[int, int, int]:
+def coming_prefill(generator: BatchGenerator, short: int = 0) -> tuple[int, int, int, int]:
     """What the coming ``generator.next()`` will do, with the generator's sizes as set:
     (sequences it decodes, prompts it prefills, their prefill tokens padded to the
-    longest chunk, as mlx-lm pads them)."""
+    longest chunk, as mlx-lm pads them, and the longest next segment among those
+    prompts with at most ``short`` tokens to prefill in all: 0 if none)."""
     decoding = len(generator._generation_batch)
     if decoding >= generator.completion_batch_size:
-        return decoding, 0, 0  # mlx-lm prefills nothing in such a step
+        return decoding, 0, 0, 0  # mlx-lm prefills nothing in such a step
     step_size = generator.prefill_step_size
-    chunks = [_first_chunk(m[0], step_size) for m in generator._currently_processing
-              if not _is_done(m)]
+    # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
+    prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
     joining = min(
         generator.prefill_batch_size - len(generator._prompt_batch),
         generator.completion_batch_size - decoding,
         len(generator._unprocessed_sequences),
     )
     for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
-        chunks.append(_first_chunk(sequence[1], step_size))
-    chunks = [c for c in chunks if c]
-    return decoding, len(chunks), len(chunks) * max(chunks, default=0)
+        prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
+    chunks, longest_short = [], 0
+    for segs, total in prompts:
+        chunk = _first_chunk(segs, step_size)
+        if not chunk:
+            continue
+        chunks.append(chunk)
+        # A short prompt (its last token is the generator's, not a prefill's).
+        if total - 1 <= short:
+            longest_short = max(longest_short, len(segs[0]))
+    return decoding, len(chunks), len(chunks) * max(chunks, default=0), longest_short

@@ -41,6 +41,9 @@ def test_the_chunk_takes_about_factor_decode_steps_shared_by_the_prompts():
     assert pacer.chunk(decoding=8, prompts=1) == 150
     assert pacer.chunk(decoding=8, prompts=2) == 75
     assert pacer.chunk(decoding=8, prompts=8) == MIN_CHUNK  # never below the floor
+    # A prompt that is short all in all goes whole, however the others are paced.
+    assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
+    assert pacer.chunk(decoding=8, prompts=2, short=5000) == 2048
     # Later observations move the estimates part of the way.
     pacer.observe(0.020, decoding=8, prefill_tokens=0)
     assert 0.010 < pacer.decode_seconds < 0.020
@@ -60,7 +63,10 @@ def test_coming_prefill_predicts_what_next_prefills(model):
     gen.insert(prompts)
     seen: dict[int, int] = {}
     for _ in range(12):
-        decoding, n, padded = coming_prefill(gen)
+        decoding, n, padded, short = coming_prefill(gen, 100)
+        # The 20- and 50-token prompts are short: their next segments, whole.
+        lefts = [len(m[0][0]) for m in gen._currently_processing
+                 if m[2] - 1 <= 100 and not (len(m[0]) == 1 and len(m[0][0]) == 1)]
         expected = {}
         for i, m in enumerate(gen._currently_processing):
             if not (len(m[0]) == 1 and len(m[0][0]) == 1):
@@ -75,6 +81,7 @@ def test_coming_prefill_predicts_what_next_prefills(model):
                 assert chunks[uid] == chunk
         assert n == len(chunks)
         assert padded == n * max(chunks.values(), default=0)
+        assert short >= max(lefts, default=0)
     assert decoding >= 0
 
 

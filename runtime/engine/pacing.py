@@ -17,6 +17,11 @@ decode, and the time per (padded) prompt token of steps that prefill, less
 their decode part (exponential averages: the time per token grows with the
 context). Sans-IO: ``observe`` after each step, ``chunk`` before the next;
 the generator is read and set through ``runtime.mlx_lm_internals``.
+
+A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
+cached: a coding agent's next turn, a chat message) goes in one step: its
+first token matters more than the one longer gap it costs the others, and it
+is not held behind a long prompt's paced chunks.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 MIN_CHUNK = 64
 # Weight of the newest observation in the running estimates.
 SMOOTHING = 0.3
+# A prompt with at most this many tokens to prefill in all is prefilled in one step.
+SHORT_PROMPT = 512
 
 
 class PrefillPacer:
@@ -53,9 +60,11 @@ class PrefillPacer:
                 per_token = (seconds - decode_part) / prefill_tokens
                 self.token_seconds = _average(self.token_seconds, per_token)
 
-    def chunk(self, *, decoding: int, prompts: int) -> int:
+    def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
-        generating and ``prompts`` prompts prefilling."""
+        generating and ``prompts`` prompts prefilling; ``short``: the longest next
+        segment of the prompts whose whole prefill is at most ``SHORT_PROMPT``
+        tokens (0: none), which the chunk then covers."""
         if (
             not self.factor
             or not decoding
@@ -65,7 +74,8 @@ class PrefillPacer:
         ):
             return self.full_chunk
         tokens = self.factor * self.decode_seconds / self.token_seconds
-        return max(self.min_chunk, min(self.full_chunk, int(tokens / prompts)))
+        paced = max(self.min_chunk, int(tokens / prompts))
+        return min(self.full_chunk, max(paced, short))
 
 
 def _average(current: float | None, new: float) -> float:
@@ -87,15 +97,17 @@ class PacedSteps:
     def before(self, generator, size_group=None) -> None:
         """Size the coming step's prefill chunk (``size_group(generator)``: the group's
         sizing, which reads the chunk, runs in between)."""
-        decoding, prompts, _ = self._coming(generator)
-        generator.prefill_step_size = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        decoding, prompts, _, short = self._coming(generator, SHORT_PROMPT)
+        generator.prefill_step_size = self.pacer.chunk(
+            decoding=decoding, prompts=prompts, short=short
+        )
         if size_group is not None:
             size_group(generator)
-        decoding, prompts, tokens = self._coming(generator)
-        narrower = self.pacer.chunk(decoding=decoding, prompts=prompts)
+        decoding, prompts, tokens, short = self._coming(generator, SHORT_PROMPT)
+        narrower = self.pacer.chunk(decoding=decoding, prompts=prompts, short=short)
         if narrower < generator.prefill_step_size:  # more joined than first counted
             generator.prefill_step_size = narrower
-            tokens = self._coming(generator)[2]
+            tokens = self._coming(generator, SHORT_PROMPT)[2]
         self._decoding, self._tokens = decoding, tokens
 
     def after(self, seconds: float) -> None:
