@@ -74,8 +74,7 @@ CORPUS = {
     "pattern_top_level": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
     "format_date": _object({"when": {"type": "string", "format": "date"}}),
     "format_uuid": {"type": "string", "format": "uuid"},
-    # multipleOf bounds the digits: a plain number can go on forever (the demo model
-    # writes -0.1110111111... until max_tokens when it may)
+    # a step of its own (multipleOf) instead of the default of ten decimals
     "number_bounds": _object({"t": {"type": "number", "minimum": -1.5, "maximum": 2.5,
                                     "multipleOf": 0.5}}),
     "exclusive_bounds": {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 15},
@@ -254,19 +253,206 @@ def test_recursive_schema_accepts_deep_documents_and_rejects_broken_ones(tiny):
     assert not grammar_accepts(tokenizer, spec, broken)
 
 
-def test_json_whitespace_is_what_writers_produce_and_no_padding(tiny):
-    _, tokenizer = tiny
-    spec = json_spec(tokenizer, CORPUS["nested_3"], allow_thinking=False)
+def test_json_whitespace_is_one_space_after_separators_and_nothing_else(tiny_tokenizer):
+    spec = json_spec(tiny_tokenizer, CORPUS["nested_3"], allow_thinking=False)
     doc = {"a": {"b": {"c": True}}}
-    for written in (json.dumps(doc), json.dumps(doc, separators=(",", ":")),
-                    json.dumps(doc, indent=2), json.dumps(doc, indent="\t")):
-        assert grammar_accepts(tokenizer, spec, written), written
-    # a newline and up to 8 of indent: deeper levels keep 8
-    assert grammar_accepts(tokenizer, spec, '{\n        "a": {"b": {"c": true}}}')
-    for padded in ('{\n         "a": {"b": {"c": true}}}',  # 9 of indent
-                   '{  "a": {"b": {"c": true}}}',  # two spaces
-                   '{\n\n"a": {"b": {"c": true}}}'):  # a blank line
-        assert not grammar_accepts(tokenizer, spec, padded), padded
+    assert grammar_accepts(tiny_tokenizer, spec, json.dumps(doc))  # {"a": {"b": {"c": true}}}
+    assert grammar_accepts(tiny_tokenizer, spec, "\n\n" + json.dumps(doc))  # after </think>
+    for other in (json.dumps(doc, separators=(",", ":")), json.dumps(doc, indent=2),
+                  json.dumps(doc, indent="\t"), '{ "a": {"b": {"c": true}}}',
+                  '{"a":  {"b": {"c": true}}}', '{"a": {"b": {"c": true}} }',
+                  '{"a": {"b":\t{"c": true}}}', '{"a": {"b":\r\n{"c": true}}}'):
+        assert not grammar_accepts(tiny_tokenizer, spec, other), other
+    array = json_spec(tiny_tokenizer, CORPUS["integer_array"], allow_thinking=False)
+    assert grammar_accepts(tiny_tokenizer, array, "[1, 2, 3]")
+    assert not grammar_accepts(tiny_tokenizer, array, "[1,2,3]")
+
+
+def with_guidance(schema: dict, **options) -> dict:
+    return {**schema, "x-guidance": options}
+
+
+def test_flexible_whitespace_when_the_schema_asks_for_it(tiny_tokenizer):
+    doc = {"a": {"b": {"c": True}}}
+    written = (json.dumps(doc), json.dumps(doc, separators=(",", ":")), json.dumps(doc, indent=2),
+               json.dumps(doc, indent="\t"), '{ "a" :{"b":\r\n {"c": true}  }\n}')
+    flexible = json_spec(tiny_tokenizer, with_guidance(CORPUS["nested_3"], whitespace_flexible=True),
+                         allow_thinking=False)
+    for text in written:
+        assert grammar_accepts(tiny_tokenizer, flexible, text), text
+    # a pattern of its own (flexible implied), or compact separators and no whitespace
+    pattern = json_spec(tiny_tokenizer, with_guidance(CORPUS["nested_3"], whitespace_pattern=" ?"),
+                        allow_thinking=False)
+    assert grammar_accepts(tiny_tokenizer, pattern, '{ "a" : {"b":{"c" :true}}}')
+    assert not grammar_accepts(tiny_tokenizer, pattern, json.dumps(doc, indent=2))
+    compact = json_spec(tiny_tokenizer, with_guidance(CORPUS["nested_3"], item_separator=",",
+                                                      key_separator=":"), allow_thinking=False)
+    assert grammar_accepts(tiny_tokenizer, compact, written[1])
+    assert not grammar_accepts(tiny_tokenizer, compact, written[0])
+    # a tool's parameters ask for their own arguments; the call around them is fixed
+    tool = {"type": "function", "function": {"name": "f", "parameters": with_guidance(
+        CORPUS["nested_3"], whitespace_flexible=True)}}
+    spec = compile_constraint(tiny_tokenizer, tools=[tool], tool_choice="required",
+                              allow_thinking=False)
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>'
+    for text in written:
+        assert grammar_accepts(tiny_tokenizer, spec, call % text), text
+    assert not grammar_accepts(tiny_tokenizer, spec, call.replace(": ", ":", 1) % written[0])
+
+
+@pytest.mark.parametrize(("guidance", "named"), [
+    ({"lenient": True}, "x-guidance.lenient"),
+    ({"coerce_one_of": True}, "x-guidance.coerce_one_of"),
+    ({"whitespace_flexible": "yes"}, "x-guidance.whitespace_flexible"),
+    ({"whitespace_flexible": False, "whitespace_pattern": " "}, "x-guidance.whitespace_pattern"),
+])
+def test_only_whitespace_options_may_be_set(tiny_tokenizer, guidance, named):
+    with pytest.raises(ClientError) as info:
+        json_spec(tiny_tokenizer, {"type": "object", "x-guidance": guidance})
+    assert info.value.param == f"response_format.json_schema.schema.{named}"
+
+
+# ------------------------------------------------------------ closed objects
+
+POINT = {"type": "object", "properties": {"x": DIGIT, "y": DIGIT}, "required": ["x"]}
+
+
+def tool_spec(tokenizer, parameters, **kwargs):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    return compile_constraint(tokenizer, tools=[tool], allow_thinking=False, **kwargs)
+
+
+def as_call(arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_strict_schemas_and_tool_arguments_allow_no_properties_they_do_not_name(tiny_tokenizer):
+    named, extra = '{"x": 1, "y": 2}', '{"x": 1, "y": 2, "z": 3}'
+    strict = json_spec(tiny_tokenizer, POINT, allow_thinking=False)
+    assert grammar_accepts(tiny_tokenizer, strict, named)
+    assert grammar_accepts(tiny_tokenizer, strict, '{"x": 1}')
+    assert not grammar_accepts(tiny_tokenizer, strict, extra)
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        call = tool_spec(tiny_tokenizer, POINT, tool_choice=choice)
+        assert grammar_accepts(tiny_tokenizer, call, as_call(named))
+        assert not grammar_accepts(tiny_tokenizer, call, as_call(extra))
+    # with tool_choice "auto" beside a response_format, the calls are closed too
+    both = json_spec(tiny_tokenizer, POINT, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": POINT}}], allow_thinking=False)
+    assert both.kind == "json_schema|tool_calls"
+    assert not grammar_accepts(tiny_tokenizer, both, as_call(extra))
+    assert not grammar_accepts(tiny_tokenizer, both, extra)
+    # JSON Schema's default without strict; a schema that allows more gets more
+    loose = compile_constraint(tiny_tokenizer, allow_thinking=False, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": POINT}})
+    assert grammar_accepts(tiny_tokenizer, loose, extra)
+    for allowing in ({**POINT, "additionalProperties": True},
+                     {**POINT, "additionalProperties": DIGIT},
+                     {**POINT, "patternProperties": {"^z$": DIGIT}}):
+        assert grammar_accepts(tiny_tokenizer, json_spec(tiny_tokenizer, allowing,
+                                                         allow_thinking=False), extra)
+        assert grammar_accepts(tiny_tokenizer, tool_spec(tiny_tokenizer, allowing,
+                                                         tool_choice="required"), as_call(extra))
+
+
+def test_closed_objects_reach_every_nested_schema(tiny_tokenizer):
+    def refused(schema, text):
+        spec = json_spec(tiny_tokenizer, schema, allow_thinking=False)
+        return not grammar_accepts(tiny_tokenizer, spec, text)
+
+    nested = {"type": "object", "properties": {"p": POINT}, "required": ["p"]}
+    assert refused(nested, '{"p": {"x": 1, "z": 3}}')
+    assert not refused(nested, '{"p": {"x": 1}}')
+    assert refused({"type": "array", "items": POINT}, '[{"x": 1}, {"x": 1, "z": 3}]')
+    assert refused({"type": "array", "prefixItems": [POINT], "items": False}, '[{"x": 1, "z": 3}]')
+    assert refused({"anyOf": [POINT, {"type": "null"}]}, '{"x": 1, "z": 3}')
+    assert refused({"oneOf": [POINT, {"type": "integer"}]}, '{"x": 1, "z": 3}')
+    defs = {"$defs": {"point": POINT}, "type": "object",
+            "properties": {"p": {"$ref": "#/$defs/point"}}, "required": ["p"]}
+    assert refused(defs, '{"p": {"x": 1, "z": 3}}')
+    legacy = {"definitions": {"point": POINT}, "$ref": "#/definitions/point"}
+    assert refused(legacy, '{"x": 1, "z": 3}')
+    # allOf's members are parts of one object: its names are theirs together
+    parts = {"allOf": [{"type": "object", "properties": {"x": DIGIT}, "required": ["x"]},
+                       {"$ref": "#/$defs/more"}],
+             "$defs": {"more": {"type": "object", "properties": {"y": DIGIT}}}}
+    assert not refused(parts, '{"x": 1, "y": 2}')
+    assert refused(parts, '{"x": 1, "y": 2, "z": 3}')
+    # properties beside anyOf: the object holds its own and its branches' names
+    beside = {"type": "object", "properties": {"k": DIGIT}, "required": ["k"],
+              "anyOf": [{"properties": {"a": DIGIT}}, {"properties": {"b": DIGIT}}]}
+    assert not refused(beside, '{"k": 1, "b": 2}')
+    assert refused(beside, '{"k": 1, "z": 2}')
+
+
+# ----------------------------------------------------------------- numbers
+
+
+def test_integers_have_at_most_the_digits_of_64_bits_and_schema_bounds_narrow(tiny_tokenizer):
+    def accepted(schema, text):
+        return grammar_accepts(tiny_tokenizer, json_spec(tiny_tokenizer, schema,
+                                                         allow_thinking=False), text)
+
+    plain = {"type": "integer"}
+    for text in ("0", "-7", "9223372036854775807", "-9223372036854774784"):
+        assert accepted(plain, text), text
+    for text in ("9223372036854775808", "12345678901234567890", "-12345678901234567890",
+                 "1.5", "1e3"):
+        assert not accepted(plain, text), text
+    # the schema's own bounds, where tighter, still narrow
+    assert accepted({"type": "integer", "minimum": 0}, "9223372036854775807")
+    assert not accepted({"type": "integer", "minimum": 0}, "-1")
+    assert not accepted({"type": "integer", "maximum": -10}, "-9")
+    assert not accepted({"type": "integer", "maximum": 10**30}, "12345678901234567890")
+    assert accepted(CORPUS["exclusive_bounds"], "14")
+    assert not accepted(CORPUS["exclusive_bounds"], "15")
+    assert accepted({"type": ["integer", "null"]}, "null")
+    assert not accepted({"type": ["integer", "null"]}, "1" * 20)
+    # inside a tool's arguments too
+    spec = tool_spec(tiny_tokenizer, {"type": "object", "properties": {"n": plain},
+                                      "required": ["n"]}, tool_choice="required")
+    assert grammar_accepts(tiny_tokenizer, spec, as_call('{"n": -123}'))
+    assert not grammar_accepts(tiny_tokenizer, spec, as_call('{"n": %s}' % ("6" * 20)))
+
+
+def test_numbers_have_a_bounded_integer_part_at_most_ten_decimals_and_no_exponent(
+        tiny_tokenizer):
+    def accepted(schema, text):
+        return grammar_accepts(tiny_tokenizer, json_spec(tiny_tokenizer, schema,
+                                                         allow_thinking=False), text)
+
+    plain = {"type": "number"}
+    for text in ("0", "-1.5", "3", "9999999999999999.9999999999", "-0.0000000001"):
+        assert accepted(plain, text), text
+    for text in ("10000000000000000", "-10000000000000000", "0.12345678901", "1e5", "1E-3",
+                 "1.5e10"):
+        assert not accepted(plain, text), text
+    # the schema's own bounds and step, where tighter, still narrow
+    assert not accepted({"type": "number", "minimum": 0}, "-0.5")
+    assert not accepted({"type": "number", "exclusiveMaximum": 2.5}, "2.5")
+    stepped = CORPUS["number_bounds"]["properties"]["t"]
+    assert accepted(stepped, "2.5")
+    assert not accepted(stepped, "2.25")
+    # a value the schema leaves free (json_object, {}, extra properties) is bounded too
+    free = compile_constraint(tiny_tokenizer, response_format={"type": "json_object"},
+                              allow_thinking=False)
+    assert grammar_accepts(tiny_tokenizer, free, '{"a": [1.5, {"b": null}], "c": "d"}')
+    assert not grammar_accepts(tiny_tokenizer, free, '{"a": [1, {"b": %s}]}' % ("1" * 17))
+    assert not accepted({}, "0.12345678901")
+    assert not accepted({"type": "array"}, "[%s]" % ("1" * 17))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 2**64},
+    {"type": "integer", "maximum": -(2**63)},
+    {"type": "number", "minimum": 1e20},
+    {"type": "number", "maximum": -1e16},
+])
+def test_bounds_beyond_the_digits_a_number_may_have_are_400s(tiny_tokenizer, schema):
+    with pytest.raises(ClientError) as info:
+        json_spec(tiny_tokenizer, {"type": "object", "properties": {"v": schema}})
+    assert info.value.param == "response_format.json_schema.schema"
+    assert "bounds must overlap" in info.value.message
 
 
 # ------------------------------------------------------------- tool choice
@@ -431,7 +617,7 @@ def test_no_end_of_sequence_while_reasoning(tiny):
     ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
     ({"type": "string", "format": "zip-code"}, "zip-code"),
     ({"type": "string", "pattern": "^(?!x)"}, "look-around"),
-    # a client's x-guidance cannot switch on lenient mode (which would ignore the keyword)
+    # x-guidance in a nested schema is no option: the keyword is still refused
     ({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}, "uniqueItems"),
 ])
 def test_unsupported_schema_features_are_refused_by_name(tiny_tokenizer, schema, named):
@@ -444,11 +630,15 @@ def test_unsupported_schema_features_are_refused_by_name(tiny_tokenizer, schema,
         compile_constraint(tiny_tokenizer, response_format={"type": "json_schema", "name": "n",
                                                             "schema": schema},
                            response_format_param="text.format")
-    assert info.value.param == "text.format.schema" and named in info.value.message
+    # at the top of a schema, x-guidance's lenient mode is itself refused, by name
+    top = "x-guidance.lenient" if "x-guidance" in schema else None
+    assert info.value.param == ".".join(filter(None, ("text.format.schema", top)))
+    assert (top or named) in info.value.message
     bad_tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     with pytest.raises(ClientError) as info:
         compile_constraint(tiny_tokenizer, tools=[WEATHER, bad_tool], tool_choice="required")
-    assert info.value.param == "tools[1].function.parameters" and named in info.value.message
+    assert info.value.param == ".".join(filter(None, ("tools[1].function.parameters", top)))
+    assert (top or named) in info.value.message
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [

@@ -34,7 +34,7 @@ REPORT = {"type": "object", "additionalProperties": False, "required": ["city", 
           "properties": {"city": {"type": "string", "maxLength": 16},
                          "temp": {"type": "integer", "minimum": -40, "maximum": 45},
                          "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}}}
-# Bounded: an unbounded integer lets a model that is not trained on JSON write digits forever.
+# Bounded: unbounded, a model not trained on JSON writes an integer's 19 digits.
 SUM = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0,
                                                    "maximum": 999}},
        "required": ["answer"], "additionalProperties": False}
@@ -162,6 +162,29 @@ async def test_a_budget_too_small_ends_with_length_and_the_partial_document(demo
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice["message"]["content"])
     assert data["usage"]["completion_tokens"] == 8
+
+
+async def test_documents_are_written_one_way_unless_the_schema_asks_and_strict_closes(demo):
+    # no additionalProperties: strict closes the object; the text is json.dumps's own
+    open_report = {k: v for k, v in REPORT.items() if k != "additionalProperties"}
+    body = {"messages": user("The weather in Oslo, as JSON."), **NO_THINKING,
+            "response_format": json_schema(open_report)}
+    status, data = await post(demo, CHAT, body)
+    assert status == 200, data
+    content = data["choices"][0]["message"]["content"].lstrip()
+    document = json.loads(content)
+    jsonschema.validate(document, REPORT)
+    assert content == json.dumps(document)
+    # llguidance's whitespace options, from the schema's own top-level x-guidance: the
+    # demo model pads every gap it may (its reply runs to max_tokens in whitespace)
+    flexible = {**open_report, "x-guidance": {"whitespace_flexible": True}}
+    status, data = await post(demo, CHAT, {**body, "response_format": json_schema(flexible)})
+    assert status == 200, data
+    assert data["choices"][0]["message"]["content"].lstrip().startswith("{  ")
+    lenient = {**open_report, "x-guidance": {"lenient": True}}
+    status, data = await post(demo, CHAT, {**body, "response_format": json_schema(lenient)})
+    assert status == 400
+    assert data["error"]["param"] == "response_format.json_schema.schema.x-guidance.lenient"
 
 
 # ---------------------------------------------------------------- Responses
