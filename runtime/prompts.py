@@ -17,8 +17,11 @@ starts from a cached prefix.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +37,31 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 
 
 THINKING_TAIL_TOKENS = 11
+
+# System prompts' tokens remembered per tokenizer (the most recent few): a coding
+# agent's 10-20k-token system prompt is the same in every request of every session,
+# and encoding it again took about as long as the rest of the prompt.
+SYSTEM_PREFIXES_KEPT = 16
+_system_prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_system_prefixes_lock = threading.Lock()
+
+
+def _remembered_system_prefix(tokenizer, key: tuple, compute: Callable[[], Any]):
+    """``compute()`` (the system messages' rendering, encoded), remembered under ``key``."""
+    with _system_prefixes_lock:
+        try:
+            kept = _system_prefixes.setdefault(tokenizer, collections.OrderedDict())
+        except TypeError:  # a tokenizer that cannot be weakly referenced: no memory
+            return compute()
+        if key in kept:
+            kept.move_to_end(key)
+            return kept[key]
+    value = compute()
+    with _system_prefixes_lock:
+        kept[key] = value
+        while len(kept) > SYSTEM_PREFIXES_KEPT:
+            kept.popitem(last=False)
+    return value
 
 
 # Prompts whose last message is one of these are split into segments. A coding
@@ -181,19 +209,25 @@ def prepare_chat(
             break
         n_system += 1
     if n_system and messages[-1]["role"] in SEGMENTED_ROLES:
-        try:
-            system_prefix = encode(
-                tokenizer,
-                tokenizer.apply_chat_template(
-                    messages[:n_system] + [{"role": "user", "content": ""}],
-                    add_generation_prompt=False,
-                    tokenize=False,
-                    **kwargs,
-                ),
-                add_special_tokens=False,
-            )
-        except Exception:
-            system_prefix = None
+
+        def render_system() -> tuple[int, ...] | None:
+            try:
+                return tuple(encode(
+                    tokenizer,
+                    tokenizer.apply_chat_template(
+                        messages[:n_system] + [{"role": "user", "content": ""}],
+                        add_generation_prompt=False,
+                        tokenize=False,
+                        **kwargs,
+                    ),
+                    add_special_tokens=False,
+                ))
+            except Exception:
+                return None
+
+        system_prefix = _remembered_system_prefix(
+            tokenizer, (template_key(kwargs), keys[n_system - 1]), render_system
+        )
 
     def think_start_at(prompt, start):
         return tokenizer.rfind_think_start(list(prompt), start=start)

@@ -104,3 +104,33 @@ def test_no_backend_means_the_tokenizers_own_encode():
     assert tokenizing.encode(tokenizer, "abcd", add_special_tokens=False) == [4, 0]
     assert tokenizing.encoder_for(tokenizer).__name__ == "encode_slowly"
 
+
+
+def test_a_system_prompt_seen_before_is_not_rendered_again(tiny_tokenizer):
+    """The system prompt's tokens (where its cache segment ends) are remembered per
+    tokenizer, and give the plan a fresh rendering gives."""
+    system = {"role": "system", "content": "You are a careful agent. " * 40}
+    first = [system, {"role": "user", "content": "list the files"}]
+    later = [*first, {"role": "assistant", "content": "a.txt b.txt"},
+             {"role": "tool", "content": "done"}]
+    calls = []
+    real = tiny_tokenizer.apply_chat_template
+
+    def counting(messages, **kwargs):
+        calls.append(messages[-1] == {"role": "user", "content": ""})
+        return real(messages, **kwargs)
+
+    tiny_tokenizer.apply_chat_template = counting
+    try:
+        plans = [prepare_chat(tiny_tokenizer, m, tools=None, template_args={}).plan
+                 for m in (first, later, first)]
+    finally:
+        del tiny_tokenizer.apply_chat_template
+    # The system part (the system message and an empty user turn) is rendered once.
+    assert calls.count(True) == 1
+    assert plans[0] == plans[2]
+    assert plans[0].segment_types[0] == plans[1].segment_types[0] == "system"
+    assert plans[0].segments[0] == plans[1].segments[0]
+    # A different system prompt is its own.
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert prepare_chat(tiny_tokenizer, other, tools=None, template_args={}).plan != plans[0]
