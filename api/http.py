@@ -16,8 +16,8 @@ from typing import Any
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
 
-from api import json_input
 from api.errors import error_answer
+from api.json_input import loads as load_json_body
 from api.responses import dumps
 from runtime.errors import ClientError, ServerError
 from runtime.messages import Failed
@@ -73,6 +73,6 @@ async def read_json() -> Any:
     except UnicodeDecodeError:
         raise ClientError("the request body is not valid UTF-8") from None
     try:
-        return json_input.loads(text, parse_constant=_reject_constant)
+        return load_json_body(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError) as exc:
         raise ClientError(f"the request body is not valid JSON: {exc}") from None

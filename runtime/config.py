@@ -126,17 +126,12 @@ class ServerConfig:
         "as mlx-lm)",
         minimum=0,
         ours=True,
-        notes="Short prompts are prefilled in fewer, fuller steps (at 136 tokens, fifteen a "
-        "step instead of eight), and a group's next one joins in the step its predecessor "
-        "leaves for decoding rather than one step later; long prompts keep mlx-lm's groups "
-        "of `--prompt-concurrency`. The admission window then holds requests until they "
-        "make such a group. Each group that joins the batch rebuilds its KV cache, so fewer "
-        "groups mean fewer rebuilds. Measured: tokens/s +11-16 % at 16 clients on a 2-core "
-        "CPU (medians of three runs); on an H200 at 64 clients, in rounds on a fast core, "
-        "0.96-1.0x the engine ceiling against 0.84-0.90x with 0 (another run: 0.96x of 0's). "
-        "A burst's first tokens come later in bigger groups (TTFT "
-        "p50 at 64 clients 1.3-2.2x). Set 0 where the first token of every request under heavy "
-        "load matters more than throughput (docs/performance.md).",
+        notes="Short prompts are prefilled in fewer, fuller steps, and a group's next one "
+        "joins in the step its predecessor leaves for decoding; long prompts keep mlx-lm's "
+        "groups of `--prompt-concurrency`. Fewer groups mean fewer rebuilds of the batch's KV "
+        "cache (more tokens/s under load) but later first tokens for a large burst: set 0 "
+        "where every request's first token under heavy load matters more than throughput "
+        "([performance.md](performance.md)).",
     )
     prompt_cache_size: int = setting(
         10,
@@ -238,9 +233,7 @@ class ServerConfig:
         "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
         "engine crash that restarts, not the end of the server, and a swapped-out model's "
         "memory goes back to the system with its process. `thread`: the engine runs on a "
-        "thread of the server process, as before. Throughput is the same within the noise of "
-        "our measurements ([lab notes](benchmarks/2026-11-29-issue5.md#engine-process-or-engine-thread)). "
-        "A distributed launch always uses `thread`.",
+        "thread of the server process. A distributed launch always uses `thread`.",
     )
     prefill_attention: str = setting(
         "unfused",
@@ -249,14 +242,12 @@ class ServerConfig:
         choices=PREFILL_ATTENTION_MODES,
         ours=True,
         notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
-        "(group size, prompt length, cached prefix) on the engine's thread: on an H200 a "
-        "one-prompt prefill took 62-89 ms the first time against 12-17 ms once cached, some "
-        "shapes 0.9-8 s, and a server meets new shapes with nearly every prompt. `unfused` "
+        "(group size, prompt length, cached prefix) on the engine's thread, tens of ms to "
+        "seconds each, and a server meets new shapes with nearly every prompt. `unfused` "
         "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
-        "prompt with 32 heads) to MLX's own unfused attention (float32 scores, no graph to "
-        "build: 19-31 ms the first time, 14 after); decoding and longer prompts keep MLX's "
-        "choice. `mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
-        "([performance.md](performance.md#h200-eleventh-session)).",
+        "prompt with 32 heads) to MLX's own unfused attention (no graph to build); decoding "
+        "and longer prompts keep MLX's choice. `mlx`: MLX's choice everywhere. No effect on "
+        "Apple silicon or the CPU ([performance.md](performance.md)).",
     )
     decode_path: str = setting(
         "compiled",
@@ -267,15 +258,10 @@ class ServerConfig:
         notes="At a small batch the decode step is host-bound: each of a layer's ~30 "
         "operations is built from Python and dispatched one by one. `compiled` runs the layer "
         "before its KV cache and after its attention as two `mx.compile`d functions shared by "
-        "all layers (the cache update and the attention stay mlx-lm's), with the same tokens: "
-        "on an H200 0.91-0.99x the step time at like host speed (1 to 64 rows, both benchmark "
-        "shapes), on a 2-core CPU 0.70x at batch 1 on a 32-layer model and 0.6x on a 48-layer "
-        "mixture of experts. In a whole server on an H200: within 4 % of `mlx` either way "
-        "at 8 and 64 clients; at 32 on a 0.6B model 5-6 % below it in one session and "
-        "4-25 % above it in the next, at like host speed (the host's noise). Prefill, other "
-        "architectures, LoRA adapters, a distributed group and the one-at-a-time engine (a "
-        "draft model, a quantized KV cache) keep mlx-lm's path "
-        "([performance.md](performance.md#h200-thirteenth-session)).",
+        "all layers (the cache update and the attention stay mlx-lm's), with the same tokens. "
+        "Prefill, other architectures, LoRA adapters, a distributed group and the "
+        "one-at-a-time engine keep mlx-lm's path. Set `mlx` to rule the compiled path out "
+        "when a model misbehaves ([performance.md](performance.md)).",
     )
     lazy_decode_traces: bool = setting(
         False,
@@ -283,13 +269,9 @@ class ServerConfig:
         "when a step first meets it instead of for every size up to --decode-concurrency at load",
         ours=True,
         notes="A compiled function is traced for every input shape it has not met, and a "
-        "server's decode batch changes size with every arrival and finish. At load the engine "
-        "traces sizes 1 to `--decode-concurrency`: on a 2-core CPU about 1 ms a size, plus "
-        "about 7 s on the demo model once per machine while MLX builds and caches its fused "
-        "CPU kernels, which otherwise the first request waits for (its reply took 7.5 s); on "
-        "an H200 0.33 s for 64 sizes, where a new size's first step costs 2-6 ms more with "
-        "either decode path and the traces gained nothing measurable "
-        "([performance.md](performance.md#h200-fourteenth-session)).",
+        "server's decode batch changes size with every arrival and finish; traced at load, "
+        "`/health` says ready only once no first request waits for a trace or MLX's kernel "
+        "build (seconds on a CPU whose kernel cache is cold). Set it for a faster start.",
     )
     admission_window_ms: float = setting(
         30.0,
@@ -301,13 +283,11 @@ class ServerConfig:
         ours=True,
         notes="With fewer decoding, a request joins at the next step, but a request sent while "
         "others were on their way (received over HTTP, not yet submitted) waits, as long, for "
-        "the last of them, and the burst starts its prefill together. "
-        "Each join rebuilds the "
-        "batch's KV cache, so joining one by one costs more than the decoding on a GPU: at 64 "
-        "clients on an H200 this setting took throughput from 1623-1865 to 2225-2335 "
-        "tokens/s, TTFT p50 from 692-760 to 401-411 ms "
-        "([lab notes](benchmarks/2026-11-29-issue5.md#the-admission-window)). Always off in a "
-        "distributed launch (each rank's clock would end it at a different step).",
+        "the last of them, and the burst starts its prefill together. Each join rebuilds the "
+        "batch's KV cache, so joining one by one costs throughput under load; 0 admits at "
+        "once (lower latency for a lone request on a busy server). Always off in a "
+        "distributed launch (each rank's clock would end it at a different step) "
+        "([architecture.md](architecture.md#the-admission-window)).",
     )
     burst_wait_ms: float = setting(
         0.0,
@@ -360,11 +340,10 @@ class ServerConfig:
         "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
         minimum=0,
         ours=True,
-        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens (and a "
-        "short system prompt) are shared by almost every prompt: reusing them means copying a "
-        "whole cache entry and taking the batch's slower path for sequences that bring a "
-        "cache, to skip a few tokens of prefill. Longer shared prefixes (a real system "
-        "prompt, an earlier turn of the conversation) are reused as before.",
+        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens are "
+        "shared by almost every prompt, and reusing them copies a whole cache entry to skip "
+        "a few tokens of prefill; real shared prefixes (a system prompt, earlier turns) are "
+        "longer.",
     )
     stream_interval_ms: float = setting(
         0.0,
@@ -373,10 +352,9 @@ class ServerConfig:
         minimum=0,
         maximum=1000,
         ours=True,
-        notes="The first chunk is never held back. On the CPU, tiny model, 64 clients, 50 ms: "
-        "2.5-2.7 tokens per chunk, +5-11 % tokens/s, at the price of coarser streaming and an "
-        "up to this much later final chunk. 0 sends every engine step's tokens at once, as "
-        "mlx_lm.server does.",
+        notes="The first chunk is never held back. Raise it (e.g. 50) where many clients "
+        "stream on few CPU cores, at the price of coarser streaming; 0 sends every engine "
+        "step's tokens at once, as mlx_lm.server does.",
     )
     max_model_len: int | None = setting(
         None,

@@ -23,8 +23,8 @@ from typing import Any
 
 import attrs
 
-from api import json_input
 from api.generation import deadline
+from api.json_input import loads as load_json
 from api.responses import dumps
 from api.structured import constrain_step
 from runtime.config import ServerConfig
@@ -88,7 +88,7 @@ def tool_arguments(arguments: Any, *, param: str) -> dict[str, Any]:
     """Tool-call arguments as the object chat templates render."""
     if isinstance(arguments, str):
         try:
-            arguments = json_input.loads(arguments, where=param) if arguments.strip() else {}
+            arguments = load_json(arguments, where=param) if arguments.strip() else {}
         except json.JSONDecodeError:
             raise ClientError("tool call arguments must be a JSON object", param=param) from None
     if not isinstance(arguments, dict):

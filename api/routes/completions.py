@@ -17,11 +17,11 @@ from typing import Any
 from quart import Blueprint
 
 from actors.system import Runtime
-from api import json_input
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
 from api.http import fingerprint, read_json, small_body
+from api.json_input import loads as load_json
 from api.responses import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from api.structured import constrain_step
@@ -47,7 +47,7 @@ def plain_message(message: ChatMessage, where: str = "messages") -> dict[str, An
             if isinstance(arguments, str):
                 param = f"{where}.tool_calls[{j}].function.arguments"
                 try:
-                    arguments = json_input.loads(arguments, where=param) if arguments.strip() else {}
+                    arguments = load_json(arguments, where=param) if arguments.strip() else {}
                 except json.JSONDecodeError:
                     raise ClientError(
                         "tool call arguments must be a JSON object", param=param

@@ -7,16 +7,13 @@ nothing of threads, trio or the distributed group, so tests drive it directly
 
 It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
-that cannot share a batch: both have the same interface, so there is one
-path), the registrations of its rows with the batch sampler (the one sampler
-every row of a batched generator shares, ``runtime.batch_sampling``: a
-sequence is registered when inserted and forgotten when it finishes, is
-aborted or fails), the prompt cache's arrays (through ``runtime.prompt_cache_store.CacheEntries``:
-a lookup when a request is admitted, an insert at segment ends and when a
-sequence finishes, reported as ``cache_events``; ``EvictCache`` commands from
-the PromptCacheActor remove entries between steps: the engine evicts nothing by
-itself), the requests held by the admission window, and the counters of
-``EngineStats``.
+that cannot share a batch: one interface, one path), its rows' registrations
+with the batch sampler (``runtime.batch_sampling``), the prompt cache's arrays
+(``runtime.prompt_cache_store.CacheEntries``: a lookup at admission, inserts
+at segment ends and at finish, reported as ``cache_events``; the
+PromptCacheActor's ``EvictCache`` removes entries between steps), the requests
+it holds outside the batch (admission window, choices, shared prefills), and
+the counters of ``EngineStats``.
 
 ``step()`` runs one generator step and turns its responses into events in one
 place, ``records.token_event`` (as vLLM v1's engine core loops over its outputs).
@@ -32,8 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
 from runtime.engine.choices import (
     PendingChoices,
     further_choices,
@@ -46,8 +41,10 @@ from runtime.engine.records import (
     EngineBroken,
     EngineCounters,
     SequenceError,
+    SequenceRecord,
     back_off_one_token,
     token_event,
+    uncached_segments,
 )
 from runtime.engine.shared_prefill import SharedPrefills, save_points
 from runtime.messages import (
@@ -67,21 +64,6 @@ from runtime.messages import (
 from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
-
-
-@attrs.define
-class _Sequence:
-    request_id: int
-    uid: int  # the batch generator's id
-    logprobs: bool
-    top_logprobs: int
-    segment_types: list[str]  # reversed: pop() gives the next segment's type
-    save_final: bool = True  # its cache goes to the prompt cache when it finishes
-    # Read for every token: computed once.
-    wants_logprobs: bool = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.wants_logprobs = self.logprobs or self.top_logprobs > 0
 
 
 class EngineCore:
@@ -146,16 +128,12 @@ class EngineCore:
         decodes, a request that arrives alone waits this long for a second one.
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
-        mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``).
-
-        ``shared_prefill_min_tokens`` (0: off): a request that repeats at least this
-        many tokens, not in the prompt cache yet, of a prompt being prefilled waits
-        until that prefix is stored, then starts from it
-        (``runtime.engine.shared_prefill``).
-
-        ``paced_steps`` (``runtime.engine.pacing.PacedSteps``; None: mlx-lm's full
-        chunks) sizes each step's prefill chunk while sequences decode, around the
-        prefill group's sizing, and times each ``next()``."""
+        mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``);
+        ``paced_steps`` (``runtime.engine.pacing.PacedSteps``; None: full chunks)
+        sizes its chunk while sequences decode and times each ``next()``.
+        ``shared_prefill_min_tokens`` (0: off): a request that repeats that many
+        uncached tokens of a prompt being prefilled waits for that prefix's
+        prompt-cache copy (``runtime.engine.shared_prefill``)."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -179,8 +157,8 @@ class EngineCore:
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
-        self._by_uid: dict[int, _Sequence] = {}
-        self._by_request: dict[int, _Sequence] = {}
+        self._by_uid: dict[int, SequenceRecord] = {}
+        self._by_request: dict[int, SequenceRecord] = {}
         self._started: list[SequenceStarted] = []
         self._aborted: list[SequenceAborted] = []
         self._failed: list[SequenceFailed] = []
@@ -255,7 +233,7 @@ class EngineCore:
             for request_id in sub.request_ids:
                 self._failed.append(SequenceFailed(request_id=request_id, message=str(exc)))
             return
-        seq = _Sequence(
+        seq = SequenceRecord(
             request_id=sub.request_id,
             uid=uid,
             logprobs=sub.logprobs,
@@ -305,16 +283,7 @@ class EngineCore:
                 cache, rest = back_off_one_token(cache, prompt)
         cached = len(prompt) - len(rest)
 
-        segments = [list(s) for s in sub.segments]
-        types = list(sub.segment_types)
-        skip = cached
-        while skip > 0 and segments:
-            if skip >= len(segments[0]):
-                skip -= len(segments.pop(0))
-                types.pop(0)
-            else:
-                segments[0] = segments[0][skip:]
-                skip = 0
+        segments, types = uncached_segments(sub.segments, sub.segment_types, cached)
 
         options = {name: [value] for name, value in self._insert_options(sub).items()}
         (uid,) = self._batch.insert_segments(
@@ -397,7 +366,7 @@ class EngineCore:
         self._aborted.extend(SequenceAborted(request_id=c.request_id) for c in waiting)
         return True
 
-    def _forget(self, seq: _Sequence) -> None:
+    def _forget(self, seq: SequenceRecord) -> None:
         del self._by_uid[seq.uid]
         self._awaiting_first.discard(seq.uid)
         del self._by_request[seq.request_id]
@@ -567,27 +536,10 @@ class EngineCore:
                 log.exception("closing the batch generator failed")
 
     def stats(self) -> EngineStats:
-        c = self.counters
-        return EngineStats(
+        return self.counters.stats(
             active_sequences=len(self._request_ids()),
-            steps=c.steps,
-            prefill_steps=c.prefill_steps,
-            busy_seconds=c.busy_seconds,
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
-            prompt_cache_hits=c.cache_hits,
-            prompt_cache_cached_tokens=c.cached_tokens,
-            aborts=c.aborts,
-            abort_wait_ms_total=c.abort_wait_ms_total,
-            abort_wait_ms_max=c.abort_wait_ms_max,
-            abort_wait_steps_max=c.abort_wait_steps_max,
-            prompt_tokens=c.prompt_tokens,
-            prompt_tokens_computed=c.prompt_tokens_computed,
-            generated_tokens=c.generated_tokens,
-            step_seconds_counts=tuple(c.step_seconds_counts),
-            step_seconds_sum=c.step_seconds_sum,
-            batch_size_counts=tuple(c.batch_size_counts),
-            batch_size_sum=c.batch_size_sum,
         )
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:

@@ -18,7 +18,13 @@ from typing import Any
 
 import attrs
 
-from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS, FinishReason, TokenEvent
+from runtime.messages import (
+    BATCH_SIZE_BUCKETS,
+    STEP_SECONDS_BUCKETS,
+    EngineStats,
+    FinishReason,
+    TokenEvent,
+)
 
 RECENT_STEPS = 8  # step end times kept to count the steps an abort waited for
 # Steps in a row that failed their whole batch: then the engine, not a request, is broken.
@@ -67,6 +73,38 @@ def token_event(seq: Any, response: Any) -> TokenEvent:
         logprob=logprob,
         top_logprobs=top,
     )
+
+
+@attrs.define
+class SequenceRecord:
+    """What the engine core keeps of one sequence in its batch generator."""
+
+    request_id: int
+    uid: int  # the batch generator's id
+    logprobs: bool
+    top_logprobs: int
+    segment_types: list[str]  # reversed: pop() gives the next segment's type
+    save_final: bool = True  # its cache goes to the prompt cache when it finishes
+    # Read for every token: computed once.
+    wants_logprobs: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.wants_logprobs = self.logprobs or self.top_logprobs > 0
+
+
+def uncached_segments(segments, segment_types, cached: int) -> tuple[list[list[int]], list[str]]:
+    """A prompt's segments and their types past its first ``cached`` tokens."""
+    segments = [list(s) for s in segments]
+    types = list(segment_types)
+    skip = cached
+    while skip > 0 and segments:
+        if skip >= len(segments[0]):
+            skip -= len(segments.pop(0))
+            types.pop(0)
+        else:
+            segments[0] = segments[0][skip:]
+            skip = 0
+    return segments, types
 
 
 @attrs.define
@@ -134,6 +172,33 @@ class EngineCounters:
         self.abort_wait_ms_total += wait_ms
         self.abort_wait_ms_max = max(self.abort_wait_ms_max, wait_ms)
         self.abort_wait_steps_max = max(self.abort_wait_steps_max, steps)
+
+    def stats(
+        self, *, active_sequences: int, prompt_cache_entries: int, prompt_cache_bytes: int
+    ) -> EngineStats:
+        """The totals as an ``EngineStats``, with the figures the counters do not hold."""
+        return EngineStats(
+            active_sequences=active_sequences,
+            steps=self.steps,
+            prefill_steps=self.prefill_steps,
+            busy_seconds=self.busy_seconds,
+            prompt_cache_entries=prompt_cache_entries,
+            prompt_cache_bytes=prompt_cache_bytes,
+            prompt_cache_hits=self.cache_hits,
+            prompt_cache_cached_tokens=self.cached_tokens,
+            aborts=self.aborts,
+            abort_wait_ms_total=self.abort_wait_ms_total,
+            abort_wait_ms_max=self.abort_wait_ms_max,
+            abort_wait_steps_max=self.abort_wait_steps_max,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            generated_tokens=self.generated_tokens,
+            step_seconds_counts=tuple(self.step_seconds_counts),
+            step_seconds_sum=self.step_seconds_sum,
+            batch_size_counts=tuple(self.batch_size_counts),
+            batch_size_sum=self.batch_size_sum,
+        )
+
 
 
 def back_off_one_token(cache: list, prompt: list[int]) -> tuple[list | None, list[int]]:
