@@ -41,6 +41,8 @@ def test_the_chunk_takes_about_factor_decode_steps_shared_by_the_prompts():
     assert pacer.chunk(decoding=8, prompts=1) == 150
     assert pacer.chunk(decoding=8, prompts=2) == 75
     assert pacer.chunk(decoding=8, prompts=8) == MIN_CHUNK  # never below the floor
+    # Fewer decoding than prefilling (a wave whose first prompt is done): no pacing.
+    assert pacer.chunk(decoding=1, prompts=7) == 2048
     # A prompt that is short all in all goes whole, however the others are paced.
     assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
     assert pacer.chunk(decoding=8, prompts=2, short=5000) == 2048
@@ -136,3 +138,20 @@ def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_mo
     assert max(paced_chunks) == 75 and len(paced_chunks) > len(plain_chunks)
     assert sum(paced_chunks) == sum(plain_chunks)
     assert paced_tokens == plain_tokens
+
+
+def test_pacing_that_cannot_read_the_generator_turns_itself_off():
+    def broken(generator, short):
+        raise AttributeError("_currently_processing")
+
+    class Generator:
+        prefill_step_size = 100
+
+    grouped = []
+    paced = PacedSteps(PrefillPacer(1.5, 2048), broken)
+    generator = Generator()
+    paced.before(generator, grouped.append)
+    assert paced.pacer.factor == 0 and generator.prefill_step_size == 2048
+    paced.before(generator, grouped.append)  # off: the group's sizing alone
+    paced.after(0.01)
+    assert grouped == [generator]

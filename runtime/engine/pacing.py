@@ -10,7 +10,10 @@ Sarathi-Serve do, ``PrefillPacer`` sizes the chunk so that a step's prefill
 takes about ``factor`` times a decode step: the decoding sequences' time
 between tokens stays within about ``1 + factor`` of a decode step during any
 prefill, and the prompt is still prefilled as fast as that allows. With
-nothing decoding, chunks are mlx-lm's full ``prefill_step_size``.
+fewer sequences decoding than prompts prefilling (nothing decoding, or the
+first of a wave of new prompts already past its prefill), chunks are mlx-lm's
+full ``prefill_step_size``: holding many prompts back to smooth few streams
+costs more waiting than it saves.
 
 It learns both times from the steps it sees: the wall time of steps that only
 decode, and the time per (padded) prompt token of steps that prefill, less
@@ -25,6 +28,10 @@ is not held behind a long prompt's paced chunks.
 """
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
 
 # Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
 MIN_CHUNK = 64
@@ -67,8 +74,8 @@ class PrefillPacer:
         tokens (0: none), which the chunk then covers."""
         if (
             not self.factor
-            or not decoding
             or not prompts
+            or decoding < prompts
             or self.decode_seconds is None
             or not self.token_seconds
         ):
@@ -96,7 +103,22 @@ class PacedSteps:
 
     def before(self, generator, size_group=None) -> None:
         """Size the coming step's prefill chunk (``size_group(generator)``: the group's
-        sizing, which reads the chunk, runs in between)."""
+        sizing, which reads the chunk, runs in between). Pacing is an optimisation: if
+        reading the generator fails (an mlx-lm that changed), it turns itself off with
+        a log line and the step runs with full chunks."""
+        if not self.pacer.factor:
+            if size_group is not None:
+                size_group(generator)
+            return
+        try:
+            self._size(generator, size_group)
+        except Exception:
+            log.exception("prefill pacing failed; full prefill chunks from now on")
+            self.pacer.factor = 0
+            generator.prefill_step_size = self.pacer.full_chunk
+            self._decoding = self._tokens = 0
+
+    def _size(self, generator, size_group) -> None:
         decoding, prompts, _, short = self._coming(generator, SHORT_PROMPT)
         generator.prefill_step_size = self.pacer.chunk(
             decoding=decoding, prompts=prompts, short=short
