@@ -32,7 +32,7 @@ SSE_HEADERS = {
 # A request body up to this size is templated and tokenised on the trio thread:
 # about 1 ms of Jinja and tokenizer at 2 KB (0.45 ms a KB measured on a 2-core
 # CPU), less than the two GIL hand-overs of a worker thread cost a burst of
-# arrivals while the loop streams to other clients (docs/performance.md).
+# arrivals while the loop streams to other clients.
 INLINE_PREPARE_BYTES = 2048
 
 

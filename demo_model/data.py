@@ -64,11 +64,11 @@ from tokenizers import (  # noqa: E402
 from runtime.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
 SPLIT_SEED = 20240601
-# What the data teaches, recorded in training.json: 1 = issue 6 (0-99,
-# get_weather(city) / get_time(timezone) only); 2 = issue 21 (0-999 digit by
-# digit, honest refusals, tool schemas read from the request); 3 = issue 21
-# again (names of several pieces, keys in any order, more "no such tool" and
-# fixed-answer wordings: docs/demo-model.md, "Recipe 3"); 4 = timezone cues
+# What the data teaches, recorded in training.json: 1 = 0-99,
+# get_weather(city) / get_time(timezone) only; 2 = 0-999 digit by digit,
+# honest refusals, tool schemas read from the request; 3 = recipe 2 plus
+# names of several pieces, keys in any order, more "no such tool" and
+# fixed-answer wordings (docs/demo-model.md, "Recipe 3"); 4 = timezone cues
 # in every timezone-kind made-up parameter name, none in place-kind ones,
 # weather and time tools whose names share a stem ("Recipe 4").
 RECIPE = 4

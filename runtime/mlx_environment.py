@@ -31,7 +31,7 @@ unfused attention:
   shapes and strides of the call and kept in an LRU cache. A prefill step of a
   shape not seen before (its group size, prompt length, cached prefix) builds
   one on the engine's thread before the step can run. Measured on an H200
-  (docs/performance.md, "H200, eleventh session"): a prefill of one
+  (docs/performance.md, "Prefill attention and cuDNN graphs"): a prefill of one
   100-400-token prompt took 62-89 ms (medians) the first time against 12-17 ms
   once cached, some shapes 0.9-8 s; a server meets new shapes with nearly every
   prompt. Through MLX's unfused attention (its own fallback: matmuls and a

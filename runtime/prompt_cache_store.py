@@ -46,7 +46,7 @@ each entry would hold a whole batch's KV cache (as it was at that step) while
 counting only its own rows, until first used. The copies of all the entries a
 step stores start together, in one ``mx.async_eval`` (``own_arrays``), when the
 step's events are taken (or before any lookup or eviction): one pass of MLX's
-evaluator per step instead of one per entry (at 64 rows these copies were the
+evaluator per step instead of one per entry (at 64 rows these copies are the
 largest part of what our engine adds to a step; docs/performance.md).
 """
 

@@ -5,7 +5,7 @@ tokenizer) and a text; returns its ids, as ``tokenizer.encode(text,
 add_special_tokens=...)`` would. Every request's prompt is encoded once, on
 the event loop for short prompts, and transformers' ``encode`` spends more of
 that time in Python around the backend than in the backend itself (about
-0.35 ms against 0.22 ms for a 130-token prompt, docs/performance.md). A fast
+0.35 ms against 0.22 ms for a 130-token prompt on a 2-core CPU). A fast
 tokenizer's ``tokenizers.Tokenizer`` is called directly, but only once it has
 given the same ids as ``encode`` on a set of probe texts (special tokens,
 whitespace, non-ASCII text, a chat rendering): a tokenizer whose Python layer

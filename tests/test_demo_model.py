@@ -32,7 +32,7 @@ DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-tri
 COMMITTED_RECIPE = json.loads((DEMO_DIR / "training.json").read_text()).get("recipe", 1)
 recipe_2 = pytest.mark.skipif(
     COMMITTED_RECIPE < 2,
-    reason="the committed weights predate issue 21 (recipe 1): retrain with "
+    reason="the committed weights are recipe 1's, which does not teach this: retrain with "
     "python -m demo_model.train (docs/demo-model.md)",
 )
 

@@ -460,10 +460,10 @@ def test_health_after_fuzzing(fuzz_server):
     assert health["status"] == "ok" and health["engine_restarts"] == 0, health
 
 
-# ------------------------------------------------------- known server bugs
+# ---------------------------------------------- requests found by fuzzing
 #
 # Found by fuzzing and by probing what the fuzzing hinted at; each asserts
-# the right answer (they were 500s or a crash before the fix). They
+# the right answer (never a 500 or a crash). They
 # run after the fuzzing (a failed engine step fails every sequence in it).
 
 CHAT_HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -485,7 +485,7 @@ def assert_error_shape_httpx(response: httpx.Response, path: str = "") -> None:
 
 
 def test_huge_prompt_token_id_does_not_kill_the_server(tiny_model_path, tmp_path):
-    """Once a segmentation fault: an id >= 2**31 reached the model's embedding."""
+    """A token id beyond 32 bits is a 400 naming ``prompt``, and the server stays up."""
     server = Server(tiny_model_path, tmp_path / "server.log")
     try:
         for token in (2**31, -(2**31) - 1, 58397326194):
@@ -500,7 +500,7 @@ def test_huge_prompt_token_id_does_not_kill_the_server(tiny_model_path, tmp_path
 
 @pytest.mark.parametrize("token", [-1, "vocab_size"])
 def test_prompt_token_id_outside_the_vocabulary_is_a_400(fuzz_server, vocab_size, token):
-    """Once served (200) from an out-of-bounds embedding read."""
+    """An id outside the vocabulary is a 400, never an out-of-bounds embedding read."""
     token = vocab_size if token == "vocab_size" else token
     response = post(fuzz_server, "/v1/completions", {"prompt": [token], "max_tokens": 1})
     assert_400(response, "prompt")
@@ -538,15 +538,15 @@ def test_context_size_beyond_int32_is_a_400(fuzz_server, penalty, size):
     ids=lambda value: value if isinstance(value, str) else "",
 )
 def test_model_name_that_cannot_be_a_path_is_a_404(fuzz_server, path, body, model):
-    """Once a 500: a name too long for a file name, or ~ of no such user, raised in resolve."""
+    """A name too long for a file name, or ~ of no such user, is a 404 on every endpoint."""
     response = post(fuzz_server, path, {**body, "model": model})
     assert response.status_code == 404, response.text
     assert_error_shape_httpx(response, path)
 
 
 def test_chat_template_kwargs_cannot_untokenize_the_prompt(fuzz_server):
-    """Once a 500 (the template returned text, not tokens): the arguments that shape the
-    call itself (``tokenize``, ``return_dict``, ...) are ignored, the prompt is tokens."""
+    """The arguments that shape the template call itself (``tokenize``, ``return_dict``,
+    ...) are ignored: the prompt is still tokens, the same count as without them."""
     plain = post(fuzz_server, "/v1/chat/completions", CHAT_HI)
     body = {**CHAT_HI, "chat_template_kwargs": {"tokenize": False, "return_dict": True}}
     response = post(fuzz_server, "/v1/chat/completions", body)

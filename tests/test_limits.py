@@ -1,4 +1,4 @@
-"""Issue 16 through real servers: the context window, completions logprobs, n choices.
+"""Limits through real servers: the context window, completions logprobs, n choices.
 
 Each server is a subprocess (``mlx-trio-server`` or ``hypercorn api:app``) on
 the tiny random model (context window 2048, vocabulary 512), shared by the

@@ -138,7 +138,7 @@ def test_the_store_has_no_limits_of_its_own():
 
 def test_a_stored_entry_holds_its_own_rows_not_the_batchs_arrays():
     """mlx-lm hands a finished row's cache over as a lazy slice of the batch's arrays;
-    stored, the entry must not keep the whole batch alive (issue 15)."""
+    stored, the entry holds copies of its own rows and the batch's arrays are freed."""
     from mlx_lm.models.cache import BatchKVCache
 
     rows, heads, tokens, dim = 16, 2, 96, 32

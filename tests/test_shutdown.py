@@ -1,4 +1,4 @@
-"""Shutdown and start-up failures through real server processes (issue 16).
+"""Shutdown and start-up failures through real server processes.
 
 SIGTERM during a long stream: the client sees the last chunk (``finish_reason``
 ``abort``), the usage, an error event and ``[DONE]``, a clean end of the HTTP

@@ -1,4 +1,4 @@
-"""The pieces of issue 16 that need no server: the window and budget arithmetic,
+"""Context windows and choices without a server: the window and budget arithmetic,
 where a model's window comes from, the renderer of several choices when one
 fails, and a follower rank's watch of its launcher and of rank 0."""
 

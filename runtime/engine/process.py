@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05  # how often the proxy thread looks for cancellation while idle
 SHUTDOWN_SECONDS = 10.0  # how long a cancelled proxy waits for the child to leave
 # Benchmarks: set to a path prefix and each engine process writes cProfile
-# statistics to PREFIX.PID when it exits (bench/profile_h200.sh).
+# statistics to PREFIX.PID when it exits.
 PROFILE_ENV = "MLX_TRIO_ENGINE_PROFILE"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # where ``runtime`` can be imported from
 
