@@ -23,6 +23,13 @@
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py)
+#   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
+#                                  (bench/engine_overhead.py, every engine's main thread on CPU 3),
+#                                  136 +- 64 prompt tokens, 128 new, four requests a client; MODE
+#                                  greedy (the default) or sampled (0.7 / 0.9); LEVELS 8,32,64;
+#                                  then bench/like_for_like.py's pairs at like host speed
+#   distributed=SHAPE              kind nvidia-h200-x2: ours and mlx_lm.server on one GPU, then
+#                                  ours tensor parallel on both (bench/distributed.py)
 # SHAPE: qwen3-0.6b or llama3-8b (random weights, a 32k window: bench/make_shaped_model.py).
 # Everything lands in $OUT: the console log and one archive of the JSON results.
 set -u
@@ -96,6 +103,22 @@ for scenario in "$@"; do
       timeout 400 python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
         --levels 64 --requests 128 --rounds 3 --max-tokens 128 \
         --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -12
+      ;;
+    many-clients)
+      dir=$(model "$shape")
+      sampling=""
+      [ "${p1:-greedy}" = sampled ] && sampling="--temperature 0.7 --top-p 0.9"
+      timeout 540 python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
+        --levels "${p2:-8,32,64}" --rounds 2 --prompt-tokens 136 --prompt-tokens-spread 64 \
+        --max-tokens 128 --requests-per-client 4 --engine-cpu 3 $sampling \
+        --json-out "$OUT/many-$shape-${p1:-greedy}.json" 2>&1 | sed -n '/^medians/,$p'
+      python3 bench/like_for_like.py "$OUT/many-$shape-${p1:-greedy}.json"
+      ;;
+    distributed)
+      dir=$(model "$shape")
+      NCCL_NVLS_ENABLE=0 timeout 540 python3 bench/distributed.py --model "$dir" \
+        --only single,ref,tp --max-tokens 128 --prompt-tokens 120 --min-requests 4 \
+        --requests-per-client 1 --out "$OUT/distributed-$shape" 2>&1 | tail -20
       ;;
     *)
       echo "unknown scenario $name"
