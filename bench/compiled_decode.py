@@ -1,4 +1,4 @@
-"""Does fewer operations per decode step move the step time? A probe for issue 15.
+"""Does fewer operations per decode step move the step time? The compiled decode path, bare.
 
 Owns one measurement: the bare mlx-lm ``BatchGenerator`` decoding with its
 model as mlx-lm builds it ("stock") against the same model whose decoder

@@ -1,8 +1,8 @@
 """What sampling and structured outputs cost a server: one server, several workloads.
 
 Starts ``python -m api.cli`` (from ``--source``: this checkout, or another
-source tree, e.g. the commit before the batch sampler, for a before/after
-pair) on one model and runs ``bench/loadgen.py``'s closed loop at each
+source tree, e.g. an older commit extracted with ``git archive``, for a
+before/after pair) on one model and runs ``bench/loadgen.py``'s closed loop at each
 level for each mode, alternating the modes per round so that a drift of the
 machine hits them alike:
 
@@ -20,7 +20,7 @@ machine hits them alike:
 
 Prints one line per (mode, level) and a table of tokens/s with each mode's
 ratio to greedy; writes the summaries to ``--json-out``. A server that does
-not know ``response_format`` (the "before" tree) ignores it: run only the
+not know ``response_format`` (an older tree) ignores it: run only the
 sampling modes there. ``python bench/constraints.py --help``.
 """
 

@@ -1,8 +1,8 @@
 """Engine overhead: the bare ``BatchGenerator`` loop against our ``EngineCore``, step by step.
 
-Owns the measurement behind issue 15's third finding (at 64 clients on an H200
-our engine's steps took 40 ms against the bare engine's 26, for the same
-steps). One process loads the model once per system and drives, alternately,
+Owns the measurement of what our engine adds to mlx-lm's step, and of the
+whole server against the bare engine at many clients (the engine ceiling).
+One process loads the model once per system and drives, alternately,
 round by round and level by level, the same closed-loop workload through:
 
   ceiling   mlx-lm's ``BatchGenerator`` in-process (``engine_ceiling.Engine``);
@@ -338,15 +338,16 @@ class Ceiling(Driven):
 
 CORE_VARIANTS = {
     "core": "as the server builds it",
-    "core-lazy": "prompt-cache entries stored unevaluated (as before the fix of issue 15)",
+    "core-lazy": "prompt-cache entries stored as mlx-lm hands them over (unevaluated slices "
+    "that keep the batch's arrays alive)",
     "core-each": "each prompt-cache entry's copy started as it is stored (one evaluation "
-    "per entry, before one per step)",
+    "per entry instead of one per step)",
     "core-nocache": "no prompt-cache entries stored (the ceiling drops them too)",
     "core-nowindow": "--admission-window-ms 0",
-    "core-nohold": "the window without the first-token hold (as before issue 15's fix)",
+    "core-nohold": "the window without the first-token hold",
     "core-g0": "--prefill-group-tokens 0 (mlx-lm's prefill groups)",
     "core-storeall": "every prompt-cache entry stored, also those the count limit evicts at "
-    "once (as before they were passed over)",
+    "once (instead of passed over)",
 }
 
 
@@ -383,7 +384,7 @@ class Core(Driven):
             entries._store = _lazy(entries)
         elif variant == "core-each":
             entries._store = _each(entries)
-        elif variant == "core-storeall":  # every entry stored, as before the count limit
+        elif variant == "core-storeall":  # every entry stored, the count limit's too
             entries.max_entries = None
         elif variant == "core-nohold":
             self.core._awaiting_first = _NeverAwaiting()

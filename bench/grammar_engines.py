@@ -1,4 +1,4 @@
-"""Grammar engines side by side: llguidance and xgrammar (issue 18).
+"""Grammar engines side by side: llguidance and xgrammar.
 
 Measures, for each engine and each tokenizer (the demo model's 1,024-token
 BPE and a Qwen-sized ~150k-token byte-level BPE trained here on local text):

@@ -7,7 +7,7 @@ slow ones. This reads ``--json-out`` files and prints, per level and system, eve
 pair of rounds (system, base) whose probe medians lie within ``--within`` us: the
 tokens/s ratio and both probes; levels with no such pair say so.
 
-    python bench/like_for_like.py bench/results/h200-issue15-twelfth/twelfth-c.json
+    python bench/like_for_like.py bench/results/h200-many-clients/qwen3-0.6b-greedy.json
     python bench/like_for_like.py run.json --base ceiling --within 1.5
 """
 

@@ -1,4 +1,4 @@
-"""Async HTTP load generator for OpenAI-compatible servers (issue 5's benchmark client).
+"""Async HTTP load generator for OpenAI-compatible servers (the benchmarks' client).
 
 Owns the client side of the benchmark and the pieces every bench script shares:
 

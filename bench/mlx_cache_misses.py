@@ -1,4 +1,4 @@
-"""How MLX's CUDA attention cache behaves over many prefill shapes (issue 15 notes).
+"""How MLX's CUDA attention cache behaves over many prefill shapes.
 
 Runs ``mx.fast.scaled_dot_product_attention`` as a prefill does (bf16, causal,
 head dim 128, 16 query heads over 8 KV heads, batch 1) over ``--shapes`` prompt

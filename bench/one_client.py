@@ -1,6 +1,6 @@
 """One client: our server's inter-token latency against the bare engine's step, alternated.
 
-Issue 15's one-client target: our ITL p50 at or below the bare
+The one-client target: our ITL p50 at or below the bare
 ``BatchGenerator``'s fast-mode step in every repetition. At batch 1 the step
 time is bimodal for every driver (``bench/step_modes.py``), so a single run
 of each cannot tell a server's overhead from a mode flip: this script

@@ -1,6 +1,6 @@
 """What a prefill step costs on the GPU by shape, with and without MLX's cuDNN attention.
 
-Issue 15's notes. MLX's CUDA backend runs a prefill's attention through a cuDNN
+MLX's CUDA backend runs a prefill's attention through a cuDNN
 graph built for the exact shapes and strides of the call (batch, prompt length,
 KV length, mask) and kept in an LRU cache: a shape not seen before builds one on
 the calling thread (about 47 ms on an H200, `bench/mlx_cache_misses.py`), and a

@@ -6,8 +6,8 @@ decoding, none finishing) at several batch sizes, for
 - ``greedy``: mlx-lm's shared greedy sampler (the reference);
 - ``shared``: one ``make_sampler(0.7, top_p=0.9)`` object for every row (mlx-lm's
   one-call path, only possible when all rows have the same parameters);
-- ``per-row``: one ``make_sampler(0.7, top_p=0.9)`` per row, as our engine gives
-  every unseeded sampled request today (mlx-lm samples row by row);
+- ``per-row``: one ``make_sampler(0.7, top_p=0.9)`` per row (mlx-lm samples row by
+  row as soon as the rows' sampler objects differ);
 - ``batch``: ``runtime.batch_sampling.BatchSampler``, every row 0.7 / 0.9;
 - ``batch-mixed``: ``BatchSampler`` with per-row temperatures, top-p, top-k,
   min-p and a quarter of the rows seeded (what per-row samplers cannot batch).

@@ -1,6 +1,6 @@
 """Side by side: mlx_lm.server, mlx-trio-server and the engine ceiling, in one run.
 
-Owns the one-command benchmark of issue 5. It builds (or takes) a model, starts
+Owns the one-command benchmark. It builds (or takes) a model, starts
 ``python -m mlx_lm server`` ("ref") and ``python -m api.cli`` ("ours") on it
 with the same flags (``--decode-concurrency 64``, everything else at its
 default), waits for both ``/health``, warms each up, and then for every

@@ -1,4 +1,4 @@
-"""Memory soak and abort latency: two of issue #5's measurements, against one server.
+"""Memory soak and abort latency, against one server.
 
     python bench/soak.py [--model DIR] [--requests 10000] [--concurrency 16] [--every 1000]
                          [--aborts 50] [--out bench/results/soak.json]

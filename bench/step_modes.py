@@ -1,6 +1,6 @@
 """One sequence through a bare mlx-lm ``BatchGenerator``: the step time, rep by rep.
 
-Owns the measurement behind issue 15's first finding: at batch 1 the decode
+Owns the measurement of the bimodal step: at batch 1 the decode
 step is bimodal (about 6 or 10 ms on the Llama-3-8B shape) for every driver.
 Each rep inserts one prompt (the load generator's, ``--prompt-tokens``) and
 decodes ``--max-tokens`` greedily; the step time is the wall time between two

@@ -1,4 +1,4 @@
-"""Summaries of per-step engine traces and of py-spy's raw profiles, for issue 15's notes.
+"""Summaries of per-step engine traces and of py-spy's raw profiles.
 
 Reads the files ``engine_overhead.py --trace DIR`` writes (``S began ended tokens finished
 prefill - next_ms`` per step, ``next_ms`` the time inside the generator's ``next()``;
