@@ -59,6 +59,10 @@ SMI=$!
 trap 'kill $SMI 2> /dev/null' EXIT
 
 step() { echo "== $1 $(date +%T)"; }
+# The whole call stays within the device's 600 s: each scenario gets at most its own
+# limit and what is left of BUDGET (seconds, default 560) less time to pack the results.
+deadline=$((SECONDS + ${BUDGET:-560}))
+limit() { local left=$((deadline - SECONDS - 15)); [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
 model() {  # the shaped model's directory, built once per warm machine
   local dir=/tmp/m/$1
   if [ ! -f "$dir/config.json" ]; then
@@ -69,6 +73,7 @@ model() {  # the shaped model's directory, built once per warm machine
 }
 
 for scenario in "$@"; do
+  if [ $((deadline - SECONDS)) -lt 45 ]; then echo "== no time left for $scenario"; continue; fi
   name=${scenario%%=*}
   arg=${scenario#*=}
   IFS=: read -r shape p1 p2 p3 <<< "$arg"
@@ -76,31 +81,31 @@ for scenario in "$@"; do
   case $name in
     agents)
       dir=$(model "$shape")
-      timeout 540 python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
+      timeout "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
         --system-tokens "$p1" --sessions "${p2:-1,4,16}" --turns "${p3:-6}" \
         --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
         --out "$OUT/agents-$shape-$p1.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -40
       ;;
     cold)
       dir=$(model "$shape")
-      timeout 400 python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
+      timeout "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels 1,8 --requests 8 --prompt-tokens "$p1" --max-tokens 2 --rounds 1 \
         --no-pickle --json-out "$OUT/cold-$shape-$p1.json" 2>&1 | tail -25
       ;;
     interleave)
       dir=$(model "$shape")
-      timeout 400 python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
+      timeout "$(limit 400)" python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1.json" 2>&1 | tail -6
       ;;
     one-client)
       dir=$(model "$shape")
-      timeout 300 python3 bench/one_client.py --model "$dir" --reps 5 \
+      timeout "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
         --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
       ;;
     constraints)
       dir=$(model "$shape")
-      timeout 400 python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
+      timeout "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
         --levels 64 --requests 128 --rounds 3 --max-tokens 128 \
         --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -12
       ;;
