@@ -1110,6 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     records.extend(recs)
                     runs.append(run)
+                    # Each run is kept as it ends: a run cut short keeps the others.
+                    partial = {"meta": {**meta, "partial": True}, "runs": runs, "records": records}
+                    out_json.write_text(json.dumps(partial, indent=1) + "\n")
                     s = summarize(recs, [run])
                     progress(
                         f"  {system}: {s['tok_s']} tok/s, TTFT p50 turn 1 "

@@ -81,31 +81,31 @@ for scenario in "$@"; do
   case $name in
     agents)
       dir=$(model "$shape")
-      timeout "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
+      timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
         --system-tokens "$p1" --sessions "${p2:-1,4,16}" --turns "${p3:-6}" \
         --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
         --out "$OUT/agents-$shape-$p1.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -40
       ;;
     cold)
       dir=$(model "$shape")
-      timeout "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
+      timeout -s INT -k 10 "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels 1,8 --requests 8 --prompt-tokens "$p1" --max-tokens 2 --rounds 1 \
         --no-pickle --json-out "$OUT/cold-$shape-$p1.json" 2>&1 | tail -25
       ;;
     interleave)
       dir=$(model "$shape")
-      timeout "$(limit 400)" python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
+      timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1.json" 2>&1 | tail -6
       ;;
     one-client)
       dir=$(model "$shape")
-      timeout "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
+      timeout -s INT -k 10 "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
         --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
       ;;
     constraints)
       dir=$(model "$shape")
-      timeout "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
+      timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
         --levels 64 --requests 128 --rounds 3 --max-tokens 128 \
         --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -12
       ;;
