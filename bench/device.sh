@@ -113,7 +113,7 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       sampling=""
       [ "${p1:-greedy}" = sampled ] && sampling="--temperature 0.7 --top-p 0.9"
-      timeout 540 python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
+      timeout -s INT -k 10 "$(limit 540)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels "${p2:-8,32,64}" --rounds 2 --prompt-tokens 136 --prompt-tokens-spread 64 \
         --max-tokens 128 --requests-per-client 4 --engine-cpu 3 $sampling \
         --json-out "$OUT/many-$shape-${p1:-greedy}.json" 2>&1 | sed -n '/^medians/,$p'
@@ -121,7 +121,7 @@ for scenario in "$@"; do
       ;;
     distributed)
       dir=$(model "$shape")
-      NCCL_NVLS_ENABLE=0 timeout 540 python3 bench/distributed.py --model "$dir" \
+      NCCL_NVLS_ENABLE=0 timeout -s INT -k 10 "$(limit 540)" python3 bench/distributed.py --model "$dir" \
         --only single,ref,tp --max-tokens 128 --prompt-tokens 120 --min-requests 4 \
         --requests-per-client 1 --out "$OUT/distributed-$shape" 2>&1 | tail -20
       ;;
