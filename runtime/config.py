@@ -301,7 +301,7 @@ class ServerConfig:
         "to an idle server is prefilled alone and stays a prefill step ahead of the others "
         "through every later wave of a closed loop. A few milliseconds join such a burst, at "
         "that cost to the time to first token of every request that reaches an idle server "
-        "alone: off by default ([performance.md](performance.md#h200-twelfth-session)). "
+        "alone: off by default ([performance.md](performance.md#how-requests-reach-the-engine)). "
         "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
         "launch.",
     )
