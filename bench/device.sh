@@ -14,8 +14,11 @@
 #           carry .gpu/mlxcuda.part.ab .gpu/stage2.sh .gpu/mlx-*.whl .gpu/mlx_lm-*.whl .whl
 #
 # Scenarios (each bounded by its own timeout; a failing one does not stop the rest):
-#   agents=SHAPE:S:SESSIONS:TURNS  bench/agent_sessions.py, ours / mlx_lm.server / the bare
-#                                  engine, system prompt of S tokens (e.g. qwen3-0.6b:12000:1,4,16:6)
+#   agents=SHAPE:S:SESSIONS:TURNS[:SYSTEMS]  bench/agent_sessions.py, ours / mlx_lm.server /
+#                                  the bare engine, system prompt of S tokens
+#                                  (e.g. qwen3-0.6b:12000:1,4,16:6)
+#   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
+#                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS              a cold prompt alone and in a wave of 8: the server's TTFT
 #                                  against the bare engine's (bench/engine_overhead.py)
 #   interleave=SHAPE:TOKENS        16 streams while a prompt of TOKENS is prefilled
@@ -76,15 +79,27 @@ for scenario in "$@"; do
   if [ $((deadline - SECONDS)) -lt 45 ]; then echo "== no time left for $scenario"; continue; fi
   name=${scenario%%=*}
   arg=${scenario#*=}
-  IFS=: read -r shape p1 p2 p3 <<< "$arg"
+  IFS=: read -r shape p1 p2 p3 p4 <<< "$arg"
   step "$scenario"
   case $name in
     agents)
       dir=$(model "$shape")
-      timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" --systems ours,mlx_lm,engine \
-        --system-tokens "$p1" --sessions "${p2:-1,4,16}" --turns "${p3:-6}" \
-        --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
-        --out "$OUT/agents-$shape-$p1.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -40
+      timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" \
+        --systems "${p4:-ours,mlx_lm,engine}" --system-tokens "$p1" --sessions "${p2:-1,4,16}" \
+        --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
+        --out "$OUT/agents-$shape-$p1-${p2:-all}.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -20
+      ;;
+    trace)
+      # Our engine process's steps (time inside the generator's next()) and its
+      # cProfile, for one agent_sessions run of ours (two turns).
+      dir=$(model "$shape")
+      traced=$OUT/trace-$SECONDS
+      mkdir -p "$traced"
+      MLX_TRIO_ENGINE_PROBE="$traced/probe" MLX_TRIO_ENGINE_PROFILE="$traced/engine.prof" \
+        timeout -s INT -k 10 "$(limit 200)" python3 bench/agent_sessions.py --model "$dir" \
+        --systems ours --system-tokens "$p1" --sessions "${p2:-4}" --turns 2 \
+        --user-tokens 200-500 --max-tokens 64-256 --rounds 1 --server-args "${p3:-}" \
+        --out "$traced/agents.json" 2>&1 | tail -4
       ;;
     cold)
       dir=$(model "$shape")

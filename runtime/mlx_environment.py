@@ -22,6 +22,9 @@ reads its variable once, when first used). Emits the names it set.
   profile on an H200 at 64 clients (docs/performance.md). The default 256
   cycles through a server's mix of prefill group sizes and prompt lengths.
 
+``bound_buffer_cache`` (called by the same function) keeps MLX's cache of freed
+buffers to a sixteenth of the device's memory (below).
+
 ``unfused_prefill_attention`` and ``install_prefill_attention`` (called by the
 same function when ``--prefill-attention unfused``, the default, on MLX's CUDA
 backend) route a prefill's attention, and only a prefill's, to MLX's own
@@ -104,3 +107,31 @@ def install_prefill_attention(mx) -> bool:
     if not hasattr(current, "fused"):
         mx.fast.scaled_dot_product_attention = unfused_prefill_attention(current, mx)
     return True
+
+
+# Freed buffers MLX keeps for reuse: at most this share of the device's memory
+# (and at least MIN_CACHE_BYTES). A batch's KV cache is rebuilt whole when
+# sequences join it, leave it, or grow past its allocation (all of it copied), so
+# with long prompts each rebuild frees buffers of tens of GB that no later
+# allocation of another size reuses; MLX's default (the whole memory limit) kept
+# them until an allocation failed (16 agent sessions of 12k tokens on an H200
+# ran out of memory at their first decode steps).
+CACHE_SHARE = 1 / 16
+MIN_CACHE_BYTES = 2 << 30
+
+
+def bound_buffer_cache(mx) -> int | None:
+    """Lower MLX's free-buffer cache limit to ``CACHE_SHARE`` of the device's memory
+    (never raise it); the limit set, or None where the memory size is unknown."""
+    try:
+        memory = int(mx.device_info().get("memory_size", 0))
+    except Exception:
+        memory = 0
+    if not memory:
+        return None
+    limit = max(MIN_CACHE_BYTES, int(memory * CACHE_SHARE))
+    previous = mx.set_cache_limit(limit)
+    if previous < limit:
+        mx.set_cache_limit(previous)
+        return previous
+    return limit

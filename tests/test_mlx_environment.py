@@ -136,3 +136,29 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
     mx.eval(model(mx.array([[9]]), cache=cache))  # a decode step
     layers = len(model.layers)
     assert queries == [(mx.float32, 4)] * layers + [(mx.bfloat16, 1)] * layers
+
+
+class _CacheLimits:
+    """Stands in for mlx.core's device_info / set_cache_limit."""
+
+    def __init__(self, memory: int, limit: int):
+        self.memory, self.limit = memory, limit
+
+    def device_info(self):
+        return {"memory_size": self.memory} if self.memory else {}
+
+    def set_cache_limit(self, limit: int) -> int:
+        previous, self.limit = self.limit, limit
+        return previous
+
+
+def test_the_free_buffer_cache_is_bounded_by_a_share_of_the_memory_never_raised():
+    from runtime.mlx_environment import CACHE_SHARE, MIN_CACHE_BYTES, bound_buffer_cache
+
+    gpu = _CacheLimits(memory=144 << 30, limit=144 << 30)  # MLX's default: the memory
+    assert bound_buffer_cache(gpu) == int((144 << 30) * CACHE_SHARE) == gpu.limit
+    small = _CacheLimits(memory=8 << 30, limit=8 << 30)
+    assert bound_buffer_cache(small) == MIN_CACHE_BYTES == small.limit
+    operator = _CacheLimits(memory=144 << 30, limit=1 << 30)  # already lower: kept
+    assert bound_buffer_cache(operator) == 1 << 30 == operator.limit
+    assert bound_buffer_cache(_CacheLimits(memory=0, limit=5)) is None

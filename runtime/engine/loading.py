@@ -32,7 +32,7 @@ from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.messages import ModelHandle
-from runtime.mlx_environment import install_prefill_attention, server_defaults
+from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
     coming_prefill,
     sharded_load_on_the_default_stream,
@@ -197,6 +197,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     chosen = server_defaults()
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
+    cache_limit = bound_buffer_cache(mx)
+    if cache_limit is not None:
+        log.debug("MLX free-buffer cache limited to %.1f GB", cache_limit / 1e9)
     if config.prefill_attention == "unfused" and install_prefill_attention(mx):
         log.debug("prefill attention: MLX's unfused path")
     # The group, the load and every step on this thread (see runtime.distributed).
