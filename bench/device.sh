@@ -105,7 +105,8 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels 1,8 --requests 8 --prompt-tokens "$p1" --max-tokens 2 --rounds 1 \
-        --no-pickle --json-out "$OUT/cold-$shape-$p1.json" 2>&1 | tail -25
+        --no-pickle --trace "$OUT/cold-trace-$p1" --json-out "$OUT/cold-$shape-$p1.json" 2>&1 \
+        | tail -12
       ;;
     interleave)
       dir=$(model "$shape")
