@@ -21,7 +21,7 @@
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS              a cold prompt alone and in a wave of 8: the server's TTFT
 #                                  against the bare engine's (bench/engine_overhead.py)
-#   interleave=SHAPE:TOKENS        16 streams while a prompt of TOKENS is prefilled
+#   interleave=SHAPE:TOKENS[:SYSTEMS]  16 streams while a prompt of TOKENS is prefilled
 #                                  (bench/long_prefill.py), ours and mlx_lm.server
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
@@ -110,7 +110,8 @@ for scenario in "$@"; do
       ;;
     interleave)
       dir=$(model "$shape")
-      timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" --systems ours,mlx_lm \
+      timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
+        --systems "${p2:-ours,mlx_lm}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1.json" 2>&1 | tail -6
       ;;
