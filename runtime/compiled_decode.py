@@ -128,11 +128,17 @@ class _SharedPair:
         self.before_cache = mx.compile(self._with_weights(_before_cache))
         self.after_attention = mx.compile(self._with_weights(_after_attention))
         self.broken = False  # a compiled call raised: mlx-lm's path from then on
+        # While the load-time check (runtime.compiled_decode_check) runs, a call that raises
+        # is its finding: it logs the one warning, and ``failure`` keeps the error for it.
+        self.quiet = False
+        self.failure: Exception | None = None
 
     def give_up(self, error: Exception) -> None:
         if not self.broken:
-            log.warning("the compiled decode path failed (%s: %s); the layers of its layout "
-                        "decode as mlx-lm builds them from now on", type(error).__name__, error)
+            self.failure = error
+            if not self.quiet:
+                log.warning("the compiled decode path failed (%s: %s); the layers of its layout "
+                            "decode as mlx-lm builds them from now on", type(error).__name__, error)
         self.broken = True
 
     def _with_weights(self, piece: Callable) -> Callable:
@@ -201,6 +207,17 @@ def install_compiled_decode(model: Any) -> int:
     return installed
 
 
+def compiled_layouts(model: Any) -> list[Any]:
+    """One layer of each layout of ``model`` whose compiled pair still runs (none: the
+    model decodes as mlx-lm builds it); ``layer._compiled_decode`` is the pair."""
+    representatives: dict[int, Any] = {}
+    for layer in getattr(model, "layers", None) or []:
+        pair = getattr(layer, "_compiled_decode", None)
+        if pair is not None and not pair.broken:
+            representatives.setdefault(id(pair), layer)
+    return list(representatives.values())
+
+
 def trace_batch_sizes(model: Any, sizes: Any) -> int:
     """Trace, and run once, every compiled pair of ``model`` at each batch size in ``sizes``.
 
@@ -213,13 +230,8 @@ def trace_batch_sizes(model: Any, sizes: Any) -> int:
     """
     import mlx.core as mx
 
-    representatives: dict[int, Any] = {}
-    for layer in getattr(model, "layers", None) or []:
-        pair = getattr(layer, "_compiled_decode", None)
-        if pair is not None and not pair.broken:
-            representatives.setdefault(id(pair), layer)
     traced = 0
-    for layer in representatives.values():
+    for layer in compiled_layouts(model):
         pair, weights = layer._compiled_decode, layer._compiled_weights
         norm_weight = layer.input_layernorm.weight
         for rows in sizes:

@@ -259,9 +259,10 @@ class ServerConfig:
         "operations is built from Python and dispatched one by one. `compiled` runs the layer "
         "before its KV cache and after its attention as two `mx.compile`d functions shared by "
         "all layers (the cache update and the attention stay mlx-lm's), with the same tokens. "
-        "Prefill, other architectures, LoRA adapters, a distributed group and the "
-        "one-at-a-time engine keep mlx-lm's path. Set `mlx` to rule the compiled path out "
-        "when a model misbehaves ([performance.md](performance.md)).",
+        "Prefill, other architectures, LoRA adapters, a distributed group and the one-at-a-time "
+        "engine keep mlx-lm's path. At load it is checked against mlx-lm's layers (a few decode "
+        "steps' logits) and turns itself off, with a warning, where they differ. Set `mlx` to "
+        "rule the compiled path out when a model misbehaves ([performance.md](performance.md)).",
     )
     lazy_decode_traces: bool = setting(
         False,

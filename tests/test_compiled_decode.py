@@ -5,6 +5,8 @@ with a dense layer and an expert layer): a model with the
 path installed must give the very tokens of the same model without it, through
 mlx-lm's ``BatchGenerator`` (where it applies) and ``stream_generate`` (where
 it must not), plain and quantized; layers it cannot take keep mlx-lm's path.
+At load (``make_engine_core``) the path checks itself against mlx-lm's layers and
+turns itself off where a planted change makes the two differ.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.generate import BatchGenerator
 
 from runtime.compiled_decode import install_compiled_decode
+from runtime.compiled_decode_check import check_compiled_decode
 from runtime.tiny_model import ARCHS, build_tiny_model
 
 PROMPTS = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -196,6 +199,9 @@ def test_mixture_of_experts_layers_match_mlx_lms():
     assert calls[0] == 2 * len(compiled.layers)
     assert not any(layer._compiled_decode.broken for layer in compiled.layers)
     assert batch_tokens(compiled) == batch_tokens(stock)
+    # The load-time check finds both layouts in agreement with mlx-lm's layers.
+    assert check_compiled_decode(compiled, 128, max_rows=4)
+    assert not any(layer._compiled_decode.broken for layer in compiled.layers)
 
 
 def test_layers_that_differ_in_a_setting_get_their_own_trace(tiny_model_path):
@@ -241,3 +247,129 @@ def test_batch_sizes_traced_at_load_are_not_traced_again(model_path, monkeypatch
     four = [*PROMPTS, [8, 8, 1]]
     assert tokens(compiled, four) == tokens(stock, four)  # four rows: a new trace
     assert traces[2 * layouts:] == [4] * layouts
+
+
+# ---------------------------------------------------------------- the check at load
+
+
+def engine_tokens(core, prompts=PROMPTS, max_tokens: int = 10) -> list[list[int]]:
+    """Greedy tokens of ``prompts`` served together by ``core`` (an ``EngineCore``)."""
+    from runtime.messages import SamplingParams, Submit
+
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        core.handle_command(Submit(
+            request_id=i, prompt=tuple(prompt), segments=(tuple(prompt),),
+            segment_types=("user",), sampling=SamplingParams(), max_tokens=max_tokens))
+    for _ in range(200):
+        for event in core.step().tokens:
+            out[event.request_id].append(event.token)
+        if not core.has_work:
+            return [out[i] for i in range(len(prompts))]
+    raise AssertionError("the engine did not finish its requests")
+
+
+def load_engine(path: str, **settings):
+    from runtime.config import ServerConfig
+    from runtime.engine.loading import make_engine_core
+
+    return make_engine_core(ServerConfig(model=path, decode_concurrency=4, **settings), path)
+
+
+@pytest.fixture(scope="module")
+def mlx_path_tokens(tiny_model_path) -> list[list[int]]:
+    """The tiny model's greedy tokens served with ``--decode-path mlx``."""
+    return engine_tokens(load_engine(tiny_model_path, decode_path="mlx"))
+
+
+def check_records(caplog, level: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "runtime.compiled_decode_check" and r.levelname == level]
+
+
+def test_the_load_check_keeps_the_compiled_path_where_it_agrees(
+        tiny_model_path, mlx_path_tokens, caplog):
+    with caplog.at_level("INFO", logger="runtime.compiled_decode_check"):
+        core = load_engine(tiny_model_path)
+    model = core.handle.model
+    assert not any(layer._compiled_decode.broken for layer in model.layers)
+    [agreed] = check_records(caplog, "INFO")
+    assert "qwen3.TransformerBlock" in agreed and "tolerance 0.0001" in agreed
+    assert not check_records(caplog, "WARNING")
+    calls = count_calls(model)
+    assert engine_tokens(core) == mlx_path_tokens
+    assert calls[0] > 0  # the decode steps ran through the compiled pieces
+
+
+def position_off_by_one(before_cache):
+    return lambda layer, x, offset: before_cache(layer, x, offset + 1)
+
+
+def residual_scaled(after_attention):
+    return lambda layer, x, attended: after_attention(layer, x, 1.01 * attended)
+
+
+def raising(before_cache):
+    def fail(layer, x, offset):
+        raise RuntimeError("a layer this trace cannot follow")
+
+    return fail
+
+
+@pytest.mark.parametrize("piece, change", [
+    ("_before_cache", position_off_by_one),
+    ("_after_attention", residual_scaled),
+    ("_before_cache", raising),
+])
+def test_the_load_check_turns_a_changed_compiled_step_off(
+        tiny_model_path, mlx_path_tokens, monkeypatch, caplog, piece, change):
+    """A compiled step that no longer computes mlx-lm's layer (planted through the pieces
+    the pairs trace): at load the model goes back to mlx-lm's layers, with one warning,
+    and serves the tokens of ``--decode-path mlx``."""
+    import runtime.compiled_decode as compiled_decode
+
+    monkeypatch.setattr(compiled_decode, piece, change(getattr(compiled_decode, piece)))
+    with caplog.at_level("INFO"):
+        core = load_engine(tiny_model_path)
+    model = core.handle.model
+    assert all(layer._compiled_decode.broken for layer in model.layers)
+    [warning] = check_records(caplog, "WARNING")
+    assert "qwen3.TransformerBlock" in warning and "mlx-lm builds it" in warning
+    if change is raising:
+        assert "raised (RuntimeError: a layer this trace cannot follow)" in warning
+    else:
+        assert "differs from mlx-lm's" in warning and "tolerance 0.0001" in warning
+    # The check's own warning is the only one (the pairs' give_up stayed quiet), and the
+    # load traced nothing for a path that is off.
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert not any("traced for batch sizes" in r.getMessage() for r in caplog.records)
+    calls = count_calls(model)
+    assert engine_tokens(core) == mlx_path_tokens
+    assert calls[0] == 0  # every decode step ran mlx-lm's layers
+
+
+def test_the_load_check_traces_only_sizes_the_load_traces(tiny_model_path, monkeypatch):
+    """The check decodes at one row and at two (only one where the server decodes one):
+    the same traces ``trace_batch_sizes`` then reuses, not new ones."""
+    import runtime.compiled_decode as compiled_decode
+
+    traces: list[int] = []
+    before_cache = compiled_decode._before_cache
+
+    def counted(layer, x, offset):  # runs only while MLX traces the compiled function
+        traces.append(x.shape[0])
+        return before_cache(layer, x, offset)
+
+    monkeypatch.setattr(compiled_decode, "_before_cache", counted)
+    single, _ = load(tiny_model_path)
+    install_compiled_decode(single)
+    assert check_compiled_decode(single, single.args.vocab_size, max_rows=1)
+    assert traces == [1]
+    model, _ = load(tiny_model_path)
+    install_compiled_decode(model)
+    traces.clear()
+    assert check_compiled_decode(model, model.args.vocab_size, max_rows=8)
+    assert sorted(traces) == [1, 2]
+    assert compiled_decode.trace_batch_sizes(model, [1, 2, 3]) == 3
+    assert sorted(traces) == [1, 2, 3]

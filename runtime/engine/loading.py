@@ -23,6 +23,7 @@ import time
 
 from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
+from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
@@ -213,9 +214,12 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     commands = None
     serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
     if config.decode_path == "compiled" and group is None and not serial:
-        if install_compiled_decode(handle.model) and not config.lazy_decode_traces:
+        with mx.stream(stream):  # on this thread, before the first step
+            compiled = install_compiled_decode(handle.model) and check_compiled_decode(
+                handle.model, handle.vocab_size, config.decode_concurrency)
+        if compiled and not config.lazy_decode_traces:
             started = time.perf_counter()
-            with mx.stream(stream):  # on this thread, before the first step
+            with mx.stream(stream):
                 traces = trace_batch_sizes(handle.model, range(1, config.decode_concurrency + 1))
             log.info("compiled decode step traced for batch sizes 1-%d (%d traces, %.2f s)",
                      config.decode_concurrency, traces, time.perf_counter() - started)
