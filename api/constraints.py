@@ -1,14 +1,16 @@
 """Request fields that carry their own bounds: one statement for validation and the document.
 
-``bounded(low, high)`` and ``constrained(...)`` return ``attrs`` fields whose
-metadata holds a ``Constraint`` (a range, the allowed values, non-empty, at
-most n items, a key pattern, required although nullable) and whose validator
-enforces it, raising ``InvalidParam`` naming the field (``api.convert``
+``bounded(low, high)``, ``constrained(...)`` and ``constrained_by(constraint)``
+return ``attrs`` fields whose metadata holds a ``Constraint`` (a range, the
+allowed values, non-empty, at most n items, a key pattern, required although
+nullable) and whose validator enforces it, raising ``InvalidParam`` naming the field (``api.convert``
 prefixes the field's path in the request). ``api.schemas`` declares the
 request types with them; ``api.openapi`` turns the same ``Constraint`` into
 JSON Schema keywords (``constraint_of(field)``). What only code can check
 (``check``) and what the server checks elsewhere (``schema``: documentation
-only) sit in the same declaration.
+only) sit in the same declaration. Fields that several APIs share (the
+sampling bounds, the token limit, the timeout, the stop sequences) are
+declared here once, as ``Constraint`` values.
 """
 
 from __future__ import annotations
@@ -45,17 +47,37 @@ def constraint_of(field: attrs.Attribute) -> Constraint | None:
     return field.metadata.get(METADATA_KEY)
 
 
+def constrained_by(constraint: Constraint, default: Any = None) -> Any:
+    """An attrs field validated by (and documented from) ``constraint``."""
+    return attrs.field(default=default, validator=_validate, metadata={METADATA_KEY: constraint})
+
+
 def constrained(default: Any = attrs.NOTHING, **constraint: Any) -> Any:
     """An attrs field validated by (and documented from) ``Constraint(**constraint)``."""
-    return attrs.field(
-        default=default, validator=_validate, metadata={METADATA_KEY: Constraint(**constraint)}
-    )
+    return constrained_by(Constraint(**constraint), default)
 
 
 def bounded(low: Number | None = None, high: Number | None = None, *, default: Any = None,
             **more: Any) -> Any:
     """A numeric field in ``[low, high]`` (``None``: unbounded on that side)."""
     return constrained(default, minimum=low, maximum=high, **more)
+
+
+# What every generating API accepts alike: chat and text completions
+# (``api.schemas``), Responses (``api.agents.responses_schema``) and Anthropic
+# Messages (``api.agents.messages_schema``) declare these fields with
+# ``constrained_by(...)``, so that their bounds, checks and documented limits
+# are the same everywhere.
+MAX_STOP_SEQUENCES = 16
+TEMPERATURE = Constraint(minimum=0)  # 0 is greedy
+TOP_P = Constraint(minimum=0, maximum=1)
+TOP_K = Constraint(minimum=0)  # 0 is off
+TOKEN_LIMIT = Constraint(minimum=1)  # max_tokens and its other names
+TIMEOUT = Constraint(minimum=0.001)  # seconds; ours: ends the request with "length"
+STOP_SEQUENCES = Constraint(
+    max_items=MAX_STOP_SEQUENCES,
+    message=f"{{name}} takes at most {MAX_STOP_SEQUENCES} strings",
+)
 
 
 def _validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

@@ -14,7 +14,17 @@ from typing import Any
 
 import attrs
 
-from api.constraints import bounded, constrained
+from api.constraints import (
+    STOP_SEQUENCES,
+    TEMPERATURE,
+    TIMEOUT,
+    TOKEN_LIMIT,
+    TOP_K,
+    TOP_P,
+    bounded,
+    constrained,
+    constrained_by,
+)
 from api.errors import InvalidParam
 from api.structured import (
     RESPONSE_FORMAT_TYPES,
@@ -68,15 +78,14 @@ class GenerationFields:
     """Fields shared by chat and text completions (mlx_lm.server's set)."""
 
     model: str = "default_model"
-    max_tokens: int | None = bounded(1)
-    max_completion_tokens: int | None = bounded(1)  # OpenAI's newer name; wins over max_tokens
-    temperature: float | None = bounded(0)
-    top_p: float | None = bounded(0, 1)
-    top_k: int | None = bounded(0)
+    max_tokens: int | None = constrained_by(TOKEN_LIMIT)
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: int | None = constrained_by(TOKEN_LIMIT)
+    temperature: float | None = constrained_by(TEMPERATURE)
+    top_p: float | None = constrained_by(TOP_P)
+    top_k: int | None = constrained_by(TOP_K)
     min_p: float | None = bounded(0, 1)
-    stop: str | list[str] | None = constrained(
-        None, max_items=16, message="stop takes at most 16 strings"
-    )
+    stop: str | list[str] | None = constrained_by(STOP_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = bounded(0, 2**63 - 1)
@@ -90,7 +99,7 @@ class GenerationFields:
     frequency_penalty: float = bounded(-2, 2, default=0.0)
     frequency_context_size: int = bounded(0, MAX_CONTEXT_SIZE, default=20)
     logit_bias: dict[str, float] | None = bounded(-100, 100, keys=("token ids", r"-?[0-9]+"))
-    timeout: float | None = bounded(0.001)  # seconds; ours: ends the request with "length"
+    timeout: float | None = constrained_by(TIMEOUT)
     adapters: str | None = None  # a LoRA adapter directory
     draft_model: str | None = None  # a draft model for speculative decoding
     num_draft_tokens: int | None = bounded(1, 64)

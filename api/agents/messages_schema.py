@@ -16,10 +16,18 @@ from typing import Any
 
 import attrs
 
-from api.constraints import bounded, constrained
+from api.constraints import (
+    STOP_SEQUENCES,
+    TEMPERATURE,
+    TIMEOUT,
+    TOKEN_LIMIT,
+    TOP_K,
+    TOP_P,
+    constrained,
+    constrained_by,
+)
 from api.errors import InvalidParam
 
-MAX_STOP_SEQUENCES = 16
 ROLES = ("user", "assistant", "system")  # system: Claude Code's mid-conversation messages
 
 
@@ -109,15 +117,11 @@ class CountTokensRequest:
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages. Unknown fields are ignored; see docs/api.md (Agent APIs)."""
 
-    max_tokens: int = bounded(1, default=attrs.NOTHING)
-    stop_sequences: list[str] | None = constrained(
-        None,
-        max_items=MAX_STOP_SEQUENCES,
-        message=f"stop_sequences takes at most {MAX_STOP_SEQUENCES} strings",
-    )
-    temperature: float | None = bounded(0)
-    top_p: float | None = bounded(0, 1)
-    top_k: int | None = bounded(0)
+    max_tokens: int = constrained_by(TOKEN_LIMIT, default=attrs.NOTHING)
+    stop_sequences: list[str] | None = constrained_by(STOP_SEQUENCES)
+    temperature: float | None = constrained_by(TEMPERATURE)
+    top_p: float | None = constrained_by(TOP_P)
+    top_k: int | None = constrained_by(TOP_K)
     metadata: dict[str, Any] | None = None
     stream: bool = False
-    timeout: float | None = bounded(0.001)  # ours, as on chat completions
+    timeout: float | None = constrained_by(TIMEOUT)  # ours, as on chat completions

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from api.constraints import bounded, constrained
+from api.constraints import TEMPERATURE, TIMEOUT, TOKEN_LIMIT, TOP_P, constrained, constrained_by
 from api.errors import InvalidParam
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -139,9 +139,9 @@ class ResponsesRequest:
         None, check=_tool_choice, schema={"string": {"enum": list(TOOL_CHOICES)}}
     )
     parallel_tool_calls: bool = True
-    max_output_tokens: int | None = bounded(1)
-    temperature: float | None = bounded(0)
-    top_p: float | None = bounded(0, 1)
+    max_output_tokens: int | None = constrained_by(TOKEN_LIMIT)
+    temperature: float | None = constrained_by(TEMPERATURE)
+    top_p: float | None = constrained_by(TOP_P)
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -154,4 +154,4 @@ class ResponsesRequest:
     conversation: Any = unsupported("conversations are not supported: use previous_response_id")
     prompt: Any = unsupported("prompt templates are not supported")
     chat_template_kwargs: dict[str, Any] | None = None  # ours, as on chat completions
-    timeout: float | None = bounded(0.001)  # ours, as on chat completions
+    timeout: float | None = constrained_by(TIMEOUT)  # ours, as on chat completions
