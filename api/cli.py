@@ -2,13 +2,14 @@
 
 The flags are made from ``ServerConfig``'s field metadata
 (``runtime.config.SETTINGS``): mlx_lm.server's names and defaults plus ours,
-each with its help, text format (``--prompt-cache-bytes 4GB``,
+listed under their groups (``runtime.config.GROUPS``: argparse argument
+groups, as vLLM's ``--help`` has them), each with its help, text format (``--prompt-cache-bytes 4GB``,
 ``--chat-template-args '{...}'``, ``--allowed-origins a,b``) and allowed
 values; booleans are ``store_true`` flags. No default is restated here: a
 flag not given is left out, and the field's default applies. The values are
 structured into ``ServerConfig`` by ``config_from_mapping``, as the
-environment's are. ``--markdown`` prints the settings table of
-docs/configuration.md (made from the same metadata) and exits.
+environment's are. ``--markdown`` prints the settings tables of
+docs/configuration.md (made from the same metadata, one per group) and exits.
 
 ``main`` first makes sure the served model is on this machine
 (``runtime.model_fetch``: downloaded on first use, or a plain message and
@@ -34,7 +35,7 @@ from typing import Any
 
 import trio
 
-from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_mapping
+from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_mapping
 from runtime.distributed import ParentWatch
 from runtime.model_fetch import ModelUnavailable, fetch_served_model
 from runtime.settings import BOOLEAN, Setting, TextFormat
@@ -46,17 +47,24 @@ TABLE_END = "<!-- end of the settings table -->"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-trio-server",
+        usage="%(prog)s [options]",  # not all the flags: they follow, by group
         description="OpenAI-compatible server for MLX models, on trio.",
+        epilog="This command reads no environment variables; under `hypercorn api:app "
+        "--worker-class trio` the same settings are MLX_TRIO_<NAME> variables "
+        "(MLX_TRIO_MAX_TOKENS=256). See docs/configuration.md.",
         argument_default=argparse.SUPPRESS,  # a flag not given: the field's default
     )
-    for s in SETTINGS:
-        parser.add_argument(s.flag, dest=s.name, **_argument(s))
     parser.add_argument(
         "--markdown",
         action=_PrintSettingsTable,
         nargs=0,
-        help="print the settings table of docs/configuration.md and exit",
+        help="print the settings tables of docs/configuration.md and exit",
     )
+    # Argument groups, as vLLM's --help has them: each setting under its group's
+    # title and description, the groups in GROUPS' order.
+    groups = {g: parser.add_argument_group(g.title, g.description) for g in GROUPS}
+    for s in SETTINGS:
+        groups[s.group].add_argument(s.flag, dest=s.name, **_argument(s))
     return parser
 
 
@@ -94,29 +102,39 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
 
 
 def settings_table() -> str:
-    """The settings table of docs/configuration.md, between its markers."""
-    rows = [
-        TABLE_BEGIN,
-        "| Field | Flag | Variable | Value | Default | Meaning |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in SETTINGS:
-        value = s.format.kind
-        if s.choices is not None:
-            value = ", ".join(f"`{c}`" for c in s.choices)
-            value = f"one of {value}" + (" or none" if s.default is None else "")
-        elif s.bounds_text():
-            value = f"{value}, {s.bounds_text()}"
-        default = s.default_text or f"`{s.show_default()}`"
-        meaning = s.help[0].upper() + s.help[1:] + "."
-        if s.notes:
-            meaning += " " + s.notes
-        if s.ours:
-            meaning += " Ours."
-        cells = [f"`{s.name}`", f"`{s.flag}`", f"`{s.env}`", value, default, meaning]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    rows.append(TABLE_END)
+    """The settings tables of docs/configuration.md, between its markers: a heading,
+    its description and a table for each group, in ``--help``'s order."""
+    rows = [TABLE_BEGIN]
+    for group in GROUPS:
+        rows += [
+            f"### {group.title}",
+            "",
+            group.description[0].upper() + group.description[1:] + ".",
+            "",
+            "| Field | Flag | Variable | Value | Default | Meaning |",
+            "|---|---|---|---|---|---|",
+        ]
+        rows += [_table_row(s) for s in SETTINGS if s.group is group]
+        rows.append("")
+    rows[-1] = TABLE_END
     return "\n".join(rows) + "\n"
+
+
+def _table_row(s: Setting) -> str:
+    value = s.format.kind
+    if s.choices is not None:
+        value = ", ".join(f"`{c}`" for c in s.choices)
+        value = f"one of {value}" + (" or none" if s.default is None else "")
+    elif s.bounds_text():
+        value = f"{value}, {s.bounds_text()}"
+    default = s.default_text or f"`{s.show_default()}`"
+    meaning = s.help[0].upper() + s.help[1:] + "."
+    if s.notes:
+        meaning += " " + s.notes
+    if s.ours:
+        meaning += " Ours."
+    cells = [f"`{s.name}`", f"`{s.flag}`", f"`{s.env}`", value, default, meaning]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 class _PrintSettingsTable(argparse.Action):

@@ -2,11 +2,11 @@
 
 ``ServerConfig`` is an attrs class whose every field is declared with
 ``setting(...)`` (``runtime.settings``): its metadata (a ``Setting``) is the one statement of the
-field's flag, environment variable, help, default, value format and bounds.
+field's flag, environment variable, help, group, default, value format and bounds.
 Everything else reads it: the command line (``api.cli``: mlx_lm.server's
-flags, same names and defaults, plus ours), ``MLX_TRIO_<NAME>`` environment
-variables (``config_from_env``, for ``hypercorn api:app --worker-class
-trio``), the attrs validators made from the bounds, and the settings table of
+flags, same names and defaults, plus ours, listed by group), ``MLX_TRIO_<NAME>``
+environment variables (``config_from_env``, for ``hypercorn api:app --worker-class
+trio``), the attrs validators made from the bounds, and the settings tables of
 docs/configuration.md (``api.cli --markdown``).
 
 Text values (flags, variables) are parsed by the setting's ``TextFormat``
@@ -15,18 +15,16 @@ value raises ``ConfigError`` naming the setting (``cattrs.transform_error``).
 """
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
-from cattrs.gen import make_dict_structure_fn, override
 
 from runtime.compiled_decode import DECODE_PATHS
 from runtime.distributed import BACKENDS
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES
-from runtime.settings import ENV_PREFIX, METADATA_KEY, SIZE, Setting, complete_settings, setting
+from runtime.settings import SIZE, Group, Setting, Settings, complete_settings, setting
+from runtime.settings import ConfigError as ConfigError  # raised by config_from_*
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -34,16 +32,28 @@ ENGINE_MODES = ("process", "thread")
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 
-
-class ConfigError(ValueError):
-    pass
+# The sections of --help and of docs/configuration.md's tables, in this order; each
+# field names its own (``group=``), and within a group the fields keep their order.
+MODEL = Group(
+    "Model", "the served model, its adapter, draft model and chat template; what requests may name"
+)
+SERVER = Group("Server", "where and how the server runs: address, CORS, logs, engine, shutdown")
+SAMPLING = Group("Sampling defaults", "for a request that does not send its own")
+BATCHING = Group("Batching", "how many sequences the engine decodes and prefills together")
+PROMPT_CACHE = Group("Prompt cache", "reuse of earlier prompts' KV caches for shared prefixes")
+LIMITS = Group("Limits", "how much a request, and all of them together, may ask for")
+SECURITY = Group("Security", "who may call the API: API keys")
+DISTRIBUTED = Group("Distributed", "one model served by several processes started by mlx.launch")
+TUNING = Group(
+    "Advanced tuning", "scheduling, streaming, kernels, KV quantization: the defaults suit most uses"
+)
+GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, SECURITY, DISTRIBUTED, TUNING)
 
 
 # This module has no ``from __future__ import annotations``: ``complete_settings``
 # reads the fields' types (to pick their text format), so they must be real types.
 @attrs.frozen(kw_only=True, field_transformer=complete_settings)
 class ServerConfig:
-    # --- mlx_lm.server's flags, same names and defaults
     model: str | None = setting(
         None,
         help="path or Hugging Face repo of the default MLX model",
@@ -54,62 +64,134 @@ class ServerConfig:
         "a tiny model with random weights is built (once) under "
         "`$XDG_CACHE_HOME/mlx-trio-server/mlx-trio-tiny-random` (default `~/.cache/...`) and "
         "served as `mlx-trio-tiny-random`, whose output is noise.",
+        group=MODEL,
     )
     adapter_path: str | None = setting(
-        None, help="LoRA adapter for the default model, passed to mlx_lm.load"
-    )
-    host: str = setting(
-        "127.0.0.1",
-        help="address the command binds",
-        notes="Not used under `hypercorn api:app` (use `--bind`).",
-    )
-    port: int = setting(
-        8080, help="port the command binds", notes="Not used under `hypercorn api:app`."
-    )
-    allowed_origins: tuple[str, ...] = setting(
-        ("*",),
-        help="comma-separated CORS origins",
-        notes="With `*`, `Access-Control-Allow-Origin: *`; otherwise a listed request "
-        "`Origin` is echoed.",
+        None, help="LoRA adapter for the default model, passed to mlx_lm.load", group=MODEL
     )
     draft_model: str | None = setting(
         None,
         help="draft model for speculative decoding",
         notes="When set, requests are served one at a time (serial mode, through "
         "`stream_generate`), not batched.",
+        group=MODEL,
     )
     num_draft_tokens: int = setting(
         3,
         help="draft tokens per step with a draft model; a request's num_draft_tokens overrides it",
+        group=MODEL,
     )
-    trust_remote_code: bool = setting(False, help="trust remote code when loading the tokenizer")
+    trust_remote_code: bool = setting(
+        False, help="trust remote code when loading the tokenizer", group=MODEL
+    )
+    chat_template: str = setting(
+        "", help="a chat template that replaces the tokenizer's, when not empty", group=MODEL
+    )
+    use_default_chat_template: bool = setting(
+        False, help="use the tokenizer's default chat template when it has none", group=MODEL
+    )
+    max_model_len: int | None = setting(
+        None,
+        help="the context window: most tokens (prompt + generated) one sequence may hold",
+        above=0,
+        ours=True,
+        default_text="the model's",
+        notes="The model's is its config's `max_position_embeddings`, or its tokenizer's "
+        "`model_max_length` where that is smaller (and not the 'no limit' sentinel). A longer "
+        "prompt (or one that leaves no room for a token) is a 400 `context_length_exceeded`; "
+        "`max_tokens` is lowered to what the window leaves "
+        "([api.md](api.md#the-context-window)). As vLLM names it.",
+        group=MODEL,
+    )
+    allowed_models: tuple[str, ...] = setting(
+        (),
+        help="models (names, local paths or Hugging Face repos) that requests may name besides "
+        "the served one; `*`: any model on this machine",
+        ours=True,
+        repeatable=True,
+        default_text="none: only the served model",
+        notes="The served model, its `--adapter-path` and `--draft-model` are always allowed. "
+        "Applies to a request's `model`, `adapters` and `draft_model`; anything else is a 404 "
+        "before anything is loaded. `GET /v1/models` lists exactly what is allowed. See "
+        "[api.md](api.md#model-selection).",
+        group=MODEL,
+    )
+    models_dir: str | None = setting(
+        None,
+        help="a folder of models: requests may name any model directory inside it, by its path "
+        "or by its path relative to the folder",
+        ours=True,
+        notes="Listed by `GET /v1/models` (directories with a `config.json`, up to two levels "
+        "deep, e.g. `org/model`).",
+        group=MODEL,
+    )
+    host: str = setting(
+        "127.0.0.1",
+        help="address the command binds",
+        notes="Not used under `hypercorn api:app` (use `--bind`).",
+        group=SERVER,
+    )
+    port: int = setting(
+        8080, help="port the command binds", notes="Not used under `hypercorn api:app`.",
+        group=SERVER,
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        ("*",),
+        help="comma-separated CORS origins",
+        notes="With `*`, `Access-Control-Allow-Origin: *`; otherwise a listed request "
+        "`Origin` is echoed.",
+        group=SERVER,
+    )
     log_level: str = setting(
         "INFO",
         help="logging level",
         choices=LOG_LEVELS,
         converter=str.upper,
         notes="The flag takes upper case only; the variable any case.",
+        group=SERVER,
     )
-    chat_template: str = setting(
-        "", help="a chat template that replaces the tokenizer's, when not empty"
+    engine_mode: str = setting(
+        "process",
+        help="run the engine in a child process (default) or on a thread of the server process",
+        choices=ENGINE_MODES,
+        ours=True,
+        notes="`process`: each model's engine runs in a child process of the server "
+        "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
+        "engine crash that restarts, not the end of the server, and a swapped-out model's "
+        "memory goes back to the system with its process. `thread`: the engine runs on a "
+        "thread of the server process. A distributed launch always uses `thread`.",
+        group=SERVER,
     )
-    use_default_chat_template: bool = setting(
-        False, help="use the tokenizer's default chat template when it has none"
+    shutdown_grace: float = setting(
+        8.0,
+        help="seconds open requests get to finish after SIGTERM or SIGINT; then each ends "
+        "properly (finish_reason \"abort\", an error event and [DONE] for a stream, 503 for a "
+        "waiting request)",
+        minimum=0,
+        ours=True,
+        notes="`mlx-trio-server` gives Hypercorn a graceful timeout 2 s longer, so that no "
+        "stream is cut. Under `hypercorn api:app` see "
+        "[operations.md](operations.md#signals-and-shutdown).",
+        group=SERVER,
     )
-    temp: float = setting(0.0, help="default temperature for requests that do not send one")
-    top_p: float = setting(1.0, help="default top_p")
-    top_k: int = setting(0, help="default top_k (0 is off)")
-    min_p: float = setting(0.0, help="default min_p")
+    temp: float = setting(
+        0.0, help="default temperature for requests that do not send one", group=SAMPLING
+    )
+    top_p: float = setting(1.0, help="default top_p", group=SAMPLING)
+    top_k: int = setting(0, help="default top_k (0 is off)", group=SAMPLING)
+    min_p: float = setting(0.0, help="default min_p", group=SAMPLING)
     max_tokens: int = setting(
-        512, help="default max_tokens", above=0, notes="Requests may ask for more."
+        512, help="default max_tokens", above=0, notes="Requests may ask for more.", group=SAMPLING
     )
     chat_template_args: dict[str, Any] = setting(
         factory=dict,
         help='JSON object of extra chat-template arguments, e.g. {"enable_thinking": false}',
         notes="A request's `chat_template_kwargs` override it key by key.",
+        group=SAMPLING,
     )
     decode_concurrency: int = setting(
-        32, help="sequences decoded together (BatchGenerator completion_batch_size)", above=0
+        32, help="sequences decoded together (BatchGenerator completion_batch_size)", above=0,
+        group=BATCHING,
     )
     prompt_concurrency: int = setting(
         8,
@@ -117,8 +199,154 @@ class ServerConfig:
         above=0,
         notes="The Scheduler lets `decode_concurrency + prompt_concurrency` requests into the "
         "engine at once.",
+        group=BATCHING,
     )
-    prefill_step_size: int = setting(2048, help="prompt tokens per prefill step", above=0)
+    prefill_step_size: int = setting(
+        2048, help="prompt tokens per prefill step", above=0, group=BATCHING
+    )
+    prompt_cache_size: int = setting(
+        10,
+        help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
+        notes="0 keeps none (every response says `miss; reason=disabled`).",
+        group=PROMPT_CACHE,
+    )
+    prompt_cache_bytes: int | None = setting(
+        None,
+        help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
+        format=SIZE.or_none(),
+        notes="When set, the limit is shared with the running sequences: after each admission "
+        "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
+        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
+        "in mlx-lm's order) and the engine applies them between steps; in a distributed "
+        "launch every rank evicts what rank 0's byte counts decide.",
+        group=PROMPT_CACHE,
+    )
+    prompt_cache_min_reuse: int = setting(
+        64,
+        help="reuse a cached prompt prefix only if it covers at least this many tokens "
+        "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
+        minimum=0,
+        ours=True,
+        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens are "
+        "shared by almost every prompt, and reusing them copies a whole cache entry to skip "
+        "a few tokens of prefill; real shared prefixes (a system prompt, earlier turns) are "
+        "longer.",
+        group=PROMPT_CACHE,
+    )
+    shared_prefill_min_tokens: int = setting(
+        256,
+        help="a request that repeats at least this many tokens of a prompt being prefilled, "
+        "not in the prompt cache yet, waits until that prefix is cached and starts from it "
+        "instead of computing it again (0: every request computes its own)",
+        minimum=0,
+        ours=True,
+        notes="For sessions that start together over one long system prompt (coding agents): "
+        "the prefix is prefilled once, at the end of the system prompt, where the prompt "
+        "cache stores a copy; the others then prefill only what follows it. A waiting "
+        "request's stream gets keep-alive comments with its leader's progress. Lower it to "
+        "share shorter prefixes; 0 turns it off "
+        "([performance.md](performance.md#coding-agents-sessions)).",
+        group=PROMPT_CACHE,
+    )
+    max_queued_requests: int = setting(
+        256,
+        help="requests that may wait in the Scheduler when the engine is full; beyond that a "
+        "request gets 429",
+        above=0,
+        ours=True,
+        notes="The 429 carries `Retry-After: 1`.",
+        group=LIMITS,
+    )
+    max_request_bytes: int = setting(
+        8 * 2**20,
+        help="largest request body in bytes; a larger one gets 413",
+        above=0,
+        ours=True,
+        default_text="8388608 (8 MiB)",
+        group=LIMITS,
+    )
+    request_timeout: float | None = setting(
+        None,
+        help="seconds after which a request is finished with finish_reason \"length\" and "
+        "withdrawn; a request's timeout may only shorten it",
+        above=0,
+        ours=True,
+        group=LIMITS,
+    )
+    kv_cache_budget_bytes: int | None = setting(
+        None,
+        help="KV-cache bytes the sequences in the engine may reserve, a size such as 8GB",
+        format=SIZE.or_none(),
+        above=0,
+        ours=True,
+        default_text="half the accelerator's memory (CPU: half the RAM)",
+        notes="Estimated per request as bytes per token times (prompt tokens + `max_tokens`). "
+        "A request larger than the budget gets 413; others wait until they fit. The default "
+        "applies only when the model's bytes per token are known (non-zero).",
+        group=LIMITS,
+    )
+    max_choices: int = setting(
+        8,
+        help="largest n a request may ask for (choices generated from one prompt)",
+        above=0,
+        ours=True,
+        notes="The choices run as n sequences of the batch; the prompt is processed once "
+        "([api.md](api.md#several-choices-n)).",
+        group=LIMITS,
+    )
+    api_key: tuple[str, ...] = setting(
+        (),
+        help="API key that clients must send, as `Authorization: Bearer KEY` or `x-api-key: "
+        "KEY`; repeat the flag or separate keys with commas (none: no authentication)",
+        ours=True,
+        repeatable=True,
+        secret=True,
+        default_text="none",
+        notes="Checked on every API route; a missing or wrong key is a 401 (`invalid_api_key`; "
+        "Anthropic's error shape on `/v1/messages`). `/health`, the chat page (`/`, "
+        "`/assets/`) and CORS preflights stay open; `/metrics` too unless "
+        "`--metrics-require-key`. See [operations.md](operations.md#authentication).",
+        group=SECURITY,
+    )
+    api_key_file: str | None = setting(
+        None,
+        help="file of API keys, one per line (blank lines and lines starting with # are "
+        "skipped); adds to --api-key",
+        ours=True,
+        notes="Read once at start-up; a file that cannot be read stops the start.",
+        group=SECURITY,
+    )
+    metrics_require_key: bool = setting(
+        False, help="/metrics also requires an API key (when keys are set)", ours=True,
+        group=SECURITY,
+    )
+    distributed_backend: str = setting(
+        "any",
+        help="mx.distributed backend when started by mlx.launch (match mlx.launch --backend)",
+        choices=BACKENDS,
+        ours=True,
+        notes="Ignored when not started by a launcher.",
+        group=DISTRIBUTED,
+    )
+    distributed_timeout: float = setting(
+        60.0,
+        help="seconds without an engine step or heartbeat before rank 0 reports the group lost "
+        "(and a follower rank, not hearing from rank 0, leaves)",
+        above=0,
+        ours=True,
+        notes="A rank died or hung: `/health` 503, requests 503. Keep it above your slowest "
+        "single step (a long prefill chunk). A rank whose launcher is gone leaves within a "
+        "second, whatever this is ([distributed.md](distributed.md#failures)).",
+        group=DISTRIBUTED,
+    )
+    pipeline: bool = setting(
+        False,
+        help="distributed serving (started by mlx.launch): split the model's layers across the "
+        "ranks (pipeline parallel) instead of sharding every layer (tensor parallel)",
+        notes="Outside a distributed launch, start-up fails if set. See "
+        "[distributed.md](distributed.md).",
+        group=DISTRIBUTED,
+    )
     prefill_group_tokens: int = setting(
         2048,
         help="beyond --prompt-concurrency prompts, more waiting prompts join a prefill step "
@@ -132,147 +360,7 @@ class ServerConfig:
         "cache (more tokens/s under load) but later first tokens for a large burst: set 0 "
         "where every request's first token under heavy load matters more than throughput "
         "([performance.md](performance.md)).",
-    )
-    prompt_cache_size: int = setting(
-        10,
-        help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
-        notes="0 keeps none (every response says `miss; reason=disabled`).",
-    )
-    prompt_cache_bytes: int | None = setting(
-        None,
-        help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
-        format=SIZE.or_none(),
-        notes="When set, the limit is shared with the running sequences: after each admission "
-        "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
-        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
-        "in mlx-lm's order) and the engine applies them between steps; in a distributed "
-        "launch every rank evicts what rank 0's byte counts decide.",
-    )
-    kv_bits: int | None = setting(
-        None,
-        help="quantize the KV cache to this many bits",
-        choices=KV_BITS,
-        notes="When set, requests are served one at a time (serial mode), not batched.",
-    )
-    kv_group_size: int = setting(
-        64, help="quantization group size with --kv-bits", choices=KV_GROUP_SIZES
-    )
-    quantized_kv_start: int = setting(
-        DEFAULT_QUANTIZED_KV_START, help="token position where KV quantization starts, with --kv-bits"
-    )
-    pipeline: bool = setting(
-        False,
-        help="distributed serving (started by mlx.launch): split the model's layers across the "
-        "ranks (pipeline parallel) instead of sharding every layer (tensor parallel)",
-        notes="Outside a distributed launch, start-up fails if set. See "
-        "[distributed.md](distributed.md).",
-    )
-    # --- ours
-    max_queued_requests: int = setting(
-        256,
-        help="requests that may wait in the Scheduler when the engine is full; beyond that a "
-        "request gets 429",
-        above=0,
-        ours=True,
-        notes="The 429 carries `Retry-After: 1`.",
-    )
-    max_request_bytes: int = setting(
-        8 * 2**20,
-        help="largest request body in bytes; a larger one gets 413",
-        above=0,
-        ours=True,
-        default_text="8388608 (8 MiB)",
-    )
-    tokenizer_threads: int = setting(
-        2,
-        help="worker threads for chat templates and tokenization (a trio.CapacityLimiter)",
-        above=0,
-        ours=True,
-    )
-    request_timeout: float | None = setting(
-        None,
-        help="seconds after which a request is finished with finish_reason \"length\" and "
-        "withdrawn; a request's timeout may only shorten it",
-        above=0,
-        ours=True,
-    )
-    kv_cache_budget_bytes: int | None = setting(
-        None,
-        help="KV-cache bytes the sequences in the engine may reserve, a size such as 8GB",
-        format=SIZE.or_none(),
-        above=0,
-        ours=True,
-        default_text="half the accelerator's memory (CPU: half the RAM)",
-        notes="Estimated per request as bytes per token times (prompt tokens + `max_tokens`). "
-        "A request larger than the budget gets 413; others wait until they fit. The default "
-        "applies only when the model's bytes per token are known (non-zero).",
-    )
-    distributed_backend: str = setting(
-        "any",
-        help="mx.distributed backend when started by mlx.launch (match mlx.launch --backend)",
-        choices=BACKENDS,
-        ours=True,
-        notes="Ignored when not started by a launcher.",
-    )
-    distributed_timeout: float = setting(
-        60.0,
-        help="seconds without an engine step or heartbeat before rank 0 reports the group lost "
-        "(and a follower rank, not hearing from rank 0, leaves)",
-        above=0,
-        ours=True,
-        notes="A rank died or hung: `/health` 503, requests 503. Keep it above your slowest "
-        "single step (a long prefill chunk). A rank whose launcher is gone leaves within a "
-        "second, whatever this is ([distributed.md](distributed.md#failures)).",
-    )
-    engine_mode: str = setting(
-        "process",
-        help="run the engine in a child process (default) or on a thread of the server process",
-        choices=ENGINE_MODES,
-        ours=True,
-        notes="`process`: each model's engine runs in a child process of the server "
-        "(`runtime/engine/process.py`): a crash of native code there (a segfault in MLX) is an "
-        "engine crash that restarts, not the end of the server, and a swapped-out model's "
-        "memory goes back to the system with its process. `thread`: the engine runs on a "
-        "thread of the server process. A distributed launch always uses `thread`.",
-    )
-    prefill_attention: str = setting(
-        "unfused",
-        help="on CUDA, a prefill's attention through MLX's unfused path (no cuDNN graph built "
-        "per prompt shape) or as MLX picks it (cuDNN)",
-        choices=PREFILL_ATTENTION_MODES,
-        ours=True,
-        notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
-        "(group size, prompt length, cached prefix) on the engine's thread, tens of ms to "
-        "seconds each, and a server meets new shapes with nearly every prompt. `unfused` "
-        "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
-        "prompt with 32 heads) to MLX's own unfused attention (no graph to build); decoding "
-        "and longer prompts keep MLX's choice. `mlx`: MLX's choice everywhere. No effect on "
-        "Apple silicon or the CPU ([performance.md](performance.md)).",
-    )
-    decode_path: str = setting(
-        "compiled",
-        help="each llama / qwen2 / qwen3 / qwen3_moe decoder layer's decode step through two compiled MLX "
-        "functions (`compiled`) or as mlx-lm builds it, operation by operation (`mlx`)",
-        choices=DECODE_PATHS,
-        ours=True,
-        notes="At a small batch the decode step is host-bound: each of a layer's ~30 "
-        "operations is built from Python and dispatched one by one. `compiled` runs the layer "
-        "before its KV cache and after its attention as two `mx.compile`d functions shared by "
-        "all layers (the cache update and the attention stay mlx-lm's), with the same tokens. "
-        "Prefill, other architectures, LoRA adapters, a distributed group and the one-at-a-time "
-        "engine keep mlx-lm's path. At load it is checked against mlx-lm's layers (a few decode "
-        "steps' logits) and turns itself off, with a warning, where they differ. Set `mlx` to "
-        "rule the compiled path out when a model misbehaves ([performance.md](performance.md)).",
-    )
-    lazy_decode_traces: bool = setting(
-        False,
-        help="with --decode-path compiled, trace the compiled decode step for each batch size "
-        "when a step first meets it instead of for every size up to --decode-concurrency at load",
-        ours=True,
-        notes="A compiled function is traced for every input shape it has not met, and a "
-        "server's decode batch changes size with every arrival and finish; traced at load, "
-        "`/health` says ready only once no first request waits for a trace or MLX's kernel "
-        "build (seconds on a CPU whose kernel cache is cold). Set it for a faster start.",
+        group=TUNING,
     )
     admission_window_ms: float = setting(
         30.0,
@@ -289,6 +377,7 @@ class ServerConfig:
         "once (lower latency for a lone request on a busy server). Always off in a "
         "distributed launch (each rank's clock would end it at a different step) "
         "([architecture.md](architecture.md#the-admission-window)).",
+        group=TUNING,
     )
     burst_wait_ms: float = setting(
         0.0,
@@ -305,6 +394,7 @@ class ServerConfig:
         "alone: off by default ([performance.md](performance.md#how-requests-reach-the-engine)). "
         "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
         "launch.",
+        group=TUNING,
     )
     decode_stall_factor: float = setting(
         1.5,
@@ -320,31 +410,7 @@ class ServerConfig:
         "this factor decode steps; with nothing decoding, chunks are full. Raise it (or 0) "
         "for faster prefills under load at the cost of the others' smoothness "
         "([performance.md](performance.md#coding-agents-sessions)).",
-    )
-    shared_prefill_min_tokens: int = setting(
-        256,
-        help="a request that repeats at least this many tokens of a prompt being prefilled, "
-        "not in the prompt cache yet, waits until that prefix is cached and starts from it "
-        "instead of computing it again (0: every request computes its own)",
-        minimum=0,
-        ours=True,
-        notes="For sessions that start together over one long system prompt (coding agents): "
-        "the prefix is prefilled once, at the end of the system prompt, where the prompt "
-        "cache stores a copy; the others then prefill only what follows it. A waiting "
-        "request's stream gets keep-alive comments with its leader's progress. Lower it to "
-        "share shorter prefixes; 0 turns it off "
-        "([performance.md](performance.md#coding-agents-sessions)).",
-    )
-    prompt_cache_min_reuse: int = setting(
-        64,
-        help="reuse a cached prompt prefix only if it covers at least this many tokens "
-        "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
-        minimum=0,
-        ours=True,
-        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens are "
-        "shared by almost every prompt, and reusing them copies a whole cache entry to skip "
-        "a few tokens of prefill; real shared prefixes (a system prompt, earlier turns) are "
-        "longer.",
+        group=TUNING,
     )
     stream_interval_ms: float = setting(
         0.0,
@@ -356,81 +422,71 @@ class ServerConfig:
         notes="The first chunk is never held back. Raise it (e.g. 50) where many clients "
         "stream on few CPU cores, at the price of coarser streaming; 0 sends every engine "
         "step's tokens at once, as mlx_lm.server does.",
+        group=TUNING,
     )
-    max_model_len: int | None = setting(
-        None,
-        help="the context window: most tokens (prompt + generated) one sequence may hold",
+    tokenizer_threads: int = setting(
+        2,
+        help="worker threads for chat templates and tokenization (a trio.CapacityLimiter)",
         above=0,
         ours=True,
-        default_text="the model's",
-        notes="The model's is its config's `max_position_embeddings`, or its tokenizer's "
-        "`model_max_length` where that is smaller (and not the 'no limit' sentinel). A longer "
-        "prompt (or one that leaves no room for a token) is a 400 `context_length_exceeded`; "
-        "`max_tokens` is lowered to what the window leaves "
-        "([api.md](api.md#the-context-window)). As vLLM names it.",
+        group=TUNING,
     )
-    max_choices: int = setting(
-        8,
-        help="largest n a request may ask for (choices generated from one prompt)",
-        above=0,
+    prefill_attention: str = setting(
+        "unfused",
+        help="on CUDA, a prefill's attention through MLX's unfused path (no cuDNN graph built "
+        "per prompt shape) or as MLX picks it (cuDNN)",
+        choices=PREFILL_ATTENTION_MODES,
         ours=True,
-        notes="The choices run as n sequences of the batch; the prompt is processed once "
-        "([api.md](api.md#several-choices-n)).",
+        notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
+        "(group size, prompt length, cached prefix) on the engine's thread, tens of ms to "
+        "seconds each, and a server meets new shapes with nearly every prompt. `unfused` "
+        "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
+        "prompt with 32 heads) to MLX's own unfused attention (no graph to build); decoding "
+        "and longer prompts keep MLX's choice. `mlx`: MLX's choice everywhere. No effect on "
+        "Apple silicon or the CPU ([performance.md](performance.md)).",
+        group=TUNING,
     )
-    shutdown_grace: float = setting(
-        8.0,
-        help="seconds open requests get to finish after SIGTERM or SIGINT; then each ends "
-        "properly (finish_reason \"abort\", an error event and [DONE] for a stream, 503 for a "
-        "waiting request)",
-        minimum=0,
+    decode_path: str = setting(
+        "compiled",
+        help="each llama / qwen2 / qwen3 / qwen3_moe decoder layer's decode step through two compiled MLX "
+        "functions (`compiled`) or as mlx-lm builds it, operation by operation (`mlx`)",
+        choices=DECODE_PATHS,
         ours=True,
-        notes="`mlx-trio-server` gives Hypercorn a graceful timeout 2 s longer, so that no "
-        "stream is cut. Under `hypercorn api:app` see "
-        "[operations.md](operations.md#signals-and-shutdown).",
+        notes="At a small batch the decode step is host-bound: each of a layer's ~30 "
+        "operations is built from Python and dispatched one by one. `compiled` runs the layer "
+        "before its KV cache and after its attention as two `mx.compile`d functions shared by "
+        "all layers (the cache update and the attention stay mlx-lm's), with the same tokens. "
+        "Prefill, other architectures, LoRA adapters, a distributed group and the one-at-a-time "
+        "engine keep mlx-lm's path. At load it is checked against mlx-lm's layers (a few decode "
+        "steps' logits) and turns itself off, with a warning, where they differ. Set `mlx` to "
+        "rule the compiled path out when a model misbehaves ([performance.md](performance.md)).",
+        group=TUNING,
     )
-
-    api_key: tuple[str, ...] = setting(
-        (),
-        help="API key that clients must send, as `Authorization: Bearer KEY` or `x-api-key: "
-        "KEY`; repeat the flag or separate keys with commas (none: no authentication)",
+    lazy_decode_traces: bool = setting(
+        False,
+        help="with --decode-path compiled, trace the compiled decode step for each batch size "
+        "when a step first meets it instead of for every size up to --decode-concurrency at load",
         ours=True,
-        repeatable=True,
-        secret=True,
-        default_text="none",
-        notes="Checked on every API route; a missing or wrong key is a 401 (`invalid_api_key`; "
-        "Anthropic's error shape on `/v1/messages`). `/health`, the chat page (`/`, "
-        "`/assets/`) and CORS preflights stay open; `/metrics` too unless "
-        "`--metrics-require-key`. See [operations.md](operations.md#authentication).",
+        notes="A compiled function is traced for every input shape it has not met, and a "
+        "server's decode batch changes size with every arrival and finish; traced at load, "
+        "`/health` says ready only once no first request waits for a trace or MLX's kernel "
+        "build (seconds on a CPU whose kernel cache is cold). Set it for a faster start.",
+        group=TUNING,
     )
-    api_key_file: str | None = setting(
+    kv_bits: int | None = setting(
         None,
-        help="file of API keys, one per line (blank lines and lines starting with # are "
-        "skipped); adds to --api-key",
-        ours=True,
-        notes="Read once at start-up; a file that cannot be read stops the start.",
+        help="quantize the KV cache to this many bits",
+        choices=KV_BITS,
+        notes="When set, requests are served one at a time (serial mode), not batched.",
+        group=TUNING,
     )
-    metrics_require_key: bool = setting(
-        False, help="/metrics also requires an API key (when keys are set)", ours=True
+    kv_group_size: int = setting(
+        64, help="quantization group size with --kv-bits", choices=KV_GROUP_SIZES, group=TUNING
     )
-    allowed_models: tuple[str, ...] = setting(
-        (),
-        help="models (names, local paths or Hugging Face repos) that requests may name besides "
-        "the served one; `*`: any model on this machine",
-        ours=True,
-        repeatable=True,
-        default_text="none: only the served model",
-        notes="The served model, its `--adapter-path` and `--draft-model` are always allowed. "
-        "Applies to a request's `model`, `adapters` and `draft_model`; anything else is a 404 "
-        "before anything is loaded. `GET /v1/models` lists exactly what is allowed. See "
-        "[api.md](api.md#model-selection).",
-    )
-    models_dir: str | None = setting(
-        None,
-        help="a folder of models: requests may name any model directory inside it, by its path "
-        "or by its path relative to the folder",
-        ours=True,
-        notes="Listed by `GET /v1/models` (directories with a `config.json`, up to two levels "
-        "deep, e.g. `org/model`).",
+    quantized_kv_start: int = setting(
+        DEFAULT_QUANTIZED_KV_START,
+        help="token position where KV quantization starts, with --kv-bits",
+        group=TUNING,
     )
 
     def unsupported(self, *, distributed: bool | None = None) -> list[str]:
@@ -464,87 +520,23 @@ class ServerConfig:
         return problems
 
 
-SETTINGS: tuple[Setting, ...] = tuple(f.metadata[METADATA_KEY] for f in attrs.fields(ServerConfig))
-_BY_NAME = {s.name: s for s in SETTINGS}
+_SETTINGS = Settings(ServerConfig)
+SETTINGS: tuple[Setting, ...] = _SETTINGS.all
 
 
 def setting_of(name: str) -> Setting:
-    return _BY_NAME[name]
+    return _SETTINGS.by_name[name]
 
 
 def flag(name: str) -> str:
-    return _BY_NAME[name].flag
-
-
-# ------------------------------------------------------------- structuring
-
-
-def _strict_bool(value: Any, _: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"not a boolean: {value!r}")
-    return value
-
-
-def _strict_number(kind: type) -> Callable[[Any, Any], Any]:
-    def hook(value: Any, _: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"not a number: {value!r}")
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"not an integer: {value!r}")
-        return kind(value)
-
-    return hook
-
-
-def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-    conv.register_structure_hook(bool, _strict_bool)
-    conv.register_structure_hook(int, _strict_number(int))
-    conv.register_structure_hook(float, _strict_number(float))
-
-    def field_hook(meta: Setting) -> Callable[[Any, Any], Any]:
-        def hook(value: Any, type_: Any) -> Any:
-            if isinstance(value, str):
-                return meta.format(value)  # text, as a flag or a variable gives it
-            return conv.structure(value, type_)
-
-        return hook
-
-    hooks = {s.name: override(struct_hook=field_hook(s)) for s in SETTINGS}
-    conv.register_structure_hook(ServerConfig, make_dict_structure_fn(ServerConfig, conv, **hooks))
-    return conv
-
-
-def _describe(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return f"unknown setting(s): {', '.join(sorted(exc.extra_fields))}"
-    if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):
-        return exc.args[0]  # attrs validators add the attribute, the bounds, the value
-    return cattrs.v.format_exception(exc, type_)
-
-
-converter = _make_converter()
+    return _SETTINGS.by_name[name].flag
 
 
 def config_from_mapping(values: Mapping[str, Any]) -> ServerConfig:
     """``ServerConfig`` from setting names to values; a string is parsed as its flag's text."""
-    try:
-        return converter.structure(dict(values), ServerConfig)
-    except ClassValidationError as exc:
-        lines = cattrs.transform_error(exc, path="", format_exception=_describe)
-        messages = []
-        for line in lines:
-            message, _, path = line.rpartition(" @ ")
-            messages.append(f"{path.removeprefix('.')}: {message}" if path else message)
-        raise ConfigError("; ".join(messages)) from None
+    return _SETTINGS.from_mapping(values)
 
 
 def config_from_env(environ: Mapping[str, str] | None = None) -> ServerConfig:
     """Read ``MLX_TRIO_<SETTING>`` variables (e.g. ``MLX_TRIO_MAX_TOKENS=256``)."""
-    environ = os.environ if environ is None else environ
-    values = {s.name: environ[s.env] for s in SETTINGS if s.env in environ}
-    known = {s.env for s in SETTINGS}
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
-    if unknown:
-        raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
-    return config_from_mapping(values)
+    return _SETTINGS.from_env(os.environ if environ is None else environ)

@@ -1,23 +1,30 @@
 """How a setting is declared: the metadata every presentation of a setting reads.
 
-``setting(default, help=..., ...)`` returns an attrs field whose metadata is
-a ``Setting``: help, text format, bounds (which also become the field's attrs
-validators: ``gt``/``ge``/``le``/``in_``), whether it is ours or
-mlx_lm.server's, and notes for the docs. ``complete_settings``, the class's
+``setting(default, help=..., group=..., ...)`` returns an attrs field whose
+metadata is a ``Setting``: help, the ``Group`` it is listed under, text
+format, bounds (which also become the field's attrs validators:
+``gt``/``ge``/``le``/``in_``), whether it is ours or mlx_lm.server's, and
+notes for the docs. ``complete_settings``, the class's
 ``field_transformer``, fills in what follows from the field: its name, flag
 (``--max-tokens``), environment variable (``MLX_TRIO_MAX_TOKENS``), default,
 and the text format its type implies. ``TextFormat`` parses a flag's or a
-variable's text (``"4GB"``, ``"a,b"``, ``"true"``). ``runtime.config``
-declares ``ServerConfig`` with these; nothing here knows its fields.
+variable's text (``"4GB"``, ``"a,b"``, ``"true"``). ``Settings(cls)`` lists a
+class's settings and makes the class from values or environment variables
+through a strict cattrs converter, raising ``ConfigError``. ``runtime.config``
+declares the ``Group``s and ``ServerConfig`` with these; nothing here knows its
+fields.
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import attrs
+import cattrs
 from attrs import validators
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn, override
 
 ENV_PREFIX = "MLX_TRIO_"
 METADATA_KEY = "setting"
@@ -116,12 +123,22 @@ _FORMAT_OF_TYPE: dict[Any, TextFormat] = {
 # ---------------------------------------------------------------- settings
 
 
+@attrs.frozen
+class Group:
+    """Settings a user looks for together: a section of ``--help`` (an argparse
+    argument group) and of docs/configuration.md's tables."""
+
+    title: str
+    description: str  # one line, printed under the title
+
+
 @attrs.frozen(kw_only=True)
 class Setting:
     """One field's metadata. ``name``, ``flag``, ``env``, ``default`` and (when not
     given) ``format`` are filled in from the field when the class is made."""
 
     help: str
+    group: Group
     format: TextFormat | None = None
     minimum: int | float | None = None  # inclusive
     above: int | float | None = None  # exclusive minimum
@@ -173,6 +190,7 @@ def setting(
     default: Any = attrs.NOTHING,
     *,
     help: str,
+    group: Group,
     factory: Callable[[], Any] | None = None,
     converter: Callable[[Any], Any] | None = None,
     secret: bool = False,
@@ -181,7 +199,7 @@ def setting(
     """A ``ServerConfig`` field: its ``Setting`` metadata and the validators it implies.
 
     ``secret``: the value is left out of the config's ``repr`` (API keys)."""
-    meta = Setting(help=help, **more)
+    meta = Setting(help=help, group=group, **more)
     checks = []
     if meta.above is not None:
         checks.append(validators.gt(meta.above))
@@ -228,3 +246,91 @@ def complete_settings(cls: type, fields: list[attrs.Attribute]) -> list[attrs.At
         )
         out.append(field.evolve(metadata={**field.metadata, METADATA_KEY: meta}))
     return out
+
+
+# ----------------------------------------------------------------- reading
+
+
+class ConfigError(ValueError):
+    """A value that its setting does not take, or a name that is no setting's; the
+    message names the setting."""
+
+
+class Settings:
+    """The settings of a class declared with ``setting()``, in declaration order, and
+    how the class is made from text or values.
+
+    A value that is text (a flag's, a variable's) is parsed by its setting's format;
+    any other must have the field's type (no ``"1"`` for ``True``, no ``2.5`` for an
+    integer); an unknown name fails. The errors are one ``ConfigError``, each part
+    naming its setting (``max_tokens: ...; unknown setting(s): ...``)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.all: tuple[Setting, ...] = tuple(f.metadata[METADATA_KEY] for f in attrs.fields(cls))
+        self.by_name = {s.name: s for s in self.all}
+        self.converter = self._converter()
+
+    def from_mapping(self, values: Mapping[str, Any]) -> Any:
+        """The class from setting names to values."""
+        try:
+            return self.converter.structure(dict(values), self.cls)
+        except ClassValidationError as exc:
+            lines = cattrs.transform_error(exc, path="", format_exception=_describe)
+            messages = []
+            for line in lines:
+                message, _, path = line.rpartition(" @ ")
+                messages.append(f"{path.removeprefix('.')}: {message}" if path else message)
+            raise ConfigError("; ".join(messages)) from None
+
+    def from_env(self, environ: Mapping[str, str]) -> Any:
+        """The class from ``MLX_TRIO_<NAME>`` variables; another ``MLX_TRIO_`` one fails."""
+        values = {s.name: environ[s.env] for s in self.all if s.env in environ}
+        known = {s.env for s in self.all}
+        unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        return self.from_mapping(values)
+
+    def _converter(self) -> cattrs.Converter:
+        conv = cattrs.Converter(forbid_extra_keys=True)
+        conv.register_structure_hook(bool, _strict_bool)
+        conv.register_structure_hook(int, _strict_number(int))
+        conv.register_structure_hook(float, _strict_number(float))
+
+        def field_hook(meta: Setting) -> Callable[[Any, Any], Any]:
+            def hook(value: Any, type_: Any) -> Any:
+                if isinstance(value, str):
+                    return meta.format(value)  # text, as a flag or a variable gives it
+                return conv.structure(value, type_)
+
+            return hook
+
+        hooks = {s.name: override(struct_hook=field_hook(s)) for s in self.all}
+        conv.register_structure_hook(self.cls, make_dict_structure_fn(self.cls, conv, **hooks))
+        return conv
+
+
+def _strict_bool(value: Any, _: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"not a boolean: {value!r}")
+    return value
+
+
+def _strict_number(kind: type) -> Callable[[Any, Any], Any]:
+    def hook(value: Any, _: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"not a number: {value!r}")
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"not an integer: {value!r}")
+        return kind(value)
+
+    return hook
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return f"unknown setting(s): {', '.join(sorted(exc.extra_fields))}"
+    if isinstance(exc, ValueError | TypeError) and exc.args and isinstance(exc.args[0], str):
+        return exc.args[0]  # attrs validators add the attribute, the bounds, the value
+    return cattrs.v.format_exception(exc, type_)

@@ -10,7 +10,7 @@ import pytest
 
 from api.cli import TABLE_BEGIN, TABLE_END, build_parser, parse_config, settings_table
 from api.server import create_app
-from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_env
+from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_env
 from runtime.settings import BOOLEAN, ENV_PREFIX
 
 
@@ -127,6 +127,55 @@ def test_the_parser_has_one_flag_per_setting_and_restates_no_default():
         if s.choices is not None:
             assert tuple(action.choices) == s.choices
     assert set(actions) == {"help", "markdown"}
+
+
+def test_every_setting_is_in_a_known_group_and_every_group_has_settings():
+    assert len({g.title for g in GROUPS}) == len(GROUPS)
+    for s in SETTINGS:
+        assert s.group in GROUPS, s.name
+    assert {s.group for s in SETTINGS} == set(GROUPS)
+    assert [g.title for g in GROUPS][0] == "Model" and GROUPS[-1].title == "Advanced tuning"
+    for g in GROUPS:
+        assert g.description.strip() and "\n" not in g.description, g
+
+
+def _help_sections(text: str) -> dict[str, list[str]]:
+    """``--help``'s sections (a line ``Title:`` at the margin starts one): their lines."""
+    sections: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.endswith(":"):
+            sections[line[:-1]] = []
+        elif sections:
+            sections[list(sections)[-1]].append(line)
+    return sections
+
+
+def test_help_lists_each_flag_under_its_group_in_the_groups_order(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: mlx-trio-server [options]")
+    sections = _help_sections(text)
+    assert list(sections) == ["options", *(g.title for g in GROUPS)]
+    section_of_flag = {
+        match.group(1): title
+        for title, lines in sections.items()
+        for line in lines
+        if (match := re.match(r"  (?:-h, )?(--[a-z-]+)", line))
+    }
+    assert section_of_flag == {
+        "--help": "options", "--markdown": "options",
+        **{s.flag: s.group.title for s in SETTINGS},
+    }
+    for g in GROUPS:  # the description under the title, before the first flag
+        lines = sections[g.title]
+        assert " ".join(" ".join(lines[: lines.index("")]).split()) == g.description, g
+
+
+def test_the_doc_tables_follow_the_groups():
+    headings = re.findall(r"^### (.+)$", settings_table(), re.M)
+    assert headings == [g.title for g in GROUPS]
 
 
 # For every setting but the booleans: a valid value, not the default, as a user types it.
