@@ -28,6 +28,7 @@ import attrs
 import trio
 from mlx_lm.generate import TextStateMachine
 
+from runtime.errors import RESTART_RETRY_AFTER, Unavailable
 from runtime.messages import (
     CacheMissReason,
     Failed,
@@ -45,8 +46,6 @@ from runtime.mlx_lm_internals import keep_leading_space
 from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER_ENGINE_STOPPED = 5  # seconds: a restarting engine is back in about that long
 
 
 class StopMatcher:
@@ -227,13 +226,8 @@ class DetokenizerCore:
             if entry is not None:
                 entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
         for failed in outputs.failed:
-            if failed.retryable:
-                failure = Failed(
-                    message=failed.message,
-                    status=503,
-                    type="service_unavailable",
-                    retry_after=RETRY_AFTER_ENGINE_STOPPED,
-                )
+            if failed.retryable:  # the engine stopped and is restarting: retry shortly
+                failure = Failed.of(Unavailable(failed.message, retry_after=RESTART_RETRY_AFTER))
             else:
                 failure = Failed(message=failed.message)
             self.fail(failed.request_id, failure)

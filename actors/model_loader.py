@@ -38,7 +38,7 @@ import trio
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.engine.process import EngineProcessError, run_engine_proxy
-from runtime.errors import NotFound, Unavailable
+from runtime.errors import NotFound, Unavailable, shutting_down
 from runtime.handover import Handover
 from runtime.messages import (
     EngineReady,
@@ -241,7 +241,7 @@ class ModelLoader:
             if self.core.state is ModelState.FAILED:
                 raise Unavailable(f"the model failed to load: {self.core.reason}", retry_after=30)
             if self.core.state is ModelState.STOPPED:
-                raise Unavailable("the server is shutting down", retry_after=5)
+                raise shutting_down()
             self._maybe_swap()
             await self._changed.wait()
 

@@ -46,7 +46,7 @@ from actors.session import Arrivals, RequestTiming, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
-from runtime.errors import NotFound, Unavailable
+from runtime.errors import NotFound, Unavailable, shutting_down
 from runtime.handover import Handover
 from runtime.messages import (
     EngineReady,
@@ -71,7 +71,6 @@ from runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_RETRY_AFTER = 5  # seconds: a restarted server is back in about that long
 DRAIN_MARGIN = 1.0  # seconds between ending open requests and the HTTP server cutting them
 
 
@@ -225,7 +224,7 @@ class Runtime:
         if self.dead:
             raise Unavailable(self.dead, retry_after=30)
         if not self.accepting:
-            raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
+            raise shutting_down()
         return await self.model_loader.acquire(key)
 
     def release(self) -> None:
@@ -250,12 +249,7 @@ class Runtime:
 
     async def _end_open_requests(self, grace: float) -> None:
         await trio.sleep(grace)
-        failure = Failed(
-            message="the server is shutting down",
-            status=503,
-            type="service_unavailable",
-            retry_after=SHUTDOWN_RETRY_AFTER,
-        )
+        failure = Failed.of(shutting_down())
         for request_id in self.detokenizer.core.fail_all(failure):
             self.scheduler.withdraw(request_id)
 
@@ -272,7 +266,7 @@ class Runtime:
         """Register and submit (each of ``submit.request_ids`` with its outbox);
         returns the prompt cache's predicted outlook."""
         if not self.accepting:
-            raise Unavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER)
+            raise shutting_down()
         core = self.detokenizer.core
         for request_id, outbox in zip(submit.request_ids, outboxes, strict=True):
             core.open(request_id, spec, outbox, handle.tokenizer)

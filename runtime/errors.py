@@ -3,10 +3,18 @@
 Each carries the status code, the OpenAI error ``type``/``param``/``code`` and,
 for 429 and 503, the seconds a client should wait (``retry_after``). Raised by
 the actors and the API; rendered only by ``api.errors.error_answer`` into
-``{"error": {...}}`` and a ``Retry-After`` header.
+``{"error": {...}}`` and a ``Retry-After`` header. A request that has
+already started ends with the same answer through
+``runtime.messages.Failed.of(error)``.
+
+The answer every layer gives while the server shuts down is built here once
+(``shutting_down()``), with the wait it asks for (``RESTART_RETRY_AFTER``).
 """
 
 from __future__ import annotations
+
+SHUTTING_DOWN = "the server is shutting down"
+RESTART_RETRY_AFTER = 5  # seconds: a restarted server or engine is back in about that long
 
 
 class ServerError(Exception):
@@ -57,3 +65,8 @@ class Unavailable(ServerError):
 
     status = 503
     type = "service_unavailable"
+
+
+def shutting_down() -> Unavailable:
+    """The 503 for a request that comes, or is still open, while the server shuts down."""
+    return Unavailable(SHUTTING_DOWN, retry_after=RESTART_RETRY_AFTER)

@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from runtime.errors import ServerError
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"
@@ -481,6 +483,14 @@ class Failed:
     retry_after: int | None = None  # seconds, for a 429 or 503
     usage: Usage | None = None  # what was generated before the failure, if it had started
     index: int = 0  # the choice (n > 1)
+
+    @classmethod
+    def of(cls, error: ServerError) -> Failed:
+        """A started request ends with the answer ``error`` gives a new one."""
+        return cls(
+            message=error.message, status=error.status, type=error.type,
+            retry_after=error.retry_after,
+        )
 
 
 Terminal = Finished | Failed
