@@ -23,12 +23,12 @@ Several choices of one request (n > 1) share its prompt's prefill
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from runtime.engine.admission import AdmissionWindow
 from runtime.engine.choices import (
     PendingChoices,
     further_choices,
@@ -146,14 +146,15 @@ class EngineCore:
         self._constraint_factory = constraint_factory
         self._insert_options = insert_options or (lambda submit: {})
         self._stop_sequences = stop_sequences
-        self._admission_window = 0.0 if self.commands.lockstep else admission_window
-        self._burst_wait = burst_wait if self._admission_window > 0 else 0.0
-        self._admission_batch = admission_batch
-        self._admission_tokens = admission_tokens
-        self._admission_limit = admission_limit
+        self.admission = AdmissionWindow(
+            window=0.0 if self.commands.lockstep else admission_window,
+            burst_wait=burst_wait,
+            batch=admission_batch,
+            tokens=admission_tokens,
+            limit=admission_limit,
+        )
         self._prefill_group = prefill_group
         self._paced = paced_steps
-        self._held: collections.deque[tuple[float, Submit]] = collections.deque()
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
@@ -172,7 +173,7 @@ class EngineCore:
         ids = list(self._by_request)
         ids += self._clones.request_ids()
         if held:
-            ids += [i for _, sub in self._held for i in sub.request_ids]
+            ids += self.admission.request_ids()
             ids += self._shared.request_ids()
         return ids
 
@@ -182,35 +183,21 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_request or self._held or self._shared)
+        return bool(self._by_request or self.admission or self._shared)
 
     def hold_timeout(self) -> float | None:
-        """While nothing decodes and requests are held (a burst: ``Submit.followed``, or the
-        burst wait): how long the engine loop may wait for a command before the oldest
-        one's hold ends (None: step now; held requests that nothing else holds join then)."""
-        if self._by_uid or not self._held:
-            return None
-        hold = self._admission_window if self._held[-1][1].followed else self._lone_wait()
-        return max(0.0, self._held[0][0] + hold - time.monotonic()) if hold else None
-
-    def _lone_wait(self) -> float:
-        """The burst wait while one request is held and nothing decodes (a second one
-        that says nothing of others ends it: its burst has come), else 0."""
-        return self._burst_wait if len(self._held) == 1 and not self._by_uid else 0.0
+        """How long the engine loop may wait for a command before the admission window
+        needs a step (None: step now)."""
+        return self.admission.timeout(decoding=len(self._by_uid))
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
-            if self._admission_window > 0 and (
-                self._held  # behind those already waiting (the next step decides for all)
-                or self._awaiting_first
-                or len(self._by_uid) >= self._admission_batch
-                or command.followed
-                or (self._burst_wait > 0 and not self._by_uid)
+            if command.request_id in self.active_request_ids:
+                return  # duplicate submit: the first one stands
+            if not self.admission.holds(
+                command, decoding=len(self._by_uid), awaiting_first=bool(self._awaiting_first)
             ):
-                if command.request_id not in self.active_request_ids:
-                    self._held.append((time.monotonic(), command))
-                return
-            self._submit(command)
+                self._submit(command)
         elif isinstance(command, Abort):
             if self._abort(command.request_id):
                 self.counters.aborted(command.posted_at)
@@ -321,36 +308,10 @@ class EngineCore:
             processors = [*processors, constraint]
         return self._sampler_factory(sub.sampling), processors, None
 
-    def _admit_held(self) -> None:
-        """Hand the held requests to the batch once the window is over (or it is full)."""
-        if not self._held:
-            return
-        waited = time.monotonic() - self._held[0][0]
-        if waited < self._admission_window and (
-            self._awaiting_first
-            or (
-                not self._held_make_a_group()
-                and (len(self._by_uid) >= self._admission_batch or self._held[-1][1].followed)
-            )
-        ):
-            return
-        if waited < self._lone_wait():
-            return  # an idle engine's burst wait: others of the burst may follow
-        while self._held:
-            self._submit(self._held.popleft()[1])
-
-    def _held_make_a_group(self) -> bool:
-        """Do the held requests make a prefill group worth starting now?"""
-        held, limit = len(self._held), self._admission_limit
-        return held >= self._admission_batch and (
-            (limit is not None and held + len(self._by_uid) >= limit)
-            or sum(len(sub.prompt) for _, sub in self._held) >= self._admission_tokens
-        )
-
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
         choice takes with it the choices still waiting for its prompt."""
-        ended = withdraw_waiting(self._held, self._clones, request_id) or self._shared.drop(
+        ended = withdraw_waiting(self.admission.held, self._clones, request_id) or self._shared.drop(
             request_id
         )
         self._aborted.extend(SequenceAborted(request_id=r) for r in ended)
@@ -380,7 +341,10 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Run one engine step (if there is work) and collect everything since the last."""
         began = time.perf_counter()
-        self._admit_held()
+        for sub in self.admission.due(
+            decoding=len(self._by_uid), awaiting_first=bool(self._awaiting_first)
+        ):
+            self._submit(sub)
         progress: list[PromptProgress] = []
         tokens: list[TokenEvent] = []
         batch_size = len(self._by_uid)
@@ -513,7 +477,7 @@ class EngineCore:
                 SequenceFailed(request_id=request_id, message=message, retryable=retryable)
             )
         if closing:
-            self._held.clear()
+            self.admission.clear()
         waiting = self._shared.clear()  # their leaders are gone
         self._clones.clear()
         self._by_uid.clear()
