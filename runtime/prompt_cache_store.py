@@ -53,6 +53,7 @@ largest part of what our engine adds to a step; docs/performance.md).
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 import weakref
 from collections.abc import Iterable
@@ -121,9 +122,9 @@ class SharedKVLayer:
     def __deepcopy__(self, memo) -> KVCache:
         spans = self.span.chain()
         cache = KVCache()
-        if len(spans) == 1:  # a copy: the batch writes into the cache it is given
-            cache.keys = mx.array(spans[0].keys[self.layer])
-            cache.values = mx.array(spans[0].values[self.layer])
+        if len(spans) == 1:  # copied as mlx-lm's own fetch copies an entry's arrays
+            cache.keys = copy.deepcopy(spans[0].keys[self.layer], memo)
+            cache.values = copy.deepcopy(spans[0].values[self.layer], memo)
         else:
             cache.keys = mx.concatenate([s.keys[self.layer] for s in spans], axis=2)
             cache.values = mx.concatenate([s.values[self.layer] for s in spans], axis=2)
