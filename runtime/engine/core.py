@@ -118,14 +118,9 @@ class EngineCore:
         turns the admission window off, since every rank must run the same
         steps and a window that ends on each rank's own clock would not.
 
-        ``admission_window`` (seconds; 0: off; docs/architecture.md): a new
-        request waits in the engine up to this long while ``admission_batch``
-        sequences decode (until ``admission_batch`` wait with
-        ``admission_tokens`` prompt tokens, or with those decoding reach
-        ``admission_limit``), while a sequence waits for its first token after
-        its prompt, or while ``Submit.followed`` says more are on their way.
-        ``burst_wait`` (seconds; 0: off; needs the window): while nothing
-        decodes, a request that arrives alone waits this long for a second one.
+        ``admission_window`` (seconds; 0: off), ``burst_wait``, ``admission_batch``,
+        ``admission_tokens``, ``admission_limit``: the ``AdmissionWindow``'s
+        (``runtime.engine.admission``).
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
         mlx-lm's ``prefill_batch_size``; ``mlx_lm_internals.size_prefill_group``);
