@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import trio
 
@@ -82,36 +85,97 @@ def read_sse_chunks(sock, n: int) -> bytes:
 
 # ------------------------------------------------------------------ markers
 # Three kinds of test, so that a quick loop can run the first alone:
-#   (no marker)  unit and property tests: fakes, or the tiny model in-process;
-#   server       starts real servers or engine processes (sockets, subprocesses);
+#   (no marker)  unit and property tests: fakes, or a model served in-process
+#                (its engine may run in the child process the app starts);
+#   server       starts real servers or processes of its own (subprocesses,
+#                listening sockets, a browser), or serves the trained demo model;
 #   distributed  launches several ranks with mlx.launch.
+# A module of the last two kinds says so itself (``pytestmark = pytest.mark.server``;
+# test_distributed carries both marks).
 # The quick subset: python -m pytest -m "not server and not distributed"
-SERVER_MODULES = {
-    "test_server_process",
-    "test_demo_model",
-    "test_reference_parity",
-    "test_engine_process",
-    "test_fuzz",
-    "test_distributed",
-    "test_chat_page",
-    "test_agent_apis",
-    "test_agent_clis",
-    "test_structured_outputs_server",
-    "test_operations_server",
-    "test_limits",
-    "test_shutdown",
-    "test_model_fetch",
-}
-DISTRIBUTED_MODULES = {"test_distributed"}
+#
+# The marks cannot fall behind the tests: a test without them that starts a
+# process or listens on a socket fails (``refusing_servers``), naming the mark.
+SERVER_MARKS = ("server", "distributed")
+# The one process an unmarked test may start: the engine process of an app it
+# serves in-process (the default ``--engine-mode process``).
+ENGINE_PROCESS_MODULE = "runtime.engine.process"
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if module in SERVER_MODULES:
-            item.add_marker(pytest.mark.server)
-        if module in DISTRIBUTED_MODULES:
-            item.add_marker(pytest.mark.distributed)
+@contextlib.contextmanager
+def refusing_servers(test: str = "this test"):
+    """Within: starting a process (other than an app's engine process) or
+    listening on a socket fails ``test``; yields the list of what was tried."""
+    import multiprocessing.process
+    import socket
+    import subprocess
+
+    tried: list[str] = []
+
+    def refuse(what: str) -> None:
+        tried.append(what)
+        pytest.fail(
+            f"{test} {what}: mark its module as one that does "
+            "(pytestmark = pytest.mark.server), or serve in-process",
+            pytrace=False,
+        )
+
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen_init(self, args, *more, **options):
+        if sys._getframe(1).f_globals.get("__name__") != ENGINE_PROCESS_MODULE:
+            refuse(f"starts a process ({args!r})")
+        popen_init(self, args, *more, **options)
+
+    def guarded_start(self):
+        refuse(f"starts a process ({self!r})")
+
+    def guarded_listen(self, *backlog):
+        refuse(f"listens on {self.getsockname()!r}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+        patch.setattr(socket.socket, "listen", guarded_listen)
+        yield tried
+
+
+GUARD = pytest.StashKey[contextlib.ExitStack]()
+TRIED = pytest.StashKey[list]()
+FAILED = pytest.StashKey[bool]()
+
+
+# The guard spans a test's whole run, the fixtures of any scope it sets up and
+# tears down included.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if not any(item.get_closest_marker(mark) for mark in SERVER_MARKS):
+        guard = contextlib.ExitStack()
+        item.stash[TRIED] = guard.enter_context(refusing_servers(item.nodeid))
+        item.stash[GUARD] = guard
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        result = yield
+    finally:
+        if GUARD in item.stash:
+            item.stash[GUARD].close()
+    tried = item.stash.get(TRIED, [])
+    if tried and not item.stash.get(FAILED, False):
+        # Refused, but the failure was caught on its way up (or raised on another thread).
+        pytest.fail(f"{item.nodeid}: {'; '.join(tried)}", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
 
 
 # The two standard demo tools, as README.md declares them (chat-completions shape).

@@ -16,6 +16,8 @@ import pytest
 
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts a hypercorn subprocess
+
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 

@@ -27,6 +27,8 @@ import pytest
 from tests.scripted_model import build_scripted_model
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts a hypercorn subprocess and the agent CLIs
+
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.171.0"
 ANSWER = "The file says hello."

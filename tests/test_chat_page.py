@@ -27,6 +27,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.test_server_process import spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts a server subprocess and a browser
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -27,6 +27,8 @@ from runtime.config import ServerConfig
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, post
 
+pytestmark = pytest.mark.server  # serves the trained demo model (in-process)
+
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
 # The recipe the committed weights were trained with (training.json; none: 1).
 COMMITTED_RECIPE = json.loads((DEMO_DIR / "training.json").read_text()).get("recipe", 1)

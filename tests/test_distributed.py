@@ -26,6 +26,8 @@ import pytest
 from tests import conftest
 from tests.conftest import raw_chat_request, read_sse_chunks
 
+pytestmark = [pytest.mark.server, pytest.mark.distributed]  # starts mlx.launch ranks
+
 PROMPTS = ["hello there", "what is the weather in Paris", "tell me about cats", "the time in Rome"]
 
 

@@ -23,6 +23,8 @@ from tests.conftest import poll_until, wait_ready
 from tests.test_api import CHAT, chat_body, parse_sse, post, stream_post
 from tests.test_server_process import spawn_server
 
+pytestmark = pytest.mark.server  # starts engine processes (and kills them) and servers
+
 
 def _alive(pid: int) -> bool:
     try:

@@ -57,6 +57,8 @@ from runtime.errors import ClientError
 from tests.conftest import wait_healthy
 from tests.test_server_process import free_port
 
+pytestmark = pytest.mark.server  # starts a hypercorn subprocess
+
 MAX_EXAMPLES = 30
 SEED = int(os.environ.get("FUZZ_SEED", "20240611"))  # another seed explores other inputs
 TOKEN_CAP = 8

@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import raw_chat_request, read_sse_chunks
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts server subprocesses
+
 WINDOW = 2048  # the tiny model's max_position_embeddings (and its tokenizer's limit)
 
 

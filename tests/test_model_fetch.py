@@ -22,6 +22,8 @@ import pytest
 from tests.fake_hub import FakeHub
 from tests.test_server_process import spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts a fake Hub on loopback and server subprocesses
+
 REPO = "tiny-org/tiny-model"
 
 

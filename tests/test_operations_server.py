@@ -12,9 +12,12 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import raw_chat_request, read_sse_chunks
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
+
+pytestmark = pytest.mark.server  # starts hypercorn subprocesses
 
 KEY = "sk-test-operations"
 

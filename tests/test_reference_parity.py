@@ -31,6 +31,8 @@ import pytest
 
 from tests import conftest
 
+pytestmark = pytest.mark.server  # starts mlx_lm.server and our server as subprocesses
+
 TIMEOUT = 60
 GET_WEATHER = {
     "type": "function",

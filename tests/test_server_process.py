@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import raw_chat_request, read_sse_chunks, wait_healthy
 
+pytestmark = pytest.mark.server  # starts hypercorn and mlx-trio-server subprocesses
+
 
 def free_port() -> int:
     with socket.socket() as s:

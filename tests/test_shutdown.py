@@ -26,6 +26,8 @@ import pytest
 
 from tests.test_server_process import free_port, hypercorn_args, spawn_server
 
+pytestmark = pytest.mark.server  # starts server subprocesses, stopped with SIGTERM
+
 
 @pytest.fixture(scope="module")
 def never_end(tiny_tokenizer) -> dict[str, float]:

@@ -34,6 +34,8 @@ import pytest
 from tests.test_grammar import CORPUS, UNBOUNDED, validate
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 
+pytestmark = pytest.mark.server  # starts hypercorn subprocesses
+
 DEMO_DIR = pathlib.Path(__file__).resolve().parents[1] / "demo_model" / "mlx-trio-demo"
 FREE_REQUESTS = 8
 
