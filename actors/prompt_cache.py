@@ -75,6 +75,11 @@ def predicted_reuse(walk: Walk, n: int, min_reuse: int) -> int:
     return walk.prefix
 
 
+def scoped(model: str, scope: str) -> str:
+    """The index's key for a model's entries in one prompt-cache scope (``""``: shared)."""
+    return f"{model}\x1f{scope}" if scope else model
+
+
 @attrs.define
 class _Entry:
     model: str
@@ -230,8 +235,11 @@ class PromptCacheCore:
         *,
         template_key: str | None = None,
         conversation_keys: tuple[str, ...] = (),
+        scope: str = "",
     ) -> PromptCacheOutlook:
-        """A request is submitted: its predicted outlook; remembered until it ends."""
+        """A request is submitted: its predicted outlook; remembered until it ends.
+        ``scope``: its prompt-cache partition (``Submit.cache_scope``), indexed apart."""
+        model = scoped(model, scope)
         outlook = self.explain(
             model, tokens, template_key=template_key, conversation_keys=conversation_keys
         )
@@ -313,7 +321,7 @@ class PromptCacheCore:
 
     def _store(self, event: CacheEntryStored) -> None:
         request = self._requests.get(event.request_id) if event.request_id is not None else None
-        model = self.model or ""
+        model = request.model if request is not None else self.model or ""
         conversation = None
         if request is not None and request.conversation_keys:
             conversation = request.conversation_keys[-1]

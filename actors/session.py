@@ -208,6 +208,7 @@ class Session:
         n: int = 1,
         prompt_param: str = "messages",
         prepare_inline: bool = False,
+        cache_scope: str = "",
     ):
         """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
         (optional) the ``Submit.constraint`` (``None``: free output). Both run
@@ -216,7 +217,8 @@ class Session:
         thread's two hand-overs of the GIL cost more than the templating); a
         ``ClientError`` from either is a 400 before any byte is sent. ``n``:
         choices generated from the prompt; ``prompt_param``: the request field a
-        too-long prompt is blamed on."""
+        too-long prompt is blamed on; ``cache_scope``: the prompt cache's partition
+        this request reads and fills (``Submit.cache_scope``)."""
         self._runtime = runtime
         self._prepare = prepare
         self._constrain = constrain
@@ -233,6 +235,7 @@ class Session:
         self._num_draft_tokens = num_draft_tokens
         self.n = n
         self._prompt_param = prompt_param
+        self._cache_scope = cache_scope
         self._leased = False
         self._deadline = float("inf")
         self._bell = trio.Event()  # rung by any choice's outbox (n > 1)
@@ -315,6 +318,7 @@ class Session:
             kv_bytes=handle.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
+            cache_scope=self._cache_scope,
             followed=self._runtime.arrivals.others_pending(
                 counted=self.timing.on_submitted is not None
             ),

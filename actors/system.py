@@ -277,6 +277,7 @@ class Runtime:
                 submit.prompt,
                 template_key=template_key,
                 conversation_keys=conversation_keys,
+                scope=submit.cache_scope,
             )
             self.scheduler.submit(submit)
         except BaseException:

@@ -147,6 +147,11 @@ class Submit:
     # tokenised) when this one was sent: an idle engine holds it within the admission
     # window so that the burst starts its prefill together.
     followed: bool = False
+    # The prompt cache's partition this request reads and fills ("": the shared one).
+    # Requests of different scopes never reuse each other's entries (tenants kept
+    # apart: a shared prefix cache would tell one, by its time to first token, what
+    # another sent).
+    cache_scope: str = ""
 
     @property
     def request_ids(self) -> tuple[int, ...]:

@@ -206,7 +206,9 @@ class EngineCore:
         instead of the prompt cache's nearest entry; ``clone``: a further choice)."""
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
-        if start is None and not clone and self._shared.wait_behind(sub, self._cached_now):
+        if start is None and not clone and self._shared.wait_behind(
+            sub, lambda tokens: self._cached_now(sub, tokens)
+        ):
             return  # behind a sequence that is prefilling the same prefix
         try:
             uid, cached, segment_types, batch_kv_bytes = self._insert(sub, start)
@@ -222,11 +224,15 @@ class EngineCore:
             top_logprobs=sub.top_logprobs,
             segment_types=[] if clone else segment_types[::-1],
             save_final=not clone,
+            cache_key=self._cache_key(sub),
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
         if not clone:
-            self._shared.track(sub.request_id, sub.prompt, save_points(sub.segments, cached), cached)
+            self._shared.track(
+                sub.request_id, sub.prompt, save_points(sub.segments, cached), cached,
+                scope=sub.cache_scope,
+            )
         # A copy of the first choice's cache is no prompt-cache hit.
         self.counters.started(cached if start is None else 0, len(sub.prompt))
         self.counters.prompt_tokens_computed += len(sub.prompt) - cached
@@ -244,11 +250,16 @@ class EngineCore:
             for choice in further_choices(sub):
                 self._submit(choice, clone=True)
 
-    def _cached_now(self, tokens) -> int:
-        """How many leading ``tokens`` the prompt cache could serve now."""
+    def _cache_key(self, sub: Submit):
+        """The prompt cache's key for ``sub``'s entries: the model's, within its scope."""
+        key = self.handle.model_key
+        return (key, sub.cache_scope) if sub.cache_scope else key
+
+    def _cached_now(self, sub: Submit, tokens) -> int:
+        """How many leading ``tokens`` the prompt cache could serve ``sub`` now."""
         self.cache_entries.settle()  # entries queued in this step count
         shared_prefix = getattr(self.prompt_cache, "shared_prefix", None)
-        return shared_prefix(self.handle.model_key, list(tokens)) if shared_prefix else 0
+        return shared_prefix(self._cache_key(sub), list(tokens)) if shared_prefix else 0
 
     def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str], int]:
         """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
@@ -259,7 +270,7 @@ class EngineCore:
         if start is not None:
             cache, rest = start, prompt[-1:]
         else:
-            cache, rest = self.cache_entries.fetch(self.handle.model_key, prompt)
+            cache, rest = self.cache_entries.fetch(self._cache_key(sub), prompt)
             if cache is not None and not rest:
                 # An exact hit leaves nothing to feed the model: give back one token.
                 cache, rest = back_off_one_token(cache, prompt)
@@ -386,8 +397,6 @@ class EngineCore:
         prompt_responses, generation_responses = self._batch.next()
         if paced is not None:
             paced.after(time.perf_counter() - began)
-        key = self.handle.model_key
-
         save = []
         share = []  # first choices whose prompt is processed up to its last token
         shared = self._shared
@@ -411,7 +420,7 @@ class EngineCore:
             cache, cache_tokens = extracted[uid]
             seq = self._by_uid[uid]
             self.cache_entries.insert(
-                key,
+                seq.cache_key,
                 list(cache_tokens),
                 cache,
                 cache_type=seq.segment_types.pop(),
@@ -442,7 +451,7 @@ class EngineCore:
                 self._forget(seq)
                 if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
                     self.cache_entries.insert(
-                        key,
+                        seq.cache_key,
                         list(r.all_tokens),
                         r.prompt_cache,
                         cache_type="assistant",

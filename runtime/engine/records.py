@@ -85,6 +85,7 @@ class SequenceRecord:
     top_logprobs: int
     segment_types: list[str]  # reversed: pop() gives the next segment's type
     save_final: bool = True  # its cache goes to the prompt cache when it finishes
+    cache_key: Any = None  # its prompt-cache partition (the model's key, with a scope)
     # Read for every token: computed once.
     wants_logprobs: bool = attrs.field(init=False)
 

@@ -37,6 +37,7 @@ class _Leader:
     points: list[int]  # ascending token counts where a copy of its KV is still to be stored
     cached: int  # prompt tokens it started with (from the prompt cache)
     done: int  # prompt tokens in its KV so far
+    scope: str = ""  # its prompt-cache scope: only requests of the same one wait behind it
 
 
 @attrs.define
@@ -75,11 +76,14 @@ class SharedPrefills:
         """The requests waiting behind a leader (with their further choices)."""
         return [i for fs in self._followers.values() for f in fs for i in f.submit.request_ids]
 
-    def track(self, request_id: int, prompt: Sequence[int], points: list[int], cached: int) -> None:
+    def track(
+        self, request_id: int, prompt: Sequence[int], points: list[int], cached: int,
+        *, scope: str = "",
+    ) -> None:
         """A sequence inserted with ``cached`` prompt tokens from the prompt cache and its
-        stores still to come at ``points``."""
+        stores still to come at ``points``, in the prompt cache's ``scope``."""
         if self.min_tokens > 0 and points:
-            self._leaders[request_id] = _Leader(tuple(prompt), list(points), cached, cached)
+            self._leaders[request_id] = _Leader(tuple(prompt), list(points), cached, cached, scope)
 
     def wait_behind(self, submit: Submit, cached_now: Callable[[Sequence[int]], int]) -> bool:
         """Park ``submit`` behind a leader whose coming store it repeats; whether it waits.
@@ -91,6 +95,8 @@ class SharedPrefills:
         prompt = submit.prompt
         best: tuple[int, int, int] | None = None  # (point, done, leader id)
         for leader_id, leader in self._leaders.items():
+            if leader.scope != submit.cache_scope:
+                continue  # its store is in another scope: of no use to this request
             for point in reversed(leader.points):
                 # The last prompt token is always computed by the request itself.
                 if point < len(prompt) and prompt[:point] == leader.prompt[:point]:

@@ -1,0 +1,99 @@
+"""Prompt-cache scopes: requests of different scopes never reuse each other's entries.
+
+A shared prefix cache tells one tenant, by its time to first token, whether
+another sent a prompt. ``Submit.cache_scope`` partitions the engine's prompt
+cache (and the PromptCacheActor's index, and who may wait behind whose
+prefill); the API derives it from the API key and a request's ``cache_salt``.
+Here the engine on the tiny real model, then the API.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+
+from runtime.config import ServerConfig
+from runtime.engine.loading import make_engine_core
+from runtime.messages import SamplingParams, Submit
+from tests.test_engine_sampling import run
+
+
+def conversation(vocab: int, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    rng = random.Random(seed)
+    system = tuple(rng.randrange(10, vocab - 10) for _ in range(300))
+    user = tuple(rng.randrange(10, vocab - 10) for _ in range(20))
+    return system, user
+
+
+def submit(request_id: int, system, user, scope: str = "") -> Submit:
+    return Submit(
+        request_id=request_id,
+        prompt=system + user,
+        segments=(system, user),
+        segment_types=("system", "user"),
+        max_tokens=4,
+        sampling=SamplingParams(),
+        cache_scope=scope,
+    )
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model_path):
+    config = ServerConfig(model=tiny_model_path, admission_window_ms=0, prompt_cache_min_reuse=16)
+    return make_engine_core(config, tiny_model_path)
+
+
+def cached_of(core, sub: Submit) -> int:
+    started = {}
+
+    def on_step(core, out, calls):
+        started.update((s.request_id, s.cached_tokens) for s in out.started)
+
+    run(core, [sub], on_step=on_step)
+    return started[sub.request_id]
+
+
+def test_a_scope_reuses_its_own_entries_and_no_other(core):
+    system, user = conversation(core.handle.vocab_size, seed=1)
+    assert cached_of(core, submit(1, system, user, scope="tenant-a")) == 0
+    # The same prompt again: within the scope, all but its last token.
+    assert cached_of(core, submit(2, system, user, scope="tenant-a")) == len(system + user) - 1
+    # Another tenant, the shared scope: nothing.
+    assert cached_of(core, submit(3, system, user, scope="tenant-b")) == 0
+    assert cached_of(core, submit(4, system, user)) == 0
+    # Unscoped requests share among themselves as before.
+    assert cached_of(core, submit(5, system, user)) == len(system + user) - 1
+
+
+def test_a_request_waits_only_behind_a_prefill_of_its_own_scope(core):
+    system, user = conversation(core.handle.vocab_size, seed=2)
+    other_user = user[:-1] + (user[-1] + 1,)
+    started = {}
+
+    def on_step(core, out, calls):
+        started.update((s.request_id, s.cached_tokens) for s in out.started)
+
+    leader = submit(11, system, user, scope="a")
+    same = submit(12, system, other_user, scope="a")
+    other = attrs.evolve(submit(13, system, other_user, scope="b"), prompt=system + other_user)
+    run(core, [leader, same, other], on_step=on_step)
+    # The same scope's follower started from the leader's system prompt; the other
+    # tenant computed its own.
+    assert started == {11: 0, 12: len(system), 13: 0}
+
+
+def test_the_prompt_cache_actor_predicts_within_a_scope():
+    from actors.prompt_cache import PromptCacheCore
+    from tests.test_prompt_cache_policy import MODEL, feed, stored
+
+    core = PromptCacheCore(max_entries=10, min_reuse=4)
+    core.engine_changed(MODEL)
+    tokens = tuple(range(100, 140))
+    first = core.open(1, MODEL, tokens, scope="a")
+    assert first.reused_tokens == 0
+    feed(core, stored(1, tokens, request_id=1))  # request 1's entry, in scope "a"
+    assert core.open(2, MODEL, tokens + (5,), scope="a").reused_tokens == len(tokens)
+    assert core.open(3, MODEL, tokens + (5,), scope="b").reused_tokens == 0
+    assert core.open(4, MODEL, tokens + (5,)).reused_tokens == 0
