@@ -100,6 +100,7 @@ class GenerationFields:
     frequency_context_size: int = bounded(0, MAX_CONTEXT_SIZE, default=20)
     logit_bias: dict[str, float] | None = bounded(-100, 100, keys=("token ids", r"-?[0-9]+"))
     timeout: float | None = constrained_by(TIMEOUT)
+    cache_salt: str | None = None  # ours (vLLM's): reuse only prompt-cache entries of this salt
     adapters: str | None = None  # a LoRA adapter directory
     draft_model: str | None = None  # a draft model for speculative decoding
     num_draft_tokens: int | None = bounded(1, 64)

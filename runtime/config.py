@@ -248,6 +248,16 @@ class ServerConfig:
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=PROMPT_CACHE,
     )
+    prompt_cache_scope: str = setting(
+        "key",
+        help="`key`: with API keys set, a request reuses only prompt-cache entries made with "
+        "its own key; `shared`: every request reuses every entry",
+        choices=("key", "shared"),
+        ours=True,
+        notes="A shared cache tells one tenant, by its time to first token, what another "
+        "sent. A request's `cache_salt` scopes it too ([api.md](api.md#prompt-cache)).",
+        group=PROMPT_CACHE,
+    )
     max_queued_requests: int = setting(
         256,
         help="requests that may wait in the Scheduler when the engine is full; beyond that a "
@@ -290,8 +300,7 @@ class ServerConfig:
         help="largest n a request may ask for (choices generated from one prompt)",
         above=0,
         ours=True,
-        notes="The choices run as n sequences of the batch; the prompt is processed once "
-        "([api.md](api.md#several-choices-n)).",
+        notes="Run as n sequences; the prompt once ([api.md](api.md#several-choices-n)).",
         group=LIMITS,
     )
     api_key: tuple[str, ...] = setting(
@@ -313,8 +322,7 @@ class ServerConfig:
         help="file of API keys, one per line (blank lines and lines starting with # are "
         "skipped); adds to --api-key",
         ours=True,
-        notes="Read once at start-up; a file that cannot be read stops the start.",
-        group=SECURITY,
+        notes="Read once at start-up; one that cannot be read stops the start.", group=SECURITY,
     )
     metrics_require_key: bool = setting(
         False, help="/metrics also requires an API key (when keys are set)", ours=True,

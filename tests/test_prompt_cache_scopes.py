@@ -97,3 +97,67 @@ def test_the_prompt_cache_actor_predicts_within_a_scope():
     assert core.open(2, MODEL, tokens + (5,), scope="a").reused_tokens == len(tokens)
     assert core.open(3, MODEL, tokens + (5,), scope="b").reused_tokens == 0
     assert core.open(4, MODEL, tokens + (5,)).reused_tokens == 0
+
+
+# ------------------------------------------------------------------- the API
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant who knows the weather. " * 4}
+TURN = [SYSTEM, {"role": "user", "content": "what is the weather in Paris"}]
+
+
+async def scoped_client(tiny_model_path, **settings):
+    from api.server import create_app
+    from tests.conftest import wait_ready
+
+    app = create_app(ServerConfig(model=tiny_model_path, max_tokens=4, **settings))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)  # /health needs no key
+        yield client
+
+
+async def cached_tokens(client, key: str | None, **fields) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = await client.post(
+        "/v1/chat/completions", json={"messages": TURN, **fields}, headers=headers
+    )
+    assert response.status_code == 200, await response.get_data()
+    return (await response.get_json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+async def two_keys(tiny_model_path):
+    async for c in scoped_client(tiny_model_path, api_key=("key-a", "key-b")):
+        yield c
+
+
+@pytest.fixture
+async def two_keys_shared(tiny_model_path):
+    async for c in scoped_client(
+        tiny_model_path, api_key=("key-a", "key-b"), prompt_cache_scope="shared"
+    ):
+        yield c
+
+
+async def test_with_keys_one_tenant_does_not_reuse_anothers_prompt(two_keys):
+    assert await cached_tokens(two_keys, "key-a") == 0
+    assert await cached_tokens(two_keys, "key-b") == 0  # key A's entry is not key B's
+    assert await cached_tokens(two_keys, "key-a") > 0  # key A's own
+
+
+async def test_a_shared_scope_reuses_across_keys(two_keys_shared):
+    assert await cached_tokens(two_keys_shared, "key-a") == 0
+    assert await cached_tokens(two_keys_shared, "key-b") > 0
+
+
+@pytest.fixture
+async def no_keys(tiny_model_path):
+    async for c in scoped_client(tiny_model_path):
+        yield c
+
+
+async def test_a_cache_salt_scopes_a_request_without_keys(no_keys):
+    assert await cached_tokens(no_keys, None) == 0
+    assert await cached_tokens(no_keys, None, cache_salt="s1") == 0  # a salt: its own scope
+    assert await cached_tokens(no_keys, None, cache_salt="s1") > 0
+    assert await cached_tokens(no_keys, None) > 0  # the shared scope kept its entry

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from api.cache_scope import prompt_cache_scope
 from api.generation import deadline
 from api.json_input import loads as load_json
 from api.responses import dumps
@@ -110,10 +111,13 @@ def open_session(
     model,
     timeout: float | None = None,
     prompt_param: str = "messages",
+    cache_salt: str | None = None,
 ):
     """A (not yet entered) Session generating ``turn`` with the chat markup;
-    ``prompt_param``: the request field a prompt too long for the model is blamed on."""
+    ``prompt_param``: the request field a prompt too long for the model is blamed on;
+    ``cache_salt``: the request's, for its prompt-cache scope (``api.cache_scope``)."""
     return rt.session(
+        cache_scope=prompt_cache_scope(config, cache_salt),
         prepare=functools.partial(prepare_turn, turn=turn),
         sampling=turn.sampling,
         max_tokens=turn.max_tokens,

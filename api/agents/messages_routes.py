@@ -55,7 +55,9 @@ def messages_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         req = structure_or_400(await read_json(), MessagesRequest)
         turn = chat_turn(req, config)
         model = await resolve_model(rt, req.model)
-        session = open_session(rt, config, turn, model=model, timeout=req.timeout)
+        session = open_session(
+            rt, config, turn, model=model, timeout=req.timeout, cache_salt=req.cache_salt
+        )
         renderer = MessagesRenderer(model=req.model, prompt_tokens=lambda: prompt_length(session))
         return await generate(
             session, renderer, req.stream, stream_interval=config.stream_interval_ms / 1000

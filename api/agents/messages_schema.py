@@ -125,3 +125,4 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     stream: bool = False
     timeout: float | None = constrained_by(TIMEOUT)  # ours, as on chat completions
+    cache_salt: str | None = None  # ours, as on chat completions

@@ -155,3 +155,4 @@ class ResponsesRequest:
     prompt: Any = unsupported("prompt templates are not supported")
     chat_template_kwargs: dict[str, Any] | None = None  # ours, as on chat completions
     timeout: float | None = constrained_by(TIMEOUT)  # ours, as on chat completions
+    cache_salt: str | None = None  # ours, as on chat completions

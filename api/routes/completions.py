@@ -17,6 +17,7 @@ from typing import Any
 from quart import Blueprint
 
 from actors.system import Runtime
+from api.cache_scope import prompt_cache_scope
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
@@ -149,6 +150,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             n=req.n,
             prompt_param=prompt_param,
             prepare_inline=small_body(),
+            cache_scope=prompt_cache_scope(config, req.cache_salt),
         )
         make_renderer = functools.partial(
             renderer_class,
