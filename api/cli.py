@@ -36,6 +36,7 @@ from typing import Any
 import trio
 
 from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_mapping
+from runtime.config_checks import unsupported
 from runtime.distributed import ParentWatch
 from runtime.model_fetch import ModelUnavailable, fetch_served_model
 from runtime.settings import BOOLEAN, Setting, TextFormat
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     # The launcher is our parent now; if it dies first, we are re-parented.
     parent = ParentWatch() if rank is not None else None
-    problems = config.unsupported()
+    problems = unsupported(config)
     if problems:
         sys.exit("mlx-trio-server: " + "; ".join(problems))
     try:

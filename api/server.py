@@ -39,6 +39,7 @@ from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
 from api.routes.tokenizer import tokenizer_blueprint
 from runtime.config import ServerConfig
+from runtime.config_checks import unsupported
 from runtime.distributed import is_follower
 from runtime.errors import PayloadTooLarge, ServerError
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> QuartTrio:
-    problems = config.unsupported()
+    problems = unsupported(config)
     if is_follower():
         problems.append(
             "this process is a distributed rank other than 0, which serves no HTTP: "

@@ -497,36 +497,6 @@ class ServerConfig:
         group=TUNING,
     )
 
-    def unsupported(self, *, distributed: bool | None = None) -> list[str]:
-        """Settings this process cannot honour: start-up refuses them.
-
-        ``distributed``: whether a launcher started this process as one rank
-        of several (read from the environment when not given).
-        """
-        from runtime.distributed import launched_rank
-
-        if distributed is None:
-            distributed = launched_rank() is not None
-        problems = []
-        if self.pipeline and not distributed:
-            problems.append(
-                f"{flag('pipeline')} splits the model's layers across the ranks of a distributed "
-                "launch: start the server with mlx.launch (see docs/distributed.md)"
-            )
-        if distributed:
-            if self.pipeline and self.distributed_backend == "nccl":
-                from runtime.distributed import PIPELINE_ON_GPU
-
-                problems.append(PIPELINE_ON_GPU)
-            if not self.model:
-                problems.append(
-                    f"distributed serving needs {flag('model')} (a model that can be sharded)"
-                )
-            for name in ("adapter_path", "draft_model", "kv_bits"):
-                if getattr(self, name) is not None:
-                    problems.append(f"{flag(name)} is not supported in distributed serving")
-        return problems
-
 
 _SETTINGS = Settings(ServerConfig)
 SETTINGS: tuple[Setting, ...] = _SETTINGS.all

@@ -11,6 +11,7 @@ import pytest
 from api.cli import TABLE_BEGIN, TABLE_END, build_parser, parse_config, settings_table
 from api.server import create_app
 from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_env
+from runtime.config_checks import unsupported
 from runtime.settings import BOOLEAN, ENV_PREFIX
 
 
@@ -76,11 +77,11 @@ def test_pipeline_outside_a_distributed_launch_fails_loudly_at_start(monkeypatch
     ],
 )
 def test_distributed_launch_refuses_what_sharded_load_cannot_do(flags, fragment):
-    problems = parse_config(flags).unsupported(distributed=True)
+    problems = unsupported(parse_config(flags), distributed=True)
     assert any(fragment in p for p in problems), problems
-    assert parse_config(["--model", "m", "--pipeline"]).unsupported(distributed=True) == []
+    assert unsupported(parse_config(["--model", "m", "--pipeline"]), distributed=True) == []
     nccl_pipeline = parse_config(["--model", "m", "--pipeline", "--distributed-backend", "nccl"])
-    assert any("send/recv" in p for p in nccl_pipeline.unsupported(distributed=True))
+    assert any("send/recv" in p for p in unsupported(nccl_pipeline, distributed=True))
 
 
 def test_a_follower_rank_refuses_to_serve_http(monkeypatch):
