@@ -18,20 +18,41 @@ tells a stranger nothing about what exists).
 
 The comparison is constant-time: every presented key is compared with
 ``hmac.compare_digest`` against every configured key, with no early exit.
+
+Who made a request (``request_owner``): the key it was accepted with, as an
+opaque owner string (``owner_of``: a SHA-256 of the key, never the key), or
+``ANONYMOUS`` when no keys are configured. The Responses API stores each
+response under it (``api.agents.responses_store``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable
 
-from quart import Response, request
+from quart import Response, g, request
 
 from runtime.config import ServerConfig, flag
 from runtime.errors import ServerError
 
 OPEN_RULES = frozenset({"/health", "/", "/assets/<path:name>"})
 METRICS_RULE = "/metrics"
+ANONYMOUS = "anonymous"  # the owner of every request when no keys are configured
+OWNER_HASH_PREFIX = b"mlx-trio-server owner\0"  # the hash is of this and the key
+
+
+def owner_of(key: str | None) -> str:
+    """The owner of what a request with ``key`` stores: ``sha256:<hex>``, never the key
+    itself (with none, ``ANONYMOUS``)."""
+    if key is None:
+        return ANONYMOUS
+    return "sha256:" + hashlib.sha256(OWNER_HASH_PREFIX + key.encode()).hexdigest()
+
+
+def request_owner() -> str:
+    """The owner of the current request: its accepted key's (``owner_of``), or ``ANONYMOUS``."""
+    return g.get("api_key_owner", ANONYMOUS)
 
 
 class Unauthorized(ServerError):
@@ -66,12 +87,20 @@ class ApiKeys:
 
     def accepts(self, presented: Iterable[str]) -> bool:
         """Whether any presented key is one of ours, comparing every pair in full."""
-        match = False
+        return self.matching(presented) is not None
+
+    def matching(self, presented: Iterable[str]) -> str | None:
+        """The first presented key that is one of ours (None: none is), comparing every
+        pair in full."""
+        found = None
         for candidate in presented:
             encoded = candidate.encode()
+            match = False
             for key in self._keys:
                 match |= hmac.compare_digest(encoded, key)
-        return match
+            if match and found is None:
+                found = candidate
+        return found
 
 
 def presented_keys() -> list[str]:
@@ -100,7 +129,9 @@ def register_auth(app, keys: ApiKeys, config: ServerConfig) -> None:
         if rule in open_rules:
             return None
         presented = presented_keys()
-        if keys.accepts(presented):
+        key = keys.matching(presented)
+        if key is not None:
+            g.api_key_owner = owner_of(key)
             return None
         if presented:
             raise Unauthorized("invalid API key", code="invalid_api_key")
