@@ -23,7 +23,7 @@ import attrs
 from runtime.compiled_decode import DECODE_PATHS
 from runtime.distributed import BACKENDS
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES
-from runtime.settings import SIZE, Group, Setting, Settings, complete_settings, setting
+from runtime.settings import DURATION, SIZE, Group, Setting, Settings, complete_settings, setting
 from runtime.settings import ConfigError as ConfigError  # raised by config_from_*
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
@@ -42,12 +42,14 @@ SAMPLING = Group("Sampling defaults", "for a request that does not send its own"
 BATCHING = Group("Batching", "how many sequences the engine decodes and prefills together")
 PROMPT_CACHE = Group("Prompt cache", "reuse of earlier prompts' KV caches for shared prefixes")
 LIMITS = Group("Limits", "how much a request, and all of them together, may ask for")
+STORED = Group("Stored responses", "what the Responses API keeps for previous_response_id and GET")
 SECURITY = Group("Security", "who may call the API: API keys")
 DISTRIBUTED = Group("Distributed", "one model served by several processes started by mlx.launch")
 TUNING = Group(
     "Advanced tuning", "scheduling, streaming, kernels, KV quantization: the defaults suit most uses"
 )
-GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, SECURITY, DISTRIBUTED, TUNING)
+GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, STORED, SECURITY, DISTRIBUTED,
+          TUNING)
 
 
 # This module has no ``from __future__ import annotations``: ``complete_settings``
@@ -302,6 +304,27 @@ class ServerConfig:
         ours=True,
         notes="Run as n sequences; the prompt once ([api.md](api.md#several-choices-n)).",
         group=LIMITS,
+    )
+    responses_store_path: str | None = setting(
+        None,
+        help="SQLite file of stored responses (made, with its folder, if missing); `:memory:` "
+        "keeps them in memory only, lost on restart",
+        ours=True,
+        default_text="$XDG_DATA_HOME/mlx-trio-server/responses.sqlite3 (~/.local/share/...)",
+        notes="See [operations.md](operations.md#stored-responses).",
+        group=STORED,
+    )
+    responses_store_bytes: int | None = setting(
+        256 * 10**6,
+        help="byte limit of stored responses (compressed, as stored), a size such as 1GB; the "
+        "least recently used go first (none: no limit)",
+        format=SIZE.or_none(), above=0, ours=True, default_text="256M", group=STORED,
+    )
+    responses_store_max_age: float | None = setting(
+        30 * 86400.0,
+        help="how long a stored response is kept after it is made, a duration such as 30d, 12h "
+        "or 3600 (seconds) (none: no limit)",
+        format=DURATION.or_none(), above=0, ours=True, default_text="30d", group=STORED,
     )
     api_key: tuple[str, ...] = setting(
         (),

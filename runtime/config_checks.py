@@ -26,7 +26,9 @@ def unsupported(config: ServerConfig, *, distributed: bool | None = None) -> lis
         if config.pipeline and config.distributed_backend == "nccl":
             problems.append(PIPELINE_ON_GPU)
         if not config.model:
-            problems.append(f"distributed serving needs {flag('model')} (a model that can be sharded)")
+            problems.append(
+                f"distributed serving needs {flag('model')} (a model that can be sharded)"
+            )
         for name in ("adapter_path", "draft_model", "kv_bits"):
             if getattr(config, name) is not None:
                 problems.append(f"{flag(name)} is not supported in distributed serving")

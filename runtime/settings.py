@@ -50,6 +50,17 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (use e.g. 512M or 4GB)") from None
 
 
+def parse_duration(text: str) -> float:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"3600"`` -> seconds (bare: seconds)."""
+    units = {"": 1, "S": 1, "M": 60, "H": 3600, "D": 86400}
+    text = text.strip()
+    number = text.rstrip("dhmsDHMS")
+    try:
+        return float(number) * units[text[len(number) :].strip().upper()]
+    except (ValueError, KeyError):
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30d, 12h, 90m or 3600)") from None
+
+
 def parse_bool(text: str) -> bool:
     word = text.strip().lower()
     if word in ("1", "true", "yes", "on"):
@@ -104,6 +115,7 @@ INTEGER = TextFormat("integer", parse_int)
 NUMBER = TextFormat("number", parse_float)
 BOOLEAN = TextFormat("boolean", parse_bool)
 SIZE = TextFormat("size", parse_size)
+DURATION = TextFormat("duration", parse_duration)
 LIST = TextFormat("comma-separated list", parse_list)
 JSON_OBJECT = TextFormat("JSON object", parse_json_object)
 

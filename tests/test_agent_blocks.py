@@ -1,8 +1,9 @@
-"""The agent APIs' sans-IO parts: blocks from deltas, request conversion, the response store.
+"""The agent APIs' sans-IO parts: blocks from deltas, request conversion.
 
 No server: ``BlockAssembler`` on hand-made ``Delta``s (with a Hypothesis
-property over how the text is chunked), the conversion of Responses items
-and Anthropic messages into chat-template messages, and the LRU store.
+property over how the text is chunked), and the conversion of Responses
+items (a previous response's conversation first) and Anthropic messages into
+chat-template messages. The response store: ``tests/test_responses_store.py``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from api.agents.blocks import Appended, BlockAssembler, Closed, Opened, merge_le
 from api.agents.messages_input import chat_messages, chat_tool_choice
 from api.agents.messages_render import stop_reason
 from api.agents.messages_schema import CountTokensRequest, MessagesRequest, ToolChoiceIn
+from api.agents.responses_db import StoredResponse
 from api.agents.responses_input import chat_tools, input_messages, prepare_request
 from api.agents.responses_schema import ResponsesRequest
-from api.agents.responses_store import ResponseStore, StoredResponse
 from api.convert import structure_or_400
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
@@ -160,12 +161,11 @@ def test_responses_tools_namespaces_and_refusals():
 
 def test_previous_response_rebuilds_the_same_messages():
     config = ServerConfig()
-    store = ResponseStore()
     first = structure_or_400({"instructions": "sys", "input": "hi"}, ResponsesRequest)
-    prepared = prepare_request(first, config, store)
+    prepared = prepare_request(first, config)
     assert prepared.turn.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}]}]
-    store.put("resp_1", StoredResponse(body={}, conversation=(*prepared.history, *input_messages(output))))
+    stored = StoredResponse(body={}, conversation=(*prepared.history, *input_messages(output)))
     follow = structure_or_400(
         {"instructions": "sys", "previous_response_id": "resp_1", "input": "again"}, ResponsesRequest
     )
@@ -174,22 +174,13 @@ def test_previous_response_rebuilds_the_same_messages():
                                           {"role": "user", "content": "again"}]},
         ResponsesRequest,
     )
-    assert prepare_request(follow, config, store).turn.messages == prepare_request(
-        by_hand, config, store).turn.messages
+    assert prepare_request(follow, config, stored).turn.messages == prepare_request(
+        by_hand, config).turn.messages
+    # No stored response for the id (never stored, or another API key's): a 400 naming it.
     with pytest.raises(ClientError) as info:
         prepare_request(structure_or_400({"previous_response_id": "nope", "input": "x"}, ResponsesRequest),
-                        config, store)
+                        config, None)
     assert info.value.param == "previous_response_id"
-
-
-def test_response_store_is_a_bounded_lru():
-    store = ResponseStore(max_entries=2)
-    for name in ("a", "b"):
-        store.put(name, StoredResponse(body={"id": name}, conversation=()))
-    assert store.get("a") is not None  # now most recent
-    store.put("c", StoredResponse(body={"id": "c"}, conversation=()))
-    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
-    assert store.delete("a") and not store.delete("a")
 
 
 @pytest.mark.parametrize(

@@ -200,6 +200,8 @@ TEXT_VALUES = {
     "api_key": "key-1, key-2", "api_key_file": "/etc/mlx-trio/keys",
     "allowed_models": "org/model,/models/m", "models_dir": "/models",
     "max_model_len": "4096", "max_choices": "2", "shutdown_grace": "3.5",
+    "responses_store_path": "/var/lib/mlx-trio/responses.sqlite3", "responses_store_bytes": "1GB",
+    "responses_store_max_age": "7d",
 }
 
 

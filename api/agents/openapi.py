@@ -222,7 +222,7 @@ def agent_paths(ref: Callable[[type], dict[str, Any]]) -> dict[str, Any]:
             "parameters": [response_id],
             "responses": {
                 "200": {"description": summary, "content": _json(_ref(answer))},
-                **_errors(openai_errors, ("404", "no such response is stored")),
+                **_errors(openai_errors, ("404", "this API key stored no response with this id")),
             },
         }
 

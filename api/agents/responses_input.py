@@ -1,7 +1,8 @@
 """Responses requests -> a ``ChatTurn``: input items, tools and settings in the chat form.
 
 Receives a validated ``ResponsesRequest`` (``api.agents.responses_schema``)
-and the ``ResponseStore``; emits a ``PreparedRequest``: the ``ChatTurn`` to
+and, for ``previous_response_id``, the stored response it names (looked up
+by the route: ``api.agents.responses_store``); emits a ``PreparedRequest``: the ``ChatTurn`` to
 generate (chat-template messages, function tools in the chat-completions
 form, ``tool_choice`` and ``text.format`` as ``response_format``: enforced,
 ``api.structured``)
@@ -22,6 +23,7 @@ from typing import Any
 import attrs
 
 from api.agents.blocks import ChatTurn, function_tool, merge_leading_system, tool_arguments
+from api.agents.responses_db import StoredResponse
 from api.agents.responses_schema import (
     IGNORED_TOOL_TYPES,
     ITEM_ROLES,
@@ -29,7 +31,6 @@ from api.agents.responses_schema import (
     ResponsesRequest,
     TextConfigIn,
 )
-from api.agents.responses_store import ResponseStore
 from api.generation import sampling_params
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
@@ -224,17 +225,19 @@ class PreparedRequest:
     namespaces: dict[str, str]
 
 
-def prepare_request(req: ResponsesRequest, config: ServerConfig, store: ResponseStore) -> PreparedRequest:
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        previous = store.get(req.previous_response_id)
-        if previous is None:
-            raise ClientError(
-                f"previous response {req.previous_response_id!r} not found (responses are kept in "
-                f"memory, the latest {store.max_entries})",
-                param="previous_response_id",
-            )
-        history = [dict(m) for m in previous.conversation]
+def prepare_request(
+    req: ResponsesRequest, config: ServerConfig, previous: StoredResponse | None = None
+) -> PreparedRequest:
+    """The turn, after ``previous``'s conversation: the response ``req.previous_response_id``
+    names, as the store gave it to this request's API key; None (not stored, or another
+    key's) is a 400, as for an id never seen."""
+    if req.previous_response_id is not None and previous is None:
+        raise ClientError(
+            f"previous response {req.previous_response_id!r} not found (never stored, deleted, "
+            "expired or evicted, or stored with another API key)",
+            param="previous_response_id",
+        )
+    history = [dict(m) for m in previous.conversation] if previous is not None else []
     history += input_messages(req.input)
     if not history:
         raise ClientError("input must not be empty", param="input")

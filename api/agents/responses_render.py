@@ -10,7 +10,8 @@ Receives what a Session sends (``Delta``, ``Progress``, then ``Finished`` or
 ``response.reasoning_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, then
 ``response.completed``, ``response.incomplete`` or ``response.failed``).
-A finished response is put in the ``ResponseStore`` with its conversation.
+A finished response is put in the ``ResponseStore`` with its conversation,
+under the owner the route gives (the request's API key, hashed).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ResponsesRenderer(AgentRenderer):
         req: ResponsesRequest,
         prepared: PreparedRequest,
         store: ResponseStore,
+        owner: str,
         prompt_tokens: Callable[[], int] = lambda: 0,
     ):
         super().__init__(prompt_tokens=prompt_tokens)
@@ -52,6 +54,7 @@ class ResponsesRenderer(AgentRenderer):
         self.req = req
         self.prepared = prepared
         self.store = store
+        self.owner = owner
         self._item_ids: dict[int, str] = {}
         self._sequence = 0
 
@@ -158,7 +161,8 @@ class ResponsesRenderer(AgentRenderer):
                 log.warning("response %s not stored: %s", self.id, exc.message)
             else:
                 conversation = (*self.prepared.history, *output)
-                self.store.put(self.id, StoredResponse(body=body, conversation=conversation))
+                stored = StoredResponse(body=body, conversation=conversation)
+                self.store.put(self.id, self.owner, stored)
         return body
 
     def body(self) -> dict:
