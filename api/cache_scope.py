@@ -1,6 +1,7 @@
 """A request's prompt-cache scope: whose cached prefixes it may reuse.
 
-Receives the request (its API key, through ``api.auth.presented_keys``) and
+Receives the request (the key it was accepted with, through
+``api.auth.request_owner``: a hash, as the response store keys its entries) and
 its ``cache_salt`` field; emits the ``Submit.cache_scope`` string its Session
 carries (``""``: the shared scope). With API keys set and
 ``--prompt-cache-scope key`` (the default), each key's requests reuse only the
@@ -13,15 +14,16 @@ from __future__ import annotations
 
 import hashlib
 
-from api.auth import presented_keys
+from api.auth import ANONYMOUS, request_owner
 from runtime.config import ServerConfig
 
 
 def prompt_cache_scope(config: ServerConfig, salt: str | None) -> str:
     """The current request's scope (call inside a request context)."""
     parts = []
-    if config.prompt_cache_scope == "key" and (config.api_key or config.api_key_file):
-        parts += [f"key:{key}" for key in sorted(presented_keys())]
+    owner = request_owner()
+    if config.prompt_cache_scope == "key" and owner != ANONYMOUS:
+        parts.append(f"key:{owner}")
     if salt:
         parts.append(f"salt:{salt}")
     if not parts:

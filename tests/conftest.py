@@ -11,6 +11,15 @@ import trio
 from runtime.tiny_model import build_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_home(tmp_path_factory):
+    """The server's data directory (stored responses) in a temporary folder: no test
+    writes to the user's own; servers the tests start inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("data-home")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", seed=0))
