@@ -153,7 +153,7 @@ async def test_steps_that_keep_failing_restart_the_engine():
     its loop ends as a crash, /health turns 503 and the ModelLoader makes a new one,
     which serves. Every request gets its one terminal."""
     from runtime.engine.core import EngineCore
-    from runtime.engine.records import FAILED_STEPS_TO_RESTART
+    from runtime.engine.failures import FAILED_STEPS_TO_RESTART
     from runtime.messages import ModelHandle
     from tests.fakes import FakeTokenizer
 
@@ -196,7 +196,7 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
     import pytest
 
     from runtime.engine.core import EngineCore
-    from runtime.engine.records import FAILED_STEPS_TO_RESTART, EngineBroken
+    from runtime.engine.failures import FAILED_STEPS_TO_RESTART, EngineBroken
     from runtime.messages import ModelHandle, Submit
 
     assert FAILED_STEPS_TO_RESTART == 3

@@ -6,7 +6,14 @@ they use):
 
 * ``core``: ``EngineCore``, the sans-IO state machine (commands in, one
   ``StepOutputs`` per step out) around a batch generator and the prompt cache;
-* ``records``: ``EngineCounters``, ``SequenceError``, ``token_logprobs``;
+* ``sequences``: ``SequenceRecord`` (the core's record of one sequence),
+  ``token_event`` (a generator's response -> ``TokenEvent``), and the prompt
+  segments past the prompt cache's hit (``uncached_segments``);
+* ``inserts``: ``SequenceInserts``, a sequence's sampling and its insert into
+  the batch generator;
+* ``counters``: ``EngineCounters``, the running totals behind ``EngineStats``;
+* ``failures``: ``SequenceError`` (one sequence fails), ``EngineBroken``
+  (the engine does);
 * ``choices``: several choices of one request (n > 1) sharing its prefill.
 * ``serial``: ``SerialGenerator``, mlx-lm's ``stream_generate`` behind the
   batch generator's interface (draft model, quantized KV cache).
@@ -18,6 +25,7 @@ they use):
   runtime.engine.process FD``) and the parent's side, ``run_engine_proxy``.
 * ``loading``: ``make_engine_core`` and ``load_tokenizer`` from mlx-lm parts.
 
-Dependencies among them point one way: loading -> serial -> core -> commands,
+Dependencies among them point one way: loading -> serial, core;
+core -> commands, sequences, inserts, counters, failures; serial -> failures;
 loop -> core, process -> loop.
 """

@@ -7,17 +7,20 @@ nothing of threads, trio or the distributed group, so tests drive it directly
 
 It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
-that cannot share a batch: one interface, one path), its rows' registrations
-with the batch sampler (``runtime.batch_sampling``), the prompt cache's arrays
+that cannot share a batch: one interface, one path), a ``SequenceRecord`` per
+sequence in it (``runtime.engine.sequences``), the prompt cache's arrays
 (``runtime.prompt_cache_store.CacheEntries``: a lookup at admission, inserts
 at segment ends and at finish, reported as ``cache_events``; the
 PromptCacheActor's ``EvictCache`` removes entries between steps), the requests
 it holds outside the batch (admission window, choices, shared prefills), and
-the counters of ``EngineStats``.
+the counters of ``EngineStats`` (``runtime.engine.counters``). How a sequence
+samples and is inserted (its rows' registrations with the batch sampler) is
+``runtime.engine.inserts``'s.
 
 ``step()`` runs one generator step and turns its responses into events in one
-place, ``records.token_event`` (as vLLM v1's engine core loops over its outputs).
-Several choices of one request (n > 1) share its prompt's prefill
+place, ``sequences.token_event`` (as vLLM v1's engine core loops over its
+outputs). A step that raises fails one sequence, its batch, or after several
+in a row the engine (``runtime.engine.failures``). Several choices of one request (n > 1) share its prompt's prefill
 (``runtime.engine.choices``).
 """
 
@@ -36,11 +39,10 @@ from runtime.engine.choices import (
     withdraw_waiting,
 )
 from runtime.engine.commands import CommandSource, LocalCommands
-from runtime.engine.records import (
-    FAILED_STEPS_TO_RESTART,
-    EngineBroken,
-    EngineCounters,
-    SequenceError,
+from runtime.engine.counters import EngineCounters
+from runtime.engine.failures import FAILED_STEPS_TO_RESTART, EngineBroken, SequenceError
+from runtime.engine.inserts import SequenceInserts
+from runtime.engine.sequences import (
     SequenceRecord,
     back_off_one_token,
     token_event,
@@ -98,20 +100,9 @@ class EngineCore:
         a test double with its methods), without limits of its own; ``CacheEntries``
         stores no entry the actor's count limit (``prompt_cache_max_entries``) evicts at once.
 
-        Sampling: with a ``batch_sampler`` (``BatchSampler``: ``register(uid,
-        params, constraint)``, ``forget(uid)``) every sequence is inserted
-        with ``samplers=[None]`` (the generator's fallback, that sampler) and
-        registered under its uid; without one, ``sampler_factory(params)``
-        gives each sequence its own sampler (``None``: the generator's).
-        ``logits_processors_factory(params)``: a sequence's processors.
-        ``constraint_factory(spec)`` turns a ``Submit.constraint`` into the
-        sequence's constraint: with a ``batch_sampler``, its ``RowConstraint``;
-        without, a logits processor added to the sequence's. Without a
-        ``constraint_factory`` a constrained request fails alone.
-
-        ``insert_options(submit)``: further per-sequence arguments of the
-        generator's ``insert_segments`` (``SerialGenerator`` takes
-        ``num_draft_tokens``), one value each.
+        ``sampler_factory``, ``logits_processors_factory``, ``batch_sampler``,
+        ``constraint_factory``, ``insert_options``, ``stop_sequences``: how each
+        sequence samples and is inserted (``runtime.engine.inserts.SequenceInserts``).
 
         ``commands``: how the engine loops get this engine's commands
         (``runtime.engine.commands``); a ``lockstep`` source (distributed) also
@@ -135,12 +126,15 @@ class EngineCore:
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
         self.cache_entries = CacheEntries(prompt_cache, prompt_cache_max_entries)
-        self._sampler_factory = sampler_factory or (lambda params: None)
-        self._logits_processors_factory = logits_processors_factory or (lambda params: [])
         self.batch_sampler = batch_sampler
-        self._constraint_factory = constraint_factory
-        self._insert_options = insert_options or (lambda submit: {})
-        self._stop_sequences = stop_sequences
+        self._inserts = SequenceInserts(
+            sampler_factory=sampler_factory,
+            logits_processors_factory=logits_processors_factory,
+            batch_sampler=batch_sampler,
+            constraint_factory=constraint_factory,
+            insert_options=insert_options,
+            stop_sequences=stop_sequences,
+        )
         self.admission = AdmissionWindow(
             window=0.0 if self.commands.lockstep else admission_window,
             burst_wait=burst_wait,
@@ -265,7 +259,7 @@ class EngineCore:
         """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
         cached, segment types, the batch's KV bytes now: the prompt cache's byte budget
         gives way to them)."""
-        sampler, processors, constraint = self._sampling_of(sub)
+        sampling = self._inserts.sampling_of(sub)  # a request that cannot run fails here
         prompt = list(sub.prompt)
         if start is not None:
             cache, rest = start, prompt[-1:]
@@ -275,44 +269,11 @@ class EngineCore:
                 # An exact hit leaves nothing to feed the model: give back one token.
                 cache, rest = back_off_one_token(cache, prompt)
         cached = len(prompt) - len(rest)
-
         segments, types = uncached_segments(sub.segments, sub.segment_types, cached)
-
-        options = {name: [value] for name, value in self._insert_options(sub).items()}
-        (uid,) = self._batch.insert_segments(
-            segments=[segments],
-            max_tokens=[sub.max_tokens],
-            caches=[cache],
-            all_tokens=[prompt[:cached]],
-            samplers=[sampler],
-            logits_processors=[processors],
-            stop_sequences=[self._stop_sequences] if self._stop_sequences is not None else None,
-            **options,
+        uid = self._inserts.insert(
+            self._batch, sub, sampling, segments=segments, cache=cache, cached_tokens=prompt[:cached]
         )
-        if self.batch_sampler is not None:
-            try:
-                self.batch_sampler.register(uid, sub.sampling, constraint)
-            except Exception:
-                self._batch.remove([uid])
-                raise
         return uid, cached, types, int(self._batch.prompt_cache_nbytes)
-
-    def _sampling_of(self, sub: Submit) -> tuple[Any, list, Any]:
-        """(sampler, logits processors, constraint) of a new sequence; raises if it cannot run."""
-        constraint = None
-        if sub.constraint is not None:
-            if self._constraint_factory is None:
-                raise ValueError("this engine cannot enforce structured outputs or tool_choice")
-            constraint = self._constraint_factory(sub.constraint)
-        processors = self._logits_processors_factory(sub.sampling)
-        if self.batch_sampler is not None:
-            from runtime.batch_sampling import validate_params
-
-            validate_params(sub.sampling)  # before inserting: a bad request fails alone
-            return None, processors, constraint
-        if constraint is not None:
-            processors = [*processors, constraint]
-        return self._sampler_factory(sub.sampling), processors, None
 
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
@@ -337,8 +298,7 @@ class EngineCore:
         del self._by_uid[seq.uid]
         self._awaiting_first.discard(seq.uid)
         del self._by_request[seq.request_id]
-        if self.batch_sampler is not None:
-            self.batch_sampler.forget(seq.uid)
+        self._inserts.forget(seq.uid)
         for follower in self._shared.ended(seq.request_id):
             self._submit(follower)  # its leader left: the prompt cache serves what it holds
 
@@ -487,8 +447,7 @@ class EngineCore:
         self._by_uid.clear()
         self._awaiting_first.clear()
         self._by_request.clear()
-        if self.batch_sampler is not None:
-            self.batch_sampler.clear()  # a new generator's uids start again at 0
+        self._inserts.clear()  # a new generator's uids start again at 0
         self._close_batch()
         if not closing:
             self._batch = self._new_batch_generator()

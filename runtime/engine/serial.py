@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from runtime.config import ServerConfig
-from runtime.engine.records import SequenceError
+from runtime.engine.failures import SequenceError
 
 log = logging.getLogger(__name__)
 

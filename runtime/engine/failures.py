@@ -1,0 +1,38 @@
+"""How an engine step fails: one sequence, its whole batch, or the engine itself.
+
+A batch generator's ``next()`` raises ``SequenceError`` to fail one sequence
+alone (``SerialGenerator`` does, for the sequence it serves); any other
+exception fails every sequence in the batch and the ``EngineCore`` goes on
+with a new generator. After ``FAILED_STEPS_TO_RESTART`` such steps in a row
+the core raises ``EngineBroken``, which ends the engine loop as a crash.
+Owns no state; the core counts the failed steps.
+"""
+
+from __future__ import annotations
+
+# Steps in a row that failed their whole batch: then the engine, not a request, is broken.
+FAILED_STEPS_TO_RESTART = 3
+
+
+class SequenceError(Exception):
+    """A batch generator could not go on with one sequence: only its request fails.
+
+    Raised from ``next()`` (``SerialGenerator`` does, for the sequence it
+    serves); any other exception from a step fails every sequence in the batch.
+    """
+
+    def __init__(self, uid: int, message: str):
+        super().__init__(message)
+        self.uid = uid
+        self.message = message
+
+
+class EngineBroken(RuntimeError):
+    """``FAILED_STEPS_TO_RESTART`` steps in a row failed every sequence they held.
+
+    A step that raises fails its batch and the engine goes on with a new one,
+    which is right when one batch was bad. When the batches that follow fail
+    too, MLX itself is in a state no new batch mends (a sticky CUDA error, a
+    cache past a limit): this ends the engine loop as a crash, so /health turns
+    503 and the ModelLoader starts a fresh engine (a fresh process by default).
+    """
