@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import attrs
 
+from api.bodies import UsageOut
 from api.convert import unstructure
 from api.errors import error_body
-from api.responses import SSE_DONE, UsageOut, keepalive, sse
+from api.sse import SSE_DONE, keepalive, sse
 from runtime.messages import Delta, Failed, Finished, FinishReason, Progress, Usage
 
 

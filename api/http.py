@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from api.errors import error_answer
 from api.json_input import loads as load_json_body
-from api.responses import dumps
+from api.sse import dumps
 from runtime.errors import ClientError, ServerError
 from runtime.messages import Failed
 

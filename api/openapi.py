@@ -2,7 +2,7 @@
 
 ``openapi_document()`` builds (once, cached) the document from the same attrs
 types the server structures requests into (``api.schemas``) and renders
-responses from (``api.responses``): each class becomes a JSON Schema under
+responses from (``api.bodies``): each class becomes a JSON Schema under
 ``components/schemas`` (fields from ``attrs.fields`` with resolved type
 hints; a field without a default is ``required``), referenced by ``$ref``.
 
@@ -27,7 +27,7 @@ from typing import Any, Union
 
 import attrs
 
-import api.responses as responses
+import api.bodies as bodies
 import api.schemas as schemas
 from api.agents.openapi import AGENT_COMPONENTS, agent_paths
 from api.constraints import Constraint, constraint_of
@@ -334,11 +334,11 @@ def openapi_document() -> dict[str, Any]:
     for cls in (
         schemas.ChatCompletionRequest,
         schemas.CompletionRequest,
-        responses.ChatCompletion,
-        responses.ChatCompletionChunk,
-        responses.TextCompletion,
-        responses.ModelList,
-        responses.ModelCard,
+        bodies.ChatCompletion,
+        bodies.ChatCompletionChunk,
+        bodies.TextCompletion,
+        bodies.ModelList,
+        bodies.ModelCard,
         schemas.TokenizeRequest,
         schemas.DetokenizeRequest,
         ErrorResponse,
@@ -355,16 +355,16 @@ def openapi_document() -> dict[str, Any]:
             summary="Chat completion",
             alias="/chat/completions",
             request=schemas.ChatCompletionRequest,
-            body=responses.ChatCompletion,
-            chunk=responses.ChatCompletionChunk,
+            body=bodies.ChatCompletion,
+            chunk=bodies.ChatCompletionChunk,
         ),
         "/v1/completions": _generation(
             operation_id="createCompletion",
             summary="Text completion",
             alias="/completions",
             request=schemas.CompletionRequest,
-            body=responses.TextCompletion,
-            chunk=responses.TextCompletion,
+            body=bodies.TextCompletion,
+            chunk=bodies.TextCompletion,
         ),
         "/v1/models": {
             "get": {

@@ -45,7 +45,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from api import responses, schemas
+import api.bodies as bodies
+import api.schemas as schemas
 from api.agents import messages_schema, responses_schema
 from api.agents.messages_schema import CountTokensRequest, MessagesRequest
 from api.agents.responses_schema import ResponsesRequest
@@ -157,12 +158,12 @@ def test_document_describes_the_agent_apis():
         schemas.ToolCallIn,
         schemas.FunctionCallIn,
         schemas.StreamOptions,
-        responses.ChatCompletion,
-        responses.ChatCompletionChunk,
-        responses.TextCompletion,
-        responses.ModelList,
-        responses.ModelCard,
-        responses.UsageOut,
+        bodies.ChatCompletion,
+        bodies.ChatCompletionChunk,
+        bodies.TextCompletion,
+        bodies.ModelList,
+        bodies.ModelCard,
+        bodies.UsageOut,
         ResponsesRequest,
         responses_schema.TextConfigIn,
         responses_schema.TextFormatIn,

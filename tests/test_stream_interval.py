@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from api.generation import SessionStream
-from api.responses import ChatRenderer
+from api.renderers import ChatRenderer
 from runtime.config import ConfigError, config_from_env
 from runtime.messages import Finished, Usage
 from runtime.outbox import Outbox

@@ -13,7 +13,7 @@ import pytest
 
 from actors.session import fit_max_tokens
 from api.choices import ChoicesRenderer
-from api.responses import ChatRenderer
+from api.renderers import ChatRenderer
 from runtime.distributed import LeaderWatch, ParentWatch
 from runtime.engine.loading import context_window
 from runtime.errors import ClientError, PayloadTooLarge

@@ -26,7 +26,7 @@ import attrs
 from api.cache_scope import prompt_cache_scope
 from api.generation import deadline
 from api.json_input import loads as load_json
-from api.responses import dumps
+from api.sse import dumps
 from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError

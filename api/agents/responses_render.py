@@ -29,7 +29,7 @@ from api.agents.responses_input import PreparedRequest, input_messages
 from api.agents.responses_schema import ResponsesRequest, TextConfigIn
 from api.agents.responses_store import ResponseStore, StoredResponse
 from api.errors import error_body
-from api.responses import keepalive
+from api.sse import keepalive
 from runtime.errors import ClientError
 from runtime.messages import Failed, Finished, Progress
 

@@ -23,7 +23,7 @@ from api.convert import structure_or_400
 from api.generation import deadline, generate, sampling_params
 from api.http import fingerprint, read_json, small_body
 from api.json_input import loads as load_json
-from api.responses import ChatRenderer, TextRenderer
+from api.renderers import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from api.structured import constrain_step
 from runtime.config import ServerConfig

@@ -21,9 +21,9 @@ import trio
 from quart import Blueprint
 
 from actors.system import Runtime
+from api.bodies import ModelCard, ModelList
 from api.convert import unstructure
 from api.http import json_response
-from api.responses import ModelCard, ModelList
 from runtime.errors import NotFound
 from runtime.models import ModelPolicy, allowed_model_ids
 
