@@ -59,9 +59,9 @@ from runtime.messages import (
 )
 from runtime.models import (
     DEFAULT_ALIASES,
+    EngineCoreFactory,
     ModelKey,
     ModelPolicy,
-    RealEngineCore,
     default_key,
     names_served,
     resolve_key,
@@ -101,7 +101,7 @@ class Runtime:
         self.distributed = launched_rank() is not None
         self.switchable = make_core is None and not self.distributed
         if make_core is None:
-            make_core_for = RealEngineCore(config)
+            make_core_for = EngineCoreFactory(config)
         else:
 
             def make_core_for(key: ModelKey) -> EngineCore:

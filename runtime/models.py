@@ -1,7 +1,7 @@
 """Which model a request asks for, and whether it can be had without a download.
 
 Also which model the server serves by default (``resolve_model``: the
-configured one, else the embedded demo model), and ``RealEngineCore``, the
+configured one, else the embedded demo model), and ``EngineCoreFactory``, the
 picklable recipe that builds mlx-lm's engine for a ``ModelKey`` on the
 thread (or in the process) that will step it.
 
@@ -260,7 +260,7 @@ def context_length(model: str) -> int | None:
 
 
 @attrs.frozen
-class RealEngineCore:
+class EngineCoreFactory:
     """Builds the mlx-lm engine for a ``ModelKey``, on the thread that will step it.
 
     A plain object (not a closure) so that it can travel to an engine process.
