@@ -2,7 +2,7 @@
 
 The flags are made from ``ServerConfig``'s field metadata
 (``runtime.config.SETTINGS``): mlx_lm.server's names and defaults plus ours,
-listed under their groups (``runtime.config.GROUPS``: argparse argument
+listed under their groups (``runtime.settings.GROUPS``: argparse argument
 groups, as vLLM's ``--help`` has them), each with its help, text format (``--prompt-cache-bytes 4GB``,
 ``--chat-template-args '{...}'``, ``--allowed-origins a,b``) and allowed
 values; booleans are ``store_true`` flags. No default is restated here: a
@@ -35,11 +35,11 @@ from typing import Any
 
 import trio
 
-from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_mapping
+from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_mapping
 from runtime.config_checks import unsupported
 from runtime.distributed import ParentWatch
 from runtime.model_fetch import ModelUnavailable, fetch_served_model
-from runtime.settings import BOOLEAN, Setting, TextFormat
+from runtime.settings import BOOLEAN, GROUPS, Setting, TextFormat
 
 TABLE_BEGIN = "<!-- settings table: made by `python -m api.cli --markdown`; do not edit -->"
 TABLE_END = "<!-- end of the settings table -->"

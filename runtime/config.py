@@ -20,42 +20,38 @@ from typing import Any
 
 import attrs
 
-from runtime.compiled_decode import DECODE_PATHS
 from runtime.distributed import BACKENDS
-from runtime.mlx_environment import PREFILL_ATTENTION_MODES
-from runtime.settings import DURATION, SIZE, Group, Setting, Settings, complete_settings, setting
+from runtime.settings import (
+    BATCHING,
+    DISTRIBUTED,
+    DURATION,
+    LIMITS,
+    MODEL,
+    PROMPT_CACHE,
+    SAMPLING,
+    SECURITY,
+    SERVER,
+    SIZE,
+    STORED,
+    Setting,
+    Settings,
+    complete_settings,
+    setting,
+)
 from runtime.settings import ConfigError as ConfigError  # raised by config_from_*
+from runtime.tuning_settings import TuningSettings
 
-DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENGINE_MODES = ("process", "thread")
-KV_BITS = (2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZES = (32, 64, 128)
-
-# The sections of --help and of docs/configuration.md's tables, in this order; each
-# field names its own (``group=``), and within a group the fields keep their order.
-MODEL = Group(
-    "Model", "the served model, its adapter, draft model and chat template; what requests may name"
-)
-SERVER = Group("Server", "where and how the server runs: address, CORS, logs, engine, shutdown")
-SAMPLING = Group("Sampling defaults", "for a request that does not send its own")
-BATCHING = Group("Batching", "how many sequences the engine decodes and prefills together")
-PROMPT_CACHE = Group("Prompt cache", "reuse of earlier prompts' KV caches for shared prefixes")
-LIMITS = Group("Limits", "how much a request, and all of them together, may ask for")
-STORED = Group("Stored responses", "what the Responses API keeps for previous_response_id and GET")
-SECURITY = Group("Security", "who may call the API: API keys")
-DISTRIBUTED = Group("Distributed", "one model served by several processes started by mlx.launch")
-TUNING = Group(
-    "Advanced tuning", "scheduling, streaming, kernels, KV quantization: the defaults suit most uses"
-)
-GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, STORED, SECURITY, DISTRIBUTED,
-          TUNING)
 
 
 # This module has no ``from __future__ import annotations``: ``complete_settings``
 # reads the fields' types (to pick their text format), so they must be real types.
 @attrs.frozen(kw_only=True, field_transformer=complete_settings)
-class ServerConfig:
+class ServerConfig(TuningSettings):
+    """Every setting of the server, one field each; the Advanced tuning ones are
+    declared in ``runtime.tuning_settings`` and inherited (listed last, in their group)."""
+
     model: str | None = setting(
         None,
         help="path or Hugging Face repo of the default MLX model",
@@ -377,147 +373,6 @@ class ServerConfig:
         notes="Outside a distributed launch, start-up fails if set. See "
         "[distributed.md](distributed.md).",
         group=DISTRIBUTED,
-    )
-    prefill_group_tokens: int = setting(
-        2048,
-        help="beyond --prompt-concurrency prompts, more waiting prompts join a prefill step "
-        "while the step's prompt tokens stay within this (0: --prompt-concurrency exactly, "
-        "as mlx-lm)",
-        minimum=0,
-        ours=True,
-        notes="Short prompts are prefilled in fewer, fuller steps, and a group's next one "
-        "joins in the step its predecessor leaves for decoding; long prompts keep mlx-lm's "
-        "groups of `--prompt-concurrency`. Fewer groups mean fewer rebuilds of the batch's KV "
-        "cache (more tokens/s under load) but later first tokens for a large burst: set 0 "
-        "where every request's first token under heavy load matters more than throughput "
-        "([performance.md](performance.md)).",
-        group=TUNING,
-    )
-    admission_window_ms: float = setting(
-        30.0,
-        help="while at least --prompt-concurrency sequences decode, hold a new request up to "
-        "this long (or until --prompt-concurrency wait) so that arrivals join the batch "
-        "together (0: admit at once)",
-        minimum=0,
-        maximum=1000,
-        ours=True,
-        notes="With fewer decoding, a request joins at the next step, but a request sent while "
-        "others were on their way (received over HTTP, not yet submitted) waits, as long, for "
-        "the last of them, and the burst starts its prefill together. Each join rebuilds the "
-        "batch's KV cache, so joining one by one costs throughput under load; 0 admits at "
-        "once (lower latency for a lone request on a busy server). Always off in a "
-        "distributed launch (each rank's clock would end it at a different step) "
-        "([architecture.md](architecture.md#the-admission-window)).",
-        group=TUNING,
-    )
-    burst_wait_ms: float = setting(
-        0.0,
-        help="when nothing decodes, hold a request that arrives alone up to this long for "
-        "others of its burst, so that they start their prefill together (0: admit at once)",
-        minimum=0,
-        maximum=100,
-        ours=True,
-        notes="A burst of requests on new connections reaches the engine one by one (the API "
-        "accepts and parses each connection in turn), so without it the first request of a burst "
-        "to an idle server is prefilled alone and stays a prefill step ahead of the others "
-        "through every later wave of a closed loop. A few milliseconds join such a burst, at "
-        "that cost to the time to first token of every request that reaches an idle server "
-        "alone: off by default ([performance.md](performance.md#how-requests-reach-the-engine)). "
-        "Needs the admission window (`--admission-window-ms` above 0); off in a distributed "
-        "launch.",
-        group=TUNING,
-    )
-    decode_stall_factor: float = setting(
-        1.5,
-        help="while sequences decode, a step prefills only as many prompt tokens as take about "
-        "this many decode steps' time (0: full --prefill-step-size chunks, as mlx-lm)",
-        minimum=0,
-        maximum=100,
-        ours=True,
-        notes="A long prompt arriving while others stream would otherwise hold every one of "
-        "their tokens back for a whole chunk (2,048 tokens of prefill per prompt). The engine "
-        "learns a decode step's time and a prompt token's from the steps it runs and sizes "
-        "the chunk so that the time between the others' tokens stays within about one plus "
-        "this factor decode steps; with nothing decoding, chunks are full. Raise it (or 0) "
-        "for faster prefills under load at the cost of the others' smoothness "
-        "([performance.md](performance.md#coding-agents-sessions)).",
-        group=TUNING,
-    )
-    stream_interval_ms: float = setting(
-        0.0,
-        help="send a streaming response's chunks at most this often, merging the tokens "
-        "in between (fewer HTTP chunks, less CPU per token; 0: every engine step)",
-        minimum=0,
-        maximum=1000,
-        ours=True,
-        notes="The first chunk is never held back. Raise it (e.g. 50) where many clients "
-        "stream on few CPU cores, at the price of coarser streaming; 0 sends every engine "
-        "step's tokens at once, as mlx_lm.server does.",
-        group=TUNING,
-    )
-    tokenizer_threads: int = setting(
-        2,
-        help="worker threads for chat templates and tokenization (a trio.CapacityLimiter)",
-        above=0,
-        ours=True,
-        group=TUNING,
-    )
-    prefill_attention: str = setting(
-        "unfused",
-        help="on CUDA, a prefill's attention through MLX's unfused path (no cuDNN graph built "
-        "per prompt shape) or as MLX picks it (cuDNN)",
-        choices=PREFILL_ATTENTION_MODES,
-        ours=True,
-        notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
-        "(group size, prompt length, cached prefix) on the engine's thread, tens of ms to "
-        "seconds each, and a server meets new shapes with nearly every prompt. `unfused` "
-        "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
-        "prompt with 32 heads) to MLX's own unfused attention (no graph to build); decoding "
-        "and longer prompts keep MLX's choice. `mlx`: MLX's choice everywhere. No effect on "
-        "Apple silicon or the CPU ([performance.md](performance.md)).",
-        group=TUNING,
-    )
-    decode_path: str = setting(
-        "compiled",
-        help="each llama / qwen2 / qwen3 / qwen3_moe decoder layer's decode step through two compiled MLX "
-        "functions (`compiled`) or as mlx-lm builds it, operation by operation (`mlx`)",
-        choices=DECODE_PATHS,
-        ours=True,
-        notes="At a small batch the decode step is host-bound: each of a layer's ~30 "
-        "operations is built from Python and dispatched one by one. `compiled` runs the layer "
-        "before its KV cache and after its attention as two `mx.compile`d functions shared by "
-        "all layers (the cache update and the attention stay mlx-lm's), with the same tokens. "
-        "Prefill, other architectures, LoRA adapters, a distributed group and the one-at-a-time "
-        "engine keep mlx-lm's path. At load it is checked against mlx-lm's layers (a few decode "
-        "steps' logits) and turns itself off, with a warning, where they differ. Set `mlx` to "
-        "rule the compiled path out when a model misbehaves ([performance.md](performance.md)).",
-        group=TUNING,
-    )
-    lazy_decode_traces: bool = setting(
-        False,
-        help="with --decode-path compiled, trace the compiled decode step for each batch size "
-        "when a step first meets it instead of for every size up to --decode-concurrency at load",
-        ours=True,
-        notes="A compiled function is traced for every input shape it has not met, and a "
-        "server's decode batch changes size with every arrival and finish; traced at load, "
-        "`/health` says ready only once no first request waits for a trace or MLX's kernel "
-        "build (seconds on a CPU whose kernel cache is cold). Set it for a faster start.",
-        group=TUNING,
-    )
-    kv_bits: int | None = setting(
-        None,
-        help="quantize the KV cache to this many bits",
-        choices=KV_BITS,
-        notes="When set, requests are served one at a time (serial mode), not batched.",
-        group=TUNING,
-    )
-    kv_group_size: int = setting(
-        64, help="quantization group size with --kv-bits", choices=KV_GROUP_SIZES, group=TUNING
-    )
-    quantized_kv_start: int = setting(
-        DEFAULT_QUANTIZED_KV_START,
-        help="token position where KV quantization starts, with --kv-bits",
-        group=TUNING,
     )
 
 

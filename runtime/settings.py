@@ -1,18 +1,20 @@
 """How a setting is declared: the metadata every presentation of a setting reads.
 
 ``setting(default, help=..., group=..., ...)`` returns an attrs field whose
-metadata is a ``Setting``: help, the ``Group`` it is listed under, text
-format, bounds (which also become the field's attrs validators:
+metadata is a ``Setting``: help, the ``Group`` it is listed under (one of
+``GROUPS``, the sections of ``--help`` and of docs/configuration.md, declared
+here), text format, bounds (which also become the field's attrs validators:
 ``gt``/``ge``/``le``/``in_``), whether it is ours or mlx_lm.server's, and
 notes for the docs. ``complete_settings``, the class's
 ``field_transformer``, fills in what follows from the field: its name, flag
 (``--max-tokens``), environment variable (``MLX_TRIO_MAX_TOKENS``), default,
-and the text format its type implies. ``TextFormat`` parses a flag's or a
-variable's text (``"4GB"``, ``"a,b"``, ``"true"``). ``Settings(cls)`` lists a
-class's settings and makes the class from values or environment variables
-through a strict cattrs converter, raising ``ConfigError``. ``runtime.config``
-declares the ``Group``s and ``ServerConfig`` with these; nothing here knows its
-fields.
+and the text format its type implies, and lists the fields group by group.
+``TextFormat`` parses a flag's or a variable's text (``"4GB"``, ``"a,b"``,
+``"true"``). ``Settings(cls)`` lists a class's settings and makes the class
+from values or environment variables through a strict cattrs converter,
+raising ``ConfigError``. ``runtime.config`` declares ``ServerConfig`` with
+these (its Advanced tuning settings in ``runtime.tuning_settings``); nothing
+here knows its fields.
 """
 
 import json
@@ -144,6 +146,27 @@ class Group:
     description: str  # one line, printed under the title
 
 
+# The sections of --help and of docs/configuration.md's tables, in this order; each
+# field names its own (``group=``), and within a group the fields keep their order.
+MODEL = Group(
+    "Model", "the served model, its adapter, draft model and chat template; what requests may name"
+)
+SERVER = Group("Server", "where and how the server runs: address, CORS, logs, engine, shutdown")
+SAMPLING = Group("Sampling defaults", "for a request that does not send its own")
+BATCHING = Group("Batching", "how many sequences the engine decodes and prefills together")
+PROMPT_CACHE = Group("Prompt cache", "reuse of earlier prompts' KV caches for shared prefixes")
+LIMITS = Group("Limits", "how much a request, and all of them together, may ask for")
+STORED = Group("Stored responses", "what the Responses API keeps for previous_response_id and GET")
+SECURITY = Group("Security", "who may call the API: API keys")
+DISTRIBUTED = Group("Distributed", "one model served by several processes started by mlx.launch")
+TUNING = Group(
+    "Advanced tuning", "scheduling, streaming, kernels, KV quantization: the defaults suit most uses"
+)
+GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, STORED, SECURITY, DISTRIBUTED,
+          TUNING)
+_GROUP_ORDER = {group: index for index, group in enumerate(GROUPS)}
+
+
 @attrs.frozen(kw_only=True)
 class Setting:
     """One field's metadata. ``name``, ``flag``, ``env``, ``default`` and (when not
@@ -236,12 +259,16 @@ def setting(
 
 
 def complete_settings(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
-    """Fill each field's ``Setting`` in from its name, default and type."""
+    """Fill each field's ``Setting`` in from its name, default and type; list the fields
+    group by group in ``GROUPS``' order, each group's in declaration order (so that a
+    class's inherited settings, which attrs puts first, take their group's place)."""
     out = []
     for field in fields:
         meta = field.metadata.get(METADATA_KEY)
         if meta is None:
             raise TypeError(f"{cls.__name__}.{field.name} is not declared with setting()")
+        if meta.group not in _GROUP_ORDER:
+            raise TypeError(f"{cls.__name__}.{field.name}: its group is not one of GROUPS")
         text_format = meta.format or _FORMAT_OF_TYPE.get(field.type)
         if text_format is None:
             raise TypeError(f"{cls.__name__}.{field.name}: no text format for {field.type!r}")
@@ -257,7 +284,7 @@ def complete_settings(cls: type, fields: list[attrs.Attribute]) -> list[attrs.At
             format=text_format,
         )
         out.append(field.evolve(metadata={**field.metadata, METADATA_KEY: meta}))
-    return out
+    return sorted(out, key=lambda field: _GROUP_ORDER[field.metadata[METADATA_KEY].group])
 
 
 # ----------------------------------------------------------------- reading

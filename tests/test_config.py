@@ -10,9 +10,9 @@ import pytest
 
 from api.cli import TABLE_BEGIN, TABLE_END, build_parser, parse_config, settings_table
 from api.server import create_app
-from runtime.config import GROUPS, SETTINGS, ConfigError, ServerConfig, config_from_env
+from runtime.config import SETTINGS, ConfigError, ServerConfig, config_from_env
 from runtime.config_checks import unsupported
-from runtime.settings import BOOLEAN, ENV_PREFIX
+from runtime.settings import BOOLEAN, ENV_PREFIX, GROUPS
 
 
 def test_cli_defaults_match_mlx_lm_server():
