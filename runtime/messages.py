@@ -427,7 +427,6 @@ class PromptCacheOutlook:
     shared_tokens: int = 0  # the longest prefix any entry shares with the prompt
 
 
-
 @attrs.frozen(kw_only=True)
 class ToolCall:
     name: str

@@ -140,6 +140,14 @@ def test_every_setting_is_in_a_known_group_and_every_group_has_settings():
         assert g.description.strip() and "\n" not in g.description, g
 
 
+def test_settings_are_listed_group_by_group():
+    """``ServerConfig`` inherits its Advanced tuning fields (``runtime.tuning_settings``),
+    which attrs would list first: ``complete_settings`` puts each in its group's place."""
+    order = [GROUPS.index(s.group) for s in SETTINGS]
+    assert order == sorted(order)
+    assert [f.name for f in attrs.fields(ServerConfig)] == [s.name for s in SETTINGS]
+
+
 def _help_sections(text: str) -> dict[str, list[str]]:
     """``--help``'s sections (a line ``Title:`` at the margin starts one): their lines."""
     sections: dict[str, list[str]] = {}
