@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api import json_input
+import api.json_input as json_input
 from api.json_input import MAX_DEPTH
 from runtime.errors import ClientError
 
