@@ -911,6 +911,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="G: each reply's max_tokens, N or LO-HI (default 64)",
     )
     p.add_argument("--rounds", type=int, default=None, help="rounds of all systems (default 2)")
+    p.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="before the first round, run each level once unmeasured so that the "
+                   "GPU's kernels for its shapes are built (see warm_up_pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="extra flags for ours, one string")
     p.add_argument("--mlx-lm-args", default="", help="extra flags for mlx_lm.server, one string")
@@ -970,6 +973,22 @@ def server_command(system: str, model: str, port: int, ns: argparse.Namespace) -
     if ns.prompt_cache_size is not None:
         argv += ["--prompt-cache-size", str(ns.prompt_cache_size)]
     return argv + shlex.split(ns.server_args if system == "ours" else ns.mlx_lm_args)
+
+
+def warm_up_pass(w, builder, warm, ns, model, log_dir, stamp) -> None:
+    """An unmeasured run of this level's shapes (two turns, other prompts), on a server.
+
+    mlx's CUDA backend compiles kernels per kernel and shape the first time any
+    process needs them and keeps them on disk (``MLX_PTX_CACHE_DIR``): on a fresh
+    machine whichever system meets a shape first pays for it, and the first system
+    of a round is always the same one. Ours runs it (its kernels include mlx-lm's),
+    so every measured system finds the level's kernels built."""
+    system = next((s for s in ns.systems if s != "engine"), None)
+    if system is None:
+        return
+    probe = replace(w, turns=min(2, w.turns), seed=w.seed + 7919)
+    progress(f"warm-up pass, {w.sessions} sessions: {system}")
+    run_server(system, model, probe, Prompts(builder, probe), warm, -1, ns, log_dir, stamp)
 
 
 def run_server(
@@ -1083,6 +1102,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in ns.sessions:
                 w = replace(base, sessions=n)
                 prompts = Prompts(builder, w)
+                if rnd == 0 and ns.warm_up_pass:
+                    warm_up_pass(w, builder, warm, ns, model, log_dir, stamp)
                 for system in ns.systems:
                     progress(f"round {rnd + 1}/{ns.rounds}, {n} sessions: {system}")
                     if system == "engine":
