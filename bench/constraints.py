@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -103,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                    *ns.server_args.split()]
     log_path = REPO / "bench" / "results" / "logs" / f"constraints-{time.strftime('%H%M%S')}.log"
     server = ServerProcess("server", argv_server, url, log_path)
-    server.start(cwd=ns.source, env={"PYTHONPATH": ns.source})
+    # The source tree first, then whatever the caller's path already holds (the
+    # device machine's packages live on PYTHONPATH).
+    inherited = os.environ.get("PYTHONPATH")
+    server.start(cwd=ns.source, env={"PYTHONPATH": os.pathsep.join(filter(None, [ns.source, inherited]))})
     builder = PromptBuilder(model)
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
