@@ -21,8 +21,9 @@
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS              a cold prompt alone and in a wave of 8: the server's TTFT
 #                                  against the bare engine's (bench/engine_overhead.py)
-#   interleave=SHAPE:TOKENS[:SYSTEMS]  16 streams while a prompt of TOKENS is prefilled
-#                                  (bench/long_prefill.py), ours and mlx_lm.server
+#   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
+#                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
+#                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py)
@@ -111,9 +112,9 @@ for scenario in "$@"; do
     interleave)
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
-        --systems "${p2:-ours,mlx_lm}" \
+        --systems "${p2:-ours,mlx_lm}" --server-args "${p3:-}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
-        --out "$OUT/interleave-$shape-$p1.json" 2>&1 | tail -6
+        --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
       ;;
     one-client)
       dir=$(model "$shape")
