@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
-from runtime.engine.pacing import MIN_CHUNK, PacedSteps, PrefillPacer
+from runtime.engine.pacing import MIN_CHUNK, PacedSteps, PrefillCostFit, PrefillPacer
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_internals import coming_prefill
 
@@ -49,6 +49,51 @@ def test_the_chunk_takes_about_factor_decode_steps_shared_by_the_prompts():
     # Later observations move the estimates part of the way.
     pacer.observe(0.020, decoding=8, prefill_tokens=0)
     assert 0.010 < pacer.decode_seconds < 0.020
+
+
+def test_a_step_s_fixed_cost_is_told_from_its_cost_per_token():
+    # At a long context a prefill step costs 20 ms whatever its size, plus 10 us a token.
+    pacer = PrefillPacer(1.5, 2048)
+    pacer.observe(0.0065, decoding=16, prefill_tokens=0)
+    for tokens in (64, 128, 64, 256, 128):
+        pacer.observe(0.0065 + 0.020 + 0.00001 * tokens, decoding=16, prefill_tokens=tokens)
+    assert pacer.fixed_seconds == pytest.approx(0.020, rel=1e-6)
+    assert pacer.token_seconds == pytest.approx(0.00001, rel=1e-6)
+    # 1.5 decode steps (9.75 ms) cannot hold the fixed part: the chunk grows until
+    # the work is as large as the fixed part (2,000 tokens), not down to the floor.
+    assert pacer.chunk(decoding=16, prompts=1) == 2000
+    assert pacer.chunk(decoding=16, prompts=4) == 500
+
+
+def test_a_small_fixed_cost_leaves_the_budget_to_the_tokens():
+    pacer = PrefillPacer(1.5, 2048)
+    pacer.observe(0.010, decoding=8, prefill_tokens=0)
+    for tokens in (100, 300, 200, 400):
+        pacer.observe(0.010 + 0.003 + 0.00002 * tokens, decoding=8, prefill_tokens=tokens)
+    # (15 ms - 3 ms) / 20 us = 600 tokens.
+    assert pacer.chunk(decoding=8, prompts=1) == 600
+
+
+def test_steps_of_one_size_over_their_budget_double_the_next_chunk():
+    pacer = PrefillPacer(1.5, 2048)
+    pacer.observe(0.0065, decoding=16, prefill_tokens=0)
+    pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=64)
+    # One size seen: the line is a proportion, which alone would keep the floor.
+    assert pacer.fixed_seconds == 0.0
+    assert pacer.chunk(decoding=16, prompts=1) == 128
+    pacer.observe(0.0065 + 0.0305, decoding=16, prefill_tokens=128)
+    # Two sizes: nearly all of it is fixed, so the chunk grows to the work's size.
+    assert pacer.fixed_seconds == pytest.approx(0.0295, rel=0.05)
+    assert pacer.chunk(decoding=16, prompts=1) == 2048
+
+
+def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
+    fit = PrefillCostFit()
+    assert fit.line() is None
+    fit.add(500, 0.05)
+    fit.add(500, 0.05)
+    fixed, per_token, spread = fit.line()
+    assert (fixed, spread) == (0.0, False) and per_token == pytest.approx(0.0001)
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,18 @@ full ``prefill_step_size``: holding many prompts back to smooth few streams
 costs more waiting than it saves.
 
 It learns both times from the steps it sees: the wall time of steps that only
-decode, and the time per (padded) prompt token of steps that prefill, less
-their decode part (exponential averages: the time per token grows with the
-context). Sans-IO: ``observe`` after each step, ``chunk`` before the next;
-the generator is read and set through ``runtime.mlx_lm_internals``.
+decode, and a prefill's cost as a fixed part per step plus a part per (padded)
+prompt token, less the step's decode part (a least-squares line through the
+recent steps, exponentially weighted: the time per token grows with the
+context). The fixed part matters: at a long context a prefill step of 64
+tokens costs nearly what one of 512 does, so a chunk sized as if all cost were
+per token shrinks to the floor, prefills at a fraction of the engine's speed
+and still stalls the streams. A chunk is never so small that the fixed part
+outweighs the work, and while the steps seen so far all had one size (the
+line cannot be told from a proportion), a step over its budget doubles the
+next chunk, which gives the fit its second point. Sans-IO: ``observe`` after
+each step, ``chunk`` before the next; the generator is read and set through
+``runtime.mlx_lm_internals``.
 
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
@@ -37,13 +45,51 @@ log = logging.getLogger(__name__)
 MIN_CHUNK = 64
 # Weight of the newest observation in the running estimates.
 SMOOTHING = 0.3
+# Weight of the newest prefill step in the fitted line (about the last ten steps).
+FIT_SMOOTHING = 0.1
+# The steps' sizes must spread by this share of their mean for the line's slope to count.
+FIT_SPREAD = 0.2
 # A prompt with at most this many tokens to prefill in all is prefilled in one step.
 SHORT_PROMPT = 512
 
 
+class PrefillCostFit:
+    """A prefill step's seconds as ``fixed + per_token * tokens``: a least-squares line
+    through the recent steps, each weighted ``FIT_SMOOTHING`` more than the one before."""
+
+    def __init__(self, smoothing: float = FIT_SMOOTHING):
+        self._keep = 1 - smoothing
+        self._w = self._t = self._s = self._tt = self._ts = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = self._keep
+        self._w = keep * self._w + 1
+        self._t = keep * self._t + tokens
+        self._s = keep * self._s + seconds
+        self._tt = keep * self._tt + tokens * tokens
+        self._ts = keep * self._ts + tokens * seconds
+
+    def line(self) -> tuple[float, float, bool] | None:
+        """(fixed seconds, seconds per token, whether the steps' sizes spread enough
+        to tell the two apart); None before any step. Without the spread, all the
+        cost is put on the tokens."""
+        if not self._w or not self._t:
+            return None
+        mean_t, mean_s = self._t / self._w, self._s / self._w
+        variance = self._tt / self._w - mean_t * mean_t
+        if variance > (FIT_SPREAD * mean_t) ** 2:
+            slope = (self._ts / self._w - mean_t * mean_s) / variance
+            fixed = mean_s - slope * mean_t
+            if slope > 0 and fixed >= 0:
+                return fixed, slope, True
+            if slope > 0:  # cheaper per step than per token: a proportion through zero
+                return 0.0, self._ts / self._tt, True
+        return 0.0, mean_s / mean_t, False
+
+
 class PrefillPacer:
-    """Running estimates of a decode step's time and a prompt token's, and the chunk
-    they allow.
+    """Running estimates of a decode step's time and a prefill step's (fixed part and
+    per prompt token), and the chunk they allow.
 
     ``factor``: a step's prefill may take this many decode steps' time (0: off,
     every chunk is ``full_chunk``). ``full_chunk``: the configured
@@ -55,17 +101,32 @@ class PrefillPacer:
         self.min_chunk = min(min_chunk, full_chunk)
         self.decode_seconds: float | None = None  # a step that only decodes
         self.token_seconds: float | None = None  # one padded prompt token of a prefill
+        self.fixed_seconds = 0.0  # a prefill step's cost whatever its size
+        self._fit = PrefillCostFit()
+        self._spread = False  # whether the fit has seen steps of different sizes
+        self._over_budget_at: int | None = None  # a lone-size step that ran over: its tokens
 
     def observe(self, seconds: float, *, decoding: int, prefill_tokens: int) -> None:
         """One step took ``seconds`` with ``decoding`` sequences generating and
         ``prefill_tokens`` prompt tokens processed (padding counted)."""
         if decoding and not prefill_tokens:
             self.decode_seconds = _average(self.decode_seconds, seconds)
-        elif prefill_tokens:
-            decode_part = (self.decode_seconds or 0.0) if decoding else 0.0
-            if seconds > decode_part:
-                per_token = (seconds - decode_part) / prefill_tokens
-                self.token_seconds = _average(self.token_seconds, per_token)
+            return
+        if not prefill_tokens:
+            return
+        decode_part = (self.decode_seconds or 0.0) if decoding else 0.0
+        if seconds <= decode_part:
+            return
+        prefill = seconds - decode_part
+        self._fit.add(prefill_tokens, prefill)
+        self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
+        over = (
+            not self._spread
+            and decoding
+            and self.decode_seconds is not None
+            and prefill > self.factor * self.decode_seconds
+        )
+        self._over_budget_at = prefill_tokens if over else None
 
     def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
@@ -80,8 +141,13 @@ class PrefillPacer:
             or not self.token_seconds
         ):
             return self.full_chunk
-        tokens = self.factor * self.decode_seconds / self.token_seconds
+        budget = self.factor * self.decode_seconds
+        tokens = (budget - self.fixed_seconds) / self.token_seconds
+        # The fixed part is paid whatever the chunk: never let it outweigh the work.
+        tokens = max(tokens, self.fixed_seconds / self.token_seconds)
         paced = max(self.min_chunk, int(tokens / prompts))
+        if self._over_budget_at is not None:  # one size seen, and over: try twice it
+            paced = max(paced, 2 * self._over_budget_at // prompts)
         return min(self.full_chunk, max(paced, short))
 
 
