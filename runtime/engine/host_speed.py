@@ -9,8 +9,10 @@ engines measures that unless it knows it. ``cpu_probe_us`` times the loop once;
 ``epoch_seconds probe_us`` lines (``PROBE_ENV`` names the file; unset, the
 engine does nothing of this). ``ProbeLog.trace_steps`` also times the engine
 core's steps and commands into ``PATH-steps.PID``: ``S began ended tokens
-finished prompts started next_ms`` per step (``prompts``: prompts it prefilled;
-``next_ms``: of the step, the time inside the batch generator's ``next``) and
+finished prompts started next_ms progress`` per step (``prompts``: prompts it
+prefilled; ``next_ms``: of the step, the time inside the batch generator's
+``next``; ``progress``: ``id:done/total`` of each prompt it prefilled, comma
+separated, or ``-``) and
 ``C epoch kind request_id`` per command. Emits nothing else.
 """
 
@@ -79,9 +81,10 @@ class ProbeLog:
             outputs = step()
             finished = sum(1 for e in outputs.tokens if e.finish_reason is not None)
             prompts = len({p.request_id for p in outputs.progress})
+            progress = ",".join(f"{p.request_id}:{p.done}/{p.total}" for p in outputs.progress)
             self._steps.append(
                 f"S {began:.4f} {time.time():.4f} {len(outputs.tokens)} {finished} "
-                f"{prompts} {len(outputs.started)} {1000 * inside[0]:.2f}\n"
+                f"{prompts} {len(outputs.started)} {1000 * inside[0]:.2f} {progress or '-'}\n"
             )
             return outputs
 
