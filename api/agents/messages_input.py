@@ -169,7 +169,25 @@ def template_args(req: CountTokensRequest, config: ServerConfig) -> dict[str, An
     args = dict(config.chat_template_args)
     if req.thinking is not None:
         args["enable_thinking"] = req.thinking.type != "disabled"
+        effort = thinking_effort(req.thinking.type, req.thinking.budget_tokens)
+        if effort is not None:
+            args["reasoning_effort"] = effort
     return args
+
+
+# A thinking budget's reasoning level, for templates that take one (gpt-oss):
+# below the first bound "low", below the second "medium", else "high".
+THINKING_BUDGET_BOUNDS = (4096, 16384)
+
+
+def thinking_effort(kind: str, budget_tokens: int | None) -> str | None:
+    """The ``reasoning_effort`` that Messages' ``thinking`` asks for (None: the template's own)."""
+    if kind == "disabled":
+        return "low"
+    if kind != "enabled" or budget_tokens is None:
+        return None
+    low, medium = THINKING_BUDGET_BOUNDS
+    return "low" if budget_tokens < low else "medium" if budget_tokens < medium else "high"
 
 
 def chat_turn(req: MessagesRequest, config: ServerConfig) -> ChatTurn:
