@@ -124,7 +124,7 @@ class RequestText:
         """Feed one token. Returns (pieces in text order, stop string hit).
 
         Each piece is ("content" | "reasoning" | "tool", text); a "tool" piece is
-        one whole tool-call block; a ("call", ToolCall) piece is a Harmony call.
+        one whole tool-call block; a ("call", ToolCall) piece is a part of a Harmony call.
         """
         self.completion_tokens += 1
         if final == FinishReason.STOP:
@@ -173,19 +173,27 @@ class RequestText:
         return pieces
 
     def _harmony_pieces(self, text: str, *, end: bool) -> list[tuple[str, Any]]:
+        """Harmony's events as pieces; a tool call streams as ("call", ToolCall) parts:
+        the first names it, the later ones carry its arguments piece by piece."""
         events = self._harmony.feed(text) if text else []
         if end:
             events += self._harmony.finish()
         pieces: list[tuple[str, Any]] = []
         for event in events:
             if event.kind == "tool_name":
-                self._call = [event.text, ""]
-            elif event.kind == "tool_arguments" and self._call is not None:
-                self._call[1] += event.text
-            elif event.kind == "tool_end" and self._call is not None:
-                name, arguments = self._call
-                self._call = None
-                pieces.append(_harmony_call(name, arguments))
+                self._call = [f"call_{uuid.uuid4().hex[:24]}", ""]
+                pieces.append(("call", ToolCall(name=event.text, arguments="", id=self._call[0])))
+            elif event.kind in ("tool_arguments", "tool_end") and self._call is not None:
+                call_id, so_far = self._call
+                piece = event.text
+                if event.kind == "tool_end":
+                    self._call = None
+                    piece = "" if so_far.strip() else "{}"  # a call without arguments
+                    _check_arguments(so_far)
+                else:
+                    self._call[1] += piece
+                if piece:
+                    pieces.append(("call", ToolCall(name="", arguments=piece, id=call_id)))
             elif event.text:
                 pieces.append((event.kind, event.text))
         return pieces
@@ -301,7 +309,12 @@ class DetokenizerCore:
         tool_calls: list[ToolCall] = []
         for kind, piece in pieces:
             if kind == "call":
-                tool_calls.append(piece)
+                last = tool_calls[-1] if tool_calls else None
+                if last is not None and last.id == piece.id:  # two parts of one call: joined
+                    piece = attrs.evolve(last, arguments=last.arguments + piece.arguments)
+                    tool_calls[-1] = piece
+                else:
+                    tool_calls.append(piece)
             elif kind == "tool":
                 calls = self._parse_tool(text.tokenizer, piece, text.spec.tools)
                 if calls is None:
@@ -381,18 +394,15 @@ def _tool_call(parsed: Any) -> ToolCall:
     )
 
 
-def _harmony_call(name: str, arguments: str) -> tuple[str, Any]:
-    """A finished Harmony tool call as a piece: ("call", ToolCall), or its text as
-    content when the arguments are not a JSON object."""
-    arguments = arguments.strip() or "{}"
+def _check_arguments(arguments: str) -> None:
+    """A streamed call's arguments, once whole: already sent, so only logged when not
+    a JSON object."""
     try:
-        valid = isinstance(json.loads(arguments), dict)
+        valid = not arguments.strip() or isinstance(json.loads(arguments), dict)
     except ValueError:
         valid = False
-    if not name or not valid:
-        log.warning("Harmony tool call %r not parsed (arguments not a JSON object)", name)
-        return ("content", arguments)
-    return ("call", ToolCall(name=name, arguments=arguments, id=f"call_{uuid.uuid4().hex[:24]}"))
+    if not valid:
+        log.warning("tool call arguments are not a JSON object: %.200r", arguments)
 
 
 def _make_state_machine(tokenizer) -> TextStateMachine:

@@ -16,14 +16,14 @@ tool result is in the conversation, ``<|answer|>`` otherwise, and the chains
 are
 
     <|think|>  -> <|channel|> -> analysis -> <|message|> -> THOUGHTS -> <|end|>
-               -> <|start|> -> CALL_HEADER -> ARGUMENTS -> <|call|>
+               -> <|start|> -> CALL_HEADER -> ARGS_1 -> ARGS_2 -> <|call|>
     <|answer|> -> FINAL_HEADER -> ANSWER -> <|return|>
 
 where CALL_HEADER is one added token whose text is
 ``assistant to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>``,
 FINAL_HEADER one whose text is ``<|channel|>final<|message|>`` (each token of
-a chain must be new in it), and THOUGHTS, ARGUMENTS and ANSWER added tokens
-holding the whole texts. The decoded output is plain Harmony.
+a chain must be new in it), THOUGHTS and ANSWER added tokens holding the
+whole texts, and ARGS_1, ARGS_2 the two halves of the call's JSON arguments. The decoded output is plain Harmony.
 """
 
 from __future__ import annotations
@@ -191,11 +191,13 @@ def build_scripted_gpt_oss(
                    "<|constrain|>json<|message|>")
     final_header = "<|channel|>final<|message|>"
     arguments = json.dumps(call["arguments"])
-    texts = ["analysis", thoughts, call_header, arguments, final_header, answer]
+    half = len(arguments) // 2  # two tokens: the call streams in parts
+    texts = ["analysis", thoughts, call_header, arguments[:half], arguments[half:], final_header,
+             answer]
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in texts])
     ids = {t: tokenizer.token_to_id(t) for t in HARMONY_SPECIAL + TRIGGERS + texts}
     chain = ["<|think|>", "<|channel|>", "analysis", "<|message|>", thoughts, "<|end|>",
-             "<|start|>", call_header, arguments, "<|call|>"]
+             "<|start|>", call_header, arguments[:half], arguments[half:], "<|call|>"]
     answer_chain = ["<|answer|>", final_header, answer, "<|return|>"]
     edges = list(zip(chain, chain[1:], strict=False))
     edges += list(zip(answer_chain, answer_chain[1:], strict=False))
