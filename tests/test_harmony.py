@@ -298,3 +298,24 @@ def test_a_call_without_arguments_gets_an_empty_object(gpt_oss):
     parts = [c for d in deltas for c in d.tool_calls]
     assert [(p.name, p.arguments) for p in parts] == [("f", ""), ("", "{}")]
     assert finished.finish_reason == "tool_calls"
+
+
+def test_messages_thinking_and_output_effort_become_a_reasoning_level():
+    from api.agents.messages_input import template_args
+    from api.agents.messages_schema import CountTokensRequest
+    from api.convert import structure_or_400
+    from runtime.config import ServerConfig
+
+    def effort(**fields):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        req = structure_or_400(body, CountTokensRequest)
+        return template_args(req, ServerConfig()).get("reasoning_effort")
+
+    assert effort() is None
+    assert effort(thinking={"type": "disabled"}) == "low"
+    assert effort(thinking={"type": "adaptive"}) is None
+    assert [effort(thinking={"type": "enabled", "budget_tokens": b}) for b in (1024, 8000, 20000)] == [
+        "low", "medium", "high"]
+    assert effort(thinking={"type": "enabled", "budget_tokens": 1024},
+                  output_config={"effort": "max"}) == "high"
+    assert effort(output_config={"effort": "whatever"}) is None

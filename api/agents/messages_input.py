@@ -7,8 +7,9 @@ Receives a validated ``MessagesRequest`` or ``CountTokensRequest``
 assistant message with ``reasoning_content`` and ``tool_calls``,
 ``tool_result`` blocks as ``tool`` messages in place, tools with
 ``input_schema`` as chat-completions function tools, ``tool_choice`` in the
-chat-completions form (enforced: ``api.structured``), and ``thinking`` as the chat template's
-``enable_thinking``. A block it cannot serve is a ``ClientError`` naming it
+chat-completions form (enforced: ``api.structured``), ``thinking`` as the chat template's
+``enable_thinking`` and, with ``output_config.effort``, its ``reasoning_effort``
+(gpt-oss's level). A block it cannot serve is a ``ClientError`` naming it
 (``messages[0].content[1].type``).
 """
 
@@ -172,7 +173,14 @@ def template_args(req: CountTokensRequest, config: ServerConfig) -> dict[str, An
         effort = thinking_effort(req.thinking.type, req.thinking.budget_tokens)
         if effort is not None:
             args["reasoning_effort"] = effort
+    effort = req.output_config.effort if req.output_config else None
+    if effort in OUTPUT_EFFORTS:
+        args["reasoning_effort"] = OUTPUT_EFFORTS[effort]
     return args
+
+
+# ``output_config.effort`` as a reasoning level (it wins over the thinking budget's).
+OUTPUT_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 
 
 # A thinking budget's reasoning level, for templates that take one (gpt-oss):
