@@ -2,8 +2,11 @@
 
 Owns one ``RequestText`` per open request: mlx-lm's streaming detokenizer
 (one per request: ``TokenizerWrapper.detokenizer`` builds a fresh one on each
-access), the stop-string matcher, and mlx-lm's ``TextStateMachine`` state that
-splits the text into normal / reasoning / tool segments.
+access), the stop-string matcher, and what splits the text into content,
+reasoning and tool calls: mlx-lm's ``TextStateMachine`` state (its
+tokenizer's think and tool-call markers, calls parsed by its tool parser),
+or for a gpt-oss model a ``runtime.harmony.HarmonyParser`` (channels and
+recipients).
 
 Receives ``StepOutputs`` (all sequences of one engine step at once) from the
 Scheduler. Emits into each request's ``Outbox``: ``Progress``, merged
@@ -29,6 +32,7 @@ import trio
 from mlx_lm.generate import TextStateMachine
 
 from runtime.errors import RESTART_RETRY_AFTER, Unavailable
+from runtime.harmony import HarmonyParser, is_harmony_tokenizer
 from runtime.messages import (
     CacheMissReason,
     Failed,
@@ -91,14 +95,23 @@ class StopMatcher:
 class RequestText:
     """One request's text pipeline: tokens -> raw text -> stop check -> segments."""
 
-    def __init__(self, spec: TextSpec, tokenizer, state_machine: TextStateMachine | None):
+    def __init__(
+        self,
+        spec: TextSpec,
+        tokenizer,
+        state_machine: TextStateMachine | None,
+        *,
+        harmony: bool = False,
+    ):
         self.spec = spec
         self.tokenizer = tokenizer
         self._detok = tokenizer.detokenizer  # a new stateful object on every access
         if not spec.markup:
             keep_leading_space(self._detok)
         self._stops = StopMatcher(spec.stop)
-        self._sm = state_machine if spec.markup else None
+        self._sm = state_machine if spec.markup and not harmony else None
+        self._harmony = HarmonyParser() if spec.markup and harmony else None
+        self._call: list[str] | None = None  # a Harmony tool call's name and arguments so far
         self._sm_state = self._sm.make_state(spec.initial_state) if self._sm else None
         self._prev_state = spec.initial_state
         self._tool_text = ""
@@ -111,7 +124,7 @@ class RequestText:
         """Feed one token. Returns (pieces in text order, stop string hit).
 
         Each piece is ("content" | "reasoning" | "tool", text); a "tool" piece is
-        one whole tool-call block.
+        one whole tool-call block; a ("call", ToolCall) piece is a part of a Harmony call.
         """
         self.completion_tokens += 1
         if final == FinishReason.STOP:
@@ -134,7 +147,9 @@ class RequestText:
         """Everything held back (a possible stop-string or marker prefix), as pieces."""
         return self._segment(self._stops.flush(), end=True)
 
-    def _segment(self, text: str, *, end: bool) -> list[tuple[str, str]]:
+    def _segment(self, text: str, *, end: bool) -> list[tuple[str, Any]]:
+        if self._harmony is not None:
+            return self._harmony_pieces(text, end=end)
         if self._sm is None:
             return [("content", text)] if text else []
         self._sm_state, segments = TextStateMachine.split(self._sm_state, text)
@@ -157,6 +172,32 @@ class RequestText:
             self._tool_text = ""
         return pieces
 
+    def _harmony_pieces(self, text: str, *, end: bool) -> list[tuple[str, Any]]:
+        """Harmony's events as pieces; a tool call streams as ("call", ToolCall) parts:
+        the first names it, the later ones carry its arguments piece by piece."""
+        events = self._harmony.feed(text) if text else []
+        if end:
+            events += self._harmony.finish()
+        pieces: list[tuple[str, Any]] = []
+        for event in events:
+            if event.kind == "tool_name":
+                self._call = [f"call_{uuid.uuid4().hex[:24]}", ""]
+                pieces.append(("call", ToolCall(name=event.text, arguments="", id=self._call[0])))
+            elif event.kind in ("tool_arguments", "tool_end") and self._call is not None:
+                call_id, so_far = self._call
+                piece = event.text
+                if event.kind == "tool_end":
+                    self._call = None
+                    piece = "" if so_far.strip() else "{}"  # a call without arguments
+                    _check_arguments(so_far)
+                else:
+                    self._call[1] += piece
+                if piece:
+                    pieces.append(("call", ToolCall(name="", arguments=piece, id=call_id)))
+            elif event.text:
+                pieces.append((event.kind, event.text))
+        return pieces
+
 
 class DetokenizerCore:
     """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step.
@@ -168,26 +209,28 @@ class DetokenizerCore:
     def __init__(self, *, withdraw: Callable[[int], None]):
         self._withdraw = withdraw
         self._requests: dict[int, tuple[RequestText, Outbox]] = {}
-        self._per_tokenizer: dict[int, tuple[Any, TextStateMachine]] = {}
+        self._per_tokenizer: dict[int, tuple[Any, TextStateMachine, bool]] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
 
     def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer) -> None:
+        state_machine, harmony = self._splitter(tokenizer)
         self._requests[request_id] = (
-            RequestText(spec, tokenizer, self._state_machine(tokenizer)),
+            RequestText(spec, tokenizer, state_machine, harmony=harmony),
             outbox,
         )
 
-    def _state_machine(self, tokenizer) -> TextStateMachine:
-        """One per tokenizer (its markers); the last few tokenizers are remembered."""
+    def _splitter(self, tokenizer) -> tuple[TextStateMachine, bool]:
+        """One state machine per tokenizer (its markers), and whether it speaks Harmony;
+        the last few tokenizers are remembered."""
         entry = self._per_tokenizer.get(id(tokenizer))
         if entry is None or entry[0] is not tokenizer:
             if len(self._per_tokenizer) >= 4:
                 self._per_tokenizer.pop(next(iter(self._per_tokenizer)))
-            entry = (tokenizer, _make_state_machine(tokenizer))
+            entry = (tokenizer, _make_state_machine(tokenizer), is_harmony_tokenizer(tokenizer))
             self._per_tokenizer[id(tokenizer)] = entry
-        return entry[1]
+        return entry[1], entry[2]
 
     def close(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -265,7 +308,14 @@ class DetokenizerCore:
         reasoning: list[str] = []
         tool_calls: list[ToolCall] = []
         for kind, piece in pieces:
-            if kind == "tool":
+            if kind == "call":
+                last = tool_calls[-1] if tool_calls else None
+                if last is not None and last.id == piece.id:  # two parts of one call: joined
+                    piece = attrs.evolve(last, arguments=last.arguments + piece.arguments)
+                    tool_calls[-1] = piece
+                else:
+                    tool_calls.append(piece)
+            elif kind == "tool":
                 calls = self._parse_tool(text.tokenizer, piece, text.spec.tools)
                 if calls is None:
                     content.append(piece)  # rejected by the parser: returned as text
@@ -342,6 +392,17 @@ def _tool_call(parsed: Any) -> ToolCall:
         arguments=arguments,
         id=str(parsed.get("id") or f"call_{uuid.uuid4().hex[:24]}"),
     )
+
+
+def _check_arguments(arguments: str) -> None:
+    """A streamed call's arguments, once whole: already sent, so only logged when not
+    a JSON object."""
+    try:
+        valid = not arguments.strip() or isinstance(json.loads(arguments), dict)
+    except ValueError:
+        valid = False
+    if not valid:
+        log.warning("tool call arguments are not a JSON object: %.200r", arguments)
 
 
 def _make_state_machine(tokenizer) -> TextStateMachine:

@@ -55,15 +55,15 @@ class UsageOut:
 
 @attrs.frozen(kw_only=True)
 class FunctionOut:
-    name: str
     arguments: str
+    name: str | None = None  # None on a streamed call's later chunks
 
 
 @attrs.frozen(kw_only=True)
 class ToolCallOut:
-    id: str
-    type: str
     function: FunctionOut
+    id: str | None = None  # None on a streamed call's later chunks
+    type: str | None = None
     index: int | None = None
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import trio
 from quart import Response, current_app
@@ -175,6 +176,18 @@ async def generate(
     usage = terminal.usage
     header = prompt_cache_header(usage.cached_tokens, usage.cache_miss_reason)
     return json_response(body, headers={PROMPT_CACHE_HEADER: header})
+
+
+def effort_template_args(effort: str | None) -> dict[str, Any]:
+    """Chat-template arguments for OpenAI's reasoning effort: the level as
+    ``reasoning_effort`` (gpt-oss's template reads it), and for "none" thinking
+    turned off as well (``enable_thinking``, which Qwen-style templates read)."""
+    if effort is None:
+        return {}
+    args: dict[str, Any] = {"reasoning_effort": effort}
+    if effort == "none":
+        args["enable_thinking"] = False
+    return args
 
 
 def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:

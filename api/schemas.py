@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from api.constraints import (
+    REASONING_EFFORT,
     STOP_SEQUENCES,
     TEMPERATURE,
     TIMEOUT,
@@ -71,6 +72,9 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's thinking, as this server returns it (both names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +215,7 @@ class ChatCompletionRequest(GenerationFields):
         },
     )
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = constrained_by(REASONING_EFFORT)
     chat_template_kwargs: dict[str, Any] | None = None
     role_mapping: dict[str, str] | None = None
 

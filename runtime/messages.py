@@ -429,8 +429,8 @@ class PromptCacheOutlook:
 
 @attrs.frozen(kw_only=True)
 class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    name: str  # "" on the later parts of a call streamed in parts (which share its id)
+    arguments: str  # JSON text, as OpenAI sends it (of a part: the next piece of it)
     id: str
 
 

@@ -1,7 +1,7 @@
 """Turning a validated request into prompt tokens (no MLX: any thread).
 
 Receives plain chat messages (content already a string, tool-call arguments
-already objects) or a text prompt; returns a ``PreparedPrompt`` with the
+already objects; for a gpt-oss model reshaped by ``runtime.harmony``) or a text prompt; returns a ``PreparedPrompt`` with the
 tokens, the prompt cache's segment plan, the text state the model starts
 in (inside a thinking block or not), and for chat the keys the prompt cache's
 miss explanation compares (``template_key``, ``conversation_keys``). Runs in a worker thread
@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.errors import ClientError
+from runtime.harmony import harmony_effort, harmony_messages, is_harmony_tokenizer
 from runtime.messages import PreparedPrompt, SegmentPlan
 from runtime.mlx_lm_internals import convert_chat
 from runtime.tokenizing import encode
@@ -186,6 +187,10 @@ def prepare_chat(
     # A client's chat_template_kwargs shape the rendering, never the call itself.
     kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
+    if is_harmony_tokenizer(tokenizer):  # gpt-oss: its template's shape and levels
+        messages = harmony_messages(messages)
+        if "reasoning_effort" in kwargs:
+            kwargs["reasoning_effort"] = harmony_effort(kwargs["reasoning_effort"])
     try:
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs

@@ -46,11 +46,28 @@ def test_blocks_in_output_order_with_whitespace_trimmed():
     assert kinds == [
         ("Opened", 0, "reasoning"), ("Appended", 0, "reasoning"), ("Appended", 0, "reasoning"),
         ("Closed", 0, "reasoning"), ("Opened", 1, "text"), ("Appended", 1, "text"),
-        ("Closed", 1, "text"), ("Opened", 2, "tool"), ("Closed", 2, "tool"),
+        ("Closed", 1, "text"), ("Opened", 2, "tool"), ("Appended", 2, "tool"),
+        ("Closed", 2, "tool"),
     ]
     assert [b.text for b in assembler.blocks[:2]] == ["47 + 85 = 132", "132"]
     assert assembler.blocks[2].call == call
     assert all(b.closed for b in assembler.blocks)
+
+
+def test_a_call_streamed_in_parts_is_one_block_that_grows():
+    parts = [ToolCall(name="get_weather", arguments="", id="call_1"),
+             ToolCall(name="", arguments='{"city": ', id="call_1"),
+             ToolCall(name="", arguments='"Oslo"}', id="call_1"),
+             ToolCall(name="get_time", arguments="{}", id="call_2")]
+    assembler, events = _feed_all([Delta(reasoning="think", tool_calls=tuple(parts[:2])),
+                                   Delta(tool_calls=tuple(parts[2:]))])
+    kinds = [(type(e).__name__, e.block.index) for e in events if e.block.kind == "tool"]
+    assert kinds == [("Opened", 1), ("Appended", 1), ("Appended", 1), ("Closed", 1),
+                     ("Opened", 2), ("Appended", 2), ("Closed", 2)]
+    assert [e.text for e in events if isinstance(e, Appended) and e.block.index == 1] == [
+        '{"city": ', '"Oslo"}']
+    assert [b.call for b in assembler.blocks[1:]] == [
+        ToolCall(name="get_weather", arguments='{"city": "Oslo"}', id="call_1"), parts[3]]
 
 
 def test_whitespace_only_text_before_a_tool_call_makes_no_block():

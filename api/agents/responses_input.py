@@ -31,7 +31,7 @@ from api.agents.responses_schema import (
     ResponsesRequest,
     TextConfigIn,
 )
-from api.generation import sampling_params
+from api.generation import effort_template_args, sampling_params
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
@@ -244,8 +244,7 @@ def prepare_request(
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     tools, namespaces = chat_tools(req.tools)
     template_args = dict(config.chat_template_args)
-    if req.reasoning is not None and req.reasoning.effort == "none":
-        template_args["enable_thinking"] = False
+    template_args.update(effort_template_args(req.reasoning.effort if req.reasoning else None))
     template_args.update(req.chat_template_kwargs or {})
     turn = ChatTurn(
         messages=merge_leading_system(messages + history),

@@ -20,7 +20,7 @@ from actors.system import Runtime
 from api.cache_scope import prompt_cache_scope
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
-from api.generation import deadline, generate, sampling_params
+from api.generation import deadline, effort_template_args, generate, sampling_params
 from api.http import fingerprint, read_json, small_body
 from api.json_input import loads as load_json
 from api.renderers import ChatRenderer, TextRenderer
@@ -39,6 +39,9 @@ def plain_message(message: ChatMessage, where: str = "messages") -> dict[str, An
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and message.role == "assistant":  # a past turn's thinking, as templates read it
+        out["reasoning_content"] = reasoning
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
@@ -73,7 +76,11 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     async def chat_completions():
         req = structure_or_400(await read_json(), ChatCompletionRequest)
         messages = [plain_message(m, f"messages[{i}]") for i, m in enumerate(req.messages)]
-        template_args = {**config.chat_template_args, **(req.chat_template_kwargs or {})}
+        template_args = {
+            **config.chat_template_args,
+            **effort_template_args(req.reasoning_effort),
+            **(req.chat_template_kwargs or {}),
+        }
         prepare = functools.partial(
             _prepare_chat,
             messages=messages,

@@ -32,6 +32,7 @@ from runtime.engine.pacing import PacedSteps, PrefillPacer
 from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
+from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
 from runtime.messages import ModelHandle
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
@@ -135,6 +136,9 @@ def _tokenizer_config(config: ServerConfig) -> dict:
 def _finish_tokenizer(config: ServerConfig, tokenizer) -> None:
     if config.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
+    if is_harmony_tokenizer(tokenizer):  # gpt-oss: <|return|> and <|call|> end a reply
+        for token_id in harmony_stop_ids(tokenizer):
+            tokenizer.add_eos_token(token_id)
 
 
 def load_tokenizer(config: ServerConfig, model_path: str, eos_token_ids) -> object:
