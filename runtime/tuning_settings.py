@@ -86,9 +86,11 @@ class TuningSettings:
         ours=True,
         notes="A long prompt arriving while others stream would otherwise hold every one of "
         "their tokens back for a whole chunk (2,048 tokens of prefill per prompt). The engine "
-        "learns a decode step's time and a prompt token's from the steps it runs and sizes "
-        "the chunk so that the time between the others' tokens stays within about one plus "
-        "this factor decode steps; with nothing decoding, chunks are full. Raise it (or 0) "
+        "learns a decode step's time, and a prefill step's fixed cost and cost per token, from "
+        "the steps it runs and sizes the chunk so that the time between the others' tokens "
+        "stays within about one plus this factor decode steps; where a prefill step's fixed "
+        "cost alone is longer than that (long contexts on a GPU), chunks carry at least the "
+        "fixed cost's worth of tokens; with nothing decoding, chunks are full. Raise it (or 0) "
         "for faster prefills under load at the cost of the others' smoothness "
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,

@@ -17,15 +17,15 @@ costs more waiting than it saves.
 
 It learns both times from the steps it sees: the wall time of steps that only
 decode, and a prefill's cost as a fixed part per step plus a part per (padded)
-prompt token, less the step's decode part (a least-squares line through the
-recent steps, exponentially weighted: the time per token grows with the
-context). The fixed part matters: at a long context a prefill step of 64
+prompt token, less the step's decode part (a line through the recent steps,
+fitted by medians: the time per token grows with the context, and single steps
+run several times long). The fixed part matters: at a long context a prefill step of 64
 tokens costs nearly what one of 512 does, so a chunk sized as if all cost were
 per token shrinks to the floor, prefills at a fraction of the engine's speed
 and still stalls the streams. A chunk is never so small that the fixed part
 outweighs the work, and while the steps seen so far all had one size (the
-line cannot be told from a proportion), a step over its budget doubles the
-next chunk, which gives the fit its second point. Sans-IO: ``observe`` after
+line cannot be told from a proportion), the next chunk takes another size
+(twice it, or half a full one), which gives the fit its second point. Sans-IO: ``observe`` after
 each step, ``chunk`` before the next; the generator is read and set through
 ``runtime.mlx_lm_internals``.
 
@@ -37,7 +37,9 @@ is not held behind a long prompt's paced chunks.
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 
 log = logging.getLogger(__name__)
 
@@ -45,46 +47,49 @@ log = logging.getLogger(__name__)
 MIN_CHUNK = 64
 # Weight of the newest observation in the running estimates.
 SMOOTHING = 0.3
-# Weight of the newest prefill step in the fitted line (about the last ten steps).
-FIT_SMOOTHING = 0.1
-# The steps' sizes must spread by this share of their mean for the line's slope to count.
+# Prefill steps the fitted line goes through (the newest; the time per token
+# grows with the context, so old steps say little).
+FIT_STEPS = 16
+# Two steps' sizes must differ by this share of the larger for their slope to count.
 FIT_SPREAD = 0.2
 # A prompt with at most this many tokens to prefill in all is prefilled in one step.
 SHORT_PROMPT = 512
 
 
 class PrefillCostFit:
-    """A prefill step's seconds as ``fixed + per_token * tokens``: a least-squares line
-    through the recent steps, each weighted ``FIT_SMOOTHING`` more than the one before."""
+    """A prefill step's seconds as ``fixed + per_token * tokens``, through the last
+    ``FIT_STEPS`` prefill steps: the median of the slopes between pairs of steps of
+    different sizes (Theil-Sen), and the median intercept under it. Medians, because a
+    step's time has outliers that a least-squares line follows: a step that meets a
+    new attention shape costs several times its neighbours."""
 
-    def __init__(self, smoothing: float = FIT_SMOOTHING):
-        self._keep = 1 - smoothing
-        self._w = self._t = self._s = self._tt = self._ts = 0.0
+    def __init__(self, steps: int = FIT_STEPS):
+        self._points: collections.deque[tuple[int, float]] = collections.deque(maxlen=steps)
 
     def add(self, tokens: int, seconds: float) -> None:
-        keep = self._keep
-        self._w = keep * self._w + 1
-        self._t = keep * self._t + tokens
-        self._s = keep * self._s + seconds
-        self._tt = keep * self._tt + tokens * tokens
-        self._ts = keep * self._ts + tokens * seconds
+        self._points.append((tokens, seconds))
 
     def line(self) -> tuple[float, float, bool] | None:
-        """(fixed seconds, seconds per token, whether the steps' sizes spread enough
-        to tell the two apart); None before any step. Without the spread, all the
-        cost is put on the tokens."""
-        if not self._w or not self._t:
+        """(fixed seconds, seconds per token, whether the steps' sizes differ enough to
+        tell the two apart); None before any step. Without that spread, all the cost
+        is put on the tokens."""
+        points = self._points
+        if not points:
             return None
-        mean_t, mean_s = self._t / self._w, self._s / self._w
-        variance = self._tt / self._w - mean_t * mean_t
-        if variance > (FIT_SPREAD * mean_t) ** 2:
-            slope = (self._ts / self._w - mean_t * mean_s) / variance
-            fixed = mean_s - slope * mean_t
-            if slope > 0 and fixed >= 0:
-                return fixed, slope, True
-            if slope > 0:  # cheaper per step than per token: a proportion through zero
-                return 0.0, self._ts / self._tt, True
-        return 0.0, mean_s / mean_t, False
+        slopes = [
+            (s2 - s1) / (t2 - t1)
+            for i, (t1, s1) in enumerate(points)
+            for t2, s2 in list(points)[i + 1 :]
+            if abs(t2 - t1) >= FIT_SPREAD * max(t1, t2)
+        ]
+        if slopes:
+            slope = statistics.median(slopes)
+            if slope > 0:
+                fixed = statistics.median(s - slope * t for t, s in points)
+                if fixed >= 0:
+                    return fixed, slope, True
+                return 0.0, statistics.median(s / t for t, s in points), True
+        return 0.0, statistics.median(s / t for t, s in points), False
 
 
 class PrefillPacer:
@@ -104,7 +109,7 @@ class PrefillPacer:
         self.fixed_seconds = 0.0  # a prefill step's cost whatever its size
         self._fit = PrefillCostFit()
         self._spread = False  # whether the fit has seen steps of different sizes
-        self._over_budget_at: int | None = None  # a lone-size step that ran over: its tokens
+        self._lone_size: int | None = None  # the one size seen, while there is only one
 
     def observe(self, seconds: float, *, decoding: int, prefill_tokens: int) -> None:
         """One step took ``seconds`` with ``decoding`` sequences generating and
@@ -120,13 +125,7 @@ class PrefillPacer:
         prefill = seconds - decode_part
         self._fit.add(prefill_tokens, prefill)
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
-        over = (
-            not self._spread
-            and decoding
-            and self.decode_seconds is not None
-            and prefill > self.factor * self.decode_seconds
-        )
-        self._over_budget_at = prefill_tokens if over else None
+        self._lone_size = None if self._spread else prefill_tokens
 
     def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
@@ -145,9 +144,11 @@ class PrefillPacer:
         tokens = (budget - self.fixed_seconds) / self.token_seconds
         # The fixed part is paid whatever the chunk: never let it outweigh the work.
         tokens = max(tokens, self.fixed_seconds / self.token_seconds)
-        paced = max(self.min_chunk, int(tokens / prompts))
-        if self._over_budget_at is not None:  # one size seen, and over: try twice it
-            paced = max(paced, 2 * self._over_budget_at // prompts)
+        paced = min(self.full_chunk, max(self.min_chunk, int(tokens / prompts)))
+        lone = self._lone_size
+        if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
+            # Only this size seen: a step of another gives the line its second point.
+            paced = 2 * paced if 2 * paced <= self.full_chunk else paced // 2
         return min(self.full_chunk, max(paced, short))
 
 
