@@ -14,7 +14,7 @@ import pytest
 
 from actors.scheduler import SchedulerCore
 from runtime.engine.core import EngineCore
-from runtime.messages import Abort, SamplingParams, StepOutputs
+from runtime.messages import Abort, AbortReason, SamplingParams, StepOutputs
 from tests.fakes import FakeKVCache, scripted_token
 from tests.test_properties_scheduler import VOCAB, Ledger, engine_with_fake, make_submit
 
@@ -139,7 +139,7 @@ def test_the_scheduler_gives_each_choice_a_slot_and_a_share_of_the_reservation()
     core.admit(big)
     assert core.to_start() == []  # 6 choices: more than the slots, so it waits for an empty engine
     for request_id in (1, 3, 4, 5):
-        core.withdraw(request_id)
+        core.abort(request_id, AbortReason.CLOSED)
     assert core.to_start() == [big] and len(core.in_engine) == 6
 
 

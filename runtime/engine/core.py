@@ -49,12 +49,12 @@ from runtime.engine.sequences import (
     uncached_segments,
 )
 from runtime.engine.shared_prefill import SharedPrefills, save_points
+from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
     EngineCommand,
     EngineStats,
     EvictCache,
-    ModelHandle,
     PromptProgress,
     SequenceAborted,
     SequenceFailed,
@@ -73,7 +73,7 @@ class EngineCore:
 
     def __init__(
         self,
-        handle: ModelHandle,
+        handle: LoadedModel,
         *,
         batch_generator_factory: Callable[[], Any],
         prompt_cache: Any,
