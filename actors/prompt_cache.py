@@ -256,7 +256,7 @@ class PromptCachePolicy:
         return outlook
 
     def close(self, request_id: int) -> None:
-        """The request's Session left. One that never started (withdrawn while it
+        """The request's Session left. One that never started (aborted while it
         waited, or about to start) is kept a while for a late ``SequenceStarted``."""
         request = self._requests.get(request_id)
         if request is None:

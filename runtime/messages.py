@@ -179,7 +179,7 @@ class Abort:
 
 @attrs.frozen(kw_only=True)
 class EvictCache:
-    """The PromptCacheActor's decision: drop these prompt-cache entries (ids the engine gave)."""
+    """The prompt-cache policy's decision: drop these prompt-cache entries (ids the engine gave)."""
 
     entry_ids: tuple[int, ...]
 
@@ -203,7 +203,7 @@ class SequenceStarted:
     prompt_tokens: int
     cached_tokens: int
     batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
-    miss_reason: CacheMissReason | None = None  # set by the PromptCacheActor (trio side)
+    miss_reason: CacheMissReason | None = None  # set by the prompt-cache policy (trio side)
 
 
 @attrs.frozen(kw_only=True)
@@ -358,7 +358,7 @@ class StepOutputs:
 
 @attrs.frozen(kw_only=True)
 class PromptCacheOutlook:
-    """The PromptCacheActor's explanation of one request's prompt-cache lookup.
+    """The prompt-cache policy's explanation of one request's prompt-cache lookup.
 
     Given when the request is opened (a prediction, for the response's header)
     and again when it starts (``SequenceStarted.miss_reason``, ``Usage``)."""

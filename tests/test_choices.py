@@ -107,7 +107,7 @@ def test_a_failing_first_choice_fails_the_waiting_ones():
     assert not core.has_work
 
 
-def test_held_choices_are_withdrawn_one_by_one_or_together():
+def test_held_choices_are_aborted_one_by_one_or_together():
     core, _, _ = engine_with_fake(per_segment=True, batch=8)
     core.admission.window, core.admission.batch = 3600.0, 1
     core.handle_command(make_submit(99, (3, 3), max_tokens=30))

@@ -77,7 +77,7 @@ class Outcome:
     end_of_channel: bool = False
     again_end_of_channel: bool = False  # receive() after EndOfChannel raises it again
     cancelled: bool = False
-    left_at: object = None  # the engine's position when the Session exited (withdrew)
+    left_at: object = None  # the engine's position when the Session closed (aborting it)
 
     @property
     def events(self) -> list:
@@ -332,7 +332,7 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
             and terminal.finish_reason == "length"
             and terminal.usage.completion_tokens < len(expected)
         )
-        check_left_the_batch(factory, failed, plan, out, withdrawn=out.cancelled or deadline_hit)
+        check_left_the_batch(factory, failed, plan, out, aborted=out.cancelled or deadline_hit)
 
         text = TOKENIZER.decode([t for t in expected if t not in EOS_IDS])
         if not plan.markup:
@@ -388,23 +388,23 @@ def finish_step(gen, uid: int) -> int:
     )
 
 
-def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, withdrawn: bool) -> None:
+def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, aborted: bool) -> None:
     """The sequence entered the batch at most once and was never left behind in it.
 
-    A withdrawn request (disconnected, or past its deadline) was removed from the
+    An aborted request (disconnected, or past its deadline) was removed from the
     batch, failed with its generator, or had already finished: at the latest in
-    the step the engine was in (or about to start) when the Session withdrew it.
+    the step the engine was in (or about to start) when the Session aborted it.
     """
     placed = placements(factory, plan)
     assert len(placed) <= 1, f"request {out.request_id} entered the batch {len(placed)} times"
     for gen, uid in placed:
         assert uid in gen.finished or uid in gen.removed or gen in failed, (plan, out)
-        if not withdrawn or uid in gen.removed or gen in failed:
+        if not aborted or uid in gen.removed or gen in failed:
             continue
         generation, steps = out.left_at
         index = factory.instances.index(gen)
         assert index < generation or (index == generation and finish_step(gen, uid) <= steps + 1), (
-            f"request {out.request_id} was withdrawn when the engine was at step {steps}, "
+            f"request {out.request_id} was aborted when the engine was at step {steps}, "
             f"but its sequence was never removed and ran to its end at step "
             f"{finish_step(gen, uid)}: {plan}"
         )

@@ -260,7 +260,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        # No limits here: the PromptCacheActor decides what to evict (EvictCache),
+        # No limits here: the prompt-cache policy decides what to evict (EvictCache),
         # with rank 0's byte counts when distributed, for every rank alike.
         prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
         prompt_cache_max_entries=config.prompt_cache_size,
