@@ -16,7 +16,8 @@ It lives above the actors because it wires them (``runtime/`` is the kernel
 and knows neither actors nor the HTTP edge). ``Runtime.run`` opens the nursery
 and starts the Scheduler, the Detokenizer and the ModelLoader with
 ``nursery.start``; cancelling it stops them all, the engine included (it sees
-the cancellation at its next step or idle wait). An actor that crashes marks
+the cancellation at its next step or idle wait); until then the nursery stays
+open, also after the actors have ended by themselves. An actor that crashes marks
 the runtime dead, so ``/health`` answers 503. The prompt-cache policy has no
 task: the Scheduler and the Runtime call it.
 
@@ -158,6 +159,9 @@ class Runtime:
                 await nursery.start(self.detokenizer.run, self._detok_recv)
                 await nursery.start(self.model_loader.run)
                 task_status.started(self)
+                # Open until cancelled, even once the actors have ended (an engine
+                # lost for good ends them): shutdown's drain still runs in it.
+                await trio.sleep_forever()
         except Exception as exc:
             self.dead = f"runtime crashed: {type(exc).__name__}: {exc}"
             log.exception("the runtime crashed; /health now answers 503")

@@ -166,6 +166,10 @@ async def test_a_model_that_fails_to_load_leaves_the_server_answering_503():
         assert status == 503
         assert "no model at /nowhere" in body["error"]["message"]
         assert response.headers["Retry-After"]
+        # Every actor has ended (no engine is coming back); shutdown can still drain.
+        runtime.drain(0.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert runtime.health()[1]["reason"] == "shutting down"
 
 
 @pytest.mark.parametrize("path", ["/metrics"])
