@@ -9,10 +9,12 @@ or for a gpt-oss model a ``runtime.harmony.HarmonyParser`` (channels and
 recipients).
 
 Receives ``StepOutputs`` (all sequences of one engine step at once) from the
-Scheduler. Emits into each request's ``Outbox``: ``Progress``, merged
-``Delta``s and exactly one terminal ``Finished`` / ``Failed``. A stop string
-found in the text finishes the request here and asks the Scheduler to withdraw
-the sequence from the engine.
+Scheduler over a channel, and through its port (``DetokenizerPort``, used by
+the Runtime) ``open`` and ``abort``. Emits into each request's ``Outbox``:
+``Progress``, merged ``Delta``s and exactly one terminal ``Finished`` /
+``Failed`` (none once its Session has closed: nobody reads it). A request it
+ends early (a stop string in the text, a deadline, shutdown) it also aborts
+in the engine, through the Scheduler's port (``SchedulerPort.abort``).
 
 Stop strings are matched on decoded text, so they work across token
 boundaries; text that could be the start of a stop string is held back until
@@ -24,16 +26,17 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 from mlx_lm.generate import TextStateMachine
 
-from runtime.errors import RESTART_RETRY_AFTER, Unavailable
+from actors.scheduler import SchedulerPort
+from runtime.errors import RESTART_RETRY_AFTER, Unavailable, shutting_down
 from runtime.harmony import HarmonyParser, is_harmony_tokenizer
 from runtime.messages import (
+    AbortReason,
     CacheMissReason,
     Failed,
     Finished,
@@ -199,15 +202,31 @@ class RequestText:
         return pieces
 
 
+class DetokenizerPort(Protocol):
+    """How the Runtime reaches the Detokenizer."""
+
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer: object) -> None:
+        """Start a request's text, into ``outbox``."""
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        """End a request early with the terminal ``reason`` calls for (none for
+        ``CLOSED``), and abort it in the engine; synchronous and idempotent."""
+
+    def abort_all(self, reason: AbortReason) -> None:
+        """``abort`` every open request (the server is shutting down)."""
+
+    def open_requests(self) -> int: ...
+
+
 class DetokenizerCore:
-    """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step.
+    """Sans-IO: ``open`` / ``abort`` requests, ``on_outputs`` per engine step.
 
     Each request is opened with the tokenizer of the model it leased, so a
     model swap or an engine restart needs nothing from this core: requests
     waiting through a restart keep their entries."""
 
-    def __init__(self, *, withdraw: Callable[[int], None]):
-        self._withdraw = withdraw
+    def __init__(self, *, scheduler: SchedulerPort):
+        self._scheduler = scheduler
         self._requests: dict[int, tuple[RequestText, Outbox]] = {}
         self._per_tokenizer: dict[int, tuple[Any, TextStateMachine, bool]] = {}
 
@@ -232,25 +251,36 @@ class DetokenizerCore:
             self._per_tokenizer[id(tokenizer)] = entry
         return entry[1], entry[2]
 
-    def close(self, request_id: int) -> None:
-        self._requests.pop(request_id, None)
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        """End a request early, then abort it in the engine (idempotent).
 
-    def fail(self, request_id: int, failure: Failed) -> None:
-        """End a request with ``failure``; the text held back so far is delivered first."""
+        ``CLOSED``: dropped (its Session is gone); otherwise its held-back text
+        first, then ``DEADLINE``: ``Finished`` with "length"; ``STOP_STRING``:
+        ``Finished`` with "stop"; ``SHUTDOWN``: ``Failed`` (503)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None and reason is not AbortReason.CLOSED:
+            text, outbox = entry
+            self._deliver(text, outbox, text.flush(), ())
+            if reason is AbortReason.SHUTDOWN:
+                failure = Failed.of(shutting_down())
+                outbox.put_terminal(attrs.evolve(failure, usage=self._usage(text)))
+            else:
+                finish = FinishReason.LENGTH if reason is AbortReason.DEADLINE else FinishReason.STOP
+                outbox.put_terminal(self._finished(text, finish))
+        self._scheduler.abort(request_id, reason)
+
+    def abort_all(self, reason: AbortReason) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id, reason)
+
+    def _fail(self, request_id: int, failure: Failed) -> None:
+        """The engine failed the sequence: its held-back text, then ``failure``."""
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
         text, outbox = entry
         self._deliver(text, outbox, text.flush(), ())
         outbox.put_terminal(attrs.evolve(failure, usage=self._usage(text)))
-
-    def fail_all(self, failure: Failed) -> list[int]:
-        """End every open request (the server is shutting down); returns their ids,
-        which the caller withdraws from the engine."""
-        ids = list(self._requests)
-        for request_id in ids:
-            self.fail(request_id, failure)
-        return ids
 
     def on_outputs(self, outputs: StepOutputs) -> None:
         for started in outputs.started:
@@ -273,35 +303,25 @@ class DetokenizerCore:
                 failure = Failed.of(Unavailable(failed.message, retry_after=RESTART_RETRY_AFTER))
             else:
                 failure = Failed(message=failed.message)
-            self.fail(failed.request_id, failure)
+            self._fail(failed.request_id, failure)
 
     def _on_token(self, event: TokenEvent) -> None:
         entry = self._requests.get(event.request_id)
         if entry is None:
-            return  # withdrawn or already finished by a stop string
+            return  # aborted, or already finished by a stop string
         text, outbox = entry
         pieces, hit = text.add(event.token, final=event.finish_reason)
         logprobs = (_token_logprob(text.tokenizer, event),) if event.logprob is not None else ()
         self._deliver(text, outbox, pieces, logprobs)
         if hit:
             self._requests.pop(event.request_id, None)
-            self._withdraw(event.request_id)
+            self._scheduler.abort(event.request_id, AbortReason.STOP_STRING)
             outbox.put_terminal(
                 self._finished(text, FinishReason.STOP, stop_sequence=text.stop_matched)
             )
         elif event.finish_reason is not None:
             self._requests.pop(event.request_id, None)
             outbox.put_terminal(self._finished(text, event.finish_reason))
-
-    def expire(self, request_id: int) -> None:
-        """The request's deadline passed: release held-back text, finish with "length"."""
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
-            return
-        text, outbox = entry
-        self._withdraw(request_id)
-        self._deliver(text, outbox, text.flush(), ())
-        outbox.put_terminal(self._finished(text, FinishReason.LENGTH))
 
     def _deliver(self, text: RequestText, outbox: Outbox, pieces, logprobs) -> None:
         content: list[str] = []
@@ -316,7 +336,8 @@ class DetokenizerCore:
                 else:
                     tool_calls.append(piece)
             elif kind == "tool":
-                calls = self._parse_tool(text.tokenizer, piece, text.spec.tools)
+                tools = None if text.spec.tools is None else list(text.spec.tools)
+                calls = self._parse_tool(text.tokenizer, piece, tools)
                 if calls is None:
                     content.append(piece)  # rejected by the parser: returned as text
                 else:
@@ -412,10 +433,23 @@ def _make_state_machine(tokenizer) -> TextStateMachine:
 
 
 class Detokenizer:
-    """The trio shell: one ``on_outputs`` per engine step received."""
+    """The actor: one ``on_outputs`` per engine step received; ``DetokenizerPort``
+    is its surface."""
 
     def __init__(self, core: DetokenizerCore):
-        self.core = core
+        self._core = core
+
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer: object) -> None:
+        self._core.open(request_id, spec, outbox, tokenizer)
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        self._core.abort(request_id, reason)
+
+    def abort_all(self, reason: AbortReason) -> None:
+        self._core.abort_all(reason)
+
+    def open_requests(self) -> int:
+        return len(self._core)
 
     async def run(
         self,
@@ -426,4 +460,4 @@ class Detokenizer:
         task_status.started()
         async with outputs:
             async for step in outputs:
-                self.core.on_outputs(step)
+                self._core.on_outputs(step)

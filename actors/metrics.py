@@ -15,7 +15,7 @@ in one process) and two kinds of metric:
   and the latest engine snapshot (``EngineStats``: steps, busy time, tokens,
   prompt-cache figures, aborts, and the step-time and batch-size histograms,
   whose bucket counts the engine keeps, exported as they are), and the
-  PromptCacheActor's misses by reason and evictions.
+  prompt-cache policy's misses by reason and evictions.
 
 The engine's counters start again from 0 when a new engine starts (a restart or
 a model swap); Prometheus's ``rate()`` and ``increase()`` treat that as a
@@ -153,7 +153,7 @@ class RuntimeFigures:
     kv_budget_bytes: int
     engine_restarts: int
     stats: EngineStats
-    prompt_cache: dict = attrs.field(factory=dict)  # the PromptCacheActor's figures
+    prompt_cache: dict = attrs.field(factory=dict)  # the prompt-cache policy's figures
 
 
 class RuntimeCollector(Collector):

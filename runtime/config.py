@@ -214,7 +214,7 @@ class ServerConfig(TuningSettings):
         format=SIZE.or_none(),
         notes="When set, the limit is shared with the running sequences: after each admission "
         "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
-        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
+        "prompt-cache policy decides the evictions (after each stored entry and each admission, "
         "in mlx-lm's order) and the engine applies them between steps; in a distributed "
         "launch every rank evicts what rank 0's byte counts decide.",
         group=PROMPT_CACHE,
@@ -275,8 +275,8 @@ class ServerConfig(TuningSettings):
     )
     request_timeout: float | None = setting(
         None,
-        help="seconds after which a request is finished with finish_reason \"length\" and "
-        "withdrawn; a request's timeout may only shorten it",
+        help="seconds after which a request is aborted: it finishes with finish_reason "
+        "\"length\"; a request's timeout may only shorten it",
         above=0,
         ours=True,
         group=LIMITS,

@@ -245,8 +245,15 @@ def test_the_template_renders_effort_tools_calls_and_results(gpt_oss):
                          '<|message|>"12 C"<|end|><|start|>assistant')
 
 
+class _NoAborts:
+    """The Scheduler's port as the Detokenizer sees it; nothing here aborts."""
+
+    def abort(self, request_id, reason) -> None:
+        raise AssertionError(f"request {request_id} aborted: {reason}")
+
+
 def _detokenize(tokenizer, ids, *, eos: int | None):
-    core = DetokenizerCore(withdraw=lambda _: None)
+    core = DetokenizerCore(scheduler=_NoAborts())
     outbox = Outbox()
     core.open(1, TextSpec(tools=None), outbox, tokenizer)
     for t in ids:

@@ -33,7 +33,7 @@ from runtime.engine.serial import SerialGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
-from runtime.messages import ModelHandle
+from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
     coming_prefill,
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 def load_model(
     config: ServerConfig, model_path: str, group: GroupInfo | None = None
-) -> ModelHandle:
+) -> LoadedModel:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -78,7 +78,7 @@ def load_model(
     _finish_tokenizer(config, tokenizer)
     batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
     vocab_size = _vocab_size(model, tokenizer)
-    return ModelHandle(
+    return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_key=model_path,
@@ -264,7 +264,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        # No limits here: the PromptCacheActor decides what to evict (EvictCache),
+        # No limits here: the prompt-cache policy decides what to evict (EvictCache),
         # with rank 0's byte counts when distributed, for every rank alike.
         prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
         prompt_cache_max_entries=config.prompt_cache_size,
@@ -297,7 +297,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     )
 
 
-def _grammar_tokenizer(handle: ModelHandle) -> GrammarTokenizer | None:
+def _grammar_tokenizer(handle: LoadedModel) -> GrammarTokenizer | None:
     """The tokenizer in llguidance's form, masks as wide as the logits; None if it cannot be.
 
     A few seconds for a 150k vocabulary: paid here, at load, not by the
@@ -324,7 +324,7 @@ def _draft_tokens(submit) -> dict:
     return {"num_draft_tokens": submit.num_draft_tokens}
 
 
-def _serial_generator_factory(config: ServerConfig, handle: ModelHandle, stream):
+def _serial_generator_factory(config: ServerConfig, handle: LoadedModel, stream):
     """Requests that cannot share a batch: speculative decoding, quantized KV cache.
 
     The draft model is loaded once, here; each generator (a new one after a
