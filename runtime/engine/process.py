@@ -56,6 +56,7 @@ from runtime.messages import (
     Shutdown,
     StepOutputs,
 )
+from runtime.vision import load_vision_processor
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ def engine_ready(handle: ModelHandle) -> EngineReady:
         eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
         pid=os.getpid(),
         context_window=handle.context_window,
+        vision_family=handle.vision_family,
     )
 
 
@@ -296,6 +298,10 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
         kv_budget=ready.kv_budget,
         engine_pid=ready.pid,
         context_window=ready.context_window,
+        vision_family=ready.vision_family,
+        # This side makes a request's image tensors, as it makes its tokens.
+        processor=(load_vision_processor(ready.model_key, ready.vision_family)
+                   if ready.vision_family else None),
     )
 
 
