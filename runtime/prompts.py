@@ -7,6 +7,8 @@ in (inside a thinking block or not), and for chat the keys the prompt cache's
 miss explanation compares (``template_key``, ``conversation_keys``). Runs in a worker thread
 (``trio.to_thread``) because chat templates and tokenizers are slow Python, but for short
 prompts (about 1 ms; ``api.http.small_body``), which the Session prepares on the event loop.
+``prepare_vision_chat`` (images, a vision-language model) also runs mlx-vlm's processor,
+which makes the image tensors as MLX arrays from numpy (no computation on a stream).
 
 ``plan_segments`` is the segmentation policy: where in a chat prompt the
 engine keeps a copy of the KV cache (end of the system prompt, end of the
