@@ -65,6 +65,7 @@ def _config(hidden_size: int, num_layers: int, vocab_size: int, ids: dict[str, i
         "rope_scaling": {"type": "mrope", "mrope_section": [quarter, quarter, head_dim // 2 - 2 * quarter]},
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
+        "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
