@@ -27,6 +27,11 @@ cannot fit the server's budget a 413; ``max_tokens`` is lowered to what the
 window and the budget leave, so a huge ``max_tokens`` is served, and the
 admission estimate is made with the lowered value.
 
+Images (a chat request's ``image_url`` parts, ``image_params`` naming them):
+a text-only model refuses them with a 400 naming the first part, before
+they are fetched or decoded; a vision-language model's Session awaits
+``load_images()`` and prepares with the model's processor (``vision=``).
+
 Several choices (``n`` > 1): one Submit starts n sequences (the engine
 processes the prompt once); each has its own request id and ``Outbox``, and
 ``receive()`` returns their events tagged with the choice's ``index``.
@@ -49,8 +54,9 @@ its prefill together).
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -216,8 +222,11 @@ class Session:
         prompt_param: str = "messages",
         prepare_inline: bool = False,
         cache_scope: str = "",
+        image_params: tuple[str, ...] = (),
+        load_images: Callable[[], Awaitable[tuple]] | None = None,
     ):
-        """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
+        """``prepare(tokenizer)`` makes the prompt (``prepare(tokenizer, vision=(processor,
+        model_type, images))`` when the request has images); ``constrain(tokenizer, prompt)``
         (optional) the ``Submit.constraint`` (``None``: free output). Both run
         in a worker thread, tokenizer-only (``prepare_inline`` without a
         ``constrain``: on the trio thread, for prompts short enough that a
@@ -229,7 +238,9 @@ class Session:
         self._runtime = runtime
         self._prepare = prepare
         self._constrain = constrain
-        self._prepare_inline = prepare_inline and constrain is None
+        self._prepare_inline = prepare_inline and constrain is None and not image_params
+        self._image_params = image_params
+        self._load_images = load_images
         self.sampling = sampling
         self.max_tokens = max_tokens
         self._stop = stop
@@ -271,13 +282,26 @@ class Session:
 
     async def _enter(self, handle: LoadedModel, key: ModelKey) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
+        prepare = self._prepare
+        if self._image_params:
+            if handle.vision_family is None or self._load_images is None:
+                param = self._image_params[0]
+                raise ClientError(
+                    f"{param}: an image content part needs a vision-language model; "
+                    f"the model {handle.model_key!r} is text-only",
+                    param=param,
+                )
+            images = await self._load_images()
+            vision = (handle.processor, handle.vision_family, images)
+            prepare = functools.partial(self._prepare, vision=vision)
         if self._prepare_inline:
-            self.prompt, constraint = self._prepare_and_constrain(handle.tokenizer)
+            self.prompt, constraint = self._prepare_and_constrain(prepare, handle.tokenizer)
         else:
             self._runtime.arrivals.preparing += 1
             try:
                 self.prompt, constraint = await trio.to_thread.run_sync(
                     self._prepare_and_constrain,
+                    prepare,
                     handle.tokenizer,
                     limiter=self._runtime.tokenize_limiter,
                 )
@@ -326,6 +350,7 @@ class Session:
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
             cache_scope=self._cache_scope,
+            vision=prompt.vision,
             followed=self._runtime.arrivals.others_pending(
                 counted=self.timing.on_submitted is not None
             ),
@@ -348,9 +373,9 @@ class Session:
         return self
 
     def _prepare_and_constrain(
-        self, tokenizer
+        self, prepare, tokenizer
     ) -> tuple[PreparedPrompt, ConstraintSpec | None]:
-        prompt = self._prepare(tokenizer)
+        prompt = prepare(tokenizer)
         constraint = self._constrain(tokenizer, prompt) if self._constrain is not None else None
         return prompt, constraint
 

@@ -58,11 +58,19 @@ class ToolCallIn:
 
 
 @attrs.frozen(kw_only=True)
+class ImageUrlIn:
+    url: str  # a data: URL, or http(s) when the server allows fetching
+    detail: str | None = None  # OpenAI's resolution hint; the model's processor decides
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
     type: str = constrained(
-        choices=("text",), message="content part type {value!r} is not supported (only 'text')"
+        choices=("text", "image_url"),
+        message="content part type {value!r} is not supported ('text' or 'image_url')",
     )
-    text: str | None = constrained(None, required=True, message="a text content part needs 'text'")
+    text: str | None = None  # required for 'text' parts (api.images checks)
+    image_url: ImageUrlIn | None = None  # required for 'image_url' parts
 
 
 @attrs.frozen(kw_only=True)

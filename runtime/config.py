@@ -301,6 +301,34 @@ class ServerConfig(TuningSettings):
         notes="Run as n sequences; the prompt once ([api.md](api.md#several-choices-n)).",
         group=LIMITS,
     )
+    image_max_bytes: int = setting(
+        8 * 2**20,
+        help="largest image in a chat request's image_url part, in bytes (a data: URL decoded, "
+        "or a fetched image); a larger one gets 400",
+        above=0,
+        ours=True,
+        default_text="8388608 (8 MiB)",
+        notes="A data: URL also counts towards `--max-request-bytes`. Vision-language models "
+        "only ([models.md](models.md#vision-language-models)).",
+        group=LIMITS,
+    )
+    image_max_pixels: int = setting(
+        4096 * 4096,
+        help="most pixels (width x height) an image may have, read from its header before it "
+        "is decoded; a larger one gets 400",
+        above=0,
+        ours=True,
+        default_text="16777216 (4096 x 4096)",
+        group=LIMITS,
+    )
+    image_fetch_timeout: float = setting(
+        10.0,
+        help="seconds an http(s) image may take to fetch (with --allow-image-urls); a slower "
+        "one gets 400",
+        above=0,
+        ours=True,
+        group=LIMITS,
+    )
     responses_store_path: str | None = setting(
         None,
         help="SQLite file of stored responses (made, with its folder, if missing); `:memory:` "
@@ -345,6 +373,15 @@ class ServerConfig(TuningSettings):
     )
     metrics_require_key: bool = setting(
         False, help="/metrics also requires an API key (when keys are set)", ours=True,
+        group=SECURITY,
+    )
+    allow_image_urls: bool = setting(
+        False,
+        help="fetch http(s) URLs of chat image_url parts (off: data: URLs only)",
+        ours=True,
+        notes="The server then makes requests to addresses that clients choose: turn it on "
+        "only where that is safe. Fetches are bounded by `--image-max-bytes` and "
+        "`--image-fetch-timeout`.",
         group=SECURITY,
     )
     distributed_backend: str = setting(

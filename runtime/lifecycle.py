@@ -45,6 +45,7 @@ class ModelInfo:
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"
     context_window: int | None = None  # most tokens a sequence may hold (None: unknown)
+    vision_family: str | None = None  # a vision-language model's model_type (runtime.vision)
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +91,7 @@ class EngineReady:
     eos_token_ids: tuple[int, ...]
     pid: int
     context_window: int | None = None
+    vision_family: str | None = None
 
 
 @attrs.frozen(kw_only=True)

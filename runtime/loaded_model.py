@@ -31,6 +31,8 @@ class LoadedModel:
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"
     context_window: int | None = None  # most tokens a sequence may hold (None: unknown)
+    vision_family: str | None = None  # a vision-language model's model_type (runtime.vision)
+    processor: object | None = None  # its mlx-vlm processor (images -> tensors), shared like the tokenizer
 
     @property
     def info(self) -> ModelInfo:
@@ -45,6 +47,7 @@ class LoadedModel:
             ranks=self.ranks,
             parallel=self.parallel,
             context_window=self.context_window,
+            vision_family=self.vision_family,
         )
 
     def for_trio_side(self) -> LoadedModel:

@@ -79,6 +79,7 @@ class PreparedPrompt:
     # the chat template's arguments, and one hash per message prefix.
     template_key: str | None = None
     conversation_keys: tuple[str, ...] = ()
+    vision: Any = None  # a runtime.vision.VisionInputs: the prompt's images (picklable)
 
 
 @attrs.frozen(kw_only=True)
@@ -143,15 +144,14 @@ class Submit:
     # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
     # once and starts each from a copy of choice 0's cache (runtime.engine.choices).
     choice_ids: tuple[int, ...] = ()
-    # Other requests were on their way (received over HTTP, or being templated and
-    # tokenised) when this one was sent: an idle engine holds it within the admission
-    # window so that the burst starts its prefill together.
+    # Others were on their way (received, or being templated) when this one was sent:
+    # an idle engine holds it within the admission window, to prefill the burst together.
     followed: bool = False
     # The prompt cache's partition this request reads and fills ("": the shared one).
-    # Requests of different scopes never reuse each other's entries (tenants kept
-    # apart: a shared prefix cache would tell one, by its time to first token, what
-    # another sent).
+    # Scopes never reuse each other's entries (a shared prefix cache would tell one
+    # tenant, by its time to first token, what another sent).
     cache_scope: str = ""
+    vision: Any = None  # a runtime.vision.VisionInputs (a vision-language model's images)
 
     @property
     def request_ids(self) -> tuple[int, ...]:
@@ -266,8 +266,7 @@ class SequenceFailed:
     retryable: bool = False  # the engine stopped, not the request: 503, try again
 
 
-# Upper bounds of the engine's histogram buckets (Prometheus ``le``; +Inf is implied):
-# the engine counts each step into one bucket, ``EngineStats`` carries the counts.
+# Upper bounds of the engine's step histograms (Prometheus ``le``; +Inf implied), in EngineStats.
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -306,8 +305,7 @@ class EngineStats:
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0
     prompt_cache_cached_tokens: int = 0
-    # Aborts of running sequences: how long each waited in the inbox, and
-    # whether it waited for a step in progress (the most is one, by design).
+    # Aborts of running sequences: inbox waits, and waits for a step in progress (at most one)
     aborts: int = 0
     abort_wait_ms_total: float = 0.0
     abort_wait_ms_max: float = 0.0

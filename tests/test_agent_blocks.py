@@ -150,7 +150,8 @@ def test_responses_items_become_one_assistant_turn_then_tool_results():
     ("items", "param"),
     [
         ([{"type": "item_reference", "id": "x"}], "input[0].type"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "input[0].content[0].type"),
         ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
         ([{"role": "tool", "content": "x"}], "input[0].role"),
@@ -279,7 +280,8 @@ def test_anthropic_tool_choice_and_stop_reasons():
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0].type"),
+        ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0]"),
+        ({"role": "user", "content": [{"type": "document", "source": {}}]}, "messages[0].content[0].type"),
         ({"role": "tool", "content": "x"}, "messages[0].role"),
         ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                        "content": [{"type": "image"}]}]}, "messages[0].content[0].content[0].type"),

@@ -140,6 +140,12 @@ def _user_messages(
             if block.tool_use_id in tool_names:
                 tool["name"] = tool_names[block.tool_use_id]
             out.append(tool)
+        elif block.type == "image":
+            raise ClientError(
+                f"{at}: images are accepted on /v1/chat/completions only (image_url parts, "
+                "with a vision-language model)",
+                param=at,
+            )
         else:
             allowed = "text, tool_result" if role == "user" else "text"
             raise ClientError(

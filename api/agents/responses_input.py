@@ -38,6 +38,8 @@ from runtime.errors import ClientError
 
 log = logging.getLogger(__name__)
 
+IMAGE_PARTS = ("input_image", "image_url", "image")
+
 # ---------------------------------------------------- items -> chat messages
 
 
@@ -68,6 +70,12 @@ def _text(content, path: str) -> str:
             texts.append(_get(part, "text", at, str, required=True))
         elif kind == "refusal":
             texts.append(_get(part, "refusal", at, str, required=True))
+        elif kind in IMAGE_PARTS:
+            raise ClientError(
+                f"{at}: images are accepted on /v1/chat/completions only (image_url parts, "
+                "with a vision-language model)",
+                param=at,
+            )
         else:
             raise ClientError(
                 f"{at}.type: content part type {kind!r} is not supported (text only)",

@@ -52,6 +52,7 @@ from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.lifecycle import EngineCrashed, EngineExited, EngineProcessStart, EngineReady
 from runtime.loaded_model import LoadedModel
 from runtime.messages import Shutdown, StepOutputs
+from runtime.vision import load_vision_processor
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ def engine_ready(handle: LoadedModel) -> EngineReady:
         eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
         pid=os.getpid(),
         context_window=handle.context_window,
+        vision_family=handle.vision_family,
     )
 
 
@@ -295,6 +297,10 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> LoadedModel:
         kv_budget=ready.kv_budget,
         engine_pid=ready.pid,
         context_window=ready.context_window,
+        vision_family=ready.vision_family,
+        # This side makes a request's image tensors, as it makes its tokens.
+        processor=(load_vision_processor(ready.model_key, ready.vision_family)
+                   if ready.vision_family else None),
     )
 
 
