@@ -19,7 +19,9 @@ An actor that crashes marks the runtime dead, so ``/health`` answers 503.
 ``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
 ``/health`` and ``/metrics`` figures from the actors (``metrics``: its
 ``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
-request may name (``resolve``).
+request may name (``resolve``). With ``--embedding-model``, the Embeddings
+actor (``actors.embeddings``, ``embeddings``) runs beside them, on its own
+thread: ``/health`` is ready once both models are.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.embeddings import Embeddings, EmbeddingState
 from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
@@ -145,6 +148,18 @@ class Runtime:
             ),
             on_loaded=self.metrics.observe_load,
         )
+        # The embedding model, when one is configured: its own thread, beside the engine.
+        self.embeddings = (
+            Embeddings(
+                config.embedding_model,
+                self.metrics,
+                max_queued=config.max_queued_requests,
+                batch_size=config.embedding_batch_size,
+                batch_tokens=config.embedding_batch_tokens,
+            )
+            if config.embedding_model
+            else None
+        )
         self.dead: str | None = None
         self.accepting = True
         self._nursery: trio.Nursery | None = None
@@ -159,6 +174,8 @@ class Runtime:
                 await nursery.start(self.detokenizer.run, self._detok_recv)
                 await nursery.start(self.prompt_cache.run)
                 await nursery.start(self.model_loader.run)
+                if self.embeddings is not None:
+                    await nursery.start(self.embeddings.run)
                 task_status.started(self)
         except Exception as exc:
             self.dead = f"runtime crashed: {type(exc).__name__}: {exc}"
@@ -214,6 +231,8 @@ class Runtime:
         loader = self.model_loader.core
         if loader.state is ModelState.FAILED and not loader.context_windows:
             return loader.reason or "the model failed to load"
+        if self.embeddings is not None and self.embeddings.state is EmbeddingState.FAILED:
+            return f"embedding model {self.embeddings.reason}"
         return None
 
     def allocate_id(self) -> int:
@@ -346,9 +365,19 @@ class Runtime:
             body["max_model_len"] = loader.handle.context_window
         if loader.handle is not None and loader.handle.ranks > 1:
             body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}
-        if self.dead or loader.state is not ModelState.READY or not self.accepting:
+        embeddings_down = None
+        if self.embeddings is not None:
+            body["embeddings"] = self.embeddings.health()
+            if self.embeddings.state is not EmbeddingState.READY:
+                embeddings_down = f"the embedding model is {self.embeddings.state.value}"
+        engine_down = self.dead or loader.state is not ModelState.READY
+        if engine_down or not self.accepting or embeddings_down:
             body["status"] = "unavailable"
-            body["reason"] = self.dead or loader.reason or f"the model is {loader.state.value}"
+            body["reason"] = (
+                self.dead or loader.reason or f"the model is {loader.state.value}"
+                if engine_down
+                else embeddings_down
+            )
             if not self.accepting:
                 body["reason"] = "shutting down"
             return 503, body
