@@ -331,7 +331,8 @@ class ServerConfig(TuningSettings):
         notes="Loaded at start by [mlx-embeddings](https://github.com/Blaizzy/mlx-embeddings) "
         "(install the `embeddings` extra), on a thread of its own beside the chat model's "
         "engine; requests name it by this value. The families it can serve are listed in "
-        "[models.md](models.md#embeddings); a model that cannot be loaded stops the start.",
+        "[models.md](models.md#embeddings). One that cannot be loaded ends `mlx-trio-server` "
+        "(under `hypercorn api:app`: `/health` and `/v1/embeddings` answer 503 naming why).",
         group=EMBEDDINGS,
     )
     embedding_batch_size: int = setting(

@@ -163,6 +163,20 @@ async def test_a_model_that_cannot_load_is_a_503_naming_why(monkeypatch):
     assert "siglip" in embeddings.health()["reason"]
 
 
+def test_an_embedding_model_without_the_extra_installed_stops_the_start(monkeypatch):
+    import importlib.util
+
+    from runtime.config import ServerConfig
+    from runtime.config_checks import unsupported
+
+    config = ServerConfig(embedding_model="/models/bge-small")
+    assert unsupported(config) == []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *more: None if name == "mlx_embeddings" else find_spec(name))
+    assert any("embeddings` extra" in problem for problem in unsupported(config))
+
+
 @pytest.fixture
 async def matryoshka_client(tiny_model_path, tmp_path):
     from api.server import create_app

@@ -76,19 +76,16 @@ def _embedding_model(rt: Runtime, config: ServerConfig, model: str) -> Embedding
         raise ClientError(
             f"model {model!r} is a chat model, not an embedding model{served}",
             param="model",
-            code="model_not_supported",
         )
     if actor is None:
         raise NotFound(
             f"model {model!r} not found: this server serves no embedding model (start it with "
             f"{flag('embedding_model')})",
             param="model",
-            code="model_not_found",
         )
     raise NotFound(
         f"model {model!r} not found: the embedding model served here is {actor.model_id!r}",
         param="model",
-        code="model_not_found",
     )
 
 
