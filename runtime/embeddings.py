@@ -26,6 +26,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -118,6 +119,8 @@ class EmbeddingModel:
         import mlx_embeddings
         from mlx_embeddings.utils import get_model_path, load_config
 
+        if path_or_repo.startswith(("/", ".", "~")) and not Path(path_or_repo).expanduser().is_dir():
+            raise FileNotFoundError(f"no such model directory: {path_or_repo}")
         family = load_config(get_model_path(path_or_repo))["model_type"].replace("-", "_")
         if family not in FAMILIES:
             raise ValueError(

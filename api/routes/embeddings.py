@@ -29,7 +29,7 @@ from api.schemas import EmbeddingRequest, embedding_inputs
 from api.sse import dumps
 from runtime.config import ServerConfig, flag
 from runtime.embeddings import EmbeddingInfo
-from runtime.errors import ClientError, NotFound
+from runtime.errors import ClientError, NotFound, shutting_down
 from runtime.models import names_served
 
 INLINE_BODY_FLOATS = 16384  # a larger answer is encoded off the event loop
@@ -43,6 +43,8 @@ def embeddings_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     async def create_embeddings():
         req = structure_or_400(await read_json(), EmbeddingRequest)
         actor = _embedding_model(rt, config, req.model)
+        if not rt.accepting:
+            raise shutting_down()
         inputs, single = embedding_inputs(req.input)
         if len(inputs) > config.embedding_max_inputs:
             raise ClientError(
