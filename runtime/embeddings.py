@@ -7,7 +7,8 @@ token lists in one forward pass (right-padded, with the attention mask; the
 model's own pooling and L2 normalisation, its ``text_embeds``).
 
 ``EmbeddingWorker.run`` is the body of the one thread that owns the model for
-its lifetime: it loads the model (on its own MLX stream), reports it
+its lifetime: it lowers its own CPU priority (so that on a CPU the chat
+engine's steps come first), loads the model (on its own MLX stream), reports it
 (``on_ready``), then takes ``EmbedJob``s from a bounded ``queue.Queue``. Jobs
 that wait together are served together: their inputs are tokenised and checked
 (``ClientError`` for the job whose input is too long or holds an unknown id),
@@ -23,7 +24,10 @@ ends it; the jobs it leaves are then answered by the owner (``unanswered``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 # mlx-embeddings' text families whose output's ``text_embeds`` is one pooled,
 # normalised vector per input (the others give per-token vectors or need images).
 FAMILIES = ("bert", "xlm_roberta", "modernbert", "qwen3", "gemma3_text", "llama_bidirec")
+THREAD_NICENESS = 10  # added to the embedding thread's nice value: the engine's steps come first
 IDLE_WAIT = 0.05  # seconds the idle thread blocks on its inbox between cancellation checks
 
 EmbedInput = str | tuple[int, ...]
@@ -148,6 +153,23 @@ class EmbeddingModel:
         return np.array(vectors.astype(mx.float32), copy=True)
 
 
+def _set_priority(niceness: int | None = None) -> int | None:
+    """This thread's nice value set to ``niceness`` (None: its own plus
+    ``THREAD_NICENESS``, so that the CPU scheduler puts the chat engine first); returns
+    the value it had, to be set back (trio's threads are reused). Linux only: there a
+    thread id is a task of its own to ``setpriority``; elsewhere it would name a process."""
+    if sys.platform != "linux":
+        return None
+    tid = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, before + THREAD_NICENESS if niceness is None else niceness)
+    except OSError as exc:  # not allowed here (setting it back up needs privileges)
+        log.debug("the embedding thread's priority stays as it is: %s", exc)
+        return None
+    return before
+
+
 def passes(lengths: Sequence[int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Indices into ``lengths``, shortest first, cut into forward passes of at most
     ``batch_size`` inputs whose count times the longest is at most ``batch_tokens``
@@ -196,21 +218,26 @@ class EmbeddingWorker:
         """Load, report, then serve jobs until cancelled. A load failure raises."""
         import mlx.core as mx
 
-        stream = mx.new_stream(mx.default_device())
-        with mx.stream(stream):
-            model = EmbeddingModel.load(self.path_or_repo)
-            on_ready(model.info)
-            try:
-                while True:
-                    check_cancelled()
-                    jobs = self._gather()
-                    if jobs:
-                        self.in_round = jobs
-                        deliver(self._round(model, jobs, check_cancelled))
-                        self.in_round = []
-            finally:
-                del model
-                mx.clear_cache()
+        niceness = _set_priority()
+        try:
+            stream = mx.new_stream(mx.default_device())
+            with mx.stream(stream):
+                model = EmbeddingModel.load(self.path_or_repo)
+                on_ready(model.info)
+                try:
+                    while True:
+                        check_cancelled()
+                        jobs = self._gather()
+                        if jobs:
+                            self.in_round = jobs
+                            deliver(self._round(model, jobs, check_cancelled))
+                            self.in_round = []
+                finally:
+                    del model
+                    mx.clear_cache()
+        finally:
+            if niceness is not None:
+                _set_priority(niceness)
 
     def _gather(self) -> list[EmbedJob]:
         """The jobs waiting now (blocking up to ``IDLE_WAIT`` for a first), up to about

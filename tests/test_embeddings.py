@@ -13,7 +13,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import queue
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -71,22 +74,34 @@ class Stop(Exception):
     pass
 
 
-def run_worker(jobs: list[EmbedJob], model: ScriptedModel, monkeypatch, **bounds) -> list:
-    """Queue ``jobs``, then run the worker until its inbox is empty; what it delivered."""
+def run_worker(jobs: list[EmbedJob], model: ScriptedModel, monkeypatch, **bounds) -> dict:
+    """Queue ``jobs``, then run the worker on a thread of its own until its inbox is
+    empty; what it delivered, by job (and its thread's nice value, under "nice")."""
     monkeypatch.setattr(runtime_embeddings.EmbeddingModel, "load", staticmethod(lambda path: model))
     inbox: queue.Queue[EmbedJob] = queue.Queue()
     for job in jobs:
         inbox.put(job)
     delivered: list = []
+    seen: dict = {}
 
     def check_cancelled():
         if delivered and inbox.empty():
             raise Stop
 
+    def on_ready(info):
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def body():
+        with pytest.raises(Stop):
+            worker.run(check_cancelled, on_ready, delivered.extend)
+        seen["stopped"] = True
+
     worker = EmbeddingWorker("scripted", inbox, **bounds)
-    with pytest.raises(Stop):
-        worker.run(check_cancelled, lambda info: None, delivered.extend)
-    return delivered
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join(timeout=30)
+    assert seen.get("stopped"), "the worker did not stop"
+    return {**dict(delivered), "nice": seen["nice"]}
 
 
 def job(*inputs, single=False) -> EmbedJob:
@@ -96,7 +111,7 @@ def job(*inputs, single=False) -> EmbedJob:
 def test_jobs_waiting_together_share_one_pass_and_get_their_own_rows(monkeypatch):
     model = ScriptedModel()
     a, b, c = job("aa bbb", single=True), job("c", (7, 8, 9)), job("dddd e f")
-    delivered = dict(run_worker([a, b, c], model, monkeypatch, batch_size=8, batch_tokens=100))
+    delivered = run_worker([a, b, c], model, monkeypatch, batch_size=8, batch_tokens=100)
     assert model.pass_sizes == [4]
     assert delivered[a].vectors.tolist() == [[2, 5]]
     assert delivered[b].vectors.tolist() == [[1, 1], [3, 24]]
@@ -107,7 +122,7 @@ def test_jobs_waiting_together_share_one_pass_and_get_their_own_rows(monkeypatch
 def test_passes_are_bounded_by_inputs_and_padded_tokens(monkeypatch):
     model = ScriptedModel()
     jobs = [job("a", "b c", "d e f", "g h i j", "k")]
-    delivered = dict(run_worker(jobs, model, monkeypatch, batch_size=2, batch_tokens=6))
+    delivered = run_worker(jobs, model, monkeypatch, batch_size=2, batch_tokens=6)
     # lengths 1, 2, 3, 4, 1 sorted: [1, 1], [2, 3] (2 x 3 = 6), [4]
     assert model.pass_sizes == [2, 2, 1]
     assert delivered[jobs[0]].vectors[:, 0].tolist() == [1, 2, 3, 4, 1]
@@ -117,14 +132,22 @@ def test_a_bad_input_fails_its_job_alone_and_a_left_job_is_skipped(monkeypatch):
     model = ScriptedModel()
     good, long, unknown, left = job("a b"), job("a", "a b c d e f"), job((1, 100)), job("x")
     left.abandoned = True
-    delivered = dict(run_worker([good, long, unknown, left], model, monkeypatch,
-                                batch_size=8, batch_tokens=100))
+    delivered = run_worker([good, long, unknown, left], model, monkeypatch,
+                           batch_size=8, batch_tokens=100)
     assert isinstance(delivered[good], EmbedResult)
     assert isinstance(delivered[long], ClientError) and delivered[long].param == "input[1]"
     assert delivered[long].code == "context_length_exceeded"
     assert isinstance(delivered[unknown], ClientError) and delivered[unknown].param == "input[0]"
     assert left not in delivered
     assert model.pass_sizes == [1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_the_worker_thread_runs_at_a_lower_cpu_priority(monkeypatch):
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    delivered = run_worker([job("a")], ScriptedModel(), monkeypatch, batch_size=1, batch_tokens=9)
+    assert delivered["nice"] == min(19, ours + runtime_embeddings.THREAD_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours
 
 
 def actor(max_queued: int = 1) -> Embeddings:
