@@ -2,7 +2,9 @@
 embeddings.
 
 attrs classes, filled by the renderers (``api.renderers``) and by
-``api.routes.models`` and ``api.routes.embeddings``, and unstructured by ``api.convert.unstructure``: a
+``api.routes.models``, and unstructured by ``api.convert.unstructure``
+(the embeddings list is written straight to JSON by ``api.routes.embeddings``,
+its floats too many for cattrs; these classes document its shape): a
 field with a ``None`` default is left out while ``None``; a field without a
 default is always sent (``content: null``, ``finish_reason: null``,
 ``logprobs: null``). ``api.openapi`` documents the same classes. Receives

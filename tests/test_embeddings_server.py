@@ -15,9 +15,11 @@ import base64
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
+from api.openapi import openapi_document
 from tests.test_server_process import hypercorn_args, spawn_server, stop_server
 from tests.tiny_bert import MAX_POSITIONS, build_tiny_bert
 
@@ -106,6 +108,11 @@ def test_base64_decodes_to_the_same_float32_values(server, bert_path):
             "model": bert_path, "input": TEXTS, "encoding_format": encoding}).json()
         for encoding in ("float", "base64")
     }
+    document = openapi_document()
+    for answer in answers.values():  # the shape /openapi.json states
+        jsonschema.Draft202012Validator(
+            {"$ref": "#/components/schemas/EmbeddingList", "components": document["components"]}
+        ).validate(answer)
     for as_float, as_base64 in zip(answers["float"]["data"], answers["base64"]["data"], strict=True):
         decoded = np.frombuffer(base64.b64decode(as_base64["embedding"]), dtype="<f4")
         assert decoded.tolist() == np.array(as_float["embedding"], dtype=np.float32).tolist()
