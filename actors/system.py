@@ -26,7 +26,9 @@ The Runtime reaches each actor only through its port (``SchedulerPort``,
 ``SessionPort`` each ``Session`` talks to, and reads ``/health`` and
 ``/metrics`` figures from the actors' frozen snapshots (``metrics``: its
 ``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
-request may name (``resolve``).
+request may name (``resolve``). With ``--embedding-model``, the Embeddings
+actor (``actors.embeddings``, ``embeddings``) runs beside them, on its own
+thread: ``/health`` is ready once both models are.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.embeddings import Embeddings, EmbeddingState
 from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
@@ -145,6 +148,18 @@ class Runtime:
             ),
             on_loaded=self.metrics.observe_load,
         )
+        # The embedding model, when one is configured: its own thread, beside the engine.
+        self.embeddings = (
+            Embeddings(
+                config.embedding_model,
+                self.metrics,
+                max_queued=config.max_queued_requests,
+                batch_size=config.embedding_batch_size,
+                batch_tokens=config.embedding_batch_tokens,
+            )
+            if config.embedding_model
+            else None
+        )
         self.dead: str | None = None
         self.accepting = True
         self._nursery: trio.Nursery | None = None
@@ -158,6 +173,8 @@ class Runtime:
                 await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
                 await nursery.start(self.model_loader.run)
+                if self.embeddings is not None:
+                    await nursery.start(self.embeddings.run)
                 task_status.started(self)
                 # Open until cancelled, even once the actors have ended (an engine
                 # lost for good ends them): shutdown's drain still runs in it.
@@ -216,6 +233,8 @@ class Runtime:
         status = self.model_loader.status()
         if status.state is ModelState.FAILED and not status.ever_loaded:
             return status.reason or "the model failed to load"
+        if self.embeddings is not None and self.embeddings.state is EmbeddingState.FAILED:
+            return f"embedding model {self.embeddings.reason}"
         return None
 
     def allocate_id(self) -> int:
@@ -347,9 +366,19 @@ class Runtime:
             body["max_model_len"] = info.context_window
         if info is not None and info.ranks > 1:
             body["distributed"] = {"ranks": info.ranks, "parallel": info.parallel}
-        if self.dead or loader.state is not ModelState.READY or not self.accepting:
+        embeddings_down = None
+        if self.embeddings is not None:
+            body["embeddings"] = self.embeddings.health()
+            if self.embeddings.state is not EmbeddingState.READY:
+                embeddings_down = f"the embedding model is {self.embeddings.state.value}"
+        engine_down = self.dead or loader.state is not ModelState.READY
+        if engine_down or not self.accepting or embeddings_down:
             body["status"] = "unavailable"
-            body["reason"] = self.dead or loader.reason or f"the model is {loader.state.value}"
+            body["reason"] = (
+                self.dead or loader.reason or f"the model is {loader.state.value}"
+                if engine_down
+                else embeddings_down
+            )
             if not self.accepting:
                 body["reason"] = "shutting down"
             return 503, body

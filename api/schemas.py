@@ -279,3 +279,75 @@ class DetokenizeRequest:
     tokens: list[int] = constrained(
         schema={"array": {"items": {"type": "integer", "minimum": 0}}}
     )
+
+
+EMBEDDING_INPUT_KINDS = (
+    "a string, an array of strings, an array of token ids or an array of arrays of token ids"
+)
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+
+def embedding_inputs(value: Any) -> tuple[tuple[str | tuple[int, ...], ...], bool]:
+    """``input`` of an embeddings request as a tuple of texts and token-id tuples, and
+    whether it was one input (a string or one array of ids) rather than an array of
+    them; ``InvalidParam`` naming the element (``input[2]``) for anything else."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidParam("input", "input must not be an empty string")
+        return (value,), True
+    if not isinstance(value, list):
+        raise InvalidParam("input", f"input must be {EMBEDDING_INPUT_KINDS}")
+    if not value:
+        raise InvalidParam("input", "input must not be an empty array")
+    if all(_is_token_id(item) for item in value):
+        return (tuple(value),), True
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise InvalidParam(f"input[{i}]", f"input[{i}] must not be an empty string")
+            out.append(item)
+        elif isinstance(item, list):
+            if not item:
+                raise InvalidParam(f"input[{i}]", f"input[{i}] must not be an empty array")
+            for k, token in enumerate(item):
+                if not _is_token_id(token):
+                    raise InvalidParam(
+                        f"input[{i}][{k}]", f"input[{i}][{k}] must be a token id (an integer >= 0)"
+                    )
+            out.append(tuple(item))
+        else:
+            raise InvalidParam(
+                f"input[{i}]", f"input[{i}] must be a string or an array of token ids"
+            )
+    return tuple(out), False
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_embedding_input(name: str, value: Any) -> None:
+    embedding_inputs(value)
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingRequest:
+    """``POST /v1/embeddings``: OpenAI's fields; ``dimensions`` only where the model
+    allows it (docs/models.md#embeddings)."""
+
+    model: str
+    input: Any = constrained(
+        attrs.NOTHING,
+        required=True,
+        check=_check_embedding_input,
+        schema={"*": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+        ]}},
+    )
+    encoding_format: str = constrained("float", choices=("float", "base64"))
+    dimensions: int | None = bounded(1)
+    user: str | None = None

@@ -25,6 +25,7 @@ from runtime.settings import (
     BATCHING,
     DISTRIBUTED,
     DURATION,
+    EMBEDDINGS,
     LIMITS,
     MODEL,
     PROMPT_CACHE,
@@ -349,6 +350,53 @@ class ServerConfig(TuningSettings):
         help="how long a stored response is kept after it is made, a duration such as 30d, 12h "
         "or 3600 (seconds) (none: no limit)",
         format=DURATION.or_none(), above=0, ours=True, default_text="30d", group=STORED,
+    )
+    embedding_model: str | None = setting(
+        None,
+        help="path or Hugging Face repo of an embedding model to serve at /v1/embeddings "
+        "(none: no embeddings)",
+        ours=True,
+        notes="Loaded at start by [mlx-embeddings](https://github.com/Blaizzy/mlx-embeddings) "
+        "(install the `embeddings` extra), on a thread of its own beside the chat model's "
+        "engine; requests name it by this value. The families it can serve are listed in "
+        "[models.md](models.md#embeddings). One that cannot be loaded ends `mlx-trio-server` "
+        "(under `hypercorn api:app`: `/health` and `/v1/embeddings` answer 503 naming why).",
+        group=EMBEDDINGS,
+    )
+    embedding_batch_size: int = setting(
+        32,
+        help="most inputs in one forward pass of the embedding model (inputs of requests "
+        "that wait together share passes)",
+        above=0,
+        ours=True,
+        group=EMBEDDINGS,
+    )
+    embedding_batch_tokens: int = setting(
+        16384,
+        help="most tokens in one forward pass of the embedding model, counted as inputs "
+        "times the longest one (padding included)",
+        above=0,
+        ours=True,
+        notes="An input longer than this still runs, alone in its pass.",
+        group=EMBEDDINGS,
+    )
+    embedding_max_inputs: int = setting(
+        2048,
+        help="most inputs one /v1/embeddings request may send (more: 400)",
+        above=0,
+        ours=True,
+        notes="2048 is OpenAI's limit. Requests waiting for the embedding model are bounded "
+        "by `--max-queued-requests` (beyond it: 429).",
+        group=EMBEDDINGS,
+    )
+    embedding_matryoshka: bool = setting(
+        False,
+        help="the embedding model was trained for shortened vectors (Matryoshka): a request's "
+        "`dimensions` keeps that many leading components, normalised again",
+        ours=True,
+        notes="Without it, `dimensions` other than the model's own size is a 400: cutting "
+        "a vector the model was not trained to have cut gives a worse embedding, silently.",
+        group=EMBEDDINGS,
     )
     api_key: tuple[str, ...] = setting(
         (),
