@@ -286,11 +286,8 @@ class Session:
         if self._image_params:
             if handle.vision_family is None or self._load_images is None:
                 param = self._image_params[0]
-                raise ClientError(
-                    f"{param}: an image content part needs a vision-language model; "
-                    f"the model {handle.model_key!r} is text-only",
-                    param=param,
-                )
+                raise ClientError(f"{param}: an image content part needs a vision-language model; "
+                                  f"the model {handle.model_key!r} is text-only", param=param)
             images = await self._load_images()
             vision = (handle.processor, handle.vision_family, images)
             prepare = functools.partial(self._prepare, vision=vision)
@@ -300,9 +297,7 @@ class Session:
             self._runtime.arrivals.preparing += 1
             try:
                 self.prompt, constraint = await trio.to_thread.run_sync(
-                    self._prepare_and_constrain,
-                    prepare,
-                    handle.tokenizer,
+                    self._prepare_and_constrain, prepare, handle.tokenizer,
                     limiter=self._runtime.tokenize_limiter,
                 )
             finally:
@@ -372,9 +367,7 @@ class Session:
             self._deadline = trio.current_time() + self._timeout
         return self
 
-    def _prepare_and_constrain(
-        self, prepare, tokenizer
-    ) -> tuple[PreparedPrompt, ConstraintSpec | None]:
+    def _prepare_and_constrain(self, prepare, tokenizer) -> tuple[PreparedPrompt, ConstraintSpec | None]:
         prompt = prepare(tokenizer)
         constraint = self._constrain(tokenizer, prompt) if self._constrain is not None else None
         return prompt, constraint

@@ -33,6 +33,7 @@ import attrs
 
 from runtime.errors import ServerError
 from runtime.grammar import ConstraintSpec
+from runtime.vision import VisionInputs
 
 
 class FinishReason(enum.StrEnum):
@@ -79,7 +80,7 @@ class PreparedPrompt:
     # the chat template's arguments, and one hash per message prefix.
     template_key: str | None = None
     conversation_keys: tuple[str, ...] = ()
-    vision: Any = None  # a runtime.vision.VisionInputs: the prompt's images (picklable)
+    vision: VisionInputs | None = None  # the prompt's images (picklable)
 
 
 @attrs.frozen(kw_only=True)
@@ -151,7 +152,7 @@ class Submit:
     # Scopes never reuse each other's entries (a shared prefix cache would tell one
     # tenant, by its time to first token, what another sent).
     cache_scope: str = ""
-    vision: Any = None  # a runtime.vision.VisionInputs (a vision-language model's images)
+    vision: VisionInputs | None = None  # a vision-language model's images
 
     @property
     def request_ids(self) -> tuple[int, ...]:
