@@ -2,14 +2,19 @@
 
 Owns one ``RequestText`` per open request: mlx-lm's streaming detokenizer
 (one per request: ``TokenizerWrapper.detokenizer`` builds a fresh one on each
-access), the stop-string matcher, and mlx-lm's ``TextStateMachine`` state that
-splits the text into normal / reasoning / tool segments.
+access), the stop-string matcher, and what splits the text into content,
+reasoning and tool calls: mlx-lm's ``TextStateMachine`` state (its
+tokenizer's think and tool-call markers, calls parsed by its tool parser),
+or for a gpt-oss model a ``runtime.harmony.HarmonyParser`` (channels and
+recipients).
 
 Receives ``StepOutputs`` (all sequences of one engine step at once) from the
-Scheduler. Emits into each request's ``Outbox``: ``Progress``, merged
-``Delta``s and exactly one terminal ``Finished`` / ``Failed``. A stop string
-found in the text finishes the request here and asks the Scheduler to withdraw
-the sequence from the engine.
+Scheduler over a channel, and through its port (``DetokenizerPort``, used by
+the Runtime) ``open`` and ``abort``. Emits into each request's ``Outbox``:
+``Progress``, merged ``Delta``s and exactly one terminal ``Finished`` /
+``Failed`` (none once its Session has closed: nobody reads it). A request it
+ends early (a stop string in the text, a deadline, shutdown) it also aborts
+in the engine, through the Scheduler's port (``SchedulerPort.abort``).
 
 Stop strings are matched on decoded text, so they work across token
 boundaries; text that could be the start of a stop string is held back until
@@ -21,15 +26,17 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
 from mlx_lm.generate import TextStateMachine
 
-from runtime.errors import RESTART_RETRY_AFTER, Unavailable
+from actors.scheduler import SchedulerPort
+from runtime.errors import RESTART_RETRY_AFTER, Unavailable, shutting_down
+from runtime.harmony import HarmonyParser, is_harmony_tokenizer
 from runtime.messages import (
+    AbortReason,
     CacheMissReason,
     Failed,
     Finished,
@@ -91,14 +98,23 @@ class StopMatcher:
 class RequestText:
     """One request's text pipeline: tokens -> raw text -> stop check -> segments."""
 
-    def __init__(self, spec: TextSpec, tokenizer, state_machine: TextStateMachine | None):
+    def __init__(
+        self,
+        spec: TextSpec,
+        tokenizer,
+        state_machine: TextStateMachine | None,
+        *,
+        harmony: bool = False,
+    ):
         self.spec = spec
         self.tokenizer = tokenizer
         self._detok = tokenizer.detokenizer  # a new stateful object on every access
         if not spec.markup:
             keep_leading_space(self._detok)
         self._stops = StopMatcher(spec.stop)
-        self._sm = state_machine if spec.markup else None
+        self._sm = state_machine if spec.markup and not harmony else None
+        self._harmony = HarmonyParser() if spec.markup and harmony else None
+        self._call: list[str] | None = None  # a Harmony tool call's name and arguments so far
         self._sm_state = self._sm.make_state(spec.initial_state) if self._sm else None
         self._prev_state = spec.initial_state
         self._tool_text = ""
@@ -111,7 +127,7 @@ class RequestText:
         """Feed one token. Returns (pieces in text order, stop string hit).
 
         Each piece is ("content" | "reasoning" | "tool", text); a "tool" piece is
-        one whole tool-call block.
+        one whole tool-call block; a ("call", ToolCall) piece is a part of a Harmony call.
         """
         self.completion_tokens += 1
         if final == FinishReason.STOP:
@@ -134,7 +150,9 @@ class RequestText:
         """Everything held back (a possible stop-string or marker prefix), as pieces."""
         return self._segment(self._stops.flush(), end=True)
 
-    def _segment(self, text: str, *, end: bool) -> list[tuple[str, str]]:
+    def _segment(self, text: str, *, end: bool) -> list[tuple[str, Any]]:
+        if self._harmony is not None:
+            return self._harmony_pieces(text, end=end)
         if self._sm is None:
             return [("content", text)] if text else []
         self._sm_state, segments = TextStateMachine.split(self._sm_state, text)
@@ -157,57 +175,112 @@ class RequestText:
             self._tool_text = ""
         return pieces
 
+    def _harmony_pieces(self, text: str, *, end: bool) -> list[tuple[str, Any]]:
+        """Harmony's events as pieces; a tool call streams as ("call", ToolCall) parts:
+        the first names it, the later ones carry its arguments piece by piece."""
+        events = self._harmony.feed(text) if text else []
+        if end:
+            events += self._harmony.finish()
+        pieces: list[tuple[str, Any]] = []
+        for event in events:
+            if event.kind == "tool_name":
+                self._call = [f"call_{uuid.uuid4().hex[:24]}", ""]
+                pieces.append(("call", ToolCall(name=event.text, arguments="", id=self._call[0])))
+            elif event.kind in ("tool_arguments", "tool_end") and self._call is not None:
+                call_id, so_far = self._call
+                piece = event.text
+                if event.kind == "tool_end":
+                    self._call = None
+                    piece = "" if so_far.strip() else "{}"  # a call without arguments
+                    _check_arguments(so_far)
+                else:
+                    self._call[1] += piece
+                if piece:
+                    pieces.append(("call", ToolCall(name="", arguments=piece, id=call_id)))
+            elif event.text:
+                pieces.append((event.kind, event.text))
+        return pieces
+
+
+class DetokenizerPort(Protocol):
+    """How the Runtime reaches the Detokenizer."""
+
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer: object) -> None:
+        """Start a request's text, into ``outbox``."""
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        """End a request early with the terminal ``reason`` calls for (none for
+        ``CLOSED``), and abort it in the engine; synchronous and idempotent."""
+
+    def abort_all(self, reason: AbortReason) -> None:
+        """``abort`` every open request (the server is shutting down)."""
+
+    def open_requests(self) -> int: ...
+
 
 class DetokenizerCore:
-    """Sans-IO: ``open``/``close`` requests, ``on_outputs`` per engine step.
+    """Sans-IO: ``open`` / ``abort`` requests, ``on_outputs`` per engine step.
 
     Each request is opened with the tokenizer of the model it leased, so a
     model swap or an engine restart needs nothing from this core: requests
     waiting through a restart keep their entries."""
 
-    def __init__(self, *, withdraw: Callable[[int], None]):
-        self._withdraw = withdraw
+    def __init__(self, *, scheduler: SchedulerPort):
+        self._scheduler = scheduler
         self._requests: dict[int, tuple[RequestText, Outbox]] = {}
-        self._per_tokenizer: dict[int, tuple[Any, TextStateMachine]] = {}
+        self._per_tokenizer: dict[int, tuple[Any, TextStateMachine, bool]] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
 
     def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer) -> None:
+        state_machine, harmony = self._splitter(tokenizer)
         self._requests[request_id] = (
-            RequestText(spec, tokenizer, self._state_machine(tokenizer)),
+            RequestText(spec, tokenizer, state_machine, harmony=harmony),
             outbox,
         )
 
-    def _state_machine(self, tokenizer) -> TextStateMachine:
-        """One per tokenizer (its markers); the last few tokenizers are remembered."""
+    def _splitter(self, tokenizer) -> tuple[TextStateMachine, bool]:
+        """One state machine per tokenizer (its markers), and whether it speaks Harmony;
+        the last few tokenizers are remembered."""
         entry = self._per_tokenizer.get(id(tokenizer))
         if entry is None or entry[0] is not tokenizer:
             if len(self._per_tokenizer) >= 4:
                 self._per_tokenizer.pop(next(iter(self._per_tokenizer)))
-            entry = (tokenizer, _make_state_machine(tokenizer))
+            entry = (tokenizer, _make_state_machine(tokenizer), is_harmony_tokenizer(tokenizer))
             self._per_tokenizer[id(tokenizer)] = entry
-        return entry[1]
+        return entry[1], entry[2]
 
-    def close(self, request_id: int) -> None:
-        self._requests.pop(request_id, None)
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        """End a request early, then abort it in the engine (idempotent).
 
-    def fail(self, request_id: int, failure: Failed) -> None:
-        """End a request with ``failure``; the text held back so far is delivered first."""
+        ``CLOSED``: dropped (its Session is gone); otherwise its held-back text
+        first, then ``DEADLINE``: ``Finished`` with "length"; ``STOP_STRING``:
+        ``Finished`` with "stop"; ``SHUTDOWN``: ``Failed`` (503)."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None and reason is not AbortReason.CLOSED:
+            text, outbox = entry
+            self._deliver(text, outbox, text.flush(), ())
+            if reason is AbortReason.SHUTDOWN:
+                failure = Failed.of(shutting_down())
+                outbox.put_terminal(attrs.evolve(failure, usage=self._usage(text)))
+            else:
+                finish = FinishReason.LENGTH if reason is AbortReason.DEADLINE else FinishReason.STOP
+                outbox.put_terminal(self._finished(text, finish))
+        self._scheduler.abort(request_id, reason)
+
+    def abort_all(self, reason: AbortReason) -> None:
+        for request_id in list(self._requests):
+            self.abort(request_id, reason)
+
+    def _fail(self, request_id: int, failure: Failed) -> None:
+        """The engine failed the sequence: its held-back text, then ``failure``."""
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
         text, outbox = entry
         self._deliver(text, outbox, text.flush(), ())
         outbox.put_terminal(attrs.evolve(failure, usage=self._usage(text)))
-
-    def fail_all(self, failure: Failed) -> list[int]:
-        """End every open request (the server is shutting down); returns their ids,
-        which the caller withdraws from the engine."""
-        ids = list(self._requests)
-        for request_id in ids:
-            self.fail(request_id, failure)
-        return ids
 
     def on_outputs(self, outputs: StepOutputs) -> None:
         for started in outputs.started:
@@ -230,19 +303,19 @@ class DetokenizerCore:
                 failure = Failed.of(Unavailable(failed.message, retry_after=RESTART_RETRY_AFTER))
             else:
                 failure = Failed(message=failed.message)
-            self.fail(failed.request_id, failure)
+            self._fail(failed.request_id, failure)
 
     def _on_token(self, event: TokenEvent) -> None:
         entry = self._requests.get(event.request_id)
         if entry is None:
-            return  # withdrawn or already finished by a stop string
+            return  # aborted, or already finished by a stop string
         text, outbox = entry
         pieces, hit = text.add(event.token, final=event.finish_reason)
         logprobs = (_token_logprob(text.tokenizer, event),) if event.logprob is not None else ()
         self._deliver(text, outbox, pieces, logprobs)
         if hit:
             self._requests.pop(event.request_id, None)
-            self._withdraw(event.request_id)
+            self._scheduler.abort(event.request_id, AbortReason.STOP_STRING)
             outbox.put_terminal(
                 self._finished(text, FinishReason.STOP, stop_sequence=text.stop_matched)
             )
@@ -250,23 +323,21 @@ class DetokenizerCore:
             self._requests.pop(event.request_id, None)
             outbox.put_terminal(self._finished(text, event.finish_reason))
 
-    def expire(self, request_id: int) -> None:
-        """The request's deadline passed: release held-back text, finish with "length"."""
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
-            return
-        text, outbox = entry
-        self._withdraw(request_id)
-        self._deliver(text, outbox, text.flush(), ())
-        outbox.put_terminal(self._finished(text, FinishReason.LENGTH))
-
     def _deliver(self, text: RequestText, outbox: Outbox, pieces, logprobs) -> None:
         content: list[str] = []
         reasoning: list[str] = []
         tool_calls: list[ToolCall] = []
         for kind, piece in pieces:
-            if kind == "tool":
-                calls = self._parse_tool(text.tokenizer, piece, text.spec.tools)
+            if kind == "call":
+                last = tool_calls[-1] if tool_calls else None
+                if last is not None and last.id == piece.id:  # two parts of one call: joined
+                    piece = attrs.evolve(last, arguments=last.arguments + piece.arguments)
+                    tool_calls[-1] = piece
+                else:
+                    tool_calls.append(piece)
+            elif kind == "tool":
+                tools = None if text.spec.tools is None else list(text.spec.tools)
+                calls = self._parse_tool(text.tokenizer, piece, tools)
                 if calls is None:
                     content.append(piece)  # rejected by the parser: returned as text
                 else:
@@ -344,6 +415,17 @@ def _tool_call(parsed: Any) -> ToolCall:
     )
 
 
+def _check_arguments(arguments: str) -> None:
+    """A streamed call's arguments, once whole: already sent, so only logged when not
+    a JSON object."""
+    try:
+        valid = not arguments.strip() or isinstance(json.loads(arguments), dict)
+    except ValueError:
+        valid = False
+    if not valid:
+        log.warning("tool call arguments are not a JSON object: %.200r", arguments)
+
+
 def _make_state_machine(tokenizer) -> TextStateMachine:
     from mlx_lm.generate import make_text_state_machine
 
@@ -351,10 +433,23 @@ def _make_state_machine(tokenizer) -> TextStateMachine:
 
 
 class Detokenizer:
-    """The trio shell: one ``on_outputs`` per engine step received."""
+    """The actor: one ``on_outputs`` per engine step received; ``DetokenizerPort``
+    is its surface."""
 
     def __init__(self, core: DetokenizerCore):
-        self.core = core
+        self._core = core
+
+    def open(self, request_id: int, spec: TextSpec, outbox: Outbox, tokenizer: object) -> None:
+        self._core.open(request_id, spec, outbox, tokenizer)
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        self._core.abort(request_id, reason)
+
+    def abort_all(self, reason: AbortReason) -> None:
+        self._core.abort_all(reason)
+
+    def open_requests(self) -> int:
+        return len(self._core)
 
     async def run(
         self,
@@ -365,4 +460,4 @@ class Detokenizer:
         task_status.started()
         async with outputs:
             async for step in outputs:
-                self.core.on_outputs(step)
+                self._core.on_outputs(step)

@@ -9,13 +9,16 @@ in one process) and two kinds of metric:
   request's time to first output, mean inter-token latency, end-to-end
   latency and outcome (``observe_request``, from a leaving ``Session``'s
   ``RequestTiming``), model load times (``observe_load``, from the
-  ModelLoader);
+  ModelLoader), embedding requests, inputs and tokens
+  (``observe_embedding_request``, from the Embeddings actor) and the
+  embedding model's forward passes (``observe_embedding_batch``, from its
+  thread);
 * read at scrape time by ``RuntimeCollector`` from the runtime's state: the
   Scheduler's queue and engine occupancy, the model's state and restarts,
   and the latest engine snapshot (``EngineStats``: steps, busy time, tokens,
   prompt-cache figures, aborts, and the step-time and batch-size histograms,
   whose bucket counts the engine keeps, exported as they are), and the
-  PromptCacheActor's misses by reason and evictions.
+  prompt-cache policy's misses by reason and evictions.
 
 The engine's counters start again from 0 when a new engine starts (a restart or
 a model swap); Prometheus's ``rate()`` and ``increase()`` treat that as a
@@ -39,6 +42,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from actors.session import RequestTiming
+from runtime.embeddings import BatchFigures
 from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS, EngineStats
 
 PREFIX = "mlx_trio_"
@@ -48,6 +52,7 @@ LATENCY_BUCKETS = (
 INTER_TOKEN_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5
 )
+EMBEDDING_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 CLIENT_CLOSED = 499  # the status an answer never sent is counted under (nginx's)
 
@@ -107,6 +112,32 @@ class ServerMetrics:
             buckets=LOAD_BUCKETS,
             registry=r,
         )
+        self.embedding_requests = Counter(
+            PREFIX + "embedding_requests",
+            "/v1/embeddings requests that reached the embedding model's queue, by outcome: ok, "
+            "error (a 4xx or 5xx from the model's thread) or overloaded (429: the queue was full)",
+            ["outcome"],
+            registry=r,
+        )
+        self.embedding_inputs = Counter(
+            PREFIX + "embedding_inputs", "Inputs embedded (ok requests)", registry=r
+        )
+        self.embedding_tokens = Counter(
+            PREFIX + "embedding_tokens", "Tokens of the inputs embedded (usage.prompt_tokens)",
+            registry=r,
+        )
+        self.embedding_batch_size = Histogram(
+            PREFIX + "embedding_batch_size",
+            "Inputs per forward pass of the embedding model (requests waiting together share one)",
+            buckets=EMBEDDING_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.embedding_batch_seconds = Histogram(
+            PREFIX + "embedding_batch_seconds",
+            "Duration of the embedding model's forward passes",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(RuntimeCollector(figures))
 
     # -------------------------------------------------------------- recording
@@ -127,6 +158,16 @@ class ServerMetrics:
         if timing.duration is not None:
             self.e2e_latency.observe(timing.duration)
         self.requests_finished.labels(outcome=timing.outcome or "abandoned").inc()
+
+    def observe_embedding_request(self, outcome: str, inputs: int, tokens: int) -> None:
+        self.embedding_requests.labels(outcome=outcome).inc()
+        self.embedding_inputs.inc(inputs)
+        self.embedding_tokens.inc(tokens)
+
+    def observe_embedding_batch(self, figures: BatchFigures) -> None:
+        """One forward pass (called on the embedding thread: prometheus-client locks)."""
+        self.embedding_batch_size.observe(figures.inputs)
+        self.embedding_batch_seconds.observe(figures.seconds)
 
     def observe_load(self, seconds: float) -> None:
         self.model_load.observe(seconds)
@@ -153,7 +194,7 @@ class RuntimeFigures:
     kv_budget_bytes: int
     engine_restarts: int
     stats: EngineStats
-    prompt_cache: dict = attrs.field(factory=dict)  # the PromptCacheActor's figures
+    prompt_cache: dict = attrs.field(factory=dict)  # the prompt-cache policy's figures
 
 
 class RuntimeCollector(Collector):

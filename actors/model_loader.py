@@ -14,10 +14,14 @@ wanted one. A model that fails to load fails the requests waiting for it and
 the server goes back to its default model; the default model failing to load
 leaves the server up, answering 503 with the reason.
 
-``ModelLoaderCore`` is the sans-IO state machine that ``/health`` reads.
-Emits into the engine hand-over (``runtime.handover``), in order with the
-engine's steps: ``ModelReady(handle, inbox)`` when an engine can take
-requests, and ``ModelLost(reason, permanent)`` when it stopped taking them.
+``ModelLoaderCore`` is the sans-IO state machine; others reach the actor
+only through its port (``ModelLoaderPort``): ``acquire`` / ``release`` a lease,
+``status`` (a frozen ``ModelStatus``, what ``/health`` reads) and
+``context_window``. A lease's ``LoadedModel`` is the trio side's copy, without
+the model's weights. Emits into the engine hand-over (``runtime.handover``),
+in order with the engine's steps: ``ModelReady(info, inbox)`` when an engine
+can take requests, and ``ModelLost(reason, permanent)`` when it stopped taking
+them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 import trio
@@ -40,14 +45,9 @@ from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.engine.process import EngineProcessError, run_engine_proxy
 from runtime.errors import NotFound, Unavailable, shutting_down
 from runtime.handover import Handover
-from runtime.messages import (
-    EngineReady,
-    ModelHandle,
-    ModelLost,
-    ModelReady,
-    Shutdown,
-    StepOutputs,
-)
+from runtime.lifecycle import EngineInbox, EngineReady, ModelInfo, ModelLost, ModelReady
+from runtime.loaded_model import LoadedModel
+from runtime.messages import Shutdown, StepOutputs
 from runtime.models import ModelKey
 from runtime.tokenizing import encoder_for
 
@@ -84,7 +84,7 @@ class ModelLoaderCore:
         self.leases = 0
         self.state = ModelState.LOADING
         self.reason: str | None = None
-        self.handle: ModelHandle | None = None
+        self.handle: LoadedModel | None = None
         self.restarts = 0  # since the server started (/health, /metrics)
         # Restarts within the last RESTART_WINDOW_SECONDS: max_restarts of them mark the
         # model failed; older ones no longer count (a crash a week does not add up).
@@ -95,7 +95,7 @@ class ModelLoaderCore:
         # Every model that has loaded: its context window (/v1/models, /health).
         self.context_windows: dict[ModelKey, int | None] = {}
 
-    def ready(self, handle: ModelHandle) -> None:
+    def ready(self, handle: LoadedModel) -> None:
         self.state = ModelState.READY
         self.reason = None
         self.handle = handle
@@ -173,6 +173,36 @@ class ModelLoaderCore:
         return min(0.1 * 2 ** len(self._recent_restarts), 5.0)
 
 
+@attrs.frozen(kw_only=True)
+class ModelStatus:
+    """The ModelLoader's state at one moment (``/health``, ``/metrics``, start-up)."""
+
+    state: ModelState
+    reason: str | None
+    model: ModelKey  # loaded or loading now
+    default: ModelKey
+    pending: ModelKey | None  # to load once the leases reach 0
+    leases: int
+    restarts: int
+    info: ModelInfo | None  # the loaded model's (None: none is ready)
+    ever_loaded: bool  # some model has loaded since the server started
+    engine_mode: str  # "process" or "thread"
+
+
+class ModelLoaderPort(Protocol):
+    """How the Runtime (and through it each Session) reaches the ModelLoader."""
+
+    async def acquire(self, key: ModelKey) -> LoadedModel:
+        """Wait until ``key`` is loaded and lease it (404 / 503)."""
+
+    def release(self) -> None:
+        """Give a lease back; synchronous."""
+
+    def status(self) -> ModelStatus: ...
+
+    def context_window(self, key: ModelKey) -> int | None: ...
+
+
 class ModelLoader:
     def __init__(
         self,
@@ -197,10 +227,10 @@ class ModelLoader:
 
         ``on_loaded(seconds)``: an engine became ready, ``seconds`` after it was
         started (the model load: a restart's backoff is not counted)."""
-        self.core = core or ModelLoaderCore()
+        self._core = core or ModelLoaderCore()
         self._make_core = make_core
         self._handover = handover
-        self.inbox: queue.SimpleQueue | None = None
+        self.inbox: EngineInbox | None = None
         self._changed = trio.Event()
         self.distributed = distributed
         self.step_timeout = step_timeout
@@ -209,50 +239,71 @@ class ModelLoader:
         self._on_loaded = on_loaded
         self._engine_started = time.monotonic()
         if distributed:
-            self.core.max_restarts = 0
+            self._core.max_restarts = 0
+
+    # ------------------------------------------------------------- the port
+
+    def status(self) -> ModelStatus:
+        core = self._core
+        return ModelStatus(
+            state=core.state,
+            reason=core.reason,
+            model=core.key,
+            default=core.default,
+            pending=core.pending,
+            leases=core.leases,
+            restarts=core.restarts,
+            info=core.handle.info if core.handle is not None else None,
+            ever_loaded=bool(core.context_windows),
+            engine_mode="process" if self.engine_process is not None else "thread",
+        )
+
+    def context_window(self, key: ModelKey) -> int | None:
+        """The context window of ``key``, once it has loaded."""
+        return self._core.context_windows.get(key)
 
     # ----------------------------------------------------- leases (Sessions)
 
-    async def acquire(self, key: ModelKey, *, wait: float = 600.0) -> ModelHandle:
+    async def acquire(self, key: ModelKey, *, wait: float = 600.0) -> LoadedModel:
         """Wait (bounded) until ``key`` is loaded, and lease it. Raises 404 / 503."""
-        self.core.waiting[key] += 1
+        self._core.waiting[key] += 1
         try:
             with trio.move_on_after(wait):
                 return await self._wait_for_lease(key)
         finally:
-            self.core.waiting[key] -= 1
-            if not self.core.waiting[key]:
-                del self.core.waiting[key]
+            self._core.waiting[key] -= 1
+            if not self._core.waiting[key]:
+                del self._core.waiting[key]
             self._notify()  # a waiter leaving can unblock a swap
         raise Unavailable(f"model {key.model!r} is still loading", retry_after=5)
 
-    async def _wait_for_lease(self, key: ModelKey) -> ModelHandle:
+    async def _wait_for_lease(self, key: ModelKey) -> LoadedModel:
         while True:
-            if self.core.try_lease(key):
-                return self.core.handle
-            failure = self.core.failed_loads.get(key)
+            if self._core.try_lease(key):
+                return self._core.handle
+            failure = self._core.failed_loads.get(key)
             if failure is not None:
                 reason, when = failure
                 if trio.current_time() - when < FAILED_LOAD_MEMORY:
                     raise NotFound(
                         f"model {key.model!r} could not be loaded: {reason}", param="model"
                     )
-                del self.core.failed_loads[key]  # long ago: try again
-            if self.core.state is ModelState.FAILED:
-                raise Unavailable(f"the model failed to load: {self.core.reason}", retry_after=30)
-            if self.core.state is ModelState.STOPPED:
+                del self._core.failed_loads[key]  # long ago: try again
+            if self._core.state is ModelState.FAILED:
+                raise Unavailable(f"the model failed to load: {self._core.reason}", retry_after=30)
+            if self._core.state is ModelState.STOPPED:
                 raise shutting_down()
             self._maybe_swap()
             await self._changed.wait()
 
     def release(self) -> None:
         """Synchronous: called from Session cleanup, possibly while cancelled."""
-        self.core.release()
+        self._core.release()
         self._maybe_swap()
 
     def _maybe_swap(self) -> None:
-        if self.core.swap_due() and self.inbox is not None:
-            log.info("swapping model %s -> %s", self.core.key.model, self.core.pending.model)
+        if self._core.swap_due() and self.inbox is not None:
+            log.info("swapping model %s -> %s", self._core.key.model, self._core.pending.model)
             self.inbox.put(Shutdown())
             self.inbox = None
 
@@ -288,29 +339,29 @@ class ModelLoader:
                         log.error("engine thread ended with %s: %s", type(exc).__name__, exc)
                     finally:
                         self.inbox = None
-                    again = self.core.engine_exited(error)
+                    again = self._core.engine_exited(error)
                     if self.distributed and error is not None:
-                        self.core.reason = (
-                            f"the distributed group failed ({self.core.reason}); "
+                        self._core.reason = (
+                            f"the distributed group failed ({self._core.reason}); "
                             "restart the whole launch"
                         )
                     await self._handover.put(
-                        ModelLost(reason=self.core.reason or "the engine stopped", permanent=not again)
+                        ModelLost(reason=self._core.reason or "the engine stopped", permanent=not again)
                     )
                     self._notify()
                     if not again:
                         return
-                    if self.core.state is ModelState.RESTARTING:
+                    if self._core.state is ModelState.RESTARTING:
                         log.warning(
                             "restarting the engine (%d) in %.1fs",
-                            self.core.restarts,
-                            self.core.backoff(),
+                            self._core.restarts,
+                            self._core.backoff(),
                         )
-                        await trio.sleep(self.core.backoff())
-                        self.core.state = ModelState.LOADING
+                        await trio.sleep(self._core.backoff())
+                        self._core.state = ModelState.LOADING
         finally:
-            if self.core.state is not ModelState.FAILED:
-                self.core.state = ModelState.STOPPED
+            if self._core.state is not ModelState.FAILED:
+                self._core.state = ModelState.STOPPED
             self._notify()
 
     async def _run_engine_thread(self, inbox: queue.SimpleQueue) -> None:
@@ -318,7 +369,7 @@ class ModelLoader:
         if not self.distributed:
             # trio waits for the thread: no orphan keeps a model in memory.
             await trio.to_thread.run_sync(
-                functools.partial(self._engine_thread, inbox, self.core.key),
+                functools.partial(self._engine_thread, inbox, self._core.key),
                 thread_name="mlx-engine",
                 abandon_on_cancel=False,
             )
@@ -329,12 +380,12 @@ class ModelLoader:
         finished = threading.Event()
         try:
             await trio.to_thread.run_sync(
-                functools.partial(self._engine_thread, inbox, self.core.key, finished),
+                functools.partial(self._engine_thread, inbox, self._core.key, finished),
                 thread_name="mlx-engine",
                 abandon_on_cancel=True,
             )
         except trio.Cancelled:
-            grace = 0.0 if self.core.state is ModelState.FAILED else SHUTDOWN_GRACE
+            grace = 0.0 if self._core.state is ModelState.FAILED else SHUTDOWN_GRACE
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(finished.wait, grace, abandon_on_cancel=True)
             raise
@@ -344,7 +395,7 @@ class ModelLoader:
         interval = min(1.0, self.step_timeout / 4)
         while True:
             await trio.sleep(interval)
-            if self.core.state is not ModelState.READY:
+            if self._core.state is not ModelState.READY:
                 continue
             silent = time.monotonic() - self.last_tick
             if silent > self.step_timeout:
@@ -355,8 +406,8 @@ class ModelLoader:
 
     async def _group_lost(self, reason: str) -> None:
         log.error("%s", reason)
-        self.core.state = ModelState.FAILED
-        self.core.reason = reason
+        self._core.state = ModelState.FAILED
+        self._core.reason = reason
         self.inbox = None
         self._notify()
         await self._handover.put(ModelLost(reason=reason, permanent=True))
@@ -381,7 +432,7 @@ class ModelLoader:
             # and never runs more than a few steps ahead of its consumers.
             self._handover.put_from_thread(outputs, trio.from_thread.check_cancelled)
 
-        def ready(handle: ModelHandle, attach=inbox) -> None:
+        def ready(handle: LoadedModel, attach=inbox) -> None:
             # ``attach``: what the trio side puts commands into (an engine
             # process gives its ``ProcessInbox``). The tokenizer's encoder is
             # chosen now (about 20 ms of probes), not on the first request's
@@ -392,7 +443,7 @@ class ModelLoader:
             trio.from_thread.run(self._ready, handle, attach)
 
         def crashed(reason: str) -> None:
-            trio.from_thread.run_sync(self.core.crashing, reason)
+            trio.from_thread.run_sync(self._core.crashing, reason)
 
         make_core = functools.partial(self._make_core, key)
         spec = self.engine_process
@@ -419,13 +470,14 @@ class ModelLoader:
             on_tick=self._tick,
         )
 
-    async def _ready(self, handle: ModelHandle, inbox: queue.SimpleQueue) -> None:
+    async def _ready(self, loaded: LoadedModel, inbox: EngineInbox) -> None:
         self.last_tick = time.monotonic()
         # The Scheduler hears of the engine before any Session can lease it;
         # a request that races ahead of this note waits in the Scheduler.
-        await self._handover.put(ModelReady(handle=handle, inbox=inbox))
+        await self._handover.put(ModelReady(info=loaded.info, inbox=inbox))
         self.inbox = inbox
-        self.core.ready(handle)
+        handle = loaded.for_trio_side()  # the weights stay the engine's
+        self._core.ready(handle)
         seconds = time.monotonic() - self._engine_started
         self._on_loaded(seconds)
         log.info("model ready: %s (loaded in %.1f s)", handle.model_key, seconds)

@@ -1,10 +1,11 @@
-"""PromptCacheActor: the prompt cache's policy, its explanations and its statistics.
+"""PromptCachePolicy: the prompt cache's policy, its explanations and its statistics.
 
-The cache's data, the KV arrays, stays with the engine
-(``runtime.prompt_cache_store``: mlx-lm's ``LRUPromptCache`` with a reuse
-floor), which looks entries up when a request is admitted and stores them at
-segment ends and when a sequence finishes. This actor decides the rest
-(``PromptCacheCore``, sans-IO):
+Not an actor: a sans-IO object with no task of its own, called synchronously
+by the Scheduler (each step) and the Runtime (each request). The cache's data,
+the KV arrays, stays with the engine (``runtime.prompt_cache_store``: mlx-lm's
+``LRUPromptCache`` with a reuse floor), which looks entries up when a request
+is admitted and stores them at segment ends and when a sequence finishes.
+The policy decides the rest:
 
 * an index of the engine's entries (tokens in a radix trie, bytes, segment
   type, the template arguments and conversation of the request that stored
@@ -22,30 +23,30 @@ segment ends and when a sequence finishes. This actor decides the rest
   starts, the reason it reused nothing (``SequenceStarted.miss_reason``, which
   the Detokenizer puts into ``Usage``). Evicted and lost entries are
   remembered (tokens only, bounded) to tell ``evicted`` from ``no_entry``;
-* the statistics (``figures``, for ``/health`` and ``/metrics``), logged at
-  most every 30 s when they changed.
+* the statistics (``figures``, for ``/health`` and ``/metrics``), logged
+  after a step at most every ``log_every`` seconds (30) when they changed.
 
 Receives: synchronous calls from the Runtime (``open``, ``close``) and from
-the Scheduler (``on_step``, ``engine_changed``). Emits: ``EvictCache``
-commands (returned to the Scheduler, which puts them into the engine's
-inbox), annotated ``StepOutputs``, ``PromptCacheOutlook``s and a log line.
-Its task (``run``) is where asynchronous work of a later disk tier goes.
+the Scheduler (``on_step``, ``engine_changed``). Returns: the entries to evict
+(the Scheduler puts them into the engine's inbox as one ``EvictCache``), the
+step's ``StepOutputs`` annotated, a ``PromptCacheOutlook`` per request, and
+logs a line.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
+from collections.abc import Callable
 
 import attrs
-import trio
 
 from actors.prompt_cache_index import TokenTrie, Walk, tokens_array
 from runtime.messages import (
     CacheEntryRemoved,
     CacheEntryStored,
     CacheMissReason,
-    EvictCache,
     PromptCacheOutlook,
     StepOutputs,
 )
@@ -121,7 +122,7 @@ class PromptCacheStats:
     header_mismatches: int = 0  # the prediction at admission differed from the engine's lookup
 
 
-class PromptCacheCore:
+class PromptCachePolicy:
     """Sans-IO: the index of the engine's entries, the keep/evict decisions, the explanations."""
 
     def __init__(
@@ -132,6 +133,8 @@ class PromptCacheCore:
         min_reuse: int = 0,
         ghost_tokens: int = GHOST_TOKENS,
         ghost_entries: int = GHOST_ENTRIES,
+        log_every: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
@@ -153,6 +156,10 @@ class PromptCacheCore:
         self._ghosts_by_conversation: dict[str, set[int]] = collections.defaultdict(set)
         self._requests: dict[int, _Request] = {}
         self._closed: collections.deque[int] = collections.deque()
+        self._log_every = log_every
+        self._clock = clock
+        self._logged_at = clock()
+        self._logged = ""
 
     # ---------------------------------------------------------------- reading
 
@@ -249,7 +256,7 @@ class PromptCacheCore:
         return outlook
 
     def close(self, request_id: int) -> None:
-        """The request's Session left. One that never started (withdrawn while it
+        """The request's Session left. One that never started (aborted while it
         waited, or about to start) is kept a while for a late ``SequenceStarted``."""
         request = self._requests.get(request_id)
         if request is None:
@@ -292,6 +299,7 @@ class PromptCacheCore:
             self._requests.pop(request_id, None)
         if outputs.started:
             outputs = attrs.evolve(outputs, started=tuple(started))
+        self._log_if_due()
         return outputs, tuple(evicted)
 
     def _started(self, request_id: int, cached: int) -> CacheMissReason | None:
@@ -403,36 +411,13 @@ class PromptCacheCore:
             f"{s.evictions} evicted"
         )
 
-
-class PromptCacheActor:
-    """The trio shell: synchronous calls into the core, and a task that logs."""
-
-    def __init__(self, core: PromptCacheCore, *, log_every: float = 30.0):
-        self.core = core
-        self._log_every = log_every
-
-    def open(self, request_id: int, model: str, tokens, **keys) -> PromptCacheOutlook:
-        return self.core.open(request_id, model, tokens, **keys)
-
-    def close(self, request_id: int) -> None:
-        self.core.close(request_id)
-
-    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, tuple[EvictCache, ...]]:
-        outputs, evicted = self.core.on_step(outputs)
-        return outputs, ((EvictCache(entry_ids=evicted),) if evicted else ())
-
-    def engine_changed(self, model: str | None) -> None:
-        self.core.engine_changed(model)
-
-    def figures(self) -> dict:
-        return self.core.figures()
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        logged = None
-        while True:
-            await trio.sleep(self._log_every)
-            line = self.core.log_line()
-            if line != logged:
-                log.info(line)
-                logged = line
+    def _log_if_due(self) -> None:
+        """The statistics' line, at most every ``log_every`` seconds, when it changed."""
+        now = self._clock()
+        if now - self._logged_at < self._log_every:
+            return
+        line = self.log_line()
+        if line != self._logged:
+            log.info(line)
+            self._logged = line
+        self._logged_at = now

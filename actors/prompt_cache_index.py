@@ -1,4 +1,4 @@
-"""The PromptCacheActor's token index: a radix trie of token sequences, per model.
+"""The prompt-cache policy's token index: a radix trie of token sequences, per model.
 
 Owns no I/O and no MLX; receives token sequences (``array('i')``) with an id,
 and answers, for a prompt, what mlx-lm's ``LRUPromptCache`` lookup would see

@@ -15,35 +15,39 @@ never asked to hold more KV cache than the budget allows. Requests wait here,
 not in the engine, so a client that leaves while queued costs the engine
 nothing, and the prompt-cache lookup happens when the request is started.
 
-The ``Scheduler`` shell receives each engine step's ``StepOutputs`` (and the
+The ``Scheduler`` actor receives each engine step's ``StepOutputs`` (and the
 ModelLoader's ``ModelReady`` / ``ModelLost``, in order with them) from the
-engine hand-over, updates the core, hands the step to the PromptCacheActor
-(synchronously: its index follows the engine's entries before any client sees
-the step's results, and it answers with the step's miss reasons filled in and
-its evictions), puts those evictions into the engine's inbox, refills the
-engine, and forwards the step to the Detokenizer. Submissions and withdrawals
-are synchronous calls (``submit``/``withdraw``) so that a Session can withdraw
-in cleanup without awaiting; the commands they produce go straight into the
-engine's thread-safe inbox.
+engine hand-over, updates the core, hands the step to the prompt-cache policy
+(``actors.prompt_cache.PromptCachePolicy``, a synchronous call: its index
+follows the engine's entries before any client sees the step's results, and
+it answers with the step's miss reasons filled in and the entries to evict),
+puts those evictions into the engine's inbox as one ``EvictCache``, refills
+the engine, and forwards the step to the Detokenizer.
+
+Others reach it only through its port (``SchedulerPort``): ``allocate_id``,
+``submit`` and ``abort`` are synchronous, so that a request can be aborted in
+cleanup without awaiting; the commands they produce go straight into the
+engine's inbox (``runtime.lifecycle.EngineInbox``: ``put`` never blocks).
+``figures`` is a frozen snapshot for ``/health`` and ``/metrics``.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
 from typing import Protocol
 
+import attrs
 import trio
 
 from runtime.errors import Overloaded, PayloadTooLarge, Unavailable
 from runtime.handover import HandedOver
+from runtime.lifecycle import EngineInbox, ModelLost, ModelReady
 from runtime.messages import (
     Abort,
-    EngineCommand,
+    AbortReason,
     EngineStats,
-    ModelLost,
-    ModelReady,
+    EvictCache,
     SequenceFailed,
     StepOutputs,
     Submit,
@@ -123,17 +127,17 @@ class SchedulerCore:
             return True
         return self.kv_reserved + submit.kv_bytes <= self.kv_budget
 
-    def withdraw(self, request_id: int) -> Abort | None:
+    def abort(self, request_id: int, reason: AbortReason) -> Abort | None:
         """Forget a request; returns the ``Abort`` the engine needs, if any.
 
-        A waiting request with several choices is withdrawn by its first id
-        (the Session withdraws all of them together)."""
+        A waiting request with several choices is aborted by its first id
+        (the Session aborts all of them together)."""
         if self.waiting.pop(request_id, None) is not None:
             return None
         if request_id in self.in_engine:
             self.in_engine.discard(request_id)
             self._reserved.pop(request_id, None)
-            return Abort(request_id=request_id)
+            return Abort(request_id=request_id, reason=reason)
         return None
 
     def on_outputs(self, outputs: StepOutputs) -> None:
@@ -150,17 +154,47 @@ class SchedulerCore:
 
 
 class PromptCachePort(Protocol):
-    """What the Scheduler needs of the PromptCacheActor."""
+    """What the Scheduler needs of the prompt-cache policy."""
 
-    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, Sequence[EngineCommand]]:
-        """Account for one step: the step to forward, and commands for the engine."""
+    def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, tuple[int, ...]]:
+        """Account for one step: the step to forward, and the entries to evict."""
 
     def engine_changed(self, model: str | None) -> None:
         """A new engine (its model key) or none: the old one's cache is gone."""
 
 
+@attrs.frozen(kw_only=True)
+class SchedulerFigures:
+    """The Scheduler's state at one moment (``/health``, ``/metrics``)."""
+
+    in_flight: int  # waiting or in the engine
+    running: int  # in the engine
+    waiting: int
+    kv_reserved_bytes: int
+    kv_budget_bytes: int | None
+    stats: EngineStats  # the engine's latest snapshot
+
+
+class SchedulerPort(Protocol):
+    """How the Runtime, Sessions (through it) and the Detokenizer reach the Scheduler."""
+
+    @property
+    def kv_budget(self) -> int | None:
+        """Bytes of KV cache the engine's sequences may hold together (None: no limit)."""
+
+    def allocate_id(self) -> int: ...
+
+    def submit(self, submit: Submit) -> None:
+        """Admit (429 / 413 / 503) and start it when the engine has room."""
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        """Stop a request early; synchronous and idempotent (safe in cleanup)."""
+
+    def figures(self) -> SchedulerFigures: ...
+
+
 class Scheduler:
-    """The trio shell around ``SchedulerCore``.
+    """The actor around ``SchedulerCore``; ``SchedulerPort`` is its whole surface.
 
     Receives from the engine hand-over, in order: ``ModelReady`` (attach the
     engine's inbox, set the KV budget, start what waits), ``StepOutputs`` and
@@ -176,15 +210,33 @@ class Scheduler:
         prompt_cache: PromptCachePort,
         kv_budget_override: int | None = None,
     ):
-        self.core = core
+        self._core = core
         self._to_detokenizer = to_detokenizer
         self._prompt_cache = prompt_cache
         self._kv_budget_override = kv_budget_override
-        self._engine_inbox = None
+        self._engine_inbox: EngineInbox | None = None
         self._gone: str | None = None  # no engine is coming back: why
-        self.last_stats = EngineStats()  # the latest engine snapshot: /health, /metrics
+        self._last_stats = EngineStats()  # the latest engine snapshot: /health, /metrics
 
-    # ------------------------------------------------ synchronous entry points
+    # ------------------------------------------------------------ the port
+
+    @property
+    def kv_budget(self) -> int | None:
+        return self._core.kv_budget
+
+    def allocate_id(self) -> int:
+        return self._core.allocate_id()
+
+    def figures(self) -> SchedulerFigures:
+        core = self._core
+        return SchedulerFigures(
+            in_flight=core.load,
+            running=len(core.in_engine),
+            waiting=len(core.waiting),
+            kv_reserved_bytes=core.kv_reserved,
+            kv_budget_bytes=core.kv_budget,
+            stats=self._last_stats,
+        )
 
     @property
     def engine_attached(self) -> bool:
@@ -197,44 +249,44 @@ class Scheduler:
         that let the Session in) or while it restarts, the request waits here."""
         if self._gone is not None:
             raise Unavailable(f"the engine stopped: {self._gone}", retry_after=30)
-        self.core.admit(submit)
+        self._core.admit(submit)
         self._start_waiting()
 
-    def withdraw(self, request_id: int) -> None:
+    def abort(self, request_id: int, reason: AbortReason) -> None:
         """Synchronous and idempotent: safe in cleanup under cancellation."""
-        abort = self.core.withdraw(request_id)
+        abort = self._core.abort(request_id, reason)
         if abort is not None and self._engine_inbox is not None:
             self._engine_inbox.put(abort)
 
     def _start_waiting(self) -> None:
         if self._engine_inbox is None:
             return
-        for submit in self.core.to_start():
+        for submit in self._core.to_start():
             self._engine_inbox.put(submit)
 
     # ------------------------------------------------------- engine messages
 
     def on_model_ready(self, ready: ModelReady) -> None:
-        handle = ready.handle
+        info = ready.info
         if self._kv_budget_override is not None:
-            self.core.kv_budget = self._kv_budget_override
-        elif handle.kv_bytes_per_token and handle.kv_budget:
-            self.core.kv_budget = handle.kv_budget
+            self._core.kv_budget = self._kv_budget_override
+        elif info.kv_bytes_per_token and info.kv_budget:
+            self._core.kv_budget = info.kv_budget
         self._gone = None
         self._engine_inbox = ready.inbox
-        self._prompt_cache.engine_changed(handle.model_key)
+        self._prompt_cache.engine_changed(info.model_key)
         self._start_waiting()
 
     def on_model_lost(self, lost: ModelLost) -> StepOutputs:
         """Detach the engine; returns the failures for the Detokenizer."""
         self._engine_inbox = None
         self._prompt_cache.engine_changed(None)
-        ids = self.core.engine_lost()
+        ids = self._core.engine_lost()
         if lost.permanent:
             self._gone = lost.reason
-            ids += [i for submit in self.core.waiting.values() for i in submit.request_ids]
-            self.core.waiting.clear()
-        self.last_stats = EngineStats()  # the dead engine's figures are not the truth
+            ids += [i for submit in self._core.waiting.values() for i in submit.request_ids]
+            self._core.waiting.clear()
+        self._last_stats = EngineStats()  # the dead engine's figures are not the truth
         return StepOutputs(
             failed=tuple(
                 SequenceFailed(
@@ -246,13 +298,13 @@ class Scheduler:
 
     def on_step(self, outputs: StepOutputs) -> StepOutputs:
         """Account for one engine step; returns it as the Detokenizer gets it."""
-        self.core.on_outputs(outputs)
-        outputs, commands = self._prompt_cache.on_step(outputs)
-        if self._engine_inbox is not None:
-            for command in commands:  # before new submits: they are looked up after it
-                self._engine_inbox.put(command)
+        self._core.on_outputs(outputs)
+        outputs, evicted = self._prompt_cache.on_step(outputs)
+        if evicted and self._engine_inbox is not None:
+            # Before new submits: they are looked up after it.
+            self._engine_inbox.put(EvictCache(entry_ids=evicted))
         self._start_waiting()
-        self.last_stats = outputs.stats
+        self._last_stats = outputs.stats
         return outputs
 
     # ------------------------------------------------------------ the actor

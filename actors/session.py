@@ -10,19 +10,27 @@ route calls ``receive()`` for the request's events: ``Progress``, ``Delta``,
 then exactly one ``Finished`` or ``Failed``.
 
 Exiting, for any reason (normal end, error, the client disconnecting and
-trio cancelling the handler), withdraws the request: synchronously, with no
+trio cancelling the handler), closes it (``close``): synchronously, with no
 ``await``, because under trio's level-triggered cancellation an ``await`` in
-cleanup would raise again. The withdrawal puts an ``Abort`` into the engine's
-inbox, and the sequence leaves the batch at the next engine step.
+cleanup would raise again. Closing closes the request
+(``SessionPort.close_request``: a request still running is aborted, an
+``Abort`` goes into the engine's inbox and the sequence leaves the batch at
+the next engine step), closes the outboxes and releases the model's lease.
 
 A deadline (the request's ``timeout`` or the server's ``request_timeout``)
-finishes the request with ``finish_reason: "length"`` and withdraws it.
+aborts the request (``SessionPort.abort_request``, ``AbortReason.DEADLINE``):
+it finishes with ``finish_reason: "length"``.
 
 Limits (``fit_max_tokens``): a prompt that leaves no room in the model's
 context window is a 400 (``context_length_exceeded``), one whose KV cache
 cannot fit the server's budget a 413; ``max_tokens`` is lowered to what the
 window and the budget leave, so a huge ``max_tokens`` is served, and the
 admission estimate is made with the lowered value.
+
+Images (a chat request's ``image_url`` parts, ``image_params`` naming them):
+a text-only model refuses them with a 400 naming the first part, before
+they are fetched or decoded; a vision-language model's Session awaits
+``load_images()`` and prepares with the model's processor (``vision=``).
 
 Several choices (``n`` > 1): one Submit starts n sequences (the engine
 processes the prompt once); each has its own request id and ``Outbox``, and
@@ -35,7 +43,7 @@ pending; exiting is not a checkpoint.
 Timing: a Session notes when the request began (entering), when its first
 output and its terminal reached it (``RequestTiming``, the response edge: what
 the client sees, stop-string hold-back included) and the terminal's token
-counts; leaving hands the record to ``SessionPort.record_request`` (metrics)
+counts; closing hands the record to ``SessionPort.record_request`` (metrics)
 and keeps it as ``timing`` (the access log).
 
 Bursts (``Arrivals``): a Session counts itself while it tokenises, and its
@@ -46,19 +54,22 @@ its prefill together).
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
 from runtime.errors import ClientError, PayloadTooLarge
+from runtime.grammar import ConstraintSpec
+from runtime.loaded_model import LoadedModel
 from runtime.messages import (
+    AbortReason,
     Delta,
     Failed,
     Finished,
-    ModelHandle,
     PreparedPrompt,
     Progress,
     PromptCacheOutlook,
@@ -153,7 +164,7 @@ class SessionPort(Protocol):
     def kv_budget(self) -> int | None:
         """Bytes of KV cache the engine's sequences may hold together (None: no limit)."""
 
-    async def acquire(self, key: ModelKey) -> ModelHandle:
+    async def acquire(self, key: ModelKey) -> LoadedModel:
         """Wait until ``key`` is loaded and lease it (404 / 503)."""
 
     def release(self) -> None:
@@ -169,7 +180,7 @@ class SessionPort(Protocol):
         submit: Submit,
         spec: TextSpec,
         outboxes: Sequence[Outbox],
-        handle: ModelHandle,
+        handle: LoadedModel,
         *,
         template_key: str | None = None,
         conversation_keys: tuple[str, ...] = (),
@@ -179,10 +190,12 @@ class SessionPort(Protocol):
         prompt cache expects the lookup to reuse, or why not."""
 
     def close_request(self, request_id: int) -> None:
-        """Withdraw; synchronous and idempotent."""
+        """The Session is done with the request: forget it everywhere, aborting it
+        (``AbortReason.CLOSED``) if it still runs; synchronous and idempotent."""
 
-    def expire_request(self, request_id: int) -> None:
-        """The deadline passed: finish with "length"."""
+    def abort_request(self, request_id: int, reason: AbortReason) -> None:
+        """Stop the request early; it still ends with its terminal (``DEADLINE``:
+        ``Finished`` with "length")."""
 
     def record_request(self, timing: RequestTiming) -> None:
         """The Session left: its timing and tokens (metrics); synchronous, never raises."""
@@ -197,20 +210,23 @@ class Session:
         sampling: SamplingParams,
         max_tokens: int,
         stop: tuple[str, ...] = (),
-        tools=None,
+        tools: Sequence[Mapping[str, object]] | None = None,
         markup: bool = True,
         logprobs: bool = False,
         top_logprobs: int = 0,
         timeout: float | None = None,
         model: ModelKey | None = None,
         num_draft_tokens: int | None = None,
-        constrain: Callable[[object, PreparedPrompt], object] | None = None,
+        constrain: Callable[[object, PreparedPrompt], ConstraintSpec | None] | None = None,
         n: int = 1,
         prompt_param: str = "messages",
         prepare_inline: bool = False,
         cache_scope: str = "",
+        image_params: tuple[str, ...] = (),
+        load_images: Callable[[], Awaitable[tuple]] | None = None,
     ):
-        """``prepare(tokenizer)`` makes the prompt; ``constrain(tokenizer, prompt)``
+        """``prepare(tokenizer)`` makes the prompt (``prepare(tokenizer, vision=(processor,
+        model_type, images))`` when the request has images); ``constrain(tokenizer, prompt)``
         (optional) the ``Submit.constraint`` (``None``: free output). Both run
         in a worker thread, tokenizer-only (``prepare_inline`` without a
         ``constrain``: on the trio thread, for prompts short enough that a
@@ -222,7 +238,9 @@ class Session:
         self._runtime = runtime
         self._prepare = prepare
         self._constrain = constrain
-        self._prepare_inline = prepare_inline and constrain is None
+        self._prepare_inline = prepare_inline and constrain is None and not image_params
+        self._image_params = image_params
+        self._load_images = load_images
         self.sampling = sampling
         self.max_tokens = max_tokens
         self._stop = stop
@@ -262,16 +280,24 @@ class Session:
             self._runtime.release()
             raise
 
-    async def _enter(self, handle: ModelHandle, key: ModelKey) -> Session:
+    async def _enter(self, handle: LoadedModel, key: ModelKey) -> Session:
         _check_vocabulary(self.sampling, handle.vocab_size)
+        prepare = self._prepare
+        if self._image_params:
+            if handle.vision_family is None or self._load_images is None:
+                param = self._image_params[0]
+                raise ClientError(f"{param}: an image content part needs a vision-language model; "
+                                  f"the model {handle.model_key!r} is text-only", param=param)
+            images = await self._load_images()
+            vision = (handle.processor, handle.vision_family, images)
+            prepare = functools.partial(self._prepare, vision=vision)
         if self._prepare_inline:
-            self.prompt, constraint = self._prepare_and_constrain(handle.tokenizer)
+            self.prompt, constraint = self._prepare_and_constrain(prepare, handle.tokenizer)
         else:
             self._runtime.arrivals.preparing += 1
             try:
                 self.prompt, constraint = await trio.to_thread.run_sync(
-                    self._prepare_and_constrain,
-                    handle.tokenizer,
+                    self._prepare_and_constrain, prepare, handle.tokenizer,
                     limiter=self._runtime.tokenize_limiter,
                 )
             finally:
@@ -299,7 +325,7 @@ class Session:
         )
         spec = TextSpec(
             stop=self._stop,
-            tools=self._tools,
+            tools=None if self._tools is None else tuple(self._tools),
             markup=self._markup,
             initial_state=prompt.initial_state,
             prompt_tokens=prompt_tokens,
@@ -319,6 +345,7 @@ class Session:
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
             cache_scope=self._cache_scope,
+            vision=prompt.vision,
             followed=self._runtime.arrivals.others_pending(
                 counted=self.timing.on_submitted is not None
             ),
@@ -340,16 +367,16 @@ class Session:
             self._deadline = trio.current_time() + self._timeout
         return self
 
-    def _prepare_and_constrain(self, tokenizer) -> tuple[PreparedPrompt, object]:
-        prompt = self._prepare(tokenizer)
+    def _prepare_and_constrain(self, prepare, tokenizer) -> tuple[PreparedPrompt, ConstraintSpec | None]:
+        prompt = prepare(tokenizer)
         constraint = self._constrain(tokenizer, prompt) if self._constrain is not None else None
         return prompt, constraint
 
     async def __aexit__(self, *exc_info) -> None:
-        self.leave()
+        self.close()
 
-    def leave(self) -> None:
-        """Withdraw the request and release the model; idempotent and synchronous."""
+    def close(self) -> None:
+        """Close the request, the outboxes and the lease; idempotent and synchronous."""
         # Synchronous on purpose: see the module docstring.
         for request_id in self.request_ids:
             self._runtime.close_request(request_id)
@@ -388,7 +415,7 @@ class Session:
         # Past the deadline, even if events are pending (a slow reader): finish now.
         self._deadline = float("inf")
         for request_id in self.request_ids:
-            self._runtime.expire_request(request_id)
+            self._runtime.abort_request(request_id, AbortReason.DEADLINE)
         return await self._get()
 
     async def _get(self) -> tuple[Progress | Delta | Terminal, ...]:

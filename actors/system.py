@@ -1,25 +1,34 @@
-"""The actor system: five actors under one nursery, wired with bounded channels.
+"""The actor system: three actors under one nursery, wired with bounded channels.
 
 ::
 
     Session --acquire/release--> ModelLoader: runs the engine, reports ModelReady / ModelLost
-    Session --open_request/close_request (sync)--> Detokenizer, Scheduler
-    Scheduler --Submit/Abort (inbox, sync put)--> engine (thread or process)
+    Session --open_request/abort_request/close_request (sync)--> Runtime --ports--> actors
+    Runtime --open/abort (DetokenizerPort)--> Detokenizer --abort (SchedulerPort)--> Scheduler
+    Runtime --submit (SchedulerPort)--> Scheduler --Submit/Abort/EvictCache (inbox)--> engine
     engine --StepOutputs--> Handover (bounded by credits) --> Scheduler
     ModelLoader --ModelReady / ModelLost--> Handover (in order with the steps) --> Scheduler
-    Scheduler --StepOutputs (sync)--> PromptCacheActor --EvictCache--> Scheduler (inbox)
+    Scheduler --StepOutputs (sync call)--> PromptCachePolicy: miss reasons, evictions
     Scheduler --StepOutputs (4)--> Detokenizer --Outbox (merging)--> Session
-    Session --open_request (sync)--> PromptCacheActor: the lookup's predicted outlook
+    Runtime --open/close (sync)--> PromptCachePolicy: the lookup's predicted outlook
 
 It lives above the actors because it wires them (``runtime/`` is the kernel
 and knows neither actors nor the HTTP edge). ``Runtime.run`` opens the nursery
-and starts every actor with ``nursery.start``; cancelling it stops them all,
-the engine included (it sees the cancellation at its next step or idle wait).
-An actor that crashes marks the runtime dead, so ``/health`` answers 503.
-``Runtime`` is the ``SessionPort`` each ``Session`` talks to, and reads
-``/health`` and ``/metrics`` figures from the actors (``metrics``: its
+and starts the Scheduler, the Detokenizer and the ModelLoader with
+``nursery.start``; cancelling it stops them all, the engine included (it sees
+the cancellation at its next step or idle wait); until then the nursery stays
+open, also after the actors have ended by themselves. An actor that crashes marks
+the runtime dead, so ``/health`` answers 503. The prompt-cache policy has no
+task: the Scheduler and the Runtime call it.
+
+The Runtime reaches each actor only through its port (``SchedulerPort``,
+``DetokenizerPort``, ``ModelLoaderPort``), never its core. It is the
+``SessionPort`` each ``Session`` talks to, and reads ``/health`` and
+``/metrics`` figures from the actors' frozen snapshots (``metrics``: its
 ``actors.metrics.ServerMetrics``). ``model_policy`` says which models a
-request may name (``resolve``).
+request may name (``resolve``). With ``--embedding-model``, the Embeddings
+actor (``actors.embeddings``, ``embeddings``) runs beside them, on its own
+thread: ``/health`` is ready once both models are.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from actors.detokenizer import Detokenizer, DetokenizerCore
+from actors.embeddings import Embeddings, EmbeddingState
 from actors.metrics import RuntimeFigures, ServerMetrics
 from actors.model_loader import (
     STEPS_AHEAD,
@@ -40,7 +50,7 @@ from actors.model_loader import (
     ModelLoaderCore,
     ModelState,
 )
-from actors.prompt_cache import PromptCacheActor, PromptCacheCore
+from actors.prompt_cache import PromptCachePolicy
 from actors.scheduler import Scheduler, SchedulerCore
 from actors.session import Arrivals, RequestTiming, Session
 from runtime.config import ServerConfig
@@ -48,15 +58,9 @@ from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore
 from runtime.errors import NotFound, Unavailable, shutting_down
 from runtime.handover import Handover
-from runtime.messages import (
-    EngineReady,
-    Failed,
-    ModelHandle,
-    PromptCacheOutlook,
-    StepOutputs,
-    Submit,
-    TextSpec,
-)
+from runtime.lifecycle import EngineReady
+from runtime.loaded_model import LoadedModel
+from runtime.messages import AbortReason, PromptCacheOutlook, StepOutputs, Submit, TextSpec
 from runtime.models import (
     DEFAULT_ALIASES,
     EngineCoreFactory,
@@ -115,12 +119,10 @@ class Runtime:
         self.arrivals = Arrivals()
         self._handover = Handover(STEPS_AHEAD)
         self._detok_send, self._detok_recv = trio.open_memory_channel[StepOutputs](4)
-        self.prompt_cache = PromptCacheActor(
-            PromptCacheCore(
-                max_entries=config.prompt_cache_size,
-                max_bytes=config.prompt_cache_bytes,
-                min_reuse=config.prompt_cache_min_reuse,
-            )
+        self.prompt_cache = PromptCachePolicy(
+            max_entries=config.prompt_cache_size,
+            max_bytes=config.prompt_cache_bytes,
+            min_reuse=config.prompt_cache_min_reuse,
         )
         self.scheduler = Scheduler(
             SchedulerCore(
@@ -131,11 +133,12 @@ class Runtime:
             prompt_cache=self.prompt_cache,
             kv_budget_override=config.kv_cache_budget_bytes,
         )
-        self.detokenizer = Detokenizer(DetokenizerCore(withdraw=self.scheduler.withdraw))
+        self.detokenizer = Detokenizer(DetokenizerCore(scheduler=self.scheduler))
+        self._default_model = default_key(config, self.model_path)
         self.model_loader = ModelLoader(
             make_core_for,
             handover=self._handover,
-            core=ModelLoaderCore(default_key(config, self.model_path)),
+            core=ModelLoaderCore(self._default_model),
             distributed=self.distributed,
             step_timeout=config.distributed_timeout,
             engine_process=(
@@ -144,6 +147,18 @@ class Runtime:
                 else None
             ),
             on_loaded=self.metrics.observe_load,
+        )
+        # The embedding model, when one is configured: its own thread, beside the engine.
+        self.embeddings = (
+            Embeddings(
+                config.embedding_model,
+                self.metrics,
+                max_queued=config.max_queued_requests,
+                batch_size=config.embedding_batch_size,
+                batch_tokens=config.embedding_batch_tokens,
+            )
+            if config.embedding_model
+            else None
         )
         self.dead: str | None = None
         self.accepting = True
@@ -157,9 +172,13 @@ class Runtime:
                 self._nursery = nursery
                 await nursery.start(self.scheduler.run, self._handover.receive)
                 await nursery.start(self.detokenizer.run, self._detok_recv)
-                await nursery.start(self.prompt_cache.run)
                 await nursery.start(self.model_loader.run)
+                if self.embeddings is not None:
+                    await nursery.start(self.embeddings.run)
                 task_status.started(self)
+                # Open until cancelled, even once the actors have ended (an engine
+                # lost for good ends them): shutdown's drain still runs in it.
+                await trio.sleep_forever()
         except Exception as exc:
             self.dead = f"runtime crashed: {type(exc).__name__}: {exc}"
             log.exception("the runtime crashed; /health now answers 503")
@@ -198,28 +217,30 @@ class Runtime:
 
     @property
     def default_model(self) -> ModelKey:
-        return self.model_loader.core.default
+        return self._default_model
 
     @property
     def kv_budget(self) -> int | None:
-        return self.scheduler.core.kv_budget
+        return self.scheduler.kv_budget
 
     def context_window(self, key: ModelKey | None = None) -> int | None:
         """The context window of ``key`` (default: the served model), once it has loaded."""
-        return self.model_loader.core.context_windows.get(key or self.default_model)
+        return self.model_loader.context_window(key or self.default_model)
 
     @property
     def startup_failure(self) -> str | None:
         """Why the served model could not be loaded at start (it never was), else None."""
-        loader = self.model_loader.core
-        if loader.state is ModelState.FAILED and not loader.context_windows:
-            return loader.reason or "the model failed to load"
+        status = self.model_loader.status()
+        if status.state is ModelState.FAILED and not status.ever_loaded:
+            return status.reason or "the model failed to load"
+        if self.embeddings is not None and self.embeddings.state is EmbeddingState.FAILED:
+            return f"embedding model {self.embeddings.reason}"
         return None
 
     def allocate_id(self) -> int:
-        return self.scheduler.core.allocate_id()
+        return self.scheduler.allocate_id()
 
-    async def acquire(self, key: ModelKey) -> ModelHandle:
+    async def acquire(self, key: ModelKey) -> LoadedModel:
         """Wait until ``key`` is loaded and lease it; ``release`` when done."""
         if self.dead:
             raise Unavailable(self.dead, retry_after=30)
@@ -249,16 +270,14 @@ class Runtime:
 
     async def _end_open_requests(self, grace: float) -> None:
         await trio.sleep(grace)
-        failure = Failed.of(shutting_down())
-        for request_id in self.detokenizer.core.fail_all(failure):
-            self.scheduler.withdraw(request_id)
+        self.detokenizer.abort_all(AbortReason.SHUTDOWN)
 
     def open_request(
         self,
         submit: Submit,
         spec: TextSpec,
         outboxes: Sequence[Outbox],
-        handle: ModelHandle,
+        handle: LoadedModel,
         *,
         template_key: str | None = None,
         conversation_keys: tuple[str, ...] = (),
@@ -267,9 +286,8 @@ class Runtime:
         returns the prompt cache's predicted outlook."""
         if not self.accepting:
             raise shutting_down()
-        core = self.detokenizer.core
         for request_id, outbox in zip(submit.request_ids, outboxes, strict=True):
-            core.open(request_id, spec, outbox, handle.tokenizer)
+            self.detokenizer.open(request_id, spec, outbox, handle.tokenizer)
         try:
             outlook = self.prompt_cache.open(
                 submit.request_id,
@@ -282,19 +300,20 @@ class Runtime:
             self.scheduler.submit(submit)
         except BaseException:
             for request_id in submit.request_ids:
-                core.close(request_id)
-            self.prompt_cache.close(submit.request_id)
+                self.close_request(request_id)
             raise
         return outlook
 
     def close_request(self, request_id: int) -> None:
-        """Synchronous: called from cleanup, possibly while cancelled."""
-        self.detokenizer.core.close(request_id)
-        self.scheduler.withdraw(request_id)
+        """Synchronous: called from cleanup, possibly while cancelled. A request
+        still running is aborted (``CLOSED``: no terminal, nobody reads it)."""
+        self.detokenizer.abort(request_id, AbortReason.CLOSED)
         self.prompt_cache.close(request_id)
 
-    def expire_request(self, request_id: int) -> None:
-        self.detokenizer.core.expire(request_id)
+    def abort_request(self, request_id: int, reason: AbortReason) -> None:
+        """Stop a request early; the Detokenizer gives it the terminal ``reason``
+        calls for and aborts it in the engine."""
+        self.detokenizer.abort(request_id, reason)
 
     def record_request(self, timing: RequestTiming) -> None:
         self.metrics.observe_request(timing)
@@ -305,50 +324,61 @@ class Runtime:
     # ---------------------------------------------------------------- health
 
     def prompt_cache_figures(self) -> dict:
-        """The PromptCacheActor's figures: entries, bytes, hits, cached (reused) tokens,
+        """The prompt-cache policy's figures: entries, bytes, hits, cached (reused) tokens,
         misses by reason, evictions and evicted bytes, limits (``/health``, ``/metrics``)."""
         return self.prompt_cache.figures()
 
     def figures(self) -> RuntimeFigures:
         """The state ``/metrics`` reads at each scrape."""
-        core = self.scheduler.core
-        loader = self.model_loader.core
+        scheduler = self.scheduler.figures()
+        loader = self.model_loader.status()
         return RuntimeFigures(
             model_ready=loader.state is ModelState.READY and not self.dead,
-            requests_in_flight=core.load,
-            requests_running=len(core.in_engine),
-            requests_waiting=len(core.waiting),
-            kv_reserved_bytes=core.kv_reserved,
-            kv_budget_bytes=core.kv_budget or 0,
+            requests_in_flight=scheduler.in_flight,
+            requests_running=scheduler.running,
+            requests_waiting=scheduler.waiting,
+            kv_reserved_bytes=scheduler.kv_reserved_bytes,
+            kv_budget_bytes=scheduler.kv_budget_bytes or 0,
             engine_restarts=loader.restarts,
-            stats=self.scheduler.last_stats,
+            stats=scheduler.stats,
             prompt_cache=self.prompt_cache_figures(),
         )
 
     def health(self) -> tuple[int, dict]:
-        loader = self.model_loader.core
-        stats = self.scheduler.last_stats
+        loader = self.model_loader.status()
+        scheduler = self.scheduler.figures()
+        info = loader.info
         body = {
             "status": "ok",
-            "model": self.model_id if loader.key == loader.default else loader.key.model,
+            "model": self.model_id if loader.model == loader.default else loader.model.model,
             "model_state": loader.state.value,
-            "active_sequences": stats.active_sequences,
-            "requests_in_flight": self.scheduler.core.load,
-            "waiting": len(self.scheduler.core.waiting),
+            "active_sequences": scheduler.stats.active_sequences,
+            "requests_in_flight": scheduler.in_flight,
+            "waiting": scheduler.waiting,
             "engine_restarts": loader.restarts,
             "prompt_cache": self.prompt_cache_figures(),
         }
         body["engine"] = {
-            "mode": "process" if self.model_loader.engine_process is not None else "thread",
-            "pid": (loader.handle.engine_pid or os.getpid()) if loader.handle is not None else None,
+            "mode": loader.engine_mode,
+            "pid": (info.engine_pid or os.getpid()) if info is not None else None,
         }
-        if loader.handle is not None:
-            body["max_model_len"] = loader.handle.context_window
-        if loader.handle is not None and loader.handle.ranks > 1:
-            body["distributed"] = {"ranks": loader.handle.ranks, "parallel": loader.handle.parallel}
-        if self.dead or loader.state is not ModelState.READY or not self.accepting:
+        if info is not None:
+            body["max_model_len"] = info.context_window
+        if info is not None and info.ranks > 1:
+            body["distributed"] = {"ranks": info.ranks, "parallel": info.parallel}
+        embeddings_down = None
+        if self.embeddings is not None:
+            body["embeddings"] = self.embeddings.health()
+            if self.embeddings.state is not EmbeddingState.READY:
+                embeddings_down = f"the embedding model is {self.embeddings.state.value}"
+        engine_down = self.dead or loader.state is not ModelState.READY
+        if engine_down or not self.accepting or embeddings_down:
             body["status"] = "unavailable"
-            body["reason"] = self.dead or loader.reason or f"the model is {loader.state.value}"
+            body["reason"] = (
+                self.dead or loader.reason or f"the model is {loader.state.value}"
+                if engine_down
+                else embeddings_down
+            )
             if not self.accepting:
                 body["reason"] = "shutting down"
             return 503, body

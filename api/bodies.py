@@ -1,7 +1,10 @@
-"""The bodies the OpenAI endpoints answer with: chat and text completions, their chunks, models.
+"""The bodies the OpenAI endpoints answer with: chat and text completions, their chunks, models,
+embeddings.
 
 attrs classes, filled by the renderers (``api.renderers``) and by
-``api.routes.models``, and unstructured by ``api.convert.unstructure``: a
+``api.routes.models``, and unstructured by ``api.convert.unstructure``
+(the embeddings list is written straight to JSON by ``api.routes.embeddings``,
+its floats too many for cattrs; these classes document its shape): a
 field with a ``None`` default is left out while ``None``; a field without a
 default is always sent (``content: null``, ``finish_reason: null``,
 ``logprobs: null``). ``api.openapi`` documents the same classes. Receives
@@ -55,15 +58,15 @@ class UsageOut:
 
 @attrs.frozen(kw_only=True)
 class FunctionOut:
-    name: str
     arguments: str
+    name: str | None = None  # None on a streamed call's later chunks
 
 
 @attrs.frozen(kw_only=True)
 class ToolCallOut:
-    id: str
-    type: str
     function: FunctionOut
+    id: str | None = None  # None on a streamed call's later chunks
+    type: str | None = None
     index: int | None = None
 
 
@@ -201,3 +204,27 @@ class ModelCard:
 class ModelList:
     object: str
     data: list[ModelCard]
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingOut:
+    """One input's vector: floats, or with ``encoding_format: base64`` the base64 of its
+    little-endian float32 bytes (as OpenAI sends it)."""
+
+    object: str
+    index: int
+    embedding: list[float] | str
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingUsage:
+    prompt_tokens: int
+    total_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingList:
+    object: str
+    data: list[EmbeddingOut]
+    model: str
+    usage: EmbeddingUsage

@@ -74,6 +74,9 @@ TOP_P = Constraint(minimum=0, maximum=1)
 TOP_K = Constraint(minimum=0)  # 0 is off
 TOKEN_LIMIT = Constraint(minimum=1)  # max_tokens and its other names
 TIMEOUT = Constraint(minimum=0.001)  # seconds; ours: ends the request with "length"
+# OpenAI's reasoning_effort (chat) and reasoning.effort (Responses): a chat-template
+# variable (gpt-oss reads it); "none" also turns thinking off.
+REASONING_EFFORT = Constraint(choices=("none", "minimal", "low", "medium", "high", "xhigh"))
 STOP_SEQUENCES = Constraint(
     max_items=MAX_STOP_SEQUENCES,
     message=f"{{name}} takes at most {MAX_STOP_SEQUENCES} strings",

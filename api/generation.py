@@ -6,15 +6,16 @@ Session, so every refusal (400, 404, 413, 429, 503) is a proper status before
 any byte is sent, then either drains it into one JSON body or returns a
 streaming ``Response`` whose body is a ``SessionStream``.
 
-Cancellation: a streaming body is left by the stream's ``aclose()``, which
-Quart calls when the body ends or the client disconnects, or, if the response
-is dropped before its body starts, by a ``weakref.finalize`` safety net.
-Leaving is synchronous and withdraws the sequence from the engine. A
-non-streaming request leaves its Session in ``finally``; cancellation while
-waiting (the client left) withdraws it the same way.
+Cancellation: a streaming body closes its Session when its last frame is
+read, in the stream's ``aclose()``, which Quart calls when the body ends or
+the client disconnects, or, if the response is dropped before its body
+starts, by a ``weakref.finalize`` safety net. ``Session.close`` is
+synchronous and aborts a sequence still in the engine. A non-streaming
+request closes its Session in ``finally``; cancellation while waiting (the
+client left) aborts it the same way.
 
 Every successful answer carries the ``x-prompt-cache`` header
-(``prompt_cache_header``): a streaming one what the PromptCacheActor predicted
+(``prompt_cache_header``): a streaming one what the prompt-cache policy predicted
 when the request was submitted (the headers go out before the engine looks),
 a JSON one what the engine's lookup did (``Usage``).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import trio
 from quart import Response, current_app
@@ -99,7 +101,8 @@ class SessionStream:
         self._open_choices = session.n  # the stream ends when each has ended (or one failed)
         self._next_send = -math.inf
         self._done = False
-        self._close = weakref.finalize(self, _leave_session, session)
+        # Closes the Session once: at the last frame, at aclose, or when collected.
+        self._close_session = weakref.finalize(self, _close_session, session)
 
     def __aiter__(self):
         return self
@@ -113,27 +116,25 @@ class SessionStream:
             try:
                 items = await self._session.receive()
             except trio.EndOfChannel:
-                self._finish()
+                self._done = True
+                self._close_session()
                 break
             self._open_choices -= sum(isinstance(i, Finished) for i in items)
             if self._open_choices <= 0 or any(isinstance(i, Failed) for i in items):
-                self._finish()
+                self._done = True
+                self._close_session()
             frames = self._renderer.stream_frames(items)
             if frames:  # an empty body chunk would read as the end of the stream
                 self._next_send = trio.current_time() + self._interval
                 return frames
         raise StopAsyncIteration
 
-    def _finish(self) -> None:
-        self._done = True
-        self._close()
-
     async def aclose(self) -> None:
-        self._close()
+        self._close_session()
 
 
-def _leave_session(session: Session) -> None:
-    session.leave()
+def _close_session(session: Session) -> None:
+    session.close()
 
 
 async def generate(
@@ -147,7 +148,7 @@ async def generate(
         try:
             body = SessionStream(session, renderer, stream_interval, watch_deadline=watch)
         except BaseException:
-            session.leave()
+            session.close()
             raise
         headers = {**SSE_HEADERS, **_outlook_headers(session.prompt_cache)}
         response = Response(body, status=200, headers=headers)
@@ -164,7 +165,7 @@ async def generate(
             for item in items:
                 renderer.add(item)
     finally:
-        session.leave()
+        session.close()
     terminal = renderer.terminal
     if isinstance(terminal, Failed):
         answer = error_answer(terminal)  # status and Retry-After; the body in the API's shape
@@ -175,6 +176,18 @@ async def generate(
     usage = terminal.usage
     header = prompt_cache_header(usage.cached_tokens, usage.cache_miss_reason)
     return json_response(body, headers={PROMPT_CACHE_HEADER: header})
+
+
+def effort_template_args(effort: str | None) -> dict[str, Any]:
+    """Chat-template arguments for OpenAI's reasoning effort: the level as
+    ``reasoning_effort`` (gpt-oss's template reads it), and for "none" thinking
+    turned off as well (``enable_thinking``, which Qwen-style templates read)."""
+    if effort is None:
+        return {}
+    args: dict[str, Any] = {"reasoning_effort": effort}
+    if effort == "none":
+        args["enable_thinking"] = False
+    return args
 
 
 def sampling_params(req: GenerationFields, config: ServerConfig) -> SamplingParams:

@@ -341,6 +341,8 @@ def openapi_document() -> dict[str, Any]:
         bodies.ModelCard,
         schemas.TokenizeRequest,
         schemas.DetokenizeRequest,
+        schemas.EmbeddingRequest,
+        bodies.EmbeddingList,
         ErrorResponse,
     ):
         builder.ref(cls)
@@ -366,6 +368,25 @@ def openapi_document() -> dict[str, Any]:
             body=bodies.TextCompletion,
             chunk=bodies.TextCompletion,
         ),
+        "/v1/embeddings": {"post": {
+            "operationId": "createEmbedding",
+            "summary": "Embeddings of texts or token ids by the --embedding-model",
+            "description": "Also served at `/embeddings`. Requests waiting together share "
+            "forward passes.",
+            "requestBody": {"required": True, "content": _json({"$ref": COMPONENTS + "EmbeddingRequest"})},
+            "responses": {
+                "200": {"description": "one vector per input, in input order",
+                        "content": _json({"$ref": COMPONENTS + "EmbeddingList"})},
+                "400": _error("a bad field (param names it: input[2]), an input longer than the "
+                              "model takes, dimensions it does not allow, the chat model named"),
+                "404": _error("no embedding model of that name is served"),
+                "413": _error("the request body is larger than the server's limit"),
+                "429": _error("too many embedding requests are waiting", retry_after=True),
+                "503": _error("the embedding model is loading or failed, or the server is "
+                              "shutting down", retry_after=True),
+                "default": _error("any other error"),
+            },
+        }},
         "/v1/models": {
             "get": {
                 "operationId": "listModels",

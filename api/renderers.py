@@ -126,6 +126,19 @@ class _Renderer:
         return b"".join(out)
 
 
+def joined_tool_calls(calls) -> list[ToolCall]:
+    """``calls`` with the parts of each call streamed in parts joined into one call."""
+    out: list[ToolCall] = []
+    for call in calls:
+        if out and out[-1].id == call.id:
+            last = out[-1]
+            out[-1] = ToolCall(name=last.name or call.name, id=last.id,
+                               arguments=last.arguments + call.arguments)
+        else:
+            out.append(call)
+    return out
+
+
 def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
@@ -165,13 +178,22 @@ class ChatRenderer(_Renderer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._tool_index = 0
+        self._last_call_id: str | None = None  # the call streamed last (its parts follow)
         self._role_sent = False  # OpenAI names the role in a stream's first delta only
 
     def _tool_out(self, calls, *, streaming: bool) -> list[ToolCallOut] | None:
+        """Calls as OpenAI writes them. A call streamed in parts (``ToolCall``s sharing
+        an id): one entry in a body; in a stream, its first part with id, type and
+        name, each later one with its index and its piece of the arguments alone."""
         if not calls:
             return None
         out = []
+        calls = joined_tool_calls(calls)
         for call in calls:
+            if streaming and call.id == self._last_call_id:
+                out.append(ToolCallOut(index=self._tool_index - 1,
+                                       function=FunctionOut(arguments=call.arguments)))
+                continue
             out.append(
                 ToolCallOut(
                     id=call.id,
@@ -181,6 +203,7 @@ class ChatRenderer(_Renderer):
                 )
             )
             self._tool_index += 1
+            self._last_call_id = call.id
         return out
 
     def _logprobs_out(self, entries) -> ChatLogprobs | None:

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from api.constraints import (
+    REASONING_EFFORT,
     STOP_SEQUENCES,
     TEMPERATURE,
     TIMEOUT,
@@ -57,11 +58,19 @@ class ToolCallIn:
 
 
 @attrs.frozen(kw_only=True)
+class ImageUrlIn:
+    url: str  # a data: URL, or http(s) when the server allows fetching
+    detail: str | None = None  # OpenAI's resolution hint; the model's processor decides
+
+
+@attrs.frozen(kw_only=True)
 class ContentPart:
     type: str = constrained(
-        choices=("text",), message="content part type {value!r} is not supported (only 'text')"
+        choices=("text", "image_url"),
+        message="content part type {value!r} is not supported ('text' or 'image_url')",
     )
-    text: str | None = constrained(None, required=True, message="a text content part needs 'text'")
+    text: str | None = None  # required for 'text' parts (api.images checks)
+    image_url: ImageUrlIn | None = None  # required for 'image_url' parts
 
 
 @attrs.frozen(kw_only=True)
@@ -71,6 +80,9 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # an assistant turn's thinking, as this server returns it (both names)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +223,7 @@ class ChatCompletionRequest(GenerationFields):
         },
     )
     parallel_tool_calls: bool = True
+    reasoning_effort: str | None = constrained_by(REASONING_EFFORT)
     chat_template_kwargs: dict[str, Any] | None = None
     role_mapping: dict[str, str] | None = None
 
@@ -266,3 +279,75 @@ class DetokenizeRequest:
     tokens: list[int] = constrained(
         schema={"array": {"items": {"type": "integer", "minimum": 0}}}
     )
+
+
+EMBEDDING_INPUT_KINDS = (
+    "a string, an array of strings, an array of token ids or an array of arrays of token ids"
+)
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+
+def embedding_inputs(value: Any) -> tuple[tuple[str | tuple[int, ...], ...], bool]:
+    """``input`` of an embeddings request as a tuple of texts and token-id tuples, and
+    whether it was one input (a string or one array of ids) rather than an array of
+    them; ``InvalidParam`` naming the element (``input[2]``) for anything else."""
+    if isinstance(value, str):
+        if not value:
+            raise InvalidParam("input", "input must not be an empty string")
+        return (value,), True
+    if not isinstance(value, list):
+        raise InvalidParam("input", f"input must be {EMBEDDING_INPUT_KINDS}")
+    if not value:
+        raise InvalidParam("input", "input must not be an empty array")
+    if all(_is_token_id(item) for item in value):
+        return (tuple(value),), True
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            if not item:
+                raise InvalidParam(f"input[{i}]", f"input[{i}] must not be an empty string")
+            out.append(item)
+        elif isinstance(item, list):
+            if not item:
+                raise InvalidParam(f"input[{i}]", f"input[{i}] must not be an empty array")
+            for k, token in enumerate(item):
+                if not _is_token_id(token):
+                    raise InvalidParam(
+                        f"input[{i}][{k}]", f"input[{i}][{k}] must be a token id (an integer >= 0)"
+                    )
+            out.append(tuple(item))
+        else:
+            raise InvalidParam(
+                f"input[{i}]", f"input[{i}] must be a string or an array of token ids"
+            )
+    return tuple(out), False
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_embedding_input(name: str, value: Any) -> None:
+    embedding_inputs(value)
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingRequest:
+    """``POST /v1/embeddings``: OpenAI's fields; ``dimensions`` only where the model
+    allows it (docs/models.md#embeddings)."""
+
+    model: str
+    input: Any = constrained(
+        attrs.NOTHING,
+        required=True,
+        check=_check_embedding_input,
+        schema={"*": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+        ]}},
+    )
+    encoding_format: str = constrained("float", choices=("float", "base64"))
+    dimensions: int | None = bounded(1)
+    user: str | None = None

@@ -7,6 +7,7 @@ handlers (every error is an OpenAI-style JSON body, Anthropic's under
 exist:
 
 * ``api.routes.completions``: chat and text completions;
+* ``api.routes.embeddings``: embeddings (with ``--embedding-model``);
 * ``api.routes.models``: the model list;
 * ``api.routes.operations``: ``/health``, ``/metrics``, ``/openapi.json``;
 * ``api.routes.tokenizer``: ``/tokenize``, ``/detokenize``;
@@ -35,6 +36,7 @@ from api.chat_page import register_chat_page
 from api.http import error_response
 from api.observability import RequestObserver, note_route
 from api.routes.completions import completions_blueprint
+from api.routes.embeddings import embeddings_blueprint
 from api.routes.models import models_blueprint
 from api.routes.operations import operations_blueprint
 from api.routes.tokenizer import tokenizer_blueprint
@@ -69,6 +71,7 @@ def create_app(config: ServerConfig, *, runtime: Runtime | None = None) -> Quart
     register_auth(app, api_keys, config)
 
     app.register_blueprint(completions_blueprint(rt, config))
+    app.register_blueprint(embeddings_blueprint(rt, config))
     app.register_blueprint(models_blueprint(rt))
     app.register_blueprint(operations_blueprint(rt))
     app.register_blueprint(tokenizer_blueprint(rt, config))

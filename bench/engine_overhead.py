@@ -9,7 +9,7 @@ round by round and level by level, the same closed-loop workload through:
             a finished sequence's KV cache is dropped
   core      our ``EngineCore`` as ``make_engine_core`` builds it for the server
             (batch sampler and row hooks, prompt cache, admission window,
-            counters), the PromptCacheActor's evictions applied between steps,
+            counters), the prompt-cache policy's evictions applied between steps,
             each step's ``StepOutputs`` pickled as the engine process sends it
             (``--no-pickle``: not); variants (``CORE_VARIANTS``) turn one part
             off to bisect
@@ -355,8 +355,8 @@ class Core(Driven):
     """Our ``EngineCore``, built as the server builds it, driven in-process (or a variant).
 
     Each step's ``StepOutputs`` is pickled as the engine process sends it (timed
-    apart from the step), and the PromptCacheActor's decisions are applied
-    between steps (``actors.prompt_cache.PromptCacheCore``, the server's limits),
+    apart from the step), and the prompt-cache policy's decisions are applied
+    between steps (``actors.prompt_cache.PromptCachePolicy``, the server's limits),
     as the Scheduler hands them over."""
 
     def __init__(
@@ -420,11 +420,11 @@ class Core(Driven):
         return out
 
     def start(self, w: Workload, requests: int, first: int) -> None:
-        from actors.prompt_cache import PromptCacheCore
+        from actors.prompt_cache import PromptCachePolicy
 
         self.todo = self.submits(w, first, requests)
         self.index = {sub.request_id: i for i, sub in enumerate(self.todo)}
-        self.policy = PromptCacheCore(
+        self.policy = PromptCachePolicy(
             max_entries=self.config.prompt_cache_size,
             max_bytes=self.config.prompt_cache_bytes,
             min_reuse=self.config.prompt_cache_min_reuse,

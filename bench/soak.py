@@ -146,7 +146,7 @@ def abort_latency(url: str, n: int) -> dict:
     """From a client's close to its sequence leaving the batch, while 3 others decode.
 
     Two figures: the whole path (client close -> the server notices the closed
-    socket -> withdrawal -> the engine removes the sequence), timed from the
+    socket -> abort -> the engine removes the sequence), timed from the
     client until ``mlx_trio_engine_aborts_total`` moves; and the engine's part
     (the ``Abort`` posted -> applied), in ms and in engine steps finished in
     between, from the engine's own counters.

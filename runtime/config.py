@@ -25,6 +25,7 @@ from runtime.settings import (
     BATCHING,
     DISTRIBUTED,
     DURATION,
+    EMBEDDINGS,
     LIMITS,
     MODEL,
     PROMPT_CACHE,
@@ -214,7 +215,7 @@ class ServerConfig(TuningSettings):
         format=SIZE.or_none(),
         notes="When set, the limit is shared with the running sequences: after each admission "
         "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
-        "PromptCacheActor decides the evictions (after each stored entry and each admission, "
+        "prompt-cache policy decides the evictions (after each stored entry and each admission, "
         "in mlx-lm's order) and the engine applies them between steps; in a distributed "
         "launch every rank evicts what rank 0's byte counts decide.",
         group=PROMPT_CACHE,
@@ -275,8 +276,8 @@ class ServerConfig(TuningSettings):
     )
     request_timeout: float | None = setting(
         None,
-        help="seconds after which a request is finished with finish_reason \"length\" and "
-        "withdrawn; a request's timeout may only shorten it",
+        help="seconds after which a request is aborted: it finishes with finish_reason "
+        "\"length\"; a request's timeout may only shorten it",
         above=0,
         ours=True,
         group=LIMITS,
@@ -301,6 +302,34 @@ class ServerConfig(TuningSettings):
         notes="Run as n sequences; the prompt once ([api.md](api.md#several-choices-n)).",
         group=LIMITS,
     )
+    image_max_bytes: int = setting(
+        8 * 2**20,
+        help="largest image in a chat request's image_url part, in bytes (a data: URL decoded, "
+        "or a fetched image); a larger one gets 400",
+        above=0,
+        ours=True,
+        default_text="8388608 (8 MiB)",
+        notes="A data: URL also counts towards `--max-request-bytes`. Vision-language models "
+        "only ([models.md](models.md#vision-language-models)).",
+        group=LIMITS,
+    )
+    image_max_pixels: int = setting(
+        4096 * 4096,
+        help="most pixels (width x height) an image may have, read from its header before it "
+        "is decoded; a larger one gets 400",
+        above=0,
+        ours=True,
+        default_text="16777216 (4096 x 4096)",
+        group=LIMITS,
+    )
+    image_fetch_timeout: float = setting(
+        10.0,
+        help="seconds an http(s) image may take to fetch (with --allow-image-urls); a slower "
+        "one gets 400",
+        above=0,
+        ours=True,
+        group=LIMITS,
+    )
     responses_store_path: str | None = setting(
         None,
         help="SQLite file of stored responses (made, with its folder, if missing); `:memory:` "
@@ -321,6 +350,53 @@ class ServerConfig(TuningSettings):
         help="how long a stored response is kept after it is made, a duration such as 30d, 12h "
         "or 3600 (seconds) (none: no limit)",
         format=DURATION.or_none(), above=0, ours=True, default_text="30d", group=STORED,
+    )
+    embedding_model: str | None = setting(
+        None,
+        help="path or Hugging Face repo of an embedding model to serve at /v1/embeddings "
+        "(none: no embeddings)",
+        ours=True,
+        notes="Loaded at start by [mlx-embeddings](https://github.com/Blaizzy/mlx-embeddings) "
+        "(install the `embeddings` extra), on a thread of its own beside the chat model's "
+        "engine; requests name it by this value. The families it can serve are listed in "
+        "[models.md](models.md#embeddings). One that cannot be loaded ends `mlx-trio-server` "
+        "(under `hypercorn api:app`: `/health` and `/v1/embeddings` answer 503 naming why).",
+        group=EMBEDDINGS,
+    )
+    embedding_batch_size: int = setting(
+        32,
+        help="most inputs in one forward pass of the embedding model (inputs of requests "
+        "that wait together share passes)",
+        above=0,
+        ours=True,
+        group=EMBEDDINGS,
+    )
+    embedding_batch_tokens: int = setting(
+        16384,
+        help="most tokens in one forward pass of the embedding model, counted as inputs "
+        "times the longest one (padding included)",
+        above=0,
+        ours=True,
+        notes="An input longer than this still runs, alone in its pass.",
+        group=EMBEDDINGS,
+    )
+    embedding_max_inputs: int = setting(
+        2048,
+        help="most inputs one /v1/embeddings request may send (more: 400)",
+        above=0,
+        ours=True,
+        notes="2048 is OpenAI's limit. Requests waiting for the embedding model are bounded "
+        "by `--max-queued-requests` (beyond it: 429).",
+        group=EMBEDDINGS,
+    )
+    embedding_matryoshka: bool = setting(
+        False,
+        help="the embedding model was trained for shortened vectors (Matryoshka): a request's "
+        "`dimensions` keeps that many leading components, normalised again",
+        ours=True,
+        notes="Without it, `dimensions` other than the model's own size is a 400: cutting "
+        "a vector the model was not trained to have cut gives a worse embedding, silently.",
+        group=EMBEDDINGS,
     )
     api_key: tuple[str, ...] = setting(
         (),
@@ -345,6 +421,15 @@ class ServerConfig(TuningSettings):
     )
     metrics_require_key: bool = setting(
         False, help="/metrics also requires an API key (when keys are set)", ours=True,
+        group=SECURITY,
+    )
+    allow_image_urls: bool = setting(
+        False,
+        help="fetch http(s) URLs of chat image_url parts (off: data: URLs only)",
+        ours=True,
+        notes="The server then makes requests to addresses that clients choose: turn it on "
+        "only where that is safe. Fetches are bounded by `--image-max-bytes` and "
+        "`--image-fetch-timeout`.",
         group=SECURITY,
     )
     distributed_backend: str = setting(

@@ -8,6 +8,8 @@ problems, one sentence each naming the flag (empty: none). ``api.server``'s
 
 from __future__ import annotations
 
+import importlib.util
+
 from runtime.config import ServerConfig, flag
 from runtime.distributed import PIPELINE_ON_GPU, launched_rank
 
@@ -17,6 +19,11 @@ def unsupported(config: ServerConfig, *, distributed: bool | None = None) -> lis
     if distributed is None:
         distributed = launched_rank() is not None
     problems = []
+    if config.embedding_model and importlib.util.find_spec("mlx_embeddings") is None:
+        problems.append(
+            f"{flag('embedding_model')} needs mlx-embeddings: install the `embeddings` extra "
+            "(pip install 'mlx-trio-server[embeddings]')"
+        )
     if config.pipeline and not distributed:
         problems.append(
             f"{flag('pipeline')} splits the model's layers across the ranks of a distributed "

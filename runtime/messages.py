@@ -1,25 +1,24 @@
-"""Every message that crosses an actor, thread or process boundary.
+"""Every message on a request's path, between actors, threads and processes.
 
 One module, like SGLang's ``io_struct.py``: the actors import their vocabulary
-from here and nothing else travels between them. Messages are frozen attrs
-classes carrying a ``request_id`` where they concern one request.
+from here (and an engine's start and loss from ``runtime.lifecycle``).
+Messages are frozen attrs classes with concrete field types, carrying a
+``request_id`` where they concern one request.
 
 Directions:
   * Session -> worker thread -> Session: a ``PreparedPrompt`` (tokens and the
     prompt cache's ``SegmentPlan``); Session -> Detokenizer: a ``TextSpec``.
-  * Scheduler -> engine: ``Submit``, ``Abort``, and the PromptCacheActor's
-    ``EvictCache``; ModelLoader -> engine: ``Shutdown`` (to swap models).
+  * Scheduler -> engine: ``Submit``, ``Abort`` (with its ``AbortReason``), and
+    the prompt-cache policy's ``EvictCache``; ModelLoader -> engine:
+    ``Shutdown`` (to swap models).
   * engine -> Scheduler (through ``runtime.handover``): ``StepOutputs`` (one
     per engine step) holding ``SequenceStarted``, ``PromptProgress``,
     ``TokenEvent``, ``SequenceAborted`` and ``SequenceFailed`` events, the
     prompt cache's ``CacheEntryStored`` / ``CacheEntryRemoved`` and
-    ``EngineStats``; ModelLoader -> Scheduler on the same carrier, in order
-    with the steps: ``ModelReady`` and ``ModelLost``.
-  * engine process -> its proxy thread, besides the ``StepOutputs``:
-    ``EngineReady``, ``EngineCrashed``, ``EngineExited``.
-  * Scheduler -> PromptCacheActor (synchronous calls): each ``StepOutputs``,
-    which comes back with ``SequenceStarted.miss_reason`` filled in.
-  * PromptCacheActor -> Session: a ``PromptCacheOutlook`` when it opens.
+    ``EngineStats``.
+  * Scheduler -> Detokenizer: the same ``StepOutputs``, with
+    ``SequenceStarted.miss_reason`` filled in by the prompt-cache policy.
+  * prompt-cache policy -> Session: a ``PromptCacheOutlook`` when it opens.
   * Detokenizer -> Session (through the request's ``Outbox``): ``Delta``,
     ``Progress`` and exactly one ``Terminal``: ``Finished`` or ``Failed``.
 """
@@ -28,11 +27,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import attrs
 
 from runtime.errors import ServerError
+from runtime.grammar import ConstraintSpec
+from runtime.vision import VisionInputs
 
 
 class FinishReason(enum.StrEnum):
@@ -79,6 +80,7 @@ class PreparedPrompt:
     # the chat template's arguments, and one hash per message prefix.
     template_key: str | None = None
     conversation_keys: tuple[str, ...] = ()
+    vision: VisionInputs | None = None  # the prompt's images (picklable)
 
 
 @attrs.frozen(kw_only=True)
@@ -86,7 +88,7 @@ class TextSpec:
     """How one request's tokens become text (the Detokenizer's per-request settings)."""
 
     stop: tuple[str, ...] = ()
-    tools: Any = None
+    tools: tuple[Mapping[str, object], ...] | None = None  # the request's, for the tool parser
     markup: bool = True  # chat: split reasoning / tool calls; text completions: raw text
     initial_state: str = "normal"
     prompt_tokens: int = 0
@@ -138,20 +140,19 @@ class Submit:
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
-    # Structured outputs / tool choice: a runtime.grammar.ConstraintSpec (picklable), or None
-    constraint: Any = None
+    # Structured outputs / tool choice (picklable), or None: free output
+    constraint: ConstraintSpec | None = None
     # n > 1: the request ids of choices 1..n-1. The engine prefills the prompt
     # once and starts each from a copy of choice 0's cache (runtime.engine.choices).
     choice_ids: tuple[int, ...] = ()
-    # Other requests were on their way (received over HTTP, or being templated and
-    # tokenised) when this one was sent: an idle engine holds it within the admission
-    # window so that the burst starts its prefill together.
+    # Others were on their way (received, or being templated) when this one was sent:
+    # an idle engine holds it within the admission window, to prefill the burst together.
     followed: bool = False
     # The prompt cache's partition this request reads and fills ("": the shared one).
-    # Requests of different scopes never reuse each other's entries (tenants kept
-    # apart: a shared prefix cache would tell one, by its time to first token, what
-    # another sent).
+    # Scopes never reuse each other's entries (a shared prefix cache would tell one
+    # tenant, by its time to first token, what another sent).
     cache_scope: str = ""
+    vision: VisionInputs | None = None  # a vision-language model's images
 
     @property
     def request_ids(self) -> tuple[int, ...]:
@@ -159,16 +160,27 @@ class Submit:
         return (self.request_id, *self.choice_ids)
 
 
+class AbortReason(enum.StrEnum):
+    """Why a request is stopped before the engine ends it (``abort``)."""
+
+    CLOSED = "closed"  # its Session closed: the client left, or read its end
+    DEADLINE = "deadline"  # its timeout passed: it finishes with "length"
+    SHUTDOWN = "shutdown"  # the server is stopping: it fails with a 503
+    STOP_STRING = "stop_string"  # its text reached a stop string: it finishes with "stop"
+
+
 @attrs.frozen(kw_only=True)
 class Abort:
+    """Take a sequence out of the engine (it ends with ``SequenceAborted``)."""
+
     request_id: int
-    reason: str = "withdrawn"
+    reason: AbortReason = AbortReason.CLOSED
     posted_at: float = attrs.field(factory=time.monotonic, eq=False)  # abort-latency figures
 
 
 @attrs.frozen(kw_only=True)
 class EvictCache:
-    """The PromptCacheActor's decision: drop these prompt-cache entries (ids the engine gave)."""
+    """The prompt-cache policy's decision: drop these prompt-cache entries (ids the engine gave)."""
 
     entry_ids: tuple[int, ...]
 
@@ -192,7 +204,7 @@ class SequenceStarted:
     prompt_tokens: int
     cached_tokens: int
     batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
-    miss_reason: CacheMissReason | None = None  # set by the PromptCacheActor (trio side)
+    miss_reason: CacheMissReason | None = None  # set by the prompt-cache policy (trio side)
 
 
 @attrs.frozen(kw_only=True)
@@ -255,8 +267,7 @@ class SequenceFailed:
     retryable: bool = False  # the engine stopped, not the request: 503, try again
 
 
-# Upper bounds of the engine's histogram buckets (Prometheus ``le``; +Inf is implied):
-# the engine counts each step into one bucket, ``EngineStats`` carries the counts.
+# Upper bounds of the engine's step histograms (Prometheus ``le``; +Inf implied), in EngineStats.
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -295,8 +306,7 @@ class EngineStats:
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0
     prompt_cache_cached_tokens: int = 0
-    # Aborts of running sequences: how long each waited in the inbox, and
-    # whether it waited for a step in progress (the most is one, by design).
+    # Aborts of running sequences: inbox waits, and waits for a step in progress (at most one)
     aborts: int = 0
     abort_wait_ms_total: float = 0.0
     abort_wait_ms_max: float = 0.0
@@ -342,82 +352,12 @@ class StepOutputs:
         )
 
 
-# --------------------------------------------------- the model's life (ModelLoader)
-
-
-@attrs.define
-class ModelHandle:
-    """A loaded model: the engine owns ``model``; ``tokenizer`` is shared.
-
-    With the engine in its own process the trio side's handle has
-    ``model=None`` and a tokenizer of its own."""
-
-    model: Any
-    tokenizer: Any
-    model_key: str
-    vocab_size: int
-    batchable: bool = True
-    kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
-    kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
-    engine_pid: int | None = None  # the process that runs the engine (None: this one)
-    ranks: int = 1  # distributed: how many processes share the model
-    parallel: str | None = None  # distributed: "tensor" or "pipeline"
-    context_window: int | None = None  # most tokens a sequence may hold (None: unknown)
-
-
-@attrs.frozen(kw_only=True)
-class ModelReady:
-    """An engine is up: its commands go into ``inbox`` (``put`` is sync, never blocks)."""
-
-    handle: ModelHandle
-    inbox: Any = attrs.field(eq=False, repr=False)
-
-
-@attrs.frozen(kw_only=True)
-class ModelLost:
-    """The engine stopped taking requests; ``permanent``: none is coming back."""
-
-    reason: str
-    permanent: bool
-
-
-# ------------------------------------------------------ from an engine process
-
-
-@attrs.frozen(kw_only=True)
-class EngineReady:
-    """The engine process loaded its model: what the parent needs of it."""
-
-    model_key: str
-    vocab_size: int
-    batchable: bool
-    kv_bytes_per_token: int
-    kv_budget: int
-    eos_token_ids: tuple[int, ...]
-    pid: int
-    context_window: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class EngineCrashed:
-    """The engine loop is going down with an error (its failures follow)."""
-
-    reason: str
-
-
-@attrs.frozen(kw_only=True)
-class EngineExited:
-    """The engine process's last message: ``error`` is None after a ``Shutdown``."""
-
-    error: str | None = None
-
-
 # --------------------------------------------------------------- to the Session
 
 
 @attrs.frozen(kw_only=True)
 class PromptCacheOutlook:
-    """The PromptCacheActor's explanation of one request's prompt-cache lookup.
+    """The prompt-cache policy's explanation of one request's prompt-cache lookup.
 
     Given when the request is opened (a prediction, for the response's header)
     and again when it starts (``SequenceStarted.miss_reason``, ``Usage``)."""
@@ -429,8 +369,8 @@ class PromptCacheOutlook:
 
 @attrs.frozen(kw_only=True)
 class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    name: str  # "" on the later parts of a call streamed in parts (which share its id)
+    arguments: str  # JSON text, as OpenAI sends it (of a part: the next piece of it)
     id: str
 
 

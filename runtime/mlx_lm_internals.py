@@ -11,10 +11,10 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
   cache's reuse floor, ``runtime.prompt_cache_store``).
 * ``prompt_cache_has_entry`` and ``remove_prompt_cache_entry``: one named
   entry of an ``LRUPromptCache`` (``_trie``, ``_lru``, ``_n_bytes``,
-  ``_n_bytes_by_type``): the engine applies the PromptCacheActor's evictions
+  ``_n_bytes_by_type``): the engine applies the prompt-cache policy's evictions
   and reports what mlx-lm's ``insert_cache`` dropped by itself.
 * ``new_eviction_order``: ``LRUPromptCache.CacheOrder``, mlx-lm's eviction
-  order (one LRU per segment type), which the PromptCacheActor decides with.
+  order (one LRU per segment type), which the prompt-cache policy decides with.
 * ``keep_leading_space``: a text completion keeps its first space; sets
   ``SPMStreamingDetokenizer.trim_space`` or defeats
   ``BPEStreamingDetokenizer._maybe_trim_space`` (``actors.detokenizer``).

@@ -2,7 +2,7 @@
 
 Owned by the engine (thread or process) like the rest of MLX: the KV arrays
 are MLX arrays, and every lookup copies or trims them. What to keep is not
-decided here: the PromptCacheActor (``actors.prompt_cache``) keeps an index of
+decided here: the prompt-cache policy (``actors.prompt_cache``) keeps an index of
 the entries from the events this module reports and sends ``EvictCache``
 commands, which the engine applies between steps. So the store has no limits
 of its own.
@@ -29,7 +29,7 @@ stored, its end is remembered, and a later entry that repeats those tokens
 links to that span and copies only what follows. A fetch builds a plain
 ``KVCache`` from the chain (mlx-lm deep-copies an entry on every fetch anyway).
 The byte counts stay those of whole entries, so ``--prompt-cache-bytes`` and
-the PromptCacheActor's decisions hold as before, now with memory to spare.
+the prompt-cache policy's decisions hold as before, now with memory to spare.
 
 ``CacheEntries``: the ledger ``EngineCore`` goes through. It gives every
 stored entry an id, reports ``CacheEntryStored`` and ``CacheEntryRemoved``
@@ -136,7 +136,7 @@ class PromptCacheStore(LRUPromptCache):
     """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``
     and stores entries of plain ``KVCache`` layers as shared spans.
 
-    Its limits default to none: the PromptCacheActor decides what to evict."""
+    Its limits default to none: the prompt-cache policy decides what to evict."""
 
     def __init__(
         self, max_size: int = NO_LIMIT, max_bytes: int = NO_LIMIT, *, min_reuse_tokens: int = 0
@@ -267,7 +267,7 @@ class CacheEntries:
 
     def __init__(self, store: Any, max_entries: int | None = None):
         self.store = store
-        # The PromptCacheActor's count limit (None: not known here, every entry is stored).
+        # The prompt-cache policy's count limit (None: not known here, every entry is stored).
         self.max_entries = max_entries
         self._next_id = 1
         self._keys: dict[int, tuple[Any, tuple[int, ...]]] = {}  # id -> (model, tokens)
@@ -316,7 +316,7 @@ class CacheEntries:
         """Store the queued entries, in order, passing over those the count limit evicts
         before anything could look them up.
 
-        The PromptCacheActor applies the count limit after every stored entry, in
+        The prompt-cache policy applies the count limit after every stored entry, in
         mlx-lm's order: one LRU per segment type, each oldest first. So of the entries
         of one type stored in a row, with no lookup between them, an entry followed
         by ``max_entries`` of its type that stay (none of the row replaces or
@@ -394,7 +394,7 @@ class CacheEntries:
         """Drop the entries still held under these ids; returns how many bytes that freed.
 
         An id already gone (replaced or superseded since) is skipped: the
-        PromptCacheActor learns of that from the events."""
+        prompt-cache policy learns of that from the events."""
         self.settle()
         freed = 0
         for entry_id in entry_ids:

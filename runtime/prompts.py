@@ -1,12 +1,14 @@
 """Turning a validated request into prompt tokens (no MLX: any thread).
 
 Receives plain chat messages (content already a string, tool-call arguments
-already objects) or a text prompt; returns a ``PreparedPrompt`` with the
+already objects; for a gpt-oss model reshaped by ``runtime.harmony``) or a text prompt; returns a ``PreparedPrompt`` with the
 tokens, the prompt cache's segment plan, the text state the model starts
 in (inside a thinking block or not), and for chat the keys the prompt cache's
 miss explanation compares (``template_key``, ``conversation_keys``). Runs in a worker thread
 (``trio.to_thread``) because chat templates and tokenizers are slow Python, but for short
 prompts (about 1 ms; ``api.http.small_body``), which the Session prepares on the event loop.
+``prepare_vision_chat`` (images, a vision-language model) also runs mlx-vlm's processor,
+which makes the image tensors as MLX arrays from numpy (no computation on a stream).
 
 ``plan_segments`` is the segmentation policy: where in a chat prompt the
 engine keeps a copy of the KV cache (end of the system prompt, end of the
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from runtime.errors import ClientError
+from runtime.harmony import harmony_effort, harmony_messages, is_harmony_tokenizer
 from runtime.messages import PreparedPrompt, SegmentPlan
 from runtime.mlx_lm_internals import convert_chat
 from runtime.tokenizing import encode
@@ -186,6 +189,10 @@ def prepare_chat(
     # A client's chat_template_kwargs shape the rendering, never the call itself.
     kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
     kwargs["tools"] = tools
+    if is_harmony_tokenizer(tokenizer):  # gpt-oss: its template's shape and levels
+        messages = harmony_messages(messages)
+        if "reasoning_effort" in kwargs:
+            kwargs["reasoning_effort"] = harmony_effort(kwargs["reasoning_effort"])
     try:
         rendered = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
@@ -244,4 +251,45 @@ def prepare_chat(
         initial_state=initial_state,
         template_key=template_key(kwargs),
         conversation_keys=keys,
+    )
+
+
+def prepare_vision_chat(
+    tokenizer,
+    processor,
+    model_type: str,
+    messages: list[dict[str, Any]],
+    images: list,
+    *,
+    tools: list[dict[str, Any]] | None,
+    template_args: Mapping[str, Any],
+) -> PreparedPrompt:
+    """A chat prompt with images, for a vision-language model (``runtime.vision``).
+
+    The template renders one placeholder per ``{"type": "image"}`` part; mlx-vlm's
+    processor expands each to its image's patch tokens and makes the image tensors
+    (``PreparedPrompt.vision``). One segment: two images share their placeholder
+    tokens, so a token prefix says nothing about the pixels behind it.
+    """
+    from runtime.vision import prepare_vision_prompt
+
+    kwargs = {k: v for k, v in template_args.items() if k not in RESERVED_TEMPLATE_ARGS}
+    kwargs["tools"] = tools
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as exc:  # templates raise on messages they cannot render
+        raise ClientError(f"the chat template rejected the messages: {exc}", param="messages") from None
+    try:
+        tokens, vision = prepare_vision_prompt(processor, model_type, rendered, images)
+    except Exception as exc:  # the processor refuses what it cannot match or read
+        param = images[0].param if images else "messages"
+        raise ClientError(f"the model's processor rejected the images: {exc}", param=param) from None
+    return PreparedPrompt(
+        tokens=tokens,
+        plan=SegmentPlan(segments=(tokens,), segment_types=("user",)),
+        template_key=template_key(kwargs),
+        conversation_keys=conversation_keys(messages),
+        vision=vision,
     )

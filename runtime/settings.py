@@ -157,13 +157,16 @@ BATCHING = Group("Batching", "how many sequences the engine decodes and prefills
 PROMPT_CACHE = Group("Prompt cache", "reuse of earlier prompts' KV caches for shared prefixes")
 LIMITS = Group("Limits", "how much a request, and all of them together, may ask for")
 STORED = Group("Stored responses", "what the Responses API keeps for previous_response_id and GET")
+EMBEDDINGS = Group(
+    "Embeddings", "an embedding model served at /v1/embeddings beside the chat model"
+)
 SECURITY = Group("Security", "who may call the API: API keys")
 DISTRIBUTED = Group("Distributed", "one model served by several processes started by mlx.launch")
 TUNING = Group(
     "Advanced tuning", "scheduling, streaming, kernels, KV quantization: the defaults suit most uses"
 )
-GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, STORED, SECURITY, DISTRIBUTED,
-          TUNING)
+GROUPS = (MODEL, SERVER, SAMPLING, BATCHING, PROMPT_CACHE, LIMITS, STORED, EMBEDDINGS, SECURITY,
+          DISTRIBUTED, TUNING)
 _GROUP_ORDER = {group: index for index, group in enumerate(GROUPS)}
 
 

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop
-from runtime.messages import Abort, ModelHandle, Shutdown
+from runtime.loaded_model import LoadedModel
+from runtime.messages import Abort, Shutdown
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
 from tests.test_properties_scheduler import EOS, VOCAB, Ledger, make_submit
 
@@ -37,7 +38,7 @@ def engine(
         vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
     )
     core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
         admission_window=window,

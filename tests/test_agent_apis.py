@@ -284,7 +284,7 @@ def test_messages_errors_in_anthropic_shape(ant, server):
     with pytest.raises(anthropic.BadRequestError) as info:
         ant.messages.create(model="claude-opus-4-8", max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}])
-    assert "messages[0].content[0].type" in info.value.body["error"]["message"]
+    assert info.value.body["error"]["message"].startswith("messages[0].content[0]: images are")
     with pytest.raises(anthropic.NotFoundError) as info:
         ant.messages.create(model="gpt-unknown", max_tokens=5, messages=[{"role": "user", "content": "x"}])
     assert info.value.body["error"]["type"] == "not_found_error"

@@ -46,11 +46,28 @@ def test_blocks_in_output_order_with_whitespace_trimmed():
     assert kinds == [
         ("Opened", 0, "reasoning"), ("Appended", 0, "reasoning"), ("Appended", 0, "reasoning"),
         ("Closed", 0, "reasoning"), ("Opened", 1, "text"), ("Appended", 1, "text"),
-        ("Closed", 1, "text"), ("Opened", 2, "tool"), ("Closed", 2, "tool"),
+        ("Closed", 1, "text"), ("Opened", 2, "tool"), ("Appended", 2, "tool"),
+        ("Closed", 2, "tool"),
     ]
     assert [b.text for b in assembler.blocks[:2]] == ["47 + 85 = 132", "132"]
     assert assembler.blocks[2].call == call
     assert all(b.closed for b in assembler.blocks)
+
+
+def test_a_call_streamed_in_parts_is_one_block_that_grows():
+    parts = [ToolCall(name="get_weather", arguments="", id="call_1"),
+             ToolCall(name="", arguments='{"city": ', id="call_1"),
+             ToolCall(name="", arguments='"Oslo"}', id="call_1"),
+             ToolCall(name="get_time", arguments="{}", id="call_2")]
+    assembler, events = _feed_all([Delta(reasoning="think", tool_calls=tuple(parts[:2])),
+                                   Delta(tool_calls=tuple(parts[2:]))])
+    kinds = [(type(e).__name__, e.block.index) for e in events if e.block.kind == "tool"]
+    assert kinds == [("Opened", 1), ("Appended", 1), ("Appended", 1), ("Closed", 1),
+                     ("Opened", 2), ("Appended", 2), ("Closed", 2)]
+    assert [e.text for e in events if isinstance(e, Appended) and e.block.index == 1] == [
+        '{"city": ', '"Oslo"}']
+    assert [b.call for b in assembler.blocks[1:]] == [
+        ToolCall(name="get_weather", arguments='{"city": "Oslo"}', id="call_1"), parts[3]]
 
 
 def test_whitespace_only_text_before_a_tool_call_makes_no_block():
@@ -133,7 +150,8 @@ def test_responses_items_become_one_assistant_turn_then_tool_results():
     ("items", "param"),
     [
         ([{"type": "item_reference", "id": "x"}], "input[0].type"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "input[0].content[0].type"),
         ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
         ([{"role": "tool", "content": "x"}], "input[0].role"),
@@ -262,7 +280,8 @@ def test_anthropic_tool_choice_and_stop_reasons():
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0].type"),
+        ({"role": "user", "content": [{"type": "image", "source": {}}]}, "messages[0].content[0]"),
+        ({"role": "user", "content": [{"type": "document", "source": {}}]}, "messages[0].content[0].type"),
         ({"role": "tool", "content": "x"}, "messages[0].role"),
         ({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                        "content": [{"type": "image"}]}]}, "messages[0].content[0].content[0].type"),

@@ -243,7 +243,8 @@ async def test_concurrent_greedy_requests_match_solo(client):
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
         ({"messages": []}, "messages"),
         ({}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].image_url"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type"),
     ],
 )
 async def test_bad_input_is_a_400_naming_the_field(client, body, param):

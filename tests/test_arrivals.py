@@ -16,7 +16,8 @@ from actors.system import Runtime
 from api.observability import is_generation
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
-from runtime.messages import ModelHandle, SamplingParams
+from runtime.loaded_model import LoadedModel
+from runtime.messages import SamplingParams
 from runtime.prompts import prepare_text
 from tests.conftest import poll_until
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, FakeTokenizer
@@ -79,7 +80,7 @@ async def test_a_submit_sent_while_another_is_tokenised_is_followed():
             super().handle_command(command)
 
     def make_core():
-        handle = ModelHandle(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
         return Recording(handle, batch_generator_factory=FakeBatchGeneratorFactory(),
                          prompt_cache=FakePromptCache())
 
@@ -109,7 +110,7 @@ async def test_a_submit_sent_while_another_is_tokenised_is_followed():
 
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
-        await poll_until(lambda: runtime.model_loader.core.handle is not None)
+        await poll_until(lambda: runtime.model_loader.status().info is not None)
         with trio.fail_after(10):
             async with trio.open_nursery() as requests:
                 requests.start_soon(run, first_prepare, first_submitted.set)

@@ -14,7 +14,7 @@ import pytest
 
 from actors.scheduler import SchedulerCore
 from runtime.engine.core import EngineCore
-from runtime.messages import Abort, SamplingParams, StepOutputs
+from runtime.messages import Abort, AbortReason, SamplingParams, StepOutputs
 from tests.fakes import FakeKVCache, scripted_token
 from tests.test_properties_scheduler import VOCAB, Ledger, engine_with_fake, make_submit
 
@@ -107,7 +107,7 @@ def test_a_failing_first_choice_fails_the_waiting_ones():
     assert not core.has_work
 
 
-def test_held_choices_are_withdrawn_one_by_one_or_together():
+def test_held_choices_are_aborted_one_by_one_or_together():
     core, _, _ = engine_with_fake(per_segment=True, batch=8)
     core.admission.window, core.admission.batch = 3600.0, 1
     core.handle_command(make_submit(99, (3, 3), max_tokens=30))
@@ -139,7 +139,7 @@ def test_the_scheduler_gives_each_choice_a_slot_and_a_share_of_the_reservation()
     core.admit(big)
     assert core.to_start() == []  # 6 choices: more than the slots, so it waits for an empty engine
     for request_id in (1, 3, 4, 5):
-        core.withdraw(request_id)
+        core.abort(request_id, AbortReason.CLOSED)
     assert core.to_start() == [big] and len(core.in_engine) == 6
 
 

@@ -210,6 +210,9 @@ TEXT_VALUES = {
     "max_model_len": "4096", "max_choices": "2", "shutdown_grace": "3.5",
     "responses_store_path": "/var/lib/mlx-trio/responses.sqlite3", "responses_store_bytes": "1GB",
     "responses_store_max_age": "7d",
+    "image_max_bytes": "1000000", "image_max_pixels": "65536", "image_fetch_timeout": "2.5",
+    "embedding_model": "/models/bge-small", "embedding_batch_size": "8",
+    "embedding_batch_tokens": "4096", "embedding_max_inputs": "100",
 }
 
 

@@ -119,7 +119,7 @@ async def test_shutdown_answers_a_waiting_request_with_503(client):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ask)
-        await poll_until(lambda: runtime.scheduler.last_stats.active_sequences > 0, 30)
+        await poll_until(lambda: runtime.scheduler.figures().stats.active_sequences > 0, 30)
         runtime.drain(0.0)
     status, answer, response = outcome["answer"]
     assert status == 503, answer

@@ -85,7 +85,7 @@ async def test_a_killed_engine_process_is_a_crash_then_a_restart(tiny_model_path
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long_stream)
-                await poll_until(lambda: runtime.scheduler.last_stats.active_sequences == 1, 10)
+                await poll_until(lambda: runtime.scheduler.figures().stats.active_sequences == 1, 10)
                 os.kill(pid, signal.SIGKILL)
         # The running stream ends (no hang) with an error event and [DONE].
         status, _, body = raw[0]

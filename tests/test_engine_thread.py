@@ -64,7 +64,7 @@ async def test_all_mlx_work_runs_on_one_engine_thread_and_stops_with_the_runtime
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.run)
-            await poll_until(lambda: runtime.model_loader.core.handle is not None, 60)
+            await poll_until(lambda: runtime.model_loader.status().info is not None, 60)
             for i in range(3):
                 session = runtime.session(
                     prepare=lambda tok, i=i: prepare_text(tok, f"hello {i}"),
@@ -90,21 +90,21 @@ async def test_all_mlx_work_runs_on_one_engine_thread_and_stops_with_the_runtime
 
 async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keeps_serving():
     from runtime.engine.core import EngineCore
-    from runtime.messages import ModelHandle
+    from runtime.loaded_model import LoadedModel
     from tests.fakes import FakeTokenizer
 
     factory = FakeBatchGeneratorFactory(fail_on_step=2)
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = ModelHandle(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
         return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
 
     runtime = Runtime(ServerConfig(model="fake"), make_core=make_core)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
-        await poll_until(lambda: runtime.model_loader.core.handle is not None)
+        await poll_until(lambda: runtime.model_loader.status().info is not None)
         with trio.fail_after(10):
             first = await run_one(runtime, 10)
             second = await run_one(runtime, 3)
@@ -118,11 +118,12 @@ def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
     import time
 
     from runtime.engine.core import EngineCore
-    from runtime.messages import Abort, ModelHandle, Submit
+    from runtime.loaded_model import LoadedModel
+    from runtime.messages import Abort, Submit
 
     factory = FakeBatchGeneratorFactory(completion_batch_size=4)
     core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=512),
+        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=512),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )
@@ -154,7 +155,7 @@ async def test_steps_that_keep_failing_restart_the_engine():
     which serves. Every request gets its one terminal."""
     from runtime.engine.core import EngineCore
     from runtime.engine.failures import FAILED_STEPS_TO_RESTART
-    from runtime.messages import ModelHandle
+    from runtime.loaded_model import LoadedModel
     from tests.fakes import FakeTokenizer
 
     # The first engine's generators all fail at their first step; the second's never.
@@ -164,7 +165,7 @@ async def test_steps_that_keep_failing_restart_the_engine():
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = ModelHandle(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
         factory = factories.pop(0)
         return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
 
@@ -178,11 +179,11 @@ async def test_steps_that_keep_failing_restart_the_engine():
 
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
-        await poll_until(lambda: runtime.model_loader.core.handle is not None)
+        await poll_until(lambda: runtime.model_loader.status().info is not None)
         with trio.fail_after(10):
             failed = [await run_or_refused() for _ in range(FAILED_STEPS_TO_RESTART)]
-            await poll_until(lambda: runtime.model_loader.core.restarts == 1, 5)
-            await poll_until(lambda: runtime.model_loader.core.handle is not None, 5)
+            await poll_until(lambda: runtime.model_loader.status().restarts == 1, 5)
+            await poll_until(lambda: runtime.model_loader.status().info is not None, 5)
             served = await run_or_refused()
         nursery.cancel_scope.cancel()
     assert all(type(events[-1]).__name__ == "Failed" for events in failed), failed
@@ -197,13 +198,14 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
 
     from runtime.engine.core import EngineCore
     from runtime.engine.failures import FAILED_STEPS_TO_RESTART, EngineBroken
-    from runtime.messages import ModelHandle, Submit
+    from runtime.loaded_model import LoadedModel
+    from runtime.messages import Submit
 
     assert FAILED_STEPS_TO_RESTART == 3
     # Generator by generator: the step on which it fails (None: never).
     factory = FakeBatchGeneratorFactory(fail_on_step=[1, 1, 2, 1, 1])
     core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=64),
+        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=64),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )

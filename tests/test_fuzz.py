@@ -66,6 +66,7 @@ TOKEN_CAP = 8
 FUZZED = [
     "createChatCompletion", "createCompletion", "listModels", "health",
     "createResponse", "getResponse", "deleteResponse", "createMessage", "countMessageTokens",
+    "createEmbedding",  # no embedding model served here: its refusals
 ]
 AGENT_OPERATIONS = {
     "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
@@ -77,6 +78,7 @@ BOUNDED_REQUESTS = {
     CompletionRequest: {"prompt": "hi"},
     ResponsesRequest: {"input": "hi"},
     MessagesRequest: {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    schemas.EmbeddingRequest: {"model": "m", "input": "hi"},
 }
 JSON_CHECKS = [
     not_a_server_error,
@@ -100,6 +102,7 @@ def test_document_is_valid_openapi_31():
         "GET /v1/models",
         "GET /health",
         "GET /openapi.json",
+        "POST /v1/embeddings",
         *AGENT_OPERATIONS,
     } <= operations
     components = doc["components"]["schemas"]
@@ -164,6 +167,10 @@ def test_document_describes_the_agent_apis():
         bodies.ModelList,
         bodies.ModelCard,
         bodies.UsageOut,
+        schemas.EmbeddingRequest,
+        bodies.EmbeddingList,
+        bodies.EmbeddingOut,
+        bodies.EmbeddingUsage,
         ResponsesRequest,
         responses_schema.TextConfigIn,
         responses_schema.TextFormatIn,

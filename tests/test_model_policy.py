@@ -117,7 +117,7 @@ async def test_a_model_that_is_not_allowed_is_a_404_before_anything_loads(
         assert value(samples, "mlx_trio_model_load_seconds_count") == 1  # the start-up load only
         health = await (await client.get("/health")).get_json()
         assert health["model"] == tiny_model_path and health["model_state"] == "ready"
-        assert app.extensions["runtime"].model_loader.core.pending is None
+        assert app.extensions["runtime"].model_loader.status().pending is None
         listed = await (await client.get("/v1/models")).get_json()
         assert [card["id"] for card in listed["data"]] == [tiny_model_path]
         # The served model under any of its names is still fine.

@@ -1,4 +1,4 @@
-"""The PromptCacheActor's policy (``actors.prompt_cache.PromptCacheCore``) against the engine.
+"""The prompt-cache policy (``actors.prompt_cache.PromptCachePolicy``) against the engine.
 
 A stateful test drives a real ``EngineCore`` (``FakeBatchGenerator``, the real
 ``PromptCacheStore`` over fake trimmable KV layers) and the policy as the
@@ -14,19 +14,24 @@ miss reason. Unit tests pin down each miss reason.
 
 from __future__ import annotations
 
+import logging
+
+import trio
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from mlx_lm.models.cache import LRUPromptCache
 
-from actors.prompt_cache import CLOSED_KEPT, PromptCacheActor, PromptCacheCore
+from actors.prompt_cache import CLOSED_KEPT, PromptCachePolicy
+from actors.scheduler import Scheduler, SchedulerCore
 from runtime.engine.core import EngineCore
+from runtime.lifecycle import ModelInfo, ModelReady
+from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     CacheEntryRemoved,
     CacheEntryStored,
     CacheMissReason,
     EvictCache,
-    ModelHandle,
     SamplingParams,
     SequenceStarted,
     StepOutputs,
@@ -58,7 +63,7 @@ class PolicyMachine(RuleBasedStateMachine):
             bytes_per_token=BYTES_PER_TOKEN,
         )
         self.store = PromptCacheStore(min_reuse_tokens=min_reuse)
-        handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+        handle = LoadedModel(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
         # Knowing the limit, the engine stores no entry the limit evicts at once.
         self.engine = EngineCore(
             handle,
@@ -66,7 +71,7 @@ class PolicyMachine(RuleBasedStateMachine):
             prompt_cache=self.store,
             prompt_cache_max_entries=max_entries if engine_knows_limit else None,
         )
-        self.policy = PromptCacheCore(
+        self.policy = PromptCachePolicy(
             max_entries=max_entries, max_bytes=max_bytes, min_reuse=min_reuse
         )
         self.policy.engine_changed(MODEL)
@@ -192,13 +197,13 @@ def stored(entry_id, tokens, *, request_id=None, cache_type="assistant", trimmab
     )
 
 
-def feed(core: PromptCacheCore, *events) -> tuple[int, ...]:
+def feed(core: PromptCachePolicy, *events) -> tuple[int, ...]:
     _, evicted = core.on_step(StepOutputs(cache_events=tuple(events)))
     return evicted
 
 
-def core_with(**kwargs) -> PromptCacheCore:
-    core = PromptCacheCore(**{"max_entries": 10, "min_reuse": 4, **kwargs})
+def core_with(**kwargs) -> PromptCachePolicy:
+    core = PromptCachePolicy(**{"max_entries": 10, "min_reuse": 4, **kwargs})
     core.engine_changed(MODEL)
     return core
 
@@ -338,12 +343,42 @@ def test_superseded_entries_leave_the_index_without_a_ghost():
     assert core.explain(MODEL, A[:10] + (1, 2)).reused_tokens == 10  # served by the longer one
 
 
-def test_the_actor_turns_evictions_into_one_command():
-    actor = PromptCacheActor(core_with(max_entries=1))
-    actor.engine_changed(MODEL)
-    out = StepOutputs(cache_events=(stored(1, A), stored(2, B)))
-    _, commands = actor.on_step(out)
-    assert commands == (EvictCache(entry_ids=(1,)),)
+class ListInbox(list):
+    """An engine inbox that keeps what it was given."""
+
+    def put(self, command) -> None:
+        self.append(command)
+
+
+def test_the_scheduler_sends_a_steps_evictions_as_one_command():
+    policy = core_with(max_entries=1)
+    send, _ = trio.open_memory_channel(4)
+    scheduler = Scheduler(
+        SchedulerCore(max_in_engine=2, max_waiting=2), to_detokenizer=send, prompt_cache=policy
+    )
+    inbox = ListInbox()
+    scheduler.on_model_ready(ModelReady(info=ModelInfo(model_key=MODEL, vocab_size=VOCAB), inbox=inbox))
+    scheduler.on_step(StepOutputs(cache_events=(stored(1, A), stored(2, B), stored(3, A[:3]))))
+    assert inbox == [EvictCache(entry_ids=(1, 2))]
+    scheduler.on_step(StepOutputs())  # nothing to evict: no command
+    assert len(inbox) == 1
+
+
+def test_the_policy_logs_its_figures_after_a_step_at_most_every_period(caplog):
+    now = [0.0]
+    policy = core_with(max_entries=1, log_every=30.0, clock=lambda: now[0])
+    policy.engine_changed(MODEL)
+    caplog.set_level(logging.INFO, logger="actors.prompt_cache")
+    policy.on_step(StepOutputs(cache_events=(stored(1, A),)))
+    now[0] = 29.0
+    policy.on_step(StepOutputs(cache_events=(stored(2, B),)))
+    assert not caplog.records  # within the period
+    now[0] = 31.0
+    policy.on_step(StepOutputs())
+    assert [r.getMessage() for r in caplog.records] == [policy.log_line()]
+    now[0] = 70.0
+    policy.on_step(StepOutputs())  # unchanged: not logged again
+    assert len(caplog.records) == 1
 
 
 # ------------------------------------------------------------- the engine side
@@ -351,7 +386,7 @@ def test_the_actor_turns_evictions_into_one_command():
 
 def test_an_evict_command_removes_entries_before_the_next_lookup():
     store = PromptCacheStore(min_reuse_tokens=2)
-    handle = ModelHandle(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+    handle = LoadedModel(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
     engine = EngineCore(
         handle, batch_generator_factory=FakeBatchGeneratorFactory(vocab=VOCAB), prompt_cache=store
     )

@@ -2,7 +2,7 @@
 
 A shared prefix cache tells one tenant, by its time to first token, whether
 another sent a prompt. ``Submit.cache_scope`` partitions the engine's prompt
-cache (and the PromptCacheActor's index, and who may wait behind whose
+cache (and the prompt-cache policy's index, and who may wait behind whose
 prefill); the API derives it from the API key and a request's ``cache_salt``.
 Here the engine on the tiny real model, then the API.
 """
@@ -85,10 +85,10 @@ def test_a_request_waits_only_behind_a_prefill_of_its_own_scope(core):
 
 
 def test_the_prompt_cache_actor_predicts_within_a_scope():
-    from actors.prompt_cache import PromptCacheCore
+    from actors.prompt_cache import PromptCachePolicy
     from tests.test_prompt_cache_policy import MODEL, feed, stored
 
-    core = PromptCacheCore(max_entries=10, min_reuse=4)
+    core = PromptCachePolicy(max_entries=10, min_reuse=4)
     core.engine_changed(MODEL)
     tokens = tuple(range(100, 140))
     first = core.open(1, MODEL, tokens, scope="a")

@@ -220,17 +220,17 @@ def test_cache_arrays_are_every_layers_state_arrays():
 def test_entries_the_count_limit_evicts_at_once_are_reported_but_never_stored(monkeypatch):
     """A wave of finishing sequences, more than the cache keeps: of each type stored in a
     row only the last ``max_entries`` are stored (copied, inserted); the others are
-    reported as before, and the PromptCacheActor's own limit evicts exactly those, so
+    reported as before, and the prompt-cache policy's own limit evicts exactly those, so
     its index, its statistics and the store end as if every entry had been stored."""
     import runtime.prompt_cache_store as module
-    from actors.prompt_cache import PromptCacheCore
+    from actors.prompt_cache import PromptCachePolicy
     from runtime.messages import CacheEntryStored, StepOutputs
 
     evaluations: list[int] = []
     monkeypatch.setattr(module.mx, "async_eval", lambda arrays: evaluations.append(len(arrays)))
     store = PromptCacheStore()
     entries = CacheEntries(store, max_entries=2)
-    policy = PromptCacheCore(max_entries=2, min_reuse=0)
+    policy = PromptCachePolicy(max_entries=2, min_reuse=0)
     policy.engine_changed(MODEL)
     entries.insert(MODEL, [9, 1], _cache(2), cache_type="user", request_id=1)
     for i in range(5):  # five sequences finish in one step
@@ -292,12 +292,12 @@ def test_only_later_entries_that_stay_push_an_entry_out():
     """An entry superseded within the same row frees its slot: the entry before it
     may outlive the row, so it is stored (with a limit of 2: [9] stays beside
     [1, 2, 3], which supersedes [1, 2])."""
-    from actors.prompt_cache import PromptCacheCore
+    from actors.prompt_cache import PromptCachePolicy
     from runtime.messages import StepOutputs
 
     store = PromptCacheStore()
     entries = CacheEntries(store, max_entries=2)
-    policy = PromptCacheCore(max_entries=2, min_reuse=0)
+    policy = PromptCachePolicy(max_entries=2, min_reuse=0)
     policy.engine_changed(MODEL)
     for i, tokens in enumerate(([9], [1, 2], [1, 2, 3])):
         entries.insert(MODEL, tokens, _cache(len(tokens)), cache_type="assistant", request_id=i)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from actors.detokenizer import DetokenizerCore, StopMatcher
 from runtime.messages import (
+    AbortReason,
     Delta,
     Failed,
     Finished,
@@ -42,6 +43,16 @@ def tokenizer(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ helpers
+
+
+class AbortLog:
+    """The Scheduler's port as the Detokenizer sees it: records each abort."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[int, AbortReason]] = []
+
+    def abort(self, request_id: int, reason: AbortReason) -> None:
+        self.aborted.append((request_id, reason))
 
 
 def split_at(seq, cuts):
@@ -211,8 +222,8 @@ def test_streamed_text_equals_full_decode(tokenizer, data):
     # ``if res:`` treats byte 0 as missing): not ours to test here.
     assume("\x00" not in tokenizer.decode(ids))
     other = ids[::-1]  # a second request in the same steps, to check isolation
-    withdrawn: list[int] = []
-    core = DetokenizerCore(withdraw=withdrawn.append)
+    scheduler = AbortLog()
+    core = DetokenizerCore(scheduler=scheduler)
     outboxes = {1: Outbox(), 2: Outbox()}
     received = {1: Received(), 2: Received()}
     for rid, outbox in outboxes.items():
@@ -239,7 +250,7 @@ def test_streamed_text_equals_full_decode(tokenizer, data):
         assert fin.finish_reason == "length"
         assert fin.usage.completion_tokens == len(seq)
         assert fin.usage.prompt_tokens == 5
-    assert withdrawn == []
+    assert scheduler.aborted == []
     assert len(core) == 0
 
 
@@ -256,7 +267,7 @@ def test_fake_tokenizer_streams_partial_utf8(data):
         ),
         "ids",
     )
-    core = DetokenizerCore(withdraw=lambda rid: None)
+    core = DetokenizerCore(scheduler=AbortLog())
     outbox, got = Outbox(), Received()
     core.open(7, TextSpec(markup=False), outbox, tok)
     final = data.draw(st.sampled_from(["length", "stop"]), "final")
@@ -293,14 +304,14 @@ def test_stop_strings_cut_the_stream(tokenizer, data):
     stop = st.one_of(substring(), st.text(alphabet="etoa ns\n", min_size=1, max_size=3))
     stops = data.draw(st.lists(stop, min_size=1, max_size=3), "stops")
 
-    withdrawn: list[int] = []
-    core = DetokenizerCore(withdraw=withdrawn.append)
+    scheduler = AbortLog()
+    core = DetokenizerCore(scheduler=scheduler)
     outbox, got = Outbox(), Received()
     core.open(3, TextSpec(stop=tuple(stops), markup=False), outbox, tokenizer)
     events = events_for(3, ids, final="length")
     groups = chunks_of(data, events)
     cut = first_stop(text, stops)
-    if cut != -1:  # the engine's own terminal for the withdrawn sequence comes later
+    if cut != -1:  # the engine's own terminal for the aborted sequence comes later
         groups.append([])
     for group in groups:
         core.on_outputs(StepOutputs(tokens=tuple(group)))
@@ -312,12 +323,12 @@ def test_stop_strings_cut_the_stream(tokenizer, data):
     if cut != -1:
         assert got.content == text[:cut]
         assert fin.finish_reason == "stop"
-        assert withdrawn == [3]
+        assert scheduler.aborted == [(3, AbortReason.STOP_STRING)]
         assert 1 <= fin.usage.completion_tokens <= len(ids)
     else:
         assert got.content == text
         assert fin.finish_reason == "length"
-        assert withdrawn == []
+        assert scheduler.aborted == []
         assert fin.usage.completion_tokens == len(ids)
     assert len(core) == 0
 
@@ -381,7 +392,7 @@ def test_reasoning_and_tool_markup(tokenizer, pieces, opening, tail, final, data
     assert full_detokenize(tokenizer, ids) == text  # the fixture round-trips
 
     eos = next(iter(tokenizer.eos_token_ids))
-    core = DetokenizerCore(withdraw=lambda rid: None)
+    core = DetokenizerCore(scheduler=AbortLog())
     outbox, got = Outbox(), Received()
     core.open(11, TextSpec(initial_state=initial_state, prompt_tokens=4), outbox, tokenizer)
     core.on_outputs(
@@ -417,7 +428,7 @@ def test_unparsed_tool_call_keeps_content_order():
     text = "<tool_call>{x</tool_call>\nhello"
     ids = [3, *tok.encode("{x</tool_call"), 29, 9]
     assert tok.decode(ids) == text
-    core = DetokenizerCore(withdraw=lambda rid: None)
+    core = DetokenizerCore(scheduler=AbortLog())
     outbox = Outbox()
     core.open(1, TextSpec(), outbox, tok)
     core.on_outputs(StepOutputs(tokens=tuple(events_for(1, ids, final="length"))))
@@ -432,10 +443,44 @@ def test_unparsed_tool_call_keeps_content_order_with_stop_string(tokenizer):
     ids = tokenizer.encode(text)
     contents = []
     for stop in ((), (">>",)):
-        core = DetokenizerCore(withdraw=lambda rid: None)
+        core = DetokenizerCore(scheduler=AbortLog())
         outbox = Outbox()
         core.open(1, TextSpec(stop=stop), outbox, tokenizer)
         core.on_outputs(StepOutputs(tokens=tuple(events_for(1, ids, final="length"))))
         contents.append(outbox.take()[0].content)
     # Today: ["\n{bad\n\nok", "\n\n{bad\nok"].
     assert contents == ["\n{bad\n\nok"] * 2
+
+
+# ----------------------------------------------------------------- aborts
+
+
+@pytest.mark.parametrize("reason", list(AbortReason))
+def test_an_abort_ends_the_request_as_its_reason_says_and_aborts_it_in_the_engine(reason):
+    """Text held back for a possible stop string is delivered before the terminal;
+    a closed request gets none (nobody reads it); every abort reaches the Scheduler."""
+    tok = FakeTokenizer()
+    scheduler = AbortLog()
+    core = DetokenizerCore(scheduler=scheduler)
+    outbox, got = Outbox(), Received()
+    core.open(5, TextSpec(stop=("zq",), markup=False, prompt_tokens=3), outbox, tok)
+    tokens = tuple(TokenEvent(request_id=5, token=t) for t in tok.encode("az"))
+    core.on_outputs(StepOutputs(tokens=tokens))
+    got.drain(outbox)
+    assert got.content == "a"  # "z" could begin the stop string: held back
+    core.abort(5, reason)
+    core.abort(5, reason)  # idempotent: no second terminal
+    got.drain(outbox)
+    assert len(core) == 0
+    assert scheduler.aborted == [(5, reason), (5, reason)]
+    if reason is AbortReason.CLOSED:
+        assert got.terminals == [] and got.content == "a"
+        return
+    assert got.content == "az"
+    (terminal,) = got.terminals
+    assert terminal.usage.completion_tokens == 2 and terminal.usage.prompt_tokens == 3
+    if reason is AbortReason.SHUTDOWN:
+        assert isinstance(terminal, Failed) and terminal.status == 503
+    else:
+        expected = "length" if reason is AbortReason.DEADLINE else "stop"
+        assert isinstance(terminal, Finished) and terminal.finish_reason == expected

@@ -7,7 +7,7 @@ another thread. The collective is replaced by a rendezvous of the two threads
 the batch generators are ``FakeBatchGenerator``s that record every step. After
 a ``Shutdown`` both generators must hold identical records: the same
 sequences inserted and removed, and the same steps with the same contents.
-With a PromptCacheActor's policy deciding evictions from rank 0's outputs
+With a prompt-cache policy deciding evictions from rank 0's outputs
 (``EvictCache`` into rank 0's inbox, shared like any command), both ranks'
 prompt caches also hold the same entries and removed the same ones.
 """
@@ -23,11 +23,12 @@ import time
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from actors.prompt_cache import PromptCacheActor, PromptCacheCore
+from actors.prompt_cache import PromptCachePolicy
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop, run_follower_loop
-from runtime.messages import Abort, ModelHandle, SamplingParams, Shutdown, Submit
+from runtime.loaded_model import LoadedModel
+from runtime.messages import Abort, EvictCache, SamplingParams, Shutdown, Submit
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 
 VOCAB = 64
@@ -52,7 +53,7 @@ class Rendezvous:
 
 
 def make_core(factory: FakeBatchGeneratorFactory, share, cache=None) -> EngineCore:
-    handle = ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
+    handle = LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
     return EngineCore(
         handle,
         batch_generator_factory=factory,
@@ -150,14 +151,14 @@ def test_every_rank_evicts_the_prompt_cache_entries_rank_0s_policy_picks(plan, m
     follower_core = make_core(
         follower_gens, lambda c: rendezvous.share(c, leader=False), caches[1]
     )
-    policy = PromptCacheActor(PromptCacheCore(max_entries=max_entries))
+    policy = PromptCachePolicy(max_entries=max_entries)
     policy.engine_changed("fake")
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def emit(outputs) -> None:  # what the Scheduler does with rank 0's steps
-        _, commands = policy.on_step(outputs)
-        for command in commands:
-            inbox.put(command)
+        _, evicted = policy.on_step(outputs)
+        if evicted:
+            inbox.put(EvictCache(entry_ids=evicted))
 
     errors: list[BaseException] = []
 
@@ -192,5 +193,5 @@ def test_every_rank_evicts_the_prompt_cache_entries_rank_0s_policy_picks(plan, m
     if lead.removals:
         event("entries evicted")
     # What rank 0 holds is what the policy kept, save evictions still in the inbox.
-    kept = {tokens for tokens, _, _ in policy.core.entries().values()}
+    kept = {tokens for tokens, _, _ in policy.entries().values()}
     assert kept <= {tokens for _, tokens in lead.entries}

@@ -8,7 +8,7 @@
    failure. Every request that was not cancelled gets exactly one terminal and
    nothing after it, with the text and token count the fake's script implies,
    and the runtime returns to idle with no sequence left in the batch and the
-   engine's prompt cache holding exactly the PromptCacheActor's index, within
+   engine's prompt cache holding exactly the prompt-cache policy's index, within
    its count limit (its evictions went through the engine's inbox).
 2. With the real tiny model: each surviving request of a concurrent, greedy
    mix gets exactly the text and finish reason it gets when served alone on
@@ -33,7 +33,8 @@ from actors.system import Runtime
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.errors import Overloaded
-from runtime.messages import Delta, Failed, Finished, ModelHandle, Progress, SamplingParams
+from runtime.loaded_model import LoadedModel
+from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams
 from runtime.prompts import prepare_text
 from tests.conftest import poll_until
 from tests.fakes import (
@@ -76,7 +77,7 @@ class Outcome:
     end_of_channel: bool = False
     again_end_of_channel: bool = False  # receive() after EndOfChannel raises it again
     cancelled: bool = False
-    left_at: object = None  # the engine's position when the Session exited (withdrew)
+    left_at: object = None  # the engine's position when the Session closed (aborting it)
 
     @property
     def events(self) -> list:
@@ -180,20 +181,20 @@ async def wait_idle(runtime: Runtime, seconds: float = 10.0) -> None:
     def idle() -> bool:
         inbox = runtime.model_loader.inbox
         return (
-            runtime.scheduler.core.load == 0
-            and len(runtime.detokenizer.core) == 0
-            and runtime.scheduler.last_stats.active_sequences == 0
+            runtime.scheduler.figures().in_flight == 0
+            and runtime.detokenizer.open_requests() == 0
+            and runtime.scheduler.figures().stats.active_sequences == 0
             and (inbox is None or inbox.empty())
         )
 
     await poll_until(idle, seconds)
     await trio.sleep(QUIET_SECONDS)
-    assert runtime.scheduler.core.load == 0
-    assert not runtime.scheduler.core.waiting and not runtime.scheduler.core.in_engine
-    assert runtime.scheduler.core.kv_reserved == 0
-    assert len(runtime.detokenizer.core) == 0
-    assert runtime.scheduler.last_stats.active_sequences == 0
-    assert runtime.model_loader.core.leases == 0, "a Session kept its model lease"
+    assert runtime.scheduler.figures().in_flight == 0
+    assert runtime.scheduler.figures().waiting == 0 and runtime.scheduler.figures().running == 0
+    assert runtime.scheduler.figures().kv_reserved_bytes == 0
+    assert runtime.detokenizer.open_requests() == 0
+    assert runtime.scheduler.figures().stats.active_sequences == 0
+    assert runtime.model_loader.status().leases == 0, "a Session kept its model lease"
 
 
 # ------------------------------------------------------- 1. the fake engine
@@ -265,7 +266,7 @@ def fake_runtime(
     """A Runtime over fake engines; each engine's prompt cache is appended to ``caches``."""
 
     def make_core() -> EngineCore:
-        handle = ModelHandle(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
+        handle = LoadedModel(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
         cache = FakePromptCache()
         if caches is not None:
             caches.append(cache)
@@ -291,13 +292,13 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.run)
-            await poll_until(lambda: runtime.model_loader.core.handle is not None)
+            await poll_until(lambda: runtime.model_loader.status().info is not None)
             async with trio.open_nursery() as clients:
                 for plan, out in zip(plans, outcomes, strict=True):
                     clients.start_soon(client, runtime, plan, out, clients, engine_position)
             await wait_idle(runtime)
             assert not factory.current.active_uids, "sequences left in the batch"
-            index = runtime.prompt_cache.core.entries().values()
+            index = runtime.prompt_cache.entries().values()
             assert sorted(t for t, _, _ in index) == sorted(t for _, t in caches[-1].entries)
             assert len(caches[-1]) <= config.prompt_cache_size
             if caches[-1].removals:
@@ -331,7 +332,7 @@ async def test_concurrent_sessions_each_get_one_terminal_and_the_runtime_returns
             and terminal.finish_reason == "length"
             and terminal.usage.completion_tokens < len(expected)
         )
-        check_left_the_batch(factory, failed, plan, out, withdrawn=out.cancelled or deadline_hit)
+        check_left_the_batch(factory, failed, plan, out, aborted=out.cancelled or deadline_hit)
 
         text = TOKENIZER.decode([t for t in expected if t not in EOS_IDS])
         if not plan.markup:
@@ -387,23 +388,23 @@ def finish_step(gen, uid: int) -> int:
     )
 
 
-def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, withdrawn: bool) -> None:
+def check_left_the_batch(factory, failed, plan: Plan, out: Outcome, *, aborted: bool) -> None:
     """The sequence entered the batch at most once and was never left behind in it.
 
-    A withdrawn request (disconnected, or past its deadline) was removed from the
+    An aborted request (disconnected, or past its deadline) was removed from the
     batch, failed with its generator, or had already finished: at the latest in
-    the step the engine was in (or about to start) when the Session withdrew it.
+    the step the engine was in (or about to start) when the Session aborted it.
     """
     placed = placements(factory, plan)
     assert len(placed) <= 1, f"request {out.request_id} entered the batch {len(placed)} times"
     for gen, uid in placed:
         assert uid in gen.finished or uid in gen.removed or gen in failed, (plan, out)
-        if not withdrawn or uid in gen.removed or gen in failed:
+        if not aborted or uid in gen.removed or gen in failed:
             continue
         generation, steps = out.left_at
         index = factory.instances.index(gen)
         assert index < generation or (index == generation and finish_step(gen, uid) <= steps + 1), (
-            f"request {out.request_id} was withdrawn when the engine was at step {steps}, "
+            f"request {out.request_id} was aborted when the engine was at step {steps}, "
             f"but its sequence was never removed and ran to its end at step "
             f"{finish_step(gen, uid)}: {plan}"
         )
@@ -422,7 +423,7 @@ async def test_a_receive_after_the_deadline_finishes_the_request_even_if_events_
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.run)
-            await poll_until(lambda: runtime.model_loader.core.handle is not None)
+            await poll_until(lambda: runtime.model_loader.status().info is not None)
             session = runtime.session(
                 prepare=lambda tokenizer: prepare_text(tokenizer, [5, 6]),
                 sampling=SamplingParams(),
@@ -492,7 +493,7 @@ async def test_concurrent_greedy_requests_get_the_answer_they_get_alone(
     with trio.fail_after(50):
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.run)
-            await poll_until(lambda: runtime.model_loader.core.handle is not None, 30)
+            await poll_until(lambda: runtime.model_loader.status().info is not None, 30)
             alone = [await serve_alone(runtime, plan) for plan in plans]
             hits = runtime.prompt_cache_figures()["hits"]
             async with trio.open_nursery() as clients:

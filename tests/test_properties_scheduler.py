@@ -20,11 +20,12 @@ from actors.scheduler import SchedulerCore
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop
 from runtime.errors import Overloaded
+from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
+    AbortReason,
     CacheEntryStored,
     EngineStats,
-    ModelHandle,
     SamplingParams,
     SequenceAborted,
     SequenceFailed,
@@ -63,7 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     ``submit`` is ``Scheduler.submit``: ``admit`` followed at once by
     ``to_start`` (which starts nothing while no engine is attached: the
-    request waits for the engine's ``ModelReady``). Engine outputs, withdrawals,
+    request waits for the engine's ``ModelReady``). Engine outputs, aborts,
     refills (``to_start``), engine loss and re-attachment happen in any order.
     A model (FIFO list + set) predicts every answer.
     """
@@ -77,7 +78,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ids: list[int] = []
         self.admitted: list[int] = []
         self.started: list[int] = []
-        self.withdrawn_from_engine: list[int] = []
+        self.aborted_in_engine: list[int] = []
 
     def _start(self):
         free = self.core.max_in_engine - len(self.engine) if self.attached else 0
@@ -106,23 +107,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._start()
 
     @rule(data=st.data())
-    def withdraw(self, data):
+    def abort(self, data):
         rid = data.draw(st.sampled_from([*self.ids, 10**9]), "rid")
-        abort = self.core.withdraw(rid)
+        reason = data.draw(st.sampled_from(AbortReason), "reason")
+        abort = self.core.abort(rid, reason)
         if rid in self.engine:
-            assert abort == Abort(request_id=rid)
+            assert abort == Abort(request_id=rid, reason=reason)
             self.engine.discard(rid)
-            self.withdrawn_from_engine.append(rid)
+            self.aborted_in_engine.append(rid)
         else:
             assert abort is None
             if rid in self.waiting:
                 self.waiting.remove(rid)
-        assert self.core.withdraw(rid) is None  # idempotent
+        assert self.core.abort(rid, reason) is None  # idempotent
 
     @rule(data=st.data())
     def engine_reports(self, data):
         """One engine step: some sequences end (any terminal kind), others emit tokens;
-        late SequenceAborted for withdrawn ones are harmless."""
+        late SequenceAborted for aborted ones are harmless."""
         engine = sorted(self.engine)
         ending = data.draw(st.sets(st.sampled_from(engine)) if engine else st.just(set()), "ending")
         tokens, aborted, failed = [], [], []
@@ -138,8 +140,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 failed.append(SequenceFailed(request_id=rid, message="x"))
         late = data.draw(
-            st.lists(st.sampled_from(self.withdrawn_from_engine))
-            if self.withdrawn_from_engine
+            st.lists(st.sampled_from(self.aborted_in_engine))
+            if self.aborted_in_engine
             else st.just([]),
             "late",
         )
@@ -178,7 +180,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def matches_model(self):
         assert list(self.core.waiting) == self.waiting
         assert self.core.in_engine == self.engine
-        # Starts happen in admission order (withdrawn ones skipped).
+        # Starts happen in admission order (aborted ones skipped).
         order = {rid: i for i, rid in enumerate(self.admitted)}
         assert [order[r] for r in self.started] == sorted(order[r] for r in self.started)
 
@@ -202,7 +204,7 @@ def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False):
         per_segment=per_segment,
     )
     cache = FakePromptCache()
-    handle = ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
+    handle = LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
     core = EngineCore(
         handle,
         batch_generator_factory=factory,
@@ -302,7 +304,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.uid[rid] = (gen, gen.inserted[-1])
             assert gen.sequences[gen.inserted[-1]].prompt == list(prompt)
             assert gen.sequences[gen.inserted[-1]].segments == [list(x) for x in segments]
-            # What the PromptCacheActor's byte budget gives way to, measured now.
+            # What the prompt-cache policy's byte budget gives way to, measured now.
             self.batch_kv_bytes[rid] = gen.prompt_cache_nbytes
             # A duplicate submit while active is ignored.
             self.core.handle_command(sub)
@@ -350,7 +352,7 @@ class EngineMachine(RuleBasedStateMachine):
         for started in out.started:
             assert started.batch_kv_bytes == self.batch_kv_bytes[started.request_id]
         # The cache events account for every entry, and the engine evicts nothing
-        # by itself (the PromptCacheActor decides; tests/test_prompt_cache_policy.py).
+        # by itself (the prompt-cache policy decides; tests/test_prompt_cache_policy.py).
         for e in out.cache_events:
             if isinstance(e, CacheEntryStored):
                 self.stored[e.entry_id] = ("fake", e.tokens)
@@ -599,7 +601,7 @@ def test_segment_caches_are_saved_with_their_types(per_segment):
 def test_logprobs_are_reported_for_the_requests_that_ask():
     factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, emit_logprobs=True)
     core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )

@@ -30,7 +30,7 @@ async def test_deadline_finishes_with_length_and_a_complete_stream(tiny_model_pa
         assert done
         assert payloads[-1]["choices"][0]["finish_reason"] == "length"
         runtime = app.extensions["runtime"]
-        await poll_until(lambda: runtime.scheduler.core.load == 0, 5)
+        await poll_until(lambda: runtime.scheduler.figures().in_flight == 0, 5)
 
 
 async def test_overload_is_answered_with_429_and_retry_after(tiny_model_path):
@@ -83,7 +83,7 @@ async def test_memory_admission_refuses_what_cannot_fit(tiny_model_path, tiny_to
 
         async def watch():
             while True:
-                peak.append(runtime.scheduler.core.kv_reserved)
+                peak.append(runtime.scheduler.figures().kv_reserved_bytes)
                 await trio.lowlevel.checkpoint()
 
         async with trio.open_nursery() as nursery:
@@ -157,7 +157,7 @@ async def test_a_model_that_fails_to_load_leaves_the_server_answering_503():
     async with app.test_app() as test_app:
         client = test_app.test_client()
         runtime = app.extensions["runtime"]
-        await poll_until(lambda: runtime.model_loader.core.state.value == "failed", 10)
+        await poll_until(lambda: runtime.model_loader.status().state.value == "failed", 10)
         response = await client.get("/health")
         body = await response.get_json()
         assert response.status_code == 503
@@ -166,6 +166,10 @@ async def test_a_model_that_fails_to_load_leaves_the_server_answering_503():
         assert status == 503
         assert "no model at /nowhere" in body["error"]["message"]
         assert response.headers["Retry-After"]
+        # Every actor has ended (no engine is coming back); shutdown can still drain.
+        runtime.drain(0.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert runtime.health()[1]["reason"] == "shutting down"
 
 
 @pytest.mark.parametrize("path", ["/metrics"])

@@ -16,7 +16,8 @@ from api.http import INLINE_PREPARE_BYTES, small_body
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import settle_heap
-from runtime.messages import ModelHandle, SamplingParams
+from runtime.loaded_model import LoadedModel
+from runtime.messages import SamplingParams
 from runtime.models import DEFAULT_ALIASES, names_served
 from runtime.prompts import prepare_text
 from tests.conftest import poll_until
@@ -27,7 +28,7 @@ def _runtime() -> Runtime:
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = ModelHandle(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
         return EngineCore(handle, batch_generator_factory=FakeBatchGeneratorFactory(),
                           prompt_cache=FakePromptCache())
 
@@ -58,7 +59,7 @@ async def test_a_short_prompt_is_prepared_on_the_trio_thread_and_a_constrained_o
 
     async with trio.open_nursery() as nursery:
         await nursery.start(runtime.run)
-        await poll_until(lambda: runtime.model_loader.core.handle is not None)
+        await poll_until(lambda: runtime.model_loader.status().info is not None)
         with trio.fail_after(10):
             await run("inline", prepare_inline=True)
             await run("threaded")

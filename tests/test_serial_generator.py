@@ -11,7 +11,8 @@ import pytest
 
 from runtime.engine.core import EngineCore
 from runtime.engine.serial import SerialGenerator
-from runtime.messages import FinishReason, ModelHandle, SamplingParams, Submit
+from runtime.loaded_model import LoadedModel
+from runtime.messages import FinishReason, SamplingParams, Submit
 from runtime.prompt_cache_store import PromptCacheStore
 
 
@@ -38,7 +39,7 @@ def engine(loaded, make_generator, **kwargs) -> EngineCore:
 
     model, tokenizer = loaded
     return EngineCore(
-        ModelHandle(model=model, tokenizer=tokenizer, model_key="tiny", vocab_size=len(tokenizer)),
+        LoadedModel(model=model, tokenizer=tokenizer, model_key="tiny", vocab_size=len(tokenizer)),
         batch_generator_factory=make_generator,
         prompt_cache=PromptCacheStore(max_size=8),
         stop_sequences=make_stop_sequences(tokenizer),

@@ -76,4 +76,4 @@ async def test_serial_requests_can_be_cut_short(wide_model_path, extra):
         assert status == 200
         assert body["choices"][0]["finish_reason"] == "length"
         runtime = app.extensions["runtime"]
-        await poll_until(lambda: runtime.scheduler.last_stats.active_sequences == 0, 5)
+        await poll_until(lambda: runtime.scheduler.figures().stats.active_sequences == 0, 5)

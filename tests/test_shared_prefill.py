@@ -189,7 +189,7 @@ from hypothesis import event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from runtime.engine.core import EngineCore  # noqa: E402
-from runtime.messages import ModelHandle  # noqa: E402
+from runtime.loaded_model import LoadedModel  # noqa: E402
 from tests.fakes import FakeBatchGeneratorFactory, FakeKVCache, FakePromptCache  # noqa: E402
 
 FAKE_VOCAB = 97
@@ -242,7 +242,7 @@ def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(examp
         vocab=FAKE_VOCAB, eos_ids={0}, completion_batch_size=batch, per_segment=True
     )
     core = EngineCore(
-        ModelHandle(model=None, tokenizer=None, model_key="fake", vocab_size=FAKE_VOCAB),
+        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=FAKE_VOCAB),
         batch_generator_factory=factory,
         prompt_cache=PrefixServingCache(),
         shared_prefill_min_tokens=min_tokens,

@@ -22,19 +22,19 @@ TOKENS = [f"w{i} " for i in range(20)]
 
 
 class OutboxSession:
-    """What SessionStream uses of a Session: receive(), leave() and n (one choice)."""
+    """What SessionStream uses of a Session: receive(), close() and n (one choice)."""
 
     n = 1
 
     def __init__(self) -> None:
         self.outbox = Outbox()
-        self.left = False
+        self.closed = False
 
     async def receive(self):
         return await self.outbox.get()
 
-    def leave(self) -> None:
-        self.left = True
+    def close(self) -> None:
+        self.closed = True
 
 
 async def _produce(outbox: Outbox, step: float) -> None:
@@ -67,7 +67,7 @@ async def _stream(interval: float) -> list[tuple[float, str]]:
         nursery.start_soon(_produce, session.outbox, 0.010)
         async for chunk in stream:
             chunks.append((trio.current_time(), chunk))
-    assert session.left  # the stream ended: the Session was left
+    assert session.closed  # the stream ended: the Session was closed
     return [(t, _content(c)) for t, c in chunks]
 
 
@@ -99,7 +99,7 @@ async def test_a_cancelled_stream_leaves_its_session_while_waiting(autojump_cloc
         await stream.__anext__()
         pytest.fail("the interval should still have been running")
     await stream.aclose()
-    assert session.left
+    assert session.closed
 
 
 def test_the_setting_is_checked():

@@ -17,7 +17,7 @@ from actors.system import Runtime
 from api.server import create_app
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
-from runtime.messages import ModelHandle
+from runtime.loaded_model import LoadedModel
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post
 
@@ -38,7 +38,7 @@ async def client(tiny_model_path, tiny_tokenizer, monkeypatch):
     )
 
     def make_core():
-        handle = ModelHandle(
+        handle = LoadedModel(
             model=None, tokenizer=tiny_tokenizer, model_key="scripted", vocab_size=len(tiny_tokenizer)
         )
         return EngineCore(

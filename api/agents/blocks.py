@@ -148,7 +148,8 @@ def prompt_length(session) -> int:
 
 @attrs.define
 class Block:
-    """One output block: reasoning or text (``text`` grows), or a whole tool call."""
+    """One output block: reasoning or text (``text`` grows), or a tool call (``call``'s
+    arguments grow when the call is streamed in parts)."""
 
     index: int
     kind: str  # "reasoning" | "text" | "tool"
@@ -185,8 +186,10 @@ class BlockAssembler:
     templates put newlines around thinking and tool-call markup; agent
     clients show blocks as they are, and Anthropic refuses whitespace-only
     text blocks when a client sends them back): whitespace is held back
-    until more text of the same kind follows. A tool call is one block,
-    opened and closed at once (the Detokenizer parses whole calls).
+    until more text of the same kind follows. A tool call is one block: it
+    opens with the call's name, its arguments are appended (whole, or piece
+    by piece for a call streamed in parts, which share the call's id), and
+    it closes when the next block opens or the reply ends.
     """
 
     def __init__(self):
@@ -201,10 +204,17 @@ class BlockAssembler:
         if delta.content:
             self._text("text", delta.content, events)
         for call in delta.tool_calls:
-            self._close(events)
-            block = Block(index=len(self.blocks), kind="tool", call=call, closed=True)
-            self.blocks.append(block)
-            events += [Opened(block), Closed(block)]
+            block = self._open
+            if block is None or block.kind != "tool" or block.call.id != call.id:
+                self._close(events)
+                block = Block(index=len(self.blocks), kind="tool",
+                              call=attrs.evolve(call, arguments=""))
+                self.blocks.append(block)
+                self._open = block
+                events.append(Opened(block))
+            if call.arguments:
+                block.call = attrs.evolve(block.call, arguments=block.call.arguments + call.arguments)
+                events.append(Appended(block, call.arguments))
         return events
 
     def close(self) -> list[BlockEvent]:

@@ -7,8 +7,9 @@ Receives a validated ``MessagesRequest`` or ``CountTokensRequest``
 assistant message with ``reasoning_content`` and ``tool_calls``,
 ``tool_result`` blocks as ``tool`` messages in place, tools with
 ``input_schema`` as chat-completions function tools, ``tool_choice`` in the
-chat-completions form (enforced: ``api.structured``), and ``thinking`` as the chat template's
-``enable_thinking``. A block it cannot serve is a ``ClientError`` naming it
+chat-completions form (enforced: ``api.structured``), ``thinking`` as the chat template's
+``enable_thinking`` and, with ``output_config.effort``, its ``reasoning_effort``
+(gpt-oss's level). A block it cannot serve is a ``ClientError`` naming it
 (``messages[0].content[1].type``).
 """
 
@@ -139,6 +140,12 @@ def _user_messages(
             if block.tool_use_id in tool_names:
                 tool["name"] = tool_names[block.tool_use_id]
             out.append(tool)
+        elif block.type == "image":
+            raise ClientError(
+                f"{at}: images are accepted on /v1/chat/completions only (image_url parts, "
+                "with a vision-language model)",
+                param=at,
+            )
         else:
             allowed = "text, tool_result" if role == "user" else "text"
             raise ClientError(
@@ -169,7 +176,32 @@ def template_args(req: CountTokensRequest, config: ServerConfig) -> dict[str, An
     args = dict(config.chat_template_args)
     if req.thinking is not None:
         args["enable_thinking"] = req.thinking.type != "disabled"
+        effort = thinking_effort(req.thinking.type, req.thinking.budget_tokens)
+        if effort is not None:
+            args["reasoning_effort"] = effort
+    effort = req.output_config.effort if req.output_config else None
+    if effort in OUTPUT_EFFORTS:
+        args["reasoning_effort"] = OUTPUT_EFFORTS[effort]
     return args
+
+
+# ``output_config.effort`` as a reasoning level (it wins over the thinking budget's).
+OUTPUT_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+
+
+# A thinking budget's reasoning level, for templates that take one (gpt-oss):
+# below the first bound "low", below the second "medium", else "high".
+THINKING_BUDGET_BOUNDS = (4096, 16384)
+
+
+def thinking_effort(kind: str, budget_tokens: int | None) -> str | None:
+    """The ``reasoning_effort`` that Messages' ``thinking`` asks for (None: the template's own)."""
+    if kind == "disabled":
+        return "low"
+    if kind != "enabled" or budget_tokens is None:
+        return None
+    low, medium = THINKING_BUDGET_BOUNDS
+    return "low" if budget_tokens < low else "medium" if budget_tokens < medium else "high"
 
 
 def chat_turn(req: MessagesRequest, config: ServerConfig) -> ChatTurn:

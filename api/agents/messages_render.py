@@ -118,18 +118,17 @@ class MessagesRenderer(AgentRenderer):
     def block_frames(self, event: BlockEvent) -> list[bytes]:
         block = event.block
         if isinstance(event, Opened):
-            frames = [
+            return [
                 sse_event(
                     "content_block_start",
                     {"type": "content_block_start", "index": block.index,
                      "content_block": self._block(block, empty=True)},
                 )
             ]
-            if block.kind == "tool":
-                delta = {"type": "input_json_delta", "partial_json": block.call.arguments}
-                frames.append(self._delta(block.index, delta))
-            return frames
         if isinstance(event, Appended):
+            if block.kind == "tool":
+                return [self._delta(block.index, {"type": "input_json_delta",
+                                                  "partial_json": event.text})]
             if block.kind == "reasoning":
                 return [self._delta(block.index, {"type": "thinking_delta", "thinking": event.text})]
             return [self._delta(block.index, {"type": "text_delta", "text": event.text})]

@@ -100,6 +100,11 @@ class ThinkingIn:
 
 
 @attrs.frozen(kw_only=True)
+class OutputConfigIn:
+    effort: str | None = None  # "low" | "medium" | "high" | "max"; others are ignored
+
+
+@attrs.frozen(kw_only=True)
 class CountTokensRequest:
     """POST /v1/messages/count_tokens: the fields that shape the prompt. Unknown fields are ignored."""
 
@@ -111,6 +116,7 @@ class CountTokensRequest:
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = constrained(None, check=_named_tool)
     thinking: ThinkingIn | None = None
+    output_config: OutputConfigIn | None = None
 
 
 @attrs.frozen(kw_only=True)

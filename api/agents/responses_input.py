@@ -31,12 +31,14 @@ from api.agents.responses_schema import (
     ResponsesRequest,
     TextConfigIn,
 )
-from api.generation import sampling_params
+from api.generation import effort_template_args, sampling_params
 from api.schemas import GenerationFields
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
 
 log = logging.getLogger(__name__)
+
+IMAGE_PARTS = ("input_image", "image_url", "image")
 
 # ---------------------------------------------------- items -> chat messages
 
@@ -68,6 +70,12 @@ def _text(content, path: str) -> str:
             texts.append(_get(part, "text", at, str, required=True))
         elif kind == "refusal":
             texts.append(_get(part, "refusal", at, str, required=True))
+        elif kind in IMAGE_PARTS:
+            raise ClientError(
+                f"{at}: images are accepted on /v1/chat/completions only (image_url parts, "
+                "with a vision-language model)",
+                param=at,
+            )
         else:
             raise ClientError(
                 f"{at}.type: content part type {kind!r} is not supported (text only)",
@@ -244,8 +252,7 @@ def prepare_request(
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     tools, namespaces = chat_tools(req.tools)
     template_args = dict(config.chat_template_args)
-    if req.reasoning is not None and req.reasoning.effort == "none":
-        template_args["enable_thinking"] = False
+    template_args.update(effort_template_args(req.reasoning.effort if req.reasoning else None))
     template_args.update(req.chat_template_kwargs or {})
     turn = ChatTurn(
         messages=merge_leading_system(messages + history),

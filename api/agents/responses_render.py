@@ -194,14 +194,14 @@ class ResponsesRenderer(AgentRenderer):
         if isinstance(event, Opened):
             frames = [self._event("response.output_item.added", output_index=block.index,
                                   item=self._item(block, empty=True))]
-            if block.kind == "tool":
-                frames.append(self._event("response.function_call_arguments.delta", **where,
-                                          delta=block.call.arguments))
-            else:
+            if block.kind != "tool":
                 frames.append(self._event("response.content_part.added", **where, content_index=0,
                                           part=self._part(block, "")))
             return frames
         if isinstance(event, Appended):
+            if block.kind == "tool":
+                return [self._event("response.function_call_arguments.delta", **where,
+                                    delta=event.text)]
             if block.kind == "reasoning":
                 return [self._event("response.reasoning_text.delta", **where, content_index=0,
                                     delta=event.text)]

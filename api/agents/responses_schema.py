@@ -14,7 +14,15 @@ from typing import Any
 
 import attrs
 
-from api.constraints import TEMPERATURE, TIMEOUT, TOKEN_LIMIT, TOP_P, constrained, constrained_by
+from api.constraints import (
+    REASONING_EFFORT,
+    TEMPERATURE,
+    TIMEOUT,
+    TOKEN_LIMIT,
+    TOP_P,
+    constrained,
+    constrained_by,
+)
 from api.errors import InvalidParam
 
 TOOL_CHOICES = ("auto", "none", "required")
@@ -123,7 +131,7 @@ class TextConfigIn:
 
 @attrs.frozen(kw_only=True)
 class ReasoningIn:
-    effort: str | None = None
+    effort: str | None = constrained_by(REASONING_EFFORT)
     summary: str | None = None
 
 

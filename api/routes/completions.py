@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions`` (and their unversioned aliases).
 
 Receives the request body, structured and validated at the edge
-(``api.schemas``, 400 naming the field); resolves the model (404) in a worker
+(``api.schemas``, 400 naming the field); collects a chat request's
+``image_url`` parts (``api.images``: fetched and decoded only once the
+Session knows the model is a vision-language model); resolves the model (404) in a worker
 thread; builds a ``Session`` (prompt preparation, sampling, limits, and for
 chat the constraint of ``response_format`` / ``tool_choice``) and hands
 it to ``api.generation.generate`` with the chat or text renderer. Emits the
@@ -20,25 +22,40 @@ from actors.system import Runtime
 from api.cache_scope import prompt_cache_scope
 from api.choices import ChoicesRenderer
 from api.convert import structure_or_400
-from api.generation import deadline, generate, sampling_params
+from api.generation import deadline, effort_template_args, generate, sampling_params
 from api.http import fingerprint, read_json, small_body
+from api.images import image_refs, load_images
 from api.json_input import loads as load_json
 from api.renderers import ChatRenderer, TextRenderer
 from api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
 from api.structured import constrain_step
 from runtime.config import ServerConfig
 from runtime.errors import ClientError
-from runtime.prompts import prepare_chat, prepare_text
+from runtime.prompts import prepare_chat, prepare_text, prepare_vision_chat
 
 
 def plain_message(message: ChatMessage, where: str = "messages") -> dict[str, Any]:
     """A validated message as the chat template expects it (``where``: its path, for 400s)."""
     content = message.content
     if isinstance(content, list):
-        content = "".join(part.text or "" for part in content)
+        for k, part in enumerate(content):
+            if part.type == "text" and part.text is None:
+                at = f"{where}.content[{k}].text"
+                raise ClientError(f"{at}: a text content part needs 'text'", param=at)
+        if any(part.type == "image_url" for part in content):
+            # The template renders a placeholder for each image, where the client put it.
+            content = [
+                {"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                for part in content
+            ]
+        else:
+            content = "".join(part.text for part in content)
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning and message.role == "assistant":  # a past turn's thinking, as templates read it
+        out["reasoning_content"] = reasoning
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
@@ -73,7 +90,11 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     async def chat_completions():
         req = structure_or_400(await read_json(), ChatCompletionRequest)
         messages = [plain_message(m, f"messages[{i}]") for i, m in enumerate(req.messages)]
-        template_args = {**config.chat_template_args, **(req.chat_template_kwargs or {})}
+        template_args = {
+            **config.chat_template_args,
+            **effort_template_args(req.reasoning_effort),
+            **(req.chat_template_kwargs or {}),
+        }
         prepare = functools.partial(
             _prepare_chat,
             messages=messages,
@@ -89,6 +110,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             template_args=template_args,
         )
         want_logprobs = req.logprobs or bool(req.top_logprobs)
+        images = image_refs(req.messages)
         return await serve(
             req,
             ChatRenderer,
@@ -99,6 +121,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             top_logprobs=req.top_logprobs or 0,
             constrain=constrain,
             prompt_param="messages",
+            images=images,
         )
 
     @routes.post("/v1/completions")
@@ -127,6 +150,7 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
         prompt_param,
         tools=None,
         constrain=None,
+        images=(),
     ):
         """The part of a chat or text completion that does not depend on which."""
         if req.n > config.max_choices:
@@ -151,6 +175,8 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
             prompt_param=prompt_param,
             prepare_inline=small_body(),
             cache_scope=prompt_cache_scope(config, req.cache_salt),
+            image_params=tuple(ref.param for ref in images),
+            load_images=functools.partial(load_images, images, config) if images else None,
         )
         make_renderer = functools.partial(
             renderer_class,
@@ -174,7 +200,13 @@ def completions_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
     return routes
 
 
-def _prepare_chat(tokenizer, *, messages, tools, template_args, role_mapping):
+def _prepare_chat(tokenizer, *, messages, tools, template_args, role_mapping, vision=None):
+    if vision is not None:
+        processor, model_type, images = vision
+        return prepare_vision_chat(
+            tokenizer, processor, model_type, messages, list(images),
+            tools=tools, template_args=template_args,
+        )
     return prepare_chat(
         tokenizer, messages, tools=tools, template_args=template_args, role_mapping=role_mapping
     )

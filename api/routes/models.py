@@ -2,8 +2,9 @@
 
 Emits OpenAI's model list: exactly what a request may name
 (``Runtime.model_policy``): the served model first (with its context window,
-as ``context_length`` and vLLM's ``max_model_len``, once it has loaded), then
-the ``--allowed-models`` entries found on this machine and the model
+as ``context_length`` and vLLM's ``max_model_len``, once it has loaded), the
+``--embedding-model`` if any (``context_length``: the most tokens of one
+input), then the ``--allowed-models`` entries found on this machine and the model
 directories in ``--models-dir``, and with ``--allowed-models '*'`` the MLX
 models in the local Hugging Face cache (as mlx_lm.server lists them). Looking
 at the disk is blocking work: it runs in a worker thread, at most every
@@ -81,6 +82,18 @@ def model_list(rt: Runtime, cached_models: list[str]) -> ModelList:
         )
     ]
     seen = {rt.model_id}
+    if rt.embeddings is not None:
+        info = rt.embeddings.info  # known once the embedding model has loaded
+        cards.append(
+            ModelCard(
+                id=rt.embeddings.model_id,
+                object="model",
+                created=created,
+                owned_by="mlx-trio-server",
+                context_length=info.max_tokens if info is not None else None,
+            )
+        )
+        seen.add(rt.embeddings.model_id)
     for model_id in cached_models:
         if model_id not in seen:
             seen.add(model_id)

@@ -28,6 +28,7 @@ from quart import Blueprint
 from actors.system import Runtime
 from api.convert import structure_or_400
 from api.http import json_response, read_json
+from api.images import image_refs
 from api.routes.completions import plain_message
 from api.schemas import DetokenizeRequest, TokenizeRequest
 from runtime.config import ServerConfig
@@ -48,6 +49,13 @@ def tokenizer_blueprint(rt: Runtime, config: ServerConfig) -> Blueprint:
                 param="prompt" if req.prompt is None else "messages",
             )
         if req.messages is not None:
+            refs = image_refs(req.messages)
+            if refs:
+                raise ClientError(
+                    f"{refs[0].param}: /tokenize counts text only (an image's tokens depend on "
+                    "the model's processor and the image's size)",
+                    param=refs[0].param,
+                )
             work = functools.partial(
                 _chat_tokens,
                 messages=[plain_message(m, f"messages[{i}]") for i, m in enumerate(req.messages)],

@@ -13,7 +13,7 @@ request that arrives alone waits that long for a second one.
 
 Sans-IO: the engine core asks ``holds`` when a ``Submit`` arrives, ``due``
 before each step (the requests to insert now) and ``timeout`` when its loop
-may sleep; it withdraws aborted ones (``runtime.engine.choices.withdraw_waiting``
+may sleep; it drops aborted ones (``runtime.engine.choices.abort_waiting``
 over ``held``) and clears them when it closes. Receives and emits ``Submit``s.
 """
 

@@ -97,12 +97,12 @@ class PendingChoices:
         self._by_first.clear()
 
 
-def withdraw_waiting(
+def abort_waiting(
     held: collections.deque[tuple[float, Submit]], pending: PendingChoices, request_id: int
 ) -> tuple[int, ...]:
     """An abort of a request the admission window ``held``, or of a choice ``pending``:
     the request ids it ends (none if it is neither). A held first choice takes its
-    further choices with it (they are withdrawn together)."""
+    further choices with it (they are aborted together)."""
     for i, (held_at, submit) in enumerate(held):
         if submit.request_id == request_id:
             del held[i]

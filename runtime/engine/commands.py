@@ -14,7 +14,7 @@ round. Two variants:
   step. While idle rank 0 exchanges an empty list every ``heartbeat`` seconds,
   so a lost rank shows even without traffic. Followers (``follow``) take
   what rank 0 sent; leaving without a ``Shutdown``, rank 0 sends one
-  (``leave``) so that the followers stop too.
+  (``close``) so that the followers stop too.
 
 ``drain`` empties an inbox (``queue.SimpleQueue``, or an engine process's
 ``ConnectionInbox``) without blocking while there is work.
@@ -43,7 +43,7 @@ class CommandSource(Protocol):
     def follow(self) -> list[EngineCommand]:
         """A follower rank: the commands rank 0 applies before its next step (blocks)."""
 
-    def leave(self) -> None:
+    def close(self) -> None:
         """The loop ends without a ``Shutdown`` (cancelled): tell whoever must know."""
 
     def failure(self, exc: BaseException) -> str:
@@ -61,7 +61,7 @@ class LocalCommands:
     def follow(self) -> list[EngineCommand]:
         raise TypeError("only a rank of a distributed group follows another")
 
-    def leave(self) -> None:
+    def close(self) -> None:
         pass
 
     def failure(self, exc: BaseException) -> str:
@@ -100,7 +100,7 @@ class SharedCommands:
     def follow(self) -> list[EngineCommand]:
         return self._share(None)
 
-    def leave(self) -> None:
+    def close(self) -> None:
         try:
             self._share([Shutdown()])
         except Exception:

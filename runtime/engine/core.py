@@ -11,7 +11,7 @@ that cannot share a batch: one interface, one path), a ``SequenceRecord`` per
 sequence in it (``runtime.engine.sequences``), the prompt cache's arrays
 (``runtime.prompt_cache_store.CacheEntries``: a lookup at admission, inserts
 at segment ends and at finish, reported as ``cache_events``; the
-PromptCacheActor's ``EvictCache`` removes entries between steps), the requests
+prompt-cache policy's ``EvictCache`` removes entries between steps), the requests
 it holds outside the batch (admission window, choices, shared prefills), and
 the counters of ``EngineStats`` (``runtime.engine.counters``). How a sequence
 samples and is inserted (its rows' registrations with the batch sampler) is
@@ -34,9 +34,9 @@ from typing import Any
 from runtime.engine.admission import AdmissionWindow
 from runtime.engine.choices import (
     PendingChoices,
+    abort_waiting,
     further_choices,
     prompt_but_last_done,
-    withdraw_waiting,
 )
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.engine.counters import EngineCounters
@@ -49,12 +49,12 @@ from runtime.engine.sequences import (
     uncached_segments,
 )
 from runtime.engine.shared_prefill import SharedPrefills, save_points
+from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
     EngineCommand,
     EngineStats,
     EvictCache,
-    ModelHandle,
     PromptProgress,
     SequenceAborted,
     SequenceFailed,
@@ -73,7 +73,7 @@ class EngineCore:
 
     def __init__(
         self,
-        handle: ModelHandle,
+        handle: LoadedModel,
         *,
         batch_generator_factory: Callable[[], Any],
         prompt_cache: Any,
@@ -278,7 +278,7 @@ class EngineCore:
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
         choice takes with it the choices still waiting for its prompt."""
-        ended = withdraw_waiting(self.admission.held, self._clones, request_id) or self._shared.drop(
+        ended = abort_waiting(self.admission.held, self._clones, request_id) or self._shared.drop(
             request_id
         )
         self._aborted.extend(SequenceAborted(request_id=r) for r in ended)

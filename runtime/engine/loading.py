@@ -7,7 +7,8 @@ and tokenizer with ``mlx_lm.load`` (or its shard with ``sharded_load``) and
 wires the batch generator (mlx-lm's ``BatchGenerator`` with one
 ``BatchSampler`` for all its rows, or ``SerialGenerator`` with per-request
 samplers for a draft model, a quantized KV cache or a model whose cache cannot
-be batched), the constraints of structured outputs (``runtime.grammar``: the
+be batched, ``VisionGenerator`` over mlx-vlm for a vision-language model,
+loaded with ``mlx_vlm.load``), the constraints of structured outputs (``runtime.grammar``: the
 model's tokenizer in llguidance's form is built here, once per load), the
 prompt cache, the EOS stop automaton and the command source into an
 ``EngineCore``. ``load_tokenizer`` gives an engine process's
@@ -30,9 +31,11 @@ from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.pacing import PacedSteps, PrefillPacer
 from runtime.engine.serial import SerialGenerator
+from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
-from runtime.messages import ModelHandle
+from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
+from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
     coming_prefill,
@@ -41,13 +44,14 @@ from runtime.mlx_lm_internals import (
 )
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
+from runtime.vision import vision_family
 
 log = logging.getLogger(__name__)
 
 
 def load_model(
     config: ServerConfig, model_path: str, group: GroupInfo | None = None
-) -> ModelHandle:
+) -> LoadedModel:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -55,7 +59,18 @@ def load_model(
     gc.collect()
     mx.clear_cache()
     tokenizer_config = _tokenizer_config(config)
-    if group is not None:
+    family = vision_family(model_path) if group is None else None
+    processor = None
+    if family is not None:
+        from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+        from mlx_vlm import load as load_vision_model
+
+        log.info("loading vision-language model %s (%s) with mlx-vlm", model_path, family)
+        if config.adapter_path is not None:
+            log.warning("--adapter-path is not applied to a vision-language model")
+        model, processor = load_vision_model(model_path)
+        tokenizer = mlx_lm_load_tokenizer(model_path, tokenizer_config)
+    elif group is not None:
         from mlx_lm.utils import sharded_load
 
         log.info("loading model %s, %s parallel over %d ranks", model_path, group.mode, group.size)
@@ -75,20 +90,24 @@ def load_model(
             tokenizer_config=tokenizer_config,
         )
     _finish_tokenizer(config, tokenizer)
-    batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-    vocab_size = _vocab_size(model, tokenizer)
-    return ModelHandle(
+    # A vision-language model's text half holds the KV cache and the config.
+    text_model = model.language_model if family is not None else model
+    batchable = family is None and all(hasattr(c, "merge") for c in make_prompt_cache(model))
+    vocab_size = _vocab_size(text_model, tokenizer)
+    return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_key=model_path,
         vocab_size=vocab_size,
         batchable=batchable,
         # Each rank holds 1/size of the KV cache (heads or layers split).
-        kv_bytes_per_token=kv_bytes_per_token(model) // (group.size if group else 1),
+        kv_bytes_per_token=kv_bytes_per_token(text_model) // (group.size if group else 1),
         kv_budget=default_kv_budget(),
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
-        context_window=context_window(model, tokenizer, config.max_model_len),
+        context_window=context_window(text_model, tokenizer, config.max_model_len),
+        vision_family=family,
+        processor=processor,
     )
 
 
@@ -135,6 +154,9 @@ def _tokenizer_config(config: ServerConfig) -> dict:
 def _finish_tokenizer(config: ServerConfig, tokenizer) -> None:
     if config.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
+    if is_harmony_tokenizer(tokenizer):  # gpt-oss: <|return|> and <|call|> end a reply
+        for token_id in harmony_stop_ids(tokenizer):
+            tokenizer.add_eos_token(token_id)
 
 
 def load_tokenizer(config: ServerConfig, model_path: str, eos_token_ids) -> object:
@@ -234,7 +256,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     grammar = _grammar_tokenizer(handle)
     batch_sampler = None
     if serial:
-        if not handle.batchable:
+        if handle.vision_family is not None:
+            log.info("%s: a vision-language model, served one request at a time", model_path)
+        elif not handle.batchable:
             log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
         new_batch_generator = _serial_generator_factory(config, handle, stream)
         # stream_generate has no row hook: per-request samplers, constraints as logits
@@ -260,7 +284,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     return EngineCore(
         handle,
         batch_generator_factory=new_batch_generator,
-        # No limits here: the PromptCacheActor decides what to evict (EvictCache),
+        # No limits here: the prompt-cache policy decides what to evict (EvictCache),
         # with rank 0's byte counts when distributed, for every rank alike.
         prompt_cache=PromptCacheStore(min_reuse_tokens=config.prompt_cache_min_reuse),
         prompt_cache_max_entries=config.prompt_cache_size,
@@ -268,7 +292,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         logits_processors_factory=build_logits_processors,
         batch_sampler=batch_sampler,
         constraint_factory=constraint_factory,
-        insert_options=_draft_tokens if config.draft_model is not None else None,
+        insert_options=_vision_inputs if handle.vision_family is not None
+        else _draft_tokens if config.draft_model is not None else None,
         stop_sequences=make_stop_sequences(tokenizer),
         commands=commands,
         # One request at a time: nothing for a window to gather.
@@ -293,7 +318,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     )
 
 
-def _grammar_tokenizer(handle: ModelHandle) -> GrammarTokenizer | None:
+def _grammar_tokenizer(handle: LoadedModel) -> GrammarTokenizer | None:
     """The tokenizer in llguidance's form, masks as wide as the logits; None if it cannot be.
 
     A few seconds for a 150k vocabulary: paid here, at load, not by the
@@ -320,7 +345,11 @@ def _draft_tokens(submit) -> dict:
     return {"num_draft_tokens": submit.num_draft_tokens}
 
 
-def _serial_generator_factory(config: ServerConfig, handle: ModelHandle, stream):
+def _vision_inputs(submit) -> dict:
+    return {"vision_inputs": submit.vision}
+
+
+def _serial_generator_factory(config: ServerConfig, handle: LoadedModel, stream):
     """Requests that cannot share a batch: speculative decoding, quantized KV cache.
 
     The draft model is loaded once, here; each generator (a new one after a
@@ -328,6 +357,18 @@ def _serial_generator_factory(config: ServerConfig, handle: ModelHandle, stream)
     """
     import mlx.core as mx
     from mlx_lm import load
+
+    if handle.vision_family is not None:
+        if config.draft_model is not None or config.kv_bits is not None:
+            log.warning("--draft-model and --kv-bits are not applied to a vision-language model")
+
+        def new_vision_generator() -> VisionGenerator:
+            return VisionGenerator(
+                handle.model, handle.tokenizer, stream=stream,
+                prefill_step_size=config.prefill_step_size,
+            )
+
+        return new_vision_generator
 
     draft_model = None
     if config.draft_model is not None:

@@ -115,7 +115,7 @@ def run_engine_loop(
         raise
     finally:
         if not ended:
-            source.leave()  # cancelled: stop the other ranks too
+            source.close()  # cancelled: stop the other ranks too
         _close(core, reason, emit)
         del core
         gc.unfreeze()  # the model's frozen objects (settle_heap) may be cycles

@@ -11,7 +11,8 @@ The child runs the very same ``run_engine_loop`` as the in-process engine
 thread, on its main thread (which owns MLX for the child's lifetime). Over one socket
 pair (``multiprocessing.connection`` framing and pickling):
 
-* parent -> child: ``Submit`` / ``Abort`` / ``EvictCache`` / ``Shutdown``, put into a
+* parent -> child: one ``EngineProcessStart`` (what to build, how to log),
+  then ``Submit`` / ``Abort`` / ``EvictCache`` / ``Shutdown``, put into a
   ``ProcessInbox``: small ones written to the socket at once when it has
   room, the rest by a writer thread, in order (so ``inbox.put`` never blocks
   the event loop, even on a stalled child); the engine loop reads them from
@@ -48,14 +49,10 @@ from typing import Any
 
 from runtime.engine.host_speed import ProbeLog
 from runtime.engine.loop import run_engine_loop, settle_heap
-from runtime.messages import (
-    EngineCrashed,
-    EngineExited,
-    EngineReady,
-    ModelHandle,
-    Shutdown,
-    StepOutputs,
-)
+from runtime.lifecycle import EngineCrashed, EngineExited, EngineProcessStart, EngineReady
+from runtime.loaded_model import LoadedModel
+from runtime.messages import Shutdown, StepOutputs
+from runtime.vision import load_vision_processor
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +78,13 @@ def engine_process_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        make_core, log_level, log_format = conn.recv()
+        start = conn.recv()
     except (EOFError, OSError):
         os._exit(1)
-    logging.basicConfig(level=log_level, format=log_format)
+    if not isinstance(start, EngineProcessStart):
+        os._exit(1)
+    make_core = start.make_core
+    logging.basicConfig(level=start.log_level, format=start.log_format)
     # The engine loop reads its commands from the socket itself, between steps:
     # no reader thread, so an Abort waits for no thread switch (with one, it
     # waited up to the GIL's switch interval, several steps of a small model).
@@ -162,7 +162,7 @@ class ConnectionInbox:
         return self.get(0)
 
 
-def engine_ready(handle: ModelHandle) -> EngineReady:
+def engine_ready(handle: LoadedModel) -> EngineReady:
     """What the parent needs of a loaded model (the model itself stays here)."""
     return EngineReady(
         model_key=handle.model_key,
@@ -173,6 +173,7 @@ def engine_ready(handle: ModelHandle) -> EngineReady:
         eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
         pid=os.getpid(),
         context_window=handle.context_window,
+        vision_family=handle.vision_family,
     )
 
 
@@ -185,7 +186,7 @@ def run_engine_proxy(
     load_tokenizer: Callable[[EngineReady], Any],
     *,
     emit: Callable[[StepOutputs], None],
-    on_ready: Callable[[ModelHandle, ProcessInbox], None],
+    on_ready: Callable[[LoadedModel, ProcessInbox], None],
     on_crash: Callable[[str], None],
     check_cancelled: Callable[[], None],
     log_level: str = "INFO",
@@ -258,7 +259,7 @@ def _start_child(make_core, log_level: str, log_format: str):
         )
     finally:
         os.close(there_fd)
-    here.send((make_core, log_level, log_format))
+    here.send(EngineProcessStart(make_core=make_core, log_level=log_level, log_format=log_format))
     return process, here
 
 
@@ -285,8 +286,8 @@ def _relay(conn, load_tokenizer, emit, on_ready, on_crash, check_cancelled) -> E
             log.warning("unexpected message from the engine process: %r", message)
 
 
-def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
-    return ModelHandle(
+def handle_from_ready(ready: EngineReady, tokenizer) -> LoadedModel:
+    return LoadedModel(
         model=None,
         tokenizer=tokenizer,
         model_key=ready.model_key,
@@ -296,6 +297,10 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> ModelHandle:
         kv_budget=ready.kv_budget,
         engine_pid=ready.pid,
         context_window=ready.context_window,
+        vision_family=ready.vision_family,
+        # This side makes a request's image tensors, as it makes its tokens.
+        processor=(load_vision_processor(ready.model_key, ready.vision_family)
+                   if ready.vision_family else None),
     )
 
 
