@@ -7,7 +7,7 @@ answers the jobs it left (queued or being served) with a 503. Receives requests 
 ``embed(inputs, single)``: a job is put on the bounded inbox (``queue.Queue``,
 at most ``--max-queued-requests`` jobs: beyond that a 429 with
 ``Retry-After``), and the request waits for its outcome on a channel of one;
-a request that leaves marks its job ``abandoned`` (sync, in cleanup) and the
+a request that leaves abandons its job (``EmbedJob.abandon``: sync, in cleanup) and the
 thread skips it. Emits ``EmbedResult``s (or raises the job's ``ServerError``),
 the state ``/health`` reports (``state``, ``reason``, ``info``), and the
 counts and batch sizes ``/metrics`` shows (``ServerMetrics``).
@@ -148,7 +148,7 @@ class Embeddings:
             with receive:
                 outcome = await receive.receive()
         finally:
-            job.abandoned = True  # sync: the thread skips a job whose requester left
+            job.abandon()  # sync: the thread skips a job whose requester left
         if isinstance(outcome, ServerError):
             self.metrics.observe_embedding_request("error", 0, 0)
             raise outcome

@@ -64,15 +64,23 @@ class EmbedResult:
     prompt_tokens: int
 
 
-@attrs.define(kw_only=True, eq=False)
+@attrs.frozen(kw_only=True, eq=False)
 class EmbedJob:
     """One request's inputs; ``single``: the request sent one input, not an array
-    (an error then names ``input``, not ``input[i]``)."""
+    (an error then names ``input``, not ``input[i]``). ``abandon()`` (the requester
+    that leaves, on the trio thread) tells the worker to skip it."""
 
     inputs: tuple[EmbedInput, ...]
     single: bool
     reply: Callable[[EmbedResult | ServerError], None]  # called on the trio thread
-    abandoned: bool = False  # set by the requester that leaves; read by the worker
+    _left: threading.Event = attrs.field(factory=threading.Event, repr=False)
+
+    def abandon(self) -> None:
+        self._left.set()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._left.is_set()
 
     def param(self, index: int) -> str:
         return "input" if self.single else f"input[{index}]"

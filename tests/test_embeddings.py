@@ -131,7 +131,7 @@ def test_passes_are_bounded_by_inputs_and_padded_tokens(monkeypatch):
 def test_a_bad_input_fails_its_job_alone_and_a_left_job_is_skipped(monkeypatch):
     model = ScriptedModel()
     good, long, unknown, left = job("a b"), job("a", "a b c d e f"), job((1, 100)), job("x")
-    left.abandoned = True
+    left.abandon()
     delivered = run_worker([good, long, unknown, left], model, monkeypatch,
                            batch_size=8, batch_tokens=100)
     assert isinstance(delivered[good], EmbedResult)
