@@ -25,6 +25,10 @@
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
+#   clear-cache=TOKENS[:CHUNK]     bench/clear_cache_cost.py: a paced prefill of TOKENS (chunks
+#                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
+#                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
+#                                  in-process)
 #   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py)
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
@@ -122,6 +126,10 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
         --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
+      ;;
+    clear-cache)
+      timeout -s INT -k 10 "$(limit 200)" python3 bench/clear_cache_cost.py --long-tokens "$shape" \
+        --chunk "${p1:-64}" --reps 3 2>&1 | tail -8
       ;;
     constraints)
       dir=$(model "$shape")
