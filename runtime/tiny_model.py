@@ -100,7 +100,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus() -> list[str]:
+def training_corpus() -> list[str]:
     """A few hundred varied English lines, identical on every call."""
     rng = random.Random(1234)
     names = ["Alice", "Bob", "Carol", "Dave", "Eve", "Mallory", "Trent", "Peggy"]
@@ -152,7 +152,7 @@ def train_bpe_tokenizer(
 
 
 def _build_tokenizer(vocab_target: int) -> Tokenizer:
-    return train_bpe_tokenizer(vocab_target, SPECIAL_TOKENS, _corpus())
+    return train_bpe_tokenizer(vocab_target, SPECIAL_TOKENS, training_corpus())
 
 
 def _model_config(arch: str, hidden_size: int, num_layers: int, vocab_size: int, eos_id: int):
@@ -174,6 +174,31 @@ def _model_config(arch: str, hidden_size: int, num_layers: int, vocab_size: int,
         "torch_dtype": "float32",
         "eos_token_id": eos_id,
     }
+
+
+def write_tokenizer_config(
+    out: pathlib.Path,
+    chat_template: str,
+    *,
+    eos: str = "<|im_end|>",
+    bos: str | None = None,
+    model_max_length: int = 2048,
+) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` for a tokenizer saved
+    as ``tokenizer.json`` in ``out``: a fast tokenizer with ``chat_template``."""
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    special_map = {"eos_token": eos, "pad_token": "<|endoftext|>"}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
 
 def build_tiny_model(
@@ -223,19 +248,7 @@ def build_tiny_model(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    write_tokenizer_config(out, CHAT_TEMPLATE)
     logger.info("built tiny %s model (vocab %d, seed %d) at %s", arch, vocab_size, seed, out)
     return out
 

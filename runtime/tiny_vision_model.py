@@ -19,7 +19,12 @@ import pathlib
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from runtime.tiny_model import SPECIAL_TOKENS, _corpus, train_bpe_tokenizer
+from runtime.tiny_model import (
+    SPECIAL_TOKENS,
+    train_bpe_tokenizer,
+    training_corpus,
+    write_tokenizer_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +106,7 @@ def build_tiny_vision_model(
 
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe_tokenizer(vocab_target, SPECIAL_TOKENS + VISION_TOKENS, _corpus())
+    tokenizer = train_bpe_tokenizer(vocab_target, SPECIAL_TOKENS + VISION_TOKENS, training_corpus())
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS + VISION_TOKENS}
     tokenizer.save(str(out / "tokenizer.json"))
@@ -121,19 +126,7 @@ def build_tiny_vision_model(
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": VISION_CHAT_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    write_tokenizer_config(out, VISION_CHAT_TEMPLATE)
     preprocessor = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",

@@ -36,7 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken
 
-from runtime.tiny_model import _corpus, train_bpe_tokenizer
+from runtime.tiny_model import train_bpe_tokenizer, training_corpus, write_tokenizer_config
 
 HARMONY_SPECIAL = ["<|endoftext|>", "<|startoftext|>", "<|start|>", "<|end|>", "<|message|>",
                    "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
@@ -111,7 +111,7 @@ HARMONY_TEMPLATE = (
 
 
 def _tokenizer(extra_special: list[str] = ()):
-    tokenizer = train_bpe_tokenizer(512, HARMONY_SPECIAL + list(extra_special), _corpus())
+    tokenizer = train_bpe_tokenizer(512, HARMONY_SPECIAL + list(extra_special), training_corpus())
     return tokenizer
 
 
@@ -143,17 +143,8 @@ def _write(out: pathlib.Path, tokenizer, config: dict, weights: dict, template: 
     tokenizer.save(str(out / "tokenizer.json"))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|startoftext|>",
-        "eos_token": "<|return|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": template,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    write_tokenizer_config(out, template, eos="<|return|>", bos="<|startoftext|>",
+                           model_max_length=4096)
 
 
 def _random_weights(config: dict, seed: int) -> tuple[object, dict]:
