@@ -18,8 +18,12 @@ machine hits them alike:
   rows in one batch); ``quarter-constrained``: on a quarter of them;
 * ``constrained-sampled``: ``constrained`` with temperature 0.7, top_p 0.9.
 
-Prints one line per (mode, level) and a table of tokens/s with each mode's
-ratio to greedy; writes the summaries to ``--json-out``. A server that does
+Prints one line per (mode, level) and run, with the engine's median decode
+step (time inside the batch generator's ``next`` on steps that prefilled
+nothing) and its host-speed probe (``runtime.engine.host_speed``: on the
+H200's host the same Python loop takes 16 or 30 us in stretches, so compare
+runs at like probes), then a table of tokens/s with each mode's ratio to
+greedy; writes the summaries and the runs to ``--json-out``. A server that does
 not know ``response_format`` (an older tree) ignores it: run only the
 sampling modes there. ``python bench/constraints.py --help``.
 """
@@ -30,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +56,7 @@ from loadgen import (  # noqa: E402  (a script beside loadgen.py)
 )
 
 REPO = Path(__file__).resolve().parents[1]
+PROBE_ENV = "MLX_TRIO_ENGINE_PROBE"  # runtime.engine.host_speed: the engine's per-step log
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 MODES = {
     "greedy": {},
@@ -70,6 +76,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def engine_steps(prefix: Path, began: float, ended: float) -> dict:
+    """The engine's median decode step (ms in ``next``) and host probe (us) in a run."""
+    decode_ms, probes = [], []
+    for path in prefix.parent.glob(prefix.name + "*"):
+        steps = path.name.startswith(prefix.name + "-steps.")
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if steps and fields[0] == "S" and began <= float(fields[1]) <= ended:
+                if fields[5] == "0" and int(fields[3]) > 0:  # prefilled nothing, decoded
+                    decode_ms.append(float(fields[7]))
+            elif not steps and len(fields) == 2 and began <= float(fields[0]) <= ended:
+                probes.append(float(fields[1]))
+    return {
+        "decode_step_ms_p50": round(statistics.median(decode_ms), 2) if decode_ms else None,
+        "decode_steps": len(decode_ms),
+        "probe_us_p50": round(statistics.median(probes), 1) if probes else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
                    *ns.server_args.split()]
     log_path = REPO / "bench" / "results" / "logs" / f"constraints-{time.strftime('%H%M%S')}.log"
     server = ServerProcess("server", argv_server, url, log_path)
+    probe_prefix = Path(tempfile.mkdtemp(prefix="constraints-probe-")) / "probe"
     # The source tree first, then whatever the caller's path already holds (the
     # device machine's packages live on PYTHONPATH).
     inherited = os.environ.get("PYTHONPATH")
-    server.start(cwd=ns.source, env={"PYTHONPATH": os.pathsep.join(filter(None, [ns.source, inherited]))})
+    server.start(cwd=ns.source, env={
+        "PYTHONPATH": os.pathsep.join(filter(None, [ns.source, inherited])),
+        PROBE_ENV: str(probe_prefix),
+    })
     builder = PromptBuilder(model)
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
@@ -121,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
             for level in ns.levels:
                 for mode in modes if round_ % 2 == 0 else modes[::-1]:
                     n = requests_for(ns, level)
+                    began = time.time()
                     run = run_level(url, workloads[mode], level, n, builder, server.pid,
                                     first_index)
+                    ended = time.time()
+                    time.sleep(0.7)  # the engine writes its step log every half second
+                    run["engine"] = engine_steps(probe_prefix, began, ended)
                     first_index += n
                     runs.setdefault((mode, level), []).append(run)
-                    print(f"round {round_ + 1} {mode:<20} " + format_summary(level, summarize([run])),
-                          flush=True)
+                    e = run["engine"]
+                    print(f"round {round_ + 1} {mode:<20} " + format_summary(level, summarize([run]))
+                          + f" decode step {e['decode_step_ms_p50']} ms"
+                          f" probe {e['probe_us_p50']} us", flush=True)
     finally:
         server.stop()
 
@@ -151,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": model, "source": ns.source, "server": argv_server, "rounds": ns.rounds,
             "workload": dataclasses.asdict(base),
             "summaries": {f"{m}@{level}": s for (m, level), s in summaries.items()},
+            "runs": {f"{m}@{level}": [dict(summarize([r]), engine=r["engine"]) for r in rs]
+                     for (m, level), rs in runs.items()},
         }, indent=2) + "\n")
     return 0
 

@@ -29,6 +29,9 @@
 #                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
 #                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
 #                                  in-process)
+#   constrained-step=SHAPE[:ROWS[:CONSTRAINED]]  bench/constrained_step.py: the engine's step
+#                                  with and without constrained rows, in-process, and where a
+#                                  constrained step's time goes (default 64 rows, 16 constrained)
 #   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py)
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
@@ -131,11 +134,16 @@ for scenario in "$@"; do
       timeout -s INT -k 10 "$(limit 200)" python3 bench/clear_cache_cost.py --long-tokens "$shape" \
         --chunk "${p1:-64}" --reps 3 2>&1 | tail -8
       ;;
+    constrained-step)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 200)" python3 bench/constrained_step.py --model "$dir" \
+        --rows "${p1:-64}" --constrained "${p2:-16}" --reps 5 2>&1 | tail -16
+      ;;
     constraints)
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
-        --levels 64 --requests 128 --rounds 3 --max-tokens 128 \
-        --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -12
+        --levels 64 --requests 128 --rounds 5 --max-tokens 128 \
+        --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -18
       ;;
     many-clients)
       dir=$(model "$shape")

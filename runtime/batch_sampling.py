@@ -36,8 +36,9 @@ xgrammar share (int32, ``ceil(vocab/32)`` words per row, bit j of word i allows
 token 32*i+j). A step with a constrained row starts the model's work
 (``mx.async_eval``), feeds every constrained row the token it sampled last
 step (``consume``; not before its first sample), fills the masks while the
-device computes, then masks every row at once (``mx.where``, -inf where not
-allowed; logits columns past the backend's vocabulary are disallowed for
+device computes (one packed row per constrained row, copied to the device
+and unpacked there), then masks those rows in one compiled call (-inf where
+not allowed; logits columns past the backend's vocabulary are disallowed for
 constrained rows) before the filters above, which matches mlx-lm with a masking
 logits processor. The logprobs mlx-lm reports stay unmasked. A step with no
 constrained row adds no synchronisation. In a ``BatchGenerator`` a token is fed
@@ -142,7 +143,7 @@ class _Plan:
     seeded: tuple[int, ...]
     xtc: tuple[int, ...]
     constrained: tuple[int, ...]
-    free_rows: Any  # (n, 1) bool: rows without a constraint; None when none is constrained
+    constrained_index: Any  # (len(constrained),) int32: the rows of ``constrained``
     seeded_index: Any = None  # (m,) int32 rows of ``seeded``
     seeded_keys: Any = None  # (m, 2) their current keys
 
@@ -304,9 +305,9 @@ class BatchSampler:
                 if not g and r.params.xtc_probability > 0
             ),
             constrained=tuple(i for i, r in enumerate(rows) if r.constraint is not None),
-            free_rows=column([r.constraint is None for r in rows], mx.bool_)
-            if any(r.constraint is not None for r in rows)
-            else None,
+            constrained_index=mx.array(
+                [i for i, r in enumerate(rows) if r.constraint is not None], dtype=mx.int32
+            ),
         )
 
     def _noise(self, plan: _Plan, shape: tuple[int, int]) -> mx.array:
@@ -352,32 +353,67 @@ class BatchSampler:
     def _apply_constraints(self, x: mx.array, plan: _Plan) -> mx.array:
         backend = self._backend
         mx.async_eval(x)  # the model's work starts; the masks are computed meanwhile
-        need_previous = [i for i in plan.constrained if plan.rows[i].sampled]
+        rows = plan.rows
+        need_previous = [i for i in plan.constrained if rows[i].sampled]
         if need_previous:
             if self._inputs is None:
                 raise RuntimeError("constrained rows need their previous tokens")
             previous = self._inputs.tolist()
             for i in need_previous:
-                plan.rows[i].constraint.consume(int(previous[i]))
-        n, vocab = x.shape
+                rows[i].constraint.consume(previous[i])
+        # One packed mask row per constrained row (not per batch row): only those
+        # rows are filled, copied to the device and unpacked.
+        m = len(plan.constrained)
         words = (backend.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape != (n, words):
-            self._bitmask = np.empty((n, words), dtype=np.int32)
+        if self._bitmask is None or self._bitmask.shape != (m, words):
+            self._bitmask = np.empty((m, words), dtype=np.int32)
         bitmask = self._bitmask
         bitmask.fill(-1)
-        rows = [(plan.rows[i].constraint, i) for i in plan.constrained]
-        backend.fill_bitmasks(rows, bitmask)
+        matchers = [(rows[i].constraint, j) for j, i in enumerate(plan.constrained)]
+        backend.fill_bitmasks(matchers, bitmask)
         for i in plan.constrained:
-            plan.rows[i].sampled = True
-        allowed = unpack_bitmask(mx.array(bitmask), min(backend.vocab_size, vocab), vocab)
+            rows[i].sampled = True
+        vocab = x.shape[1]
+        allowed_width = min(backend.vocab_size, vocab)
         preferred = getattr(backend, "preferred_tokens", None)
-        pairs = preferred(rows) if preferred is not None else ()
-        if pairs:  # allowed only as the row's own first choice (no synchronisation)
-            index = mx.array([r for r, _ in pairs], dtype=mx.int32)
-            tokens = mx.array([t for _, t in pairs], dtype=mx.int32)
-            first_choice = mx.argmax(x[index], axis=-1).astype(mx.int32) == tokens
-            allowed[index, tokens] = allowed[index, tokens] | first_choice
-        return mx.where(allowed | plan.free_rows, x, -mx.inf)
+        firsts = preferred(matchers) if preferred is not None else ()
+        if not firsts:
+            return _row_masker(allowed_width, vocab, m == len(rows))(
+                x, mx.array(bitmask), plan.constrained_index
+            )
+        # A row's preferred token is allowed only as its own first choice (no synchronisation).
+        x_rows = x[plan.constrained_index]
+        allowed = unpack_bitmask(mx.array(bitmask), allowed_width, vocab)
+        index = mx.array([j for j, _ in firsts], dtype=mx.int32)
+        tokens = mx.array([t for _, t in firsts], dtype=mx.int32)
+        first_choice = mx.argmax(x_rows[index], axis=-1).astype(mx.int32) == tokens
+        allowed[index, tokens] = allowed[index, tokens] | first_choice
+        masked = mx.where(allowed, x_rows, -mx.inf)
+        if m == len(rows):
+            return masked
+        x = mx.array(x)
+        x[plan.constrained_index] = masked
+        return x
+
+
+@functools.cache
+def _row_masker(allowed_width: int, width: int, every_row: bool):
+    """Compiled ``(x, packed, rows) -> x`` with ``-inf`` where row ``rows[j]``'s mask ``j`` is clear.
+
+    ``packed``: (m, words) int32 masks of the rows ``rows`` (an (m,) int32
+    index into ``x``); columns at or past ``allowed_width`` are never allowed.
+    ``every_row``: ``rows`` is every row of ``x`` in order (no gather or scatter).
+    """
+
+    def mask_rows(x, packed, rows):
+        allowed = unpack_bitmask(packed, allowed_width, width)
+        if every_row:
+            return mx.where(allowed, x, -mx.inf)
+        masked = mx.where(allowed, x[rows], -mx.inf)
+        x[rows] = masked
+        return x
+
+    return mx.compile(mask_rows)
 
 
 def unpack_bitmask(bitmask: mx.array, vocab_size: int, width: int) -> mx.array:

@@ -334,7 +334,8 @@ def test_constrained_rows_in_a_mixed_batch_on_arrays():
         assert tokens[4] == 45
         history.append(tokens)
         previous = tokens
-    assert backend.fills == [[0, 2, 3]] * 12  # one backend call per step, all rows
+    # one backend call per step, one packed row per constrained row (batch rows 0, 2, 3)
+    assert backend.fills == [[0, 1, 2]] * 12
     assert sampled_c.consumed == [t[0] for t in history[:-1]]
     assert greedy_c.consumed == [t[2] for t in history[:-1]]
     assert sampler.calls == sampler.constrained_calls == 12

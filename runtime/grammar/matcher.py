@@ -190,6 +190,11 @@ class RowMatcher:
                     bits[t // 32] &= ~np.uint32(1 << (t % 32))
 
 
+# Fewer grammar rows than this are filled one after another on the calling thread:
+# for a few rows, handing them to the thread pool and waiting for it costs more than
+# their masks (bench/constrained_step.py).
+PARALLEL_FILL_MIN_ROWS = 4
+
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -210,7 +215,8 @@ def fill_bitmasks(
     ``bitmask``: a C-contiguous int32 array ``(n, words)`` with ``words ==
     tokenizer.words`` (``GrammarTokenizer.allocate``). All rows in the grammar
     phase are filled by one llguidance call, in parallel on its thread pool
-    (the GIL is released); the others get precomputed rows.
+    (the GIL is released), or one by one when they are fewer than
+    ``PARALLEL_FILL_MIN_ROWS``; the others get precomputed rows.
     """
     if rows is None:
         rows = range(len(matchers))
@@ -223,16 +229,18 @@ def fill_bitmasks(
             bitmask[row] = matcher._tokenizer.eos_only_row
         else:
             bitmask[row] = matcher._free_row
-    if grammar_rows:
+    if len(grammar_rows) >= PARALLEL_FILL_MIN_ROWS:
         try:
             llguidance.numpy.fill_next_token_bitmask_par(_shared_executor(), grammar_rows, bitmask)
         except Exception:  # one row's failure must not fail the others: fill them one by one
             log.exception("batched mask fill failed; filling %d rows one by one", len(grammar_rows))
             _fill_one_by_one(grammar_matchers, grammar_rows, bitmask)
-        for matcher, (ll, row) in zip(grammar_matchers, grammar_rows, strict=True):
-            if ll.is_error():  # e.g. a parser limit hit while computing this mask
-                matcher._fail(ll.get_error())
-                bitmask[row] = matcher._tokenizer.eos_only_row
+    else:
+        _fill_one_by_one(grammar_matchers, grammar_rows, bitmask)
+    for matcher, (ll, row) in zip(grammar_matchers, grammar_rows, strict=True):
+        if ll.is_error():  # e.g. a parser limit hit while computing this mask
+            matcher._fail(ll.get_error())
+            bitmask[row] = matcher._tokenizer.eos_only_row
     for matcher, row in zip(matchers, rows, strict=True):
         if matcher.spec.banned:
             matcher._fix_row(bitmask[row])
