@@ -43,9 +43,17 @@ unfused attention:
 * MLX takes the fallback, call by call, for inputs cuDNN does not take: float32
   ones. So a query longer than one token whose scores stay small (at most
   ``UNFUSED_SCORES_LIMIT`` elements) goes in as float32 and the result comes
-  back in the input's dtype. Beyond the limit (a long prompt's chunks) float32
-  scores cost more than a graph build, and decoding (one query token a row)
-  meets few shapes: both keep MLX's choice.
+  back in the input's dtype. Beyond the limit a fresh prompt's float32 scores
+  cost more than a graph build, and decoding (one query token a row) meets few
+  shapes: both keep MLX's choice.
+* A chunk that continues a cached prefix (more keys than queries: a long
+  prompt's paced chunks, an agent's next turn) has a shape of its own nearly
+  every time, since the prefix grows by each chunk. On an H200 a paced 30k-token
+  prefill's chunks past the limit took 115-1,160 ms where those under it took
+  40 (a graph per step). Those go unfused too, their queries in blocks whose
+  scores stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block against the
+  keys up to its last query (the causal mask unchanged): no graph builds and
+  bounded memory, at any prefix length.
 """
 
 from __future__ import annotations
@@ -75,23 +83,50 @@ def server_defaults(environ: MutableMapping[str, str] | None = None) -> list[str
 # (134 the first time) on the Qwen3-0.6B shape.
 UNFUSED_SCORES_LIMIT = 1 << 25
 
+# A chunk after a cached prefix goes unfused in blocks of queries whose float32
+# scores have at most this many elements (512 MiB): 279 queries of 16 heads against
+# a 30k-token prefix.
+UNFUSED_BLOCK_LIMIT = 1 << 27
+
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
 
 
-def unfused_prefill_attention(fused, mx, limit: int = UNFUSED_SCORES_LIMIT):
+def unfused_prefill_attention(
+    fused, mx, limit: int = UNFUSED_SCORES_LIMIT, block_limit: int = UNFUSED_BLOCK_LIMIT
+):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
     sent to MLX's unfused attention; every other call as it was."""
     half = (mx.bfloat16, mx.float16)
 
+    def unfused(queries, keys, values, **kwargs):
+        out = fused(queries.astype(mx.float32), keys, values, **kwargs)
+        return out.astype(queries.dtype)
+
+    def in_blocks(queries, keys, values, *, mask=None, **kwargs):
+        """Blocks of queries; with a causal mask each block meets only the keys up to
+        its last query, an array mask is cut to each block's queries."""
+        n_queries, n_keys = queries.shape[2], keys.shape[2]
+        rows = queries.size // (queries.shape[3] * n_queries)  # batch x heads
+        block = max(1, block_limit // (rows * n_keys))
+        outputs = []
+        for start in range(0, n_queries, block):
+            end = min(n_queries, start + block)
+            seen, block_mask = n_keys, mask
+            if isinstance(mask, str):  # "causal": later keys are masked for this block
+                seen = n_keys - (n_queries - end)
+            elif mask is not None and mask.shape[-2] > 1:
+                block_mask = mask[..., start:end, :]
+            outputs.append(unfused(queries[:, :, start:end], keys[:, :, :seen],
+                                   values[:, :, :seen], mask=block_mask, **kwargs))
+        return mx.concatenate(outputs, axis=2)
+
     def attention(queries, keys, values, *args, **kwargs):
-        if (
-            queries.ndim == 4
-            and queries.shape[2] > 1
-            and queries.dtype in half
-            and queries.size // queries.shape[3] * keys.shape[2] <= limit
-        ):
-            out = fused(queries.astype(mx.float32), keys, values, *args, **kwargs)
-            return out.astype(queries.dtype)
+        if queries.ndim == 4 and queries.shape[2] > 1 and queries.dtype in half and not args:
+            scores = queries.size // queries.shape[3] * keys.shape[2]
+            if scores <= limit:
+                return unfused(queries, keys, values, **kwargs)
+            if keys.shape[2] > queries.shape[2]:  # a chunk after a cached prefix
+                return in_blocks(queries, keys, values, **kwargs)
         return fused(queries, keys, values, *args, **kwargs)
 
     attention.fused = fused

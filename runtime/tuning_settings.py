@@ -89,8 +89,8 @@ class TuningSettings:
         "learns a decode step's time, and a prefill step's fixed cost and cost per token, from "
         "the steps it runs and sizes the chunk so that the time between the others' tokens "
         "stays within about one plus this factor decode steps; where a prefill step's fixed "
-        "cost alone is longer than that (long contexts on a GPU), chunks carry at least the "
-        "fixed cost's worth of tokens; with nothing decoding, chunks are full. Raise it (or 0) "
+        "cost alone is longer than that (long contexts on a GPU), chunks stay at 64 tokens, "
+        "the shortest stall there is; with nothing decoding, chunks are full. Raise it (or 0) "
         "for faster prefills under load at the cost of the others' smoothness "
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,

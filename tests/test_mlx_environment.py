@@ -71,9 +71,9 @@ def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
     assert seen.pop() == (mx.float32, 8, "causal")
     attention(q[:, :, :1], k, v, scale=0.25)  # a decode step
     assert seen.pop() == (mx.bfloat16, 1, None)
-    q, k, v = _qkv(mx, 2, 8, 9, mx.bfloat16)  # scores over the limit: a long prompt's chunk
+    q, k, v = _qkv(mx, 2, 9, 9, mx.bfloat16)  # scores over the limit: a long fresh prompt
     attention(q, k, v, scale=0.25, mask="causal")
-    assert seen.pop() == (mx.bfloat16, 8, "causal")
+    assert seen.pop() == (mx.bfloat16, 9, "causal")
     q, k, v = _qkv(mx, 1, 8, 8, mx.float32)  # not half precision: nothing to avoid
     attention(q, k, v, scale=0.25)
     assert seen.pop() == (mx.float32, 8, None)
@@ -162,3 +162,37 @@ def test_the_free_buffer_cache_is_bounded_by_a_share_of_the_memory_never_raised(
     operator = _CacheLimits(memory=144 << 30, limit=1 << 30)  # already lower: kept
     assert bound_buffer_cache(operator) == 1 << 30 == operator.limit
     assert bound_buffer_cache(_CacheLimits(memory=0, limit=5)) is None
+
+
+def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
+    """Past the scores limit, a chunk with more keys than queries goes to the unfused
+    path in blocks of queries (each within the block limit) and computes the same
+    attention, causal or with an array mask; a fresh prompt past the limit does not."""
+    import mlx.core as mx
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None):
+        seen.append((q.dtype, q.shape[2], k.shape[2]))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    reference = mx.fast.scaled_dot_product_attention
+    # 2 x 4 rows of scores: blocks of 3 queries against 20 keys stay within 2*4*3*20
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_limit=2 * 4 * 3 * 20)
+    q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)  # 7 new tokens after 13 cached
+    causal = mx.arange(20)[None, :] <= (mx.arange(7)[:, None] + 13)
+    padding = mx.arange(20) >= 2  # the first two keys are a padded row's
+    masks = ("causal", (causal & padding)[None, None], padding[None, None, None, :])
+    for mask in masks:
+        seen.clear()
+        got = attention(q, k, v, scale=0.25, mask=mask)
+        assert got.dtype == mx.bfloat16 and got.shape == q.shape
+        assert [s[0] for s in seen] == [mx.float32] * 3 and [s[1] for s in seen] == [3, 3, 1]
+        if isinstance(mask, str):  # each block meets the keys up to its last query
+            assert [s[2] for s in seen] == [16, 19, 20]
+        expected = reference(q, k, v, scale=0.25, mask=mask).astype(mx.float32)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    seen.clear()
+    q, k, v = _qkv(mx, 2, 20, 20, mx.bfloat16)  # a fresh prompt past the limit
+    attention(q, k, v, scale=0.25, mask="causal")
+    assert seen == [(mx.bfloat16, 20, 20)]

@@ -60,10 +60,13 @@ def test_a_step_s_fixed_cost_is_told_from_its_cost_per_token():
         pacer.observe(0.0065 + 0.020 + 0.00001 * tokens, decoding=16, prefill_tokens=tokens)
     assert pacer.fixed_seconds == pytest.approx(0.020, rel=1e-6)
     assert pacer.token_seconds == pytest.approx(0.00001, rel=1e-6)
-    # 1.5 decode steps (9.75 ms) cannot hold the fixed part: the chunk grows until
-    # the work is as large as the fixed part (2,000 tokens), not down to the floor.
-    assert pacer.chunk(decoding=16, prompts=1) == pytest.approx(2000, abs=1)
-    assert pacer.chunk(decoding=16, prompts=4) == pytest.approx(500, abs=1)
+    # 1.5 decode steps (9.75 ms) cannot hold the fixed part: the shortest stall, the floor
+    # (not a chunk sized as if all of the 20 ms were per token either).
+    assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
+    assert pacer.chunk(decoding=16, prompts=4) == MIN_CHUNK
+    # A larger factor leaves room after the fixed part: (39 ms - 20 ms) / 10 us.
+    pacer.factor = 6
+    assert pacer.chunk(decoding=16, prompts=1) == pytest.approx(1900, abs=1)
 
 
 def test_a_small_fixed_cost_leaves_the_budget_to_the_tokens():
@@ -83,9 +86,9 @@ def test_steps_of_one_size_over_their_budget_double_the_next_chunk():
     assert pacer.fixed_seconds == 0.0
     assert pacer.chunk(decoding=16, prompts=1) == 128
     pacer.observe(0.0065 + 0.0305, decoding=16, prefill_tokens=128)
-    # Two sizes: nearly all of it is fixed, so the chunk grows to the work's size.
+    # Two sizes: nearly all of it is fixed, more than the budget: the floor.
     assert pacer.fixed_seconds == pytest.approx(0.0295, rel=0.05)
-    assert pacer.chunk(decoding=16, prompts=1) == 2048
+    assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
 
 
 def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
@@ -120,11 +123,12 @@ def test_the_pacer_settles_on_the_budget_when_the_fixed_part_fits_in_it():
     assert 350 <= settled[len(settled) // 2] <= 700
 
 
-def test_the_pacer_settles_on_the_fixed_part_s_worth_when_it_outgrows_the_budget():
-    # 20 ms fixed, more than the 12 ms budget: chunks of the fixed part's worth
-    # (1,000 tokens at 20 us), not the floor that a cost per token alone gives.
-    settled = sorted(paced_chunks(0.020, 0.00002)[-30:])
-    assert 600 <= settled[len(settled) // 2] <= 1600
+def test_the_pacer_keeps_to_the_floor_when_the_fixed_part_outgrows_the_budget():
+    # 20 ms fixed, more than the 12 ms budget: the floor, but for the steps of
+    # another size that keep the fit's line.
+    chunks = paced_chunks(0.020, 0.00002)[-30:]
+    assert sorted(chunks)[len(chunks) // 2] == MIN_CHUNK
+    assert max(chunks) <= 2 * MIN_CHUNK
 
 
 @pytest.fixture(scope="module")
