@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="--decode-concurrency 64",
                    help="more flags for the server")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--probe-dir", default=None,
+                   help="keep the engine's step log here (default: a temporary folder)")
     ns = p.parse_args(argv)
     setup_logging()
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
@@ -129,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                    *ns.server_args.split()]
     log_path = REPO / "bench" / "results" / "logs" / f"constraints-{time.strftime('%H%M%S')}.log"
     server = ServerProcess("server", argv_server, url, log_path)
-    probe_prefix = Path(tempfile.mkdtemp(prefix="constraints-probe-")) / "probe"
+    probe_dir = Path(ns.probe_dir or tempfile.mkdtemp(prefix="constraints-probe-"))
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    probe_prefix = probe_dir / "probe"
     # The source tree first, then whatever the caller's path already holds (the
     # device machine's packages live on PYTHONPATH).
     inherited = os.environ.get("PYTHONPATH")

@@ -143,7 +143,7 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
         --levels 64 --requests 128 --rounds 5 --max-tokens 128 \
-        --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -18
+        --probe-dir "$OUT/constraints-probe" --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -18
       ;;
     many-clients)
       dir=$(model "$shape")
