@@ -46,14 +46,15 @@ unfused attention:
   back in the input's dtype. Beyond the limit a fresh prompt's float32 scores
   cost more than a graph build, and decoding (one query token a row) meets few
   shapes: both keep MLX's choice.
-* A chunk that continues a cached prefix (more keys than queries: a long
-  prompt's paced chunks, an agent's next turn) has a shape of its own nearly
-  every time, since the prefix grows by each chunk. On an H200 a paced 30k-token
-  prefill's chunks past the limit took 115-1,160 ms where those under it took
-  40 (a graph per step). Those go unfused too, their queries in blocks whose
-  scores stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block against the
-  keys up to its last query (the causal mask unchanged): no graph builds and
-  bounded memory, at any prefix length.
+* A paced chunk (at most ``UNFUSED_CHUNK_QUERIES`` queries) that continues a
+  cached prefix has a shape of its own nearly every time, since the prefix
+  grows by each chunk. On an H200 a paced 30k-token prefill's chunks past the
+  limit took 115-1,160 ms where those under it took 40 (a graph per step).
+  Those go unfused too, their queries in blocks whose scores stay within
+  ``UNFUSED_BLOCK_LIMIT`` elements, each block against the keys up to its last
+  query (the causal mask unchanged): no graph builds and bounded memory, at any
+  prefix length (the longest step of that prefill: 116 ms). Longer chunks keep
+  cuDNN, whose attention outruns float32 scores by more than a graph build.
 """
 
 from __future__ import annotations
@@ -83,16 +84,24 @@ def server_defaults(environ: MutableMapping[str, str] | None = None) -> list[str
 # (134 the first time) on the Qwen3-0.6B shape.
 UNFUSED_SCORES_LIMIT = 1 << 25
 
-# A chunk after a cached prefix goes unfused in blocks of queries whose float32
-# scores have at most this many elements (512 MiB): 279 queries of 16 heads against
-# a 30k-token prefix.
+# A chunk of at most this many queries after a cached prefix goes unfused in blocks
+# of queries whose float32 scores have at most UNFUSED_BLOCK_LIMIT elements (512 MiB:
+# 279 queries of 16 heads against a 30k-token prefix). Longer chunks (a prompt
+# prefilled in full 2,048-token chunks, a turn of thousands of new tokens) keep
+# cuDNN: on an H200 a 24k-token prompt in 2,048-token chunks took 3.9 s unfused
+# against 2.2-2.4 s, each chunk's graph build included.
+UNFUSED_CHUNK_QUERIES = 256
 UNFUSED_BLOCK_LIMIT = 1 << 27
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
 
 
 def unfused_prefill_attention(
-    fused, mx, limit: int = UNFUSED_SCORES_LIMIT, block_limit: int = UNFUSED_BLOCK_LIMIT
+    fused,
+    mx,
+    limit: int = UNFUSED_SCORES_LIMIT,
+    block_limit: int = UNFUSED_BLOCK_LIMIT,
+    block_queries: int = UNFUSED_CHUNK_QUERIES,
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
     sent to MLX's unfused attention; every other call as it was."""
@@ -125,8 +134,8 @@ def unfused_prefill_attention(
             scores = queries.size // queries.shape[3] * keys.shape[2]
             if scores <= limit:
                 return unfused(queries, keys, values, **kwargs)
-            if keys.shape[2] > queries.shape[2]:  # a chunk after a cached prefix
-                return in_blocks(queries, keys, values, **kwargs)
+            if keys.shape[2] > queries.shape[2] and queries.shape[2] <= block_queries:
+                return in_blocks(queries, keys, values, **kwargs)  # a paced chunk
         return fused(queries, keys, values, *args, **kwargs)
 
     attention.fused = fused

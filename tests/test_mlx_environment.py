@@ -196,3 +196,8 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
     q, k, v = _qkv(mx, 2, 20, 20, mx.bfloat16)  # a fresh prompt past the limit
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 20, 20)]
+    seen.clear()  # a chunk longer than a paced one keeps MLX's choice
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_queries=6)
+    q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)
+    attention(q, k, v, scale=0.25, mask="causal")
+    assert seen == [(mx.bfloat16, 7, 20)]
