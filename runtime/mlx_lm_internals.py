@@ -283,6 +283,26 @@ class RowAwareGenerationBatch(GenerationBatch):
         with hook(self.uids, self._next_tokens):
             return super()._step()
 
+    # mlx-lm leaves the rows' next inputs lazy when rows join (a concatenation) or
+    # leave (a selection); evaluated at the next step, they would wait behind this
+    # step's prefill chunk on the device. A step with constrained rows reads them
+    # before building its own graph (the masks need them), so they are queued at
+    # once: it then waits for the decode tokens only, not for the prefill.
+
+    def extend(self, batch):
+        super().extend(batch)
+        self._queue_next_tokens()
+
+    def filter(self, keep):
+        super().filter(keep)
+        self._queue_next_tokens()
+
+    def _queue_next_tokens(self) -> None:
+        if self._next_tokens is not None and _row_hook(self.fallback_sampler) is not None:
+            import mlx.core as mx
+
+            mx.async_eval(self._next_tokens)
+
 
 def _parameters(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)

@@ -704,6 +704,38 @@ def test_one_fill_writes_only_the_given_rows_and_padding_tokens_are_never_allowe
     assert not (allowed[1] == allowed[3]).all()  # "{" for one, "[" for the other
 
 
+def test_matchers_of_one_grammar_are_copies_of_one_compiled_template(tiny_tokenizer, monkeypatch):
+    """A grammar seen again is copied, not compiled again; each copy has its own state;
+    the templates kept are bounded, the oldest dropped first."""
+    import runtime.grammar.matcher as matcher_module
+
+    gt = grammar_tokenizer(tiny_tokenizer, 700)  # a tokenizer of its own: no templates yet
+    spec = json_spec(tiny_tokenizer, CORPUS["integer_bounds"], allow_thinking=False)
+    others = [json_spec(tiny_tokenizer, CORPUS[n], allow_thinking=False)
+              for n in ("string_enum", "integer_array")]
+    compiled = []
+    real = matcher_module.llguidance.LLMatcher
+
+    def counting(*args, **kwargs):
+        compiled.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(matcher_module.llguidance, "LLMatcher", counting)
+    first, second = spec.new_matcher(gt), spec.new_matcher(gt)
+    assert compiled == [spec.grammar]
+    first.consume(tiny_tokenizer.encode("x", add_special_tokens=False)[0])  # outside: fails
+    assert first.phase == "failed" and second.phase == "grammar"
+    bitmask = gt.allocate(1)
+    fill_bitmasks([second], bitmask)
+    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+    assert set(allowed) != set(tiny_tokenizer.eos_token_ids)  # the copy starts afresh
+    monkeypatch.setattr(matcher_module, "MATCHER_TEMPLATES", 2)
+    for other in others:
+        other.new_matcher(gt)
+    spec.new_matcher(gt)  # pushed out by the two others: compiled again
+    assert compiled == [spec.grammar, others[0].grammar, others[1].grammar, spec.grammar]
+
+
 def test_a_token_outside_the_grammar_ends_the_row(tiny_tokenizer):
     spec = json_spec(tiny_tokenizer, CORPUS["integer_bounds"], allow_thinking=False)
     gt = grammar_tokenizer(tiny_tokenizer)

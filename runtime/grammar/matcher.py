@@ -37,6 +37,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
+# Compiled grammars kept per tokenizer (``GrammarTokenizer.new_ll_matcher``).
+MATCHER_TEMPLATES = 64
+
+
 class GrammarTokenizer:
     """A tokenizer in llguidance's form, for masks ``vocab_size`` tokens wide.
 
@@ -59,6 +63,28 @@ class GrammarTokenizer:
         self.every_row = every
         self.no_eos_row = _with_bits(every, eos, False)
         self.eos_only_row = _with_bits(np.zeros(self.words, dtype=np.int32), eos, True)
+        self._templates: dict[str, llguidance.LLMatcher] = {}
+        self._templates_lock = threading.Lock()
+
+    def new_ll_matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh llguidance matcher for ``grammar`` (``ValueError``: rejected).
+
+        Compiling a grammar against the vocabulary costs milliseconds (more for
+        large schemas and vocabularies), on the engine's thread; clients send the
+        same schema or tools again and again (an agent, every turn). So the last
+        ``MATCHER_TEMPLATES`` grammars are kept compiled and each request gets a
+        copy (``deep_copy``: tens of microseconds).
+        """
+        with self._templates_lock:
+            template = self._templates.pop(grammar, None)
+            if template is None:
+                template = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+                if template.is_error():
+                    raise ValueError(f"grammar rejected by the engine: {template.get_error()}")
+            self._templates[grammar] = template  # the most recent last
+            while len(self._templates) > MATCHER_TEMPLATES:
+                del self._templates[next(iter(self._templates))]
+            return template.deep_copy()
 
     def allocate(self, rows: int) -> np.ndarray:
         """A C-contiguous (rows, words) int32 bitmask, all allowed."""
@@ -116,9 +142,7 @@ class RowMatcher:
         self._recent: list[int] = []  # the last few tokens, for multi-token markers
         self._ll = None
         if spec.grammar is not None:
-            self._ll = llguidance.LLMatcher(tokenizer.ll, spec.grammar, log_level=0)
-            if self._ll.is_error():
-                raise ValueError(f"grammar rejected by the engine: {self._ll.get_error()}")
+            self._ll = tokenizer.new_ll_matcher(spec.grammar)
         singles = [seq[0] for seq in spec.banned if len(seq) == 1]
         if spec.grammar is None:
             self.phase = "free"
