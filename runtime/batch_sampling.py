@@ -37,8 +37,7 @@ token 32*i+j). A step with a constrained row starts the model's work
 (``mx.async_eval``), feeds every constrained row the token it sampled last
 step (``consume``; not before its first sample), fills the masks while the
 device computes (one packed row per constrained row, copied to the device
-and unpacked there), then masks those rows in one compiled call (-inf where
-not allowed; logits columns past the backend's vocabulary are disallowed for
+and unpacked there), then masks those rows (-inf where not allowed; logits columns past the backend's vocabulary are disallowed for
 constrained rows) before the filters above, which matches mlx-lm with a masking
 logits processor. The logprobs mlx-lm reports stay unmasked. A step with no
 constrained row adds no synchronisation. In a ``BatchGenerator`` a token is fed
@@ -377,43 +376,20 @@ class BatchSampler:
         allowed_width = min(backend.vocab_size, vocab)
         preferred = getattr(backend, "preferred_tokens", None)
         firsts = preferred(matchers) if preferred is not None else ()
-        if not firsts:
-            return _row_masker(allowed_width, vocab, m == len(rows))(
-                x, mx.array(bitmask), plan.constrained_index
-            )
-        # A row's preferred token is allowed only as its own first choice (no synchronisation).
-        x_rows = x[plan.constrained_index]
+        every_row = m == len(rows)
+        x_rows = x if every_row else x[plan.constrained_index]
         allowed = unpack_bitmask(mx.array(bitmask), allowed_width, vocab)
-        index = mx.array([j for j, _ in firsts], dtype=mx.int32)
-        tokens = mx.array([t for _, t in firsts], dtype=mx.int32)
-        first_choice = mx.argmax(x_rows[index], axis=-1).astype(mx.int32) == tokens
-        allowed[index, tokens] = allowed[index, tokens] | first_choice
+        if firsts:  # allowed only as the row's own first choice (no synchronisation)
+            index = mx.array([j for j, _ in firsts], dtype=mx.int32)
+            tokens = mx.array([t for _, t in firsts], dtype=mx.int32)
+            first_choice = mx.argmax(x_rows[index], axis=-1).astype(mx.int32) == tokens
+            allowed[index, tokens] = allowed[index, tokens] | first_choice
         masked = mx.where(allowed, x_rows, -mx.inf)
-        if m == len(rows):
+        if every_row:
             return masked
-        x = mx.array(x)
+        x = mx.array(x)  # a copy: the logprobs mlx-lm reports stay unmasked
         x[plan.constrained_index] = masked
         return x
-
-
-@functools.cache
-def _row_masker(allowed_width: int, width: int, every_row: bool):
-    """Compiled ``(x, packed, rows) -> x`` with ``-inf`` where row ``rows[j]``'s mask ``j`` is clear.
-
-    ``packed``: (m, words) int32 masks of the rows ``rows`` (an (m,) int32
-    index into ``x``); columns at or past ``allowed_width`` are never allowed.
-    ``every_row``: ``rows`` is every row of ``x`` in order (no gather or scatter).
-    """
-
-    def mask_rows(x, packed, rows):
-        allowed = unpack_bitmask(packed, allowed_width, width)
-        if every_row:
-            return mx.where(allowed, x, -mx.inf)
-        masked = mx.where(allowed, x[rows], -mx.inf)
-        x[rows] = masked
-        return x
-
-    return mx.compile(mask_rows)
 
 
 def unpack_bitmask(bitmask: mx.array, vocab_size: int, width: int) -> mx.array:
