@@ -13,7 +13,11 @@ on the fields (``api.schemas``).
 
 from __future__ import annotations
 
+import collections
 import functools
+import json
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +26,10 @@ from runtime.grammar import compile_constraint
 from runtime.messages import PreparedPrompt
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+# Constraints compiled lately, kept per tokenizer: the same schema or tools come
+# again and again (an agent sends its tools with every turn), and building and
+# checking a grammar costs milliseconds of the worker thread (more for many tools).
+COMPILED_CONSTRAINTS = 64
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 
 
@@ -58,8 +66,25 @@ def constrain_step(
     )
 
 
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compiled_lock = threading.Lock()
+
+
 def _compile(tokenizer, prompt: PreparedPrompt, **fields):
-    return compile_constraint(tokenizer, initial_state=prompt.initial_state, **fields)
+    """``compile_constraint``, or the same request fields' spec compiled lately (a
+    field it refuses raises every time: refusals are not kept)."""
+    key = json.dumps([prompt.initial_state, fields], sort_keys=True, default=repr)
+    with _compiled_lock:
+        recent = _compiled.setdefault(tokenizer, collections.OrderedDict())
+        if key in recent:
+            recent.move_to_end(key)
+            return recent[key]
+    spec = compile_constraint(tokenizer, initial_state=prompt.initial_state, **fields)
+    with _compiled_lock:
+        recent[key] = spec
+        while len(recent) > COMPILED_CONSTRAINTS:
+            recent.popitem(last=False)
+    return spec
 
 
 # ------------------------------------------------ field checks (api.schemas)

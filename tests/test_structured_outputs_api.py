@@ -305,3 +305,44 @@ async def test_speculative_decoding_refuses_constraints_by_name(demo):
         "response_format": {"type": "json_object"}})
     assert status == 400 and data["error"]["param"] == "response_format"
     assert "draft model" in data["error"]["message"]
+
+
+def test_a_constraint_asked_again_is_not_compiled_again(tiny_tokenizer, monkeypatch):
+    """The same fields (and prompt state) give the spec compiled before; other fields,
+    another state or another tokenizer compile; refusals are not kept; bounded."""
+    import api.structured as structured
+    from runtime.errors import ClientError
+    from runtime.messages import PreparedPrompt, SegmentPlan
+
+    compiled = []
+    real = structured.compile_constraint
+
+    def counting(tokenizer, **fields):
+        compiled.append(fields)
+        return real(tokenizer, **fields)
+
+    monkeypatch.setattr(structured, "compile_constraint", counting)
+    prompt = PreparedPrompt(tokens=(1,), plan=SegmentPlan(segments=((1,),), segment_types=("user",)))
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    weather = {"type": "json_schema", "json_schema": {"name": "w", "schema": city}}
+    step = structured.constrain_step(response_format=weather)
+    first = step(tiny_tokenizer, prompt)
+    assert step(tiny_tokenizer, prompt) is first
+    assert structured.constrain_step(response_format=json.loads(json.dumps(weather)))(
+        tiny_tokenizer, prompt) is first  # equal fields from another request
+    assert len(compiled) == 1
+    other = structured.constrain_step(response_format={"type": "json_object"})(tiny_tokenizer, prompt)
+    assert other is not first and len(compiled) == 2
+    bad = structured.constrain_step(response_format={
+        "type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nonsense"}}})
+    for _ in range(2):
+        with pytest.raises(ClientError):
+            bad(tiny_tokenizer, prompt)
+    assert len(compiled) == 4  # a refusal is compiled (and refused) each time
+    monkeypatch.setattr(structured, "COMPILED_CONSTRAINTS", 1)
+    names = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "array", "items": {"type": "string"}}}}
+    structured.constrain_step(response_format=names)(tiny_tokenizer, prompt)
+    assert len(compiled) == 5
+    step(tiny_tokenizer, prompt)  # pushed out by the newest: compiled again
+    assert len(compiled) == 6
