@@ -736,6 +736,22 @@ def test_matchers_of_one_grammar_are_copies_of_one_compiled_template(tiny_tokeni
     assert compiled == [spec.grammar, others[0].grammar, others[1].grammar, spec.grammar]
 
 
+def test_masks_filled_on_the_pool_equal_those_filled_one_by_one(tiny_tokenizer, monkeypatch):
+    import runtime.grammar.matcher as matcher_module
+
+    gt = grammar_tokenizer(tiny_tokenizer)
+    specs = [json_spec(tiny_tokenizer, CORPUS[n], allow_thinking=False)
+             for n in ("string_enum", "integer_array", "integer_bounds", "nested_2")]
+    masks = []
+    for min_rows in (1, 1000):  # every fill on the pool, then every fill one by one
+        monkeypatch.setattr(matcher_module, "PARALLEL_FILL_MIN_ROWS", min_rows)
+        matchers = [s.new_matcher(gt) for s in specs]
+        bitmask = gt.allocate(len(matchers))
+        fill_bitmasks(matchers, bitmask)
+        masks.append(bitmask.copy())
+    assert (masks[0] == masks[1]).all() and not (masks[0] == -1).all()
+
+
 def test_a_token_outside_the_grammar_ends_the_row(tiny_tokenizer):
     spec = json_spec(tiny_tokenizer, CORPUS["integer_bounds"], allow_thinking=False)
     gt = grammar_tokenizer(tiny_tokenizer)
