@@ -37,8 +37,9 @@ token 32*i+j). A step with a constrained row starts the model's work
 (``mx.async_eval``), feeds every constrained row the token it sampled last
 step (``consume``; not before its first sample), fills the masks while the
 device computes (one packed row per constrained row, copied to the device
-and unpacked there), then masks those rows (-inf where not allowed; logits columns past the backend's vocabulary are disallowed for
-constrained rows) before the filters above, which matches mlx-lm with a masking
+and unpacked there), then masks those rows (-inf where not allowed; logits
+columns past the backend's vocabulary are disallowed for constrained rows)
+before the filters above, which matches mlx-lm with a masking
 logits processor. The logprobs mlx-lm reports stay unmasked. A step with no
 constrained row adds no synchronisation. In a ``BatchGenerator`` a token is fed
 in the step that emits it (mlx-lm's step feeds it to the model and samples the
