@@ -32,8 +32,8 @@
 #   constrained-step=SHAPE[:ROWS[:CONSTRAINED]]  bench/constrained_step.py: the engine's step
 #                                  with and without constrained rows, in-process, and where a
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
-#   constraints=SHAPE              64 clients, a quarter of the requests json_schema-constrained,
-#                                  against none (bench/constraints.py)
+#   constraints=SHAPE[:profile]    64 clients, a quarter of the requests json_schema-constrained,
+#                                  against none (bench/constraints.py); profile: the engine's cProfile too
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
 #                                  (bench/engine_overhead.py, every engine's main thread on CPU 3),
 #                                  136 +- 64 prompt tokens, 128 new, four requests a client; MODE
@@ -141,7 +141,12 @@ for scenario in "$@"; do
       ;;
     constraints)
       dir=$(model "$shape")
-      timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
+      # constraints=SHAPE:profile: with the engine process's cProfile too (both modes
+      # in one server: compare the constraint functions' share; it slows the engine)
+      profile=""
+      [ "${p1:-}" = profile ] && profile="$OUT/constraints-engine.prof"
+      MLX_TRIO_ENGINE_PROFILE="$profile" \
+        timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
         --levels 64 --requests 128 --rounds 5 --max-tokens 128 \
         --probe-dir "$OUT/constraints-probe" --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -18
       ;;
