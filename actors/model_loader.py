@@ -100,7 +100,7 @@ class ModelLoaderCore:
         self.reason = None
         self.handle = handle
         self.failed_loads.pop(self.key, None)
-        self.context_windows[self.key] = handle.context_window
+        self.context_windows[self.key] = handle.info.context_window
 
     def try_lease(self, key: ModelKey) -> bool:
         """Take a lease if ``key`` is loaded and not about to be swapped out.
@@ -480,6 +480,6 @@ class ModelLoader:
         self._core.ready(handle)
         seconds = time.monotonic() - self._engine_started
         self._on_loaded(seconds)
-        log.info("model ready: %s (loaded in %.1f s)", handle.model_key, seconds)
+        log.info("model ready: %s (loaded in %.1f s)", handle.info.model_key, seconds)
         self._notify()
         self._maybe_swap()

@@ -281,15 +281,15 @@ class Session:
             raise
 
     async def _enter(self, handle: LoadedModel, key: ModelKey) -> Session:
-        _check_vocabulary(self.sampling, handle.vocab_size)
+        _check_vocabulary(self.sampling, handle.info.vocab_size)
         prepare = self._prepare
         if self._image_params:
-            if handle.vision_family is None or self._load_images is None:
+            if handle.info.vision_family is None or self._load_images is None:
                 param = self._image_params[0]
                 raise ClientError(f"{param}: an image content part needs a vision-language model; "
-                                  f"the model {handle.model_key!r} is text-only", param=param)
+                                  f"the model {handle.info.model_key!r} is text-only", param=param)
             images = await self._load_images()
-            vision = (handle.processor, handle.vision_family, images)
+            vision = (handle.processor, handle.info.vision_family, images)
             prepare = functools.partial(self._prepare, vision=vision)
         if self._prepare_inline:
             self.prompt, constraint = self._prepare_and_constrain(prepare, handle.tokenizer)
@@ -309,16 +309,17 @@ class Session:
                 "decoding (a draft model)",
                 param=getattr(constraint, "param", None),
             )
-        if prompt.tokens and not 0 <= min(prompt.tokens) <= max(prompt.tokens) < handle.vocab_size:
+        vocab_size = handle.info.vocab_size
+        if prompt.tokens and not 0 <= min(prompt.tokens) <= max(prompt.tokens) < vocab_size:
             raise ClientError(
-                f"prompt token ids must be in 0..{handle.vocab_size - 1}", param="prompt"
+                f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt"
             )
         prompt_tokens = len(prompt.tokens)
         max_tokens = fit_max_tokens(
             self.max_tokens,
             prompt_tokens=prompt_tokens,
-            window=handle.context_window,
-            kv_bytes_per_token=handle.kv_bytes_per_token,
+            window=handle.info.context_window,
+            kv_bytes_per_token=handle.info.kv_bytes_per_token,
             kv_budget=self._runtime.kv_budget,
             choices=self.n,
             param=self._prompt_param,
@@ -341,7 +342,7 @@ class Session:
             max_tokens=max_tokens,
             logprobs=self._logprobs or self._top_logprobs > 0,
             top_logprobs=self._top_logprobs,
-            kv_bytes=handle.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
+            kv_bytes=handle.info.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
             cache_scope=self._cache_scope,

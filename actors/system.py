@@ -92,7 +92,7 @@ def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
 def _load_tokenizer(config: ServerConfig, ready: EngineReady):
     from runtime.engine.loading import load_tokenizer
 
-    return load_tokenizer(config, ready.model_key, ready.eos_token_ids)
+    return load_tokenizer(config, ready.info.model_key, ready.eos_token_ids)
 
 
 class Runtime:
@@ -291,7 +291,7 @@ class Runtime:
         try:
             outlook = self.prompt_cache.open(
                 submit.request_id,
-                handle.model_key,
+                handle.info.model_key,
                 submit.prompt,
                 template_key=template_key,
                 conversation_keys=conversation_keys,

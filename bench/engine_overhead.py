@@ -429,7 +429,7 @@ class Core(Driven):
             max_bytes=self.config.prompt_cache_bytes,
             min_reuse=self.config.prompt_cache_min_reuse,
         )
-        self.policy.engine_changed(self.core.handle.model_key)
+        self.policy.engine_changed(self.core.handle.info.model_key)
         self.inner = Timed(self.core._batch.next)
         self.core._batch.next = self.inner
         self.pickle_s = 0.0

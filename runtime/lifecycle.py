@@ -83,15 +83,8 @@ class EngineProcessStart:
 class EngineReady:
     """The engine process loaded its model: what the parent needs of it."""
 
-    model_key: str
-    vocab_size: int
-    batchable: bool
-    kv_bytes_per_token: int
-    kv_budget: int
+    info: ModelInfo  # its engine_pid: the engine process
     eos_token_ids: tuple[int, ...]
-    pid: int
-    context_window: int | None = None
-    vision_family: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import Abort, Shutdown
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache, scripted_token
@@ -38,7 +39,7 @@ def engine(
         vocab=VOCAB, eos_ids={EOS}, completion_batch_size=completion
     )
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
         admission_window=window,

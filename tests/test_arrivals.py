@@ -16,6 +16,7 @@ from actors.system import Runtime
 from api.observability import is_generation
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import SamplingParams
 from runtime.prompts import prepare_text
@@ -80,7 +81,9 @@ async def test_a_submit_sent_while_another_is_tokenised_is_followed():
             super().handle_command(command)
 
     def make_core():
-        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(
+            model=None, tokenizer=tokenizer, info=ModelInfo(model_key="fake", vocab_size=64)
+        )
         return Recording(handle, batch_generator_factory=FakeBatchGeneratorFactory(),
                          prompt_cache=FakePromptCache())
 

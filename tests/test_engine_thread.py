@@ -90,6 +90,7 @@ async def test_all_mlx_work_runs_on_one_engine_thread_and_stops_with_the_runtime
 
 async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keeps_serving():
     from runtime.engine.core import EngineCore
+    from runtime.lifecycle import ModelInfo
     from runtime.loaded_model import LoadedModel
     from tests.fakes import FakeTokenizer
 
@@ -97,7 +98,9 @@ async def test_a_failing_engine_step_fails_only_its_requests_and_the_engine_keep
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(
+            model=None, tokenizer=tokenizer, info=ModelInfo(model_key="fake", vocab_size=64)
+        )
         return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
 
     runtime = Runtime(ServerConfig(model="fake"), make_core=make_core)
@@ -118,12 +121,13 @@ def test_an_abort_is_applied_at_the_next_step_and_its_wait_is_counted():
     import time
 
     from runtime.engine.core import EngineCore
+    from runtime.lifecycle import ModelInfo
     from runtime.loaded_model import LoadedModel
     from runtime.messages import Abort, Submit
 
     factory = FakeBatchGeneratorFactory(completion_batch_size=4)
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=512),
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=512)),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )
@@ -155,6 +159,7 @@ async def test_steps_that_keep_failing_restart_the_engine():
     which serves. Every request gets its one terminal."""
     from runtime.engine.core import EngineCore
     from runtime.engine.failures import FAILED_STEPS_TO_RESTART
+    from runtime.lifecycle import ModelInfo
     from runtime.loaded_model import LoadedModel
     from tests.fakes import FakeTokenizer
 
@@ -165,7 +170,9 @@ async def test_steps_that_keep_failing_restart_the_engine():
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(
+            model=None, tokenizer=tokenizer, info=ModelInfo(model_key="fake", vocab_size=64)
+        )
         factory = factories.pop(0)
         return EngineCore(handle, batch_generator_factory=factory, prompt_cache=FakePromptCache())
 
@@ -198,6 +205,7 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
 
     from runtime.engine.core import EngineCore
     from runtime.engine.failures import FAILED_STEPS_TO_RESTART, EngineBroken
+    from runtime.lifecycle import ModelInfo
     from runtime.loaded_model import LoadedModel
     from runtime.messages import Submit
 
@@ -205,7 +213,7 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
     # Generator by generator: the step on which it fails (None: never).
     factory = FakeBatchGeneratorFactory(fail_on_step=[1, 1, 2, 1, 1])
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=64),
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=64)),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )

@@ -17,6 +17,7 @@ from mlx_lm.generate import BatchGenerator
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.loading import make_engine_core
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mlx_lm_internals import size_prefill_group
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
@@ -127,7 +128,7 @@ def two_decoding(**window):
     sequences decoding past their first tokens, over the fake generator."""
     factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, completion_batch_size=16)
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
         admission_window=3600.0,

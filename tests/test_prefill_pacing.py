@@ -212,7 +212,7 @@ def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_mo
     # a decode step 10 ms, a prompt token 0.2 ms: 1.5 steps are 75 tokens.
     paced.pacer.decode_seconds, paced.pacer.token_seconds = 0.010, 0.0002
     paced.pacer.observe = lambda *a, **k: None
-    results = {f: drive(core, submits(core.handle.vocab_size)) for f, core in cores.items()}
+    results = {f: drive(core, submits(core.handle.info.vocab_size)) for f, core in cores.items()}
     (plain_tokens, plain_chunks), (paced_tokens, paced_chunks) = results[0], results[1.5]
     assert plain_chunks[0] == 512  # mlx-lm's full chunk, though two decode
     assert max(paced_chunks) == 75 and len(paced_chunks) > len(plain_chunks)

@@ -63,7 +63,9 @@ class PolicyMachine(RuleBasedStateMachine):
             bytes_per_token=BYTES_PER_TOKEN,
         )
         self.store = PromptCacheStore(min_reuse_tokens=min_reuse)
-        handle = LoadedModel(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+        handle = LoadedModel(
+            model=None, tokenizer=None, info=ModelInfo(model_key=MODEL, vocab_size=VOCAB)
+        )
         # Knowing the limit, the engine stores no entry the limit evicts at once.
         self.engine = EngineCore(
             handle,
@@ -386,7 +388,9 @@ def test_the_policy_logs_its_figures_after_a_step_at_most_every_period(caplog):
 
 def test_an_evict_command_removes_entries_before_the_next_lookup():
     store = PromptCacheStore(min_reuse_tokens=2)
-    handle = LoadedModel(model=None, tokenizer=None, model_key=MODEL, vocab_size=VOCAB)
+    handle = LoadedModel(
+        model=None, tokenizer=None, info=ModelInfo(model_key=MODEL, vocab_size=VOCAB)
+    )
     engine = EngineCore(
         handle, batch_generator_factory=FakeBatchGeneratorFactory(vocab=VOCAB), prompt_cache=store
     )

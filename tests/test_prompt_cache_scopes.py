@@ -56,7 +56,7 @@ def cached_of(core, sub: Submit) -> int:
 
 
 def test_a_scope_reuses_its_own_entries_and_no_other(core):
-    system, user = conversation(core.handle.vocab_size, seed=1)
+    system, user = conversation(core.handle.info.vocab_size, seed=1)
     assert cached_of(core, submit(1, system, user, scope="tenant-a")) == 0
     # The same prompt again: within the scope, all but its last token.
     assert cached_of(core, submit(2, system, user, scope="tenant-a")) == len(system + user) - 1
@@ -68,7 +68,7 @@ def test_a_scope_reuses_its_own_entries_and_no_other(core):
 
 
 def test_a_request_waits_only_behind_a_prefill_of_its_own_scope(core):
-    system, user = conversation(core.handle.vocab_size, seed=2)
+    system, user = conversation(core.handle.info.vocab_size, seed=2)
     other_user = user[:-1] + (user[-1] + 1,)
     started = {}
 

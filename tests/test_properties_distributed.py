@@ -27,6 +27,7 @@ from actors.prompt_cache import PromptCachePolicy
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop, run_follower_loop
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import Abort, EvictCache, SamplingParams, Shutdown, Submit
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
@@ -53,7 +54,9 @@ class Rendezvous:
 
 
 def make_core(factory: FakeBatchGeneratorFactory, share, cache=None) -> EngineCore:
-    handle = LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
+    handle = LoadedModel(
+        model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)
+    )
     return EngineCore(
         handle,
         batch_generator_factory=factory,

@@ -33,6 +33,7 @@ from actors.system import Runtime
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.errors import Overloaded
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import Delta, Failed, Finished, Progress, SamplingParams
 from runtime.prompts import prepare_text
@@ -266,7 +267,9 @@ def fake_runtime(
     """A Runtime over fake engines; each engine's prompt cache is appended to ``caches``."""
 
     def make_core() -> EngineCore:
-        handle = LoadedModel(model=None, tokenizer=TOKENIZER, model_key="fake", vocab_size=VOCAB)
+        handle = LoadedModel(
+            model=None, tokenizer=TOKENIZER, info=ModelInfo(model_key="fake", vocab_size=VOCAB)
+        )
         cache = FakePromptCache()
         if caches is not None:
             caches.append(cache)

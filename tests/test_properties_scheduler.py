@@ -20,6 +20,7 @@ from actors.scheduler import SchedulerCore
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import run_engine_loop
 from runtime.errors import Overloaded
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
@@ -204,7 +205,9 @@ def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False):
         per_segment=per_segment,
     )
     cache = FakePromptCache()
-    handle = LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB)
+    handle = LoadedModel(
+        model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)
+    )
     core = EngineCore(
         handle,
         batch_generator_factory=factory,
@@ -601,7 +604,7 @@ def test_segment_caches_are_saved_with_their_types(per_segment):
 def test_logprobs_are_reported_for_the_requests_that_ask():
     factory = FakeBatchGeneratorFactory(vocab=VOCAB, eos_ids={EOS}, emit_logprobs=True)
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=VOCAB),
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)),
         batch_generator_factory=factory,
         prompt_cache=FakePromptCache(),
     )

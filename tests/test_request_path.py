@@ -16,6 +16,7 @@ from api.http import INLINE_PREPARE_BYTES, small_body
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import settle_heap
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import SamplingParams
 from runtime.models import DEFAULT_ALIASES, names_served
@@ -28,7 +29,9 @@ def _runtime() -> Runtime:
     tokenizer = FakeTokenizer()
 
     def make_core():
-        handle = LoadedModel(model=None, tokenizer=tokenizer, model_key="fake", vocab_size=64)
+        handle = LoadedModel(
+            model=None, tokenizer=tokenizer, info=ModelInfo(model_key="fake", vocab_size=64)
+        )
         return EngineCore(handle, batch_generator_factory=FakeBatchGeneratorFactory(),
                           prompt_cache=FakePromptCache())
 

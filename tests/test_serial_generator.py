@@ -11,6 +11,7 @@ import pytest
 
 from runtime.engine.core import EngineCore
 from runtime.engine.serial import SerialGenerator
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import FinishReason, SamplingParams, Submit
 from runtime.prompt_cache_store import PromptCacheStore
@@ -39,7 +40,11 @@ def engine(loaded, make_generator, **kwargs) -> EngineCore:
 
     model, tokenizer = loaded
     return EngineCore(
-        LoadedModel(model=model, tokenizer=tokenizer, model_key="tiny", vocab_size=len(tokenizer)),
+        LoadedModel(
+            model=model,
+            tokenizer=tokenizer,
+            info=ModelInfo(model_key="tiny", vocab_size=len(tokenizer)),
+        ),
         batch_generator_factory=make_generator,
         prompt_cache=PromptCacheStore(max_size=8),
         stop_sequences=make_stop_sequences(tokenizer),

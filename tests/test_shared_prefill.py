@@ -129,7 +129,7 @@ def cores(tiny_model_path):
 
 def test_sessions_that_start_together_compute_the_system_prompt_once(cores):
     core = cores[32]
-    submits = session_submits(core.handle.vocab_size, 4)
+    submits = session_submits(core.handle.info.vocab_size, 4)
     computed_before = core.counters.prompt_tokens_computed
     seen, started, progress = run_sessions(core, submits)
     system = len(submits[0].segments[0])
@@ -149,7 +149,7 @@ def test_shared_prefills_give_the_tokens_each_prompt_gives_alone(cores):
         # Fresh ids per run, and a cold prompt cache for these prompts (other rng draws).
         submits = [
             sub(i + 10 * (m + 1), *s.segments) for i, s in enumerate(
-                session_submits(core.handle.vocab_size, 3)
+                session_submits(core.handle.info.vocab_size, 3)
             )
         ]
         seen, started, _ = run_sessions(core, submits)
@@ -162,7 +162,7 @@ def test_shared_prefills_give_the_tokens_each_prompt_gives_alone(cores):
 def test_a_waiting_request_can_be_aborted(cores):
     core = cores[32]
     rng = random.Random(11)
-    vocab = core.handle.vocab_size
+    vocab = core.handle.info.vocab_size
     system = tuple(rng.randrange(10, vocab - 10) for _ in range(300))
     leader = sub(101, system, (11, 12, 13))
     follower = sub(102, system, (14, 15, 16))
@@ -189,6 +189,7 @@ from hypothesis import event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from runtime.engine.core import EngineCore  # noqa: E402
+from runtime.lifecycle import ModelInfo  # noqa: E402
 from runtime.loaded_model import LoadedModel  # noqa: E402
 from tests.fakes import FakeBatchGeneratorFactory, FakeKVCache, FakePromptCache  # noqa: E402
 
@@ -242,7 +243,9 @@ def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(examp
         vocab=FAKE_VOCAB, eos_ids={0}, completion_batch_size=batch, per_segment=True
     )
     core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, model_key="fake", vocab_size=FAKE_VOCAB),
+        LoadedModel(
+            model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=FAKE_VOCAB)
+        ),
         batch_generator_factory=factory,
         prompt_cache=PrefixServingCache(),
         shared_prefill_min_tokens=min_tokens,

@@ -17,6 +17,7 @@ from actors.system import Runtime
 from api.server import create_app
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from tests.conftest import wait_ready
 from tests.test_api import CHAT, parse_sse, post, stream_post
@@ -39,7 +40,9 @@ async def client(tiny_model_path, tiny_tokenizer, monkeypatch):
 
     def make_core():
         handle = LoadedModel(
-            model=None, tokenizer=tiny_tokenizer, model_key="scripted", vocab_size=len(tiny_tokenizer)
+            model=None,
+            tokenizer=tiny_tokenizer,
+            info=ModelInfo(model_key="scripted", vocab_size=len(tiny_tokenizer)),
         )
         return EngineCore(
             handle,

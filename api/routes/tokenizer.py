@@ -90,7 +90,7 @@ async def _with_tokenizer(rt: Runtime, key: ModelKey, work: Callable[..., Any]) 
     handle = await rt.acquire(key)
     try:
         return await trio.to_thread.run_sync(
-            work, handle.tokenizer, handle.vocab_size, limiter=rt.tokenize_limiter
+            work, handle.tokenizer, handle.info.vocab_size, limiter=rt.tokenize_limiter
         )
     finally:
         rt.release()

@@ -246,7 +246,7 @@ class EngineCore:
 
     def _cache_key(self, sub: Submit):
         """The prompt cache's key for ``sub``'s entries: the model's, within its scope."""
-        key = self.handle.model_key
+        key = self.handle.info.model_key
         return (key, sub.cache_scope) if sub.cache_scope else key
 
     def _cached_now(self, sub: Submit, tokens) -> int:

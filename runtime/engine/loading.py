@@ -35,6 +35,7 @@ from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
+from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
@@ -94,9 +95,7 @@ def load_model(
     text_model = model.language_model if family is not None else model
     batchable = family is None and all(hasattr(c, "merge") for c in make_prompt_cache(model))
     vocab_size = _vocab_size(text_model, tokenizer)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
+    info = ModelInfo(
         model_key=model_path,
         vocab_size=vocab_size,
         batchable=batchable,
@@ -107,8 +106,8 @@ def load_model(
         parallel=group.mode if group else None,
         context_window=context_window(text_model, tokenizer, config.max_model_len),
         vision_family=family,
-        processor=processor,
     )
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, processor=processor)
 
 
 # Hugging Face tokenizers without a limit say int(1e30) (``VERY_LARGE_INTEGER``);
@@ -234,11 +233,12 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         handle = load_model(config, model_path, group)
     tokenizer = handle.tokenizer
     commands = None
-    serial = config.draft_model is not None or config.kv_bits is not None or not handle.batchable
+    serial = (config.draft_model is not None or config.kv_bits is not None
+              or not handle.info.batchable)
     if config.decode_path == "compiled" and group is None and not serial:
         with mx.stream(stream):  # on this thread, before the first step
             compiled = install_compiled_decode(handle.model) and check_compiled_decode(
-                handle.model, handle.vocab_size, config.decode_concurrency)
+                handle.model, handle.info.vocab_size, config.decode_concurrency)
         if compiled and not config.lazy_decode_traces:
             started = time.perf_counter()
             with mx.stream(stream):
@@ -256,9 +256,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     grammar = _grammar_tokenizer(handle)
     batch_sampler = None
     if serial:
-        if handle.vision_family is not None:
+        if handle.info.vision_family is not None:
             log.info("%s: a vision-language model, served one request at a time", model_path)
-        elif not handle.batchable:
+        elif not handle.info.batchable:
             log.warning("%s: its KV cache cannot be batched; serving one at a time", model_path)
         new_batch_generator = _serial_generator_factory(config, handle, stream)
         # stream_generate has no row hook: per-request samplers, constraints as logits
@@ -292,7 +292,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         logits_processors_factory=build_logits_processors,
         batch_sampler=batch_sampler,
         constraint_factory=constraint_factory,
-        insert_options=_vision_inputs if handle.vision_family is not None
+        insert_options=_vision_inputs if handle.info.vision_family is not None
         else _draft_tokens if config.draft_model is not None else None,
         stop_sequences=make_stop_sequences(tokenizer),
         commands=commands,
@@ -327,13 +327,13 @@ def _grammar_tokenizer(handle: LoadedModel) -> GrammarTokenizer | None:
     """
     began = time.perf_counter()
     try:
-        built = grammar_tokenizer(handle.tokenizer, handle.vocab_size)
+        built = grammar_tokenizer(handle.tokenizer, handle.info.vocab_size)
     except Exception:
         log.warning("%s: no structured outputs (the tokenizer cannot be read by llguidance)",
-                    handle.model_key, exc_info=True)
+                    handle.info.model_key, exc_info=True)
         return None
     log.info("grammar tokenizer of %s: %d tokens in %.2f s",
-             handle.model_key, built.vocab_size, time.perf_counter() - began)
+             handle.info.model_key, built.vocab_size, time.perf_counter() - began)
     return built
 
 
@@ -358,7 +358,7 @@ def _serial_generator_factory(config: ServerConfig, handle: LoadedModel, stream)
     import mlx.core as mx
     from mlx_lm import load
 
-    if handle.vision_family is not None:
+    if handle.info.vision_family is not None:
         if config.draft_model is not None or config.kv_bits is not None:
             log.warning("--draft-model and --kv-bits are not applied to a vision-language model")
 

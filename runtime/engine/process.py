@@ -47,6 +47,8 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from runtime.engine.host_speed import ProbeLog
 from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.lifecycle import EngineCrashed, EngineExited, EngineProcessStart, EngineReady
@@ -165,15 +167,8 @@ class ConnectionInbox:
 def engine_ready(handle: LoadedModel) -> EngineReady:
     """What the parent needs of a loaded model (the model itself stays here)."""
     return EngineReady(
-        model_key=handle.model_key,
-        vocab_size=handle.vocab_size,
-        batchable=handle.batchable,
-        kv_bytes_per_token=handle.kv_bytes_per_token,
-        kv_budget=handle.kv_budget,
+        info=attrs.evolve(handle.info, engine_pid=os.getpid()),
         eos_token_ids=tuple(sorted(handle.tokenizer.eos_token_ids)),
-        pid=os.getpid(),
-        context_window=handle.context_window,
-        vision_family=handle.vision_family,
     )
 
 
@@ -276,7 +271,7 @@ def _relay(conn, load_tokenizer, emit, on_ready, on_crash, check_cancelled) -> E
             emit(message)
         elif isinstance(message, EngineReady):
             tokenizer = load_tokenizer(message)
-            log.info("engine process %d serves %s", message.pid, message.model_key)
+            log.info("engine process %d serves %s", message.info.engine_pid, message.info.model_key)
             on_ready(handle_from_ready(message, tokenizer))
         elif isinstance(message, EngineCrashed):
             on_crash(message.reason)
@@ -290,17 +285,10 @@ def handle_from_ready(ready: EngineReady, tokenizer) -> LoadedModel:
     return LoadedModel(
         model=None,
         tokenizer=tokenizer,
-        model_key=ready.model_key,
-        vocab_size=ready.vocab_size,
-        batchable=ready.batchable,
-        kv_bytes_per_token=ready.kv_bytes_per_token,
-        kv_budget=ready.kv_budget,
-        engine_pid=ready.pid,
-        context_window=ready.context_window,
-        vision_family=ready.vision_family,
+        info=ready.info,
         # This side makes a request's image tensors, as it makes its tokens.
-        processor=(load_vision_processor(ready.model_key, ready.vision_family)
-                   if ready.vision_family else None),
+        processor=(load_vision_processor(ready.info.model_key, ready.info.vision_family)
+                   if ready.info.vision_family else None),
     )
 
 
