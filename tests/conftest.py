@@ -210,3 +210,20 @@ async def client(tiny_model_path):
         await wait_ready(c)
         c.app = app
         yield c
+
+
+# SDK clients of a module's ``server`` fixture (its base URL), for the modules that have one.
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(server):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)

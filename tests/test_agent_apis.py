@@ -43,16 +43,6 @@ def server():
     stop_server(proc)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ant(server):
-    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
-
-
 # ------------------------------------------------------------------ Responses
 
 

@@ -51,16 +51,6 @@ def server(model_dir):
     stop_server(proc)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def ant(server):
-    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
-
-
 def effort_tokens(model_dir, level: str) -> int:
     """How many tokens the template's effort line takes at ``level``."""
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
