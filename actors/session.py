@@ -228,9 +228,11 @@ class Session:
         """``prepare(tokenizer)`` makes the prompt (``prepare(tokenizer, vision=(processor,
         model_type, images))`` when the request has images); ``constrain(tokenizer, prompt)``
         (optional) the ``Submit.constraint`` (``None``: free output). Both run
-        in a worker thread, tokenizer-only (``prepare_inline`` without a
-        ``constrain``: on the trio thread, for prompts short enough that a
-        thread's two hand-overs of the GIL cost more than the templating); a
+        in a worker thread, tokenizer-only (``prepare_inline``: on the trio
+        thread, for prompts short enough that a thread's two hand-overs of the
+        GIL cost more than the templating; a ``constrain`` with a ``recent(tokenizer,
+        prompt)`` that finds the spec compiled lately then stays there too, and one
+        that must compile goes to the worker thread); a
         ``ClientError`` from either is a 400 before any byte is sent. ``n``:
         choices generated from the prompt; ``prompt_param``: the request field a
         too-long prompt is blamed on; ``cache_scope``: the prompt cache's partition
@@ -238,7 +240,7 @@ class Session:
         self._runtime = runtime
         self._prepare = prepare
         self._constrain = constrain
-        self._prepare_inline = prepare_inline and constrain is None and not image_params
+        self._prepare_inline = prepare_inline and not image_params
         self._image_params = image_params
         self._load_images = load_images
         self.sampling = sampling
@@ -292,7 +294,8 @@ class Session:
             vision = (handle.processor, handle.info.vision_family, images)
             prepare = functools.partial(self._prepare, vision=vision)
         if self._prepare_inline:
-            self.prompt, constraint = self._prepare_and_constrain(prepare, handle.tokenizer)
+            self.prompt = prepare(handle.tokenizer)
+            constraint = await self._constrain_inline(handle.tokenizer, self.prompt)
         else:
             self._runtime.arrivals.preparing += 1
             try:
@@ -367,6 +370,20 @@ class Session:
         if self._timeout is not None:
             self._deadline = trio.current_time() + self._timeout
         return self
+
+    async def _constrain_inline(self, tokenizer, prompt: PreparedPrompt) -> ConstraintSpec | None:
+        if self._constrain is None:
+            return None
+        recent = getattr(self._constrain, "recent", None)
+        spec = recent(tokenizer, prompt) if recent is not None else None
+        if spec is not None:
+            return spec
+        self._runtime.arrivals.preparing += 1
+        try:
+            return await trio.to_thread.run_sync(
+                self._constrain, tokenizer, prompt, limiter=self._runtime.tokenize_limiter)
+        finally:
+            self._runtime.arrivals.preparing -= 1
 
     def _prepare_and_constrain(self, prepare, tokenizer) -> tuple[PreparedPrompt, ConstraintSpec | None]:
         prompt = prepare(tokenizer)

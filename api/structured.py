@@ -4,25 +4,24 @@ Receives what a request of any endpoint asks of its output (a
 ``response_format`` in either OpenAI shape, ``tools``, ``tool_choice`` in any
 of the three APIs' shapes, whether calls may be parallel, and the chat
 template arguments, for ``enable_thinking``). Emits the ``constrain``
-callable a ``Session`` runs in its worker thread right after the prompt is
-prepared (``runtime.grammar.compile_constraint`` with the prompt's
-``initial_state``), or ``None`` when the request asks for nothing the engine
-must enforce. Also the checks of the chat-completions fields' shapes, stated
+step a ``Session`` runs right after the prompt is prepared (a ``ConstrainStep``:
+``runtime.grammar.compile_constraint`` with the prompt's ``initial_state``, in a
+worker thread unless compiled lately), or ``None`` when the request asks for
+nothing the engine must enforce. Also the checks of the chat-completions fields' shapes, stated
 on the fields (``api.schemas``).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from api.errors import InvalidParam
-from runtime.grammar import compile_constraint
+from runtime.grammar import ConstraintSpec, compile_constraint
 from runtime.messages import PreparedPrompt
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -41,7 +40,7 @@ def constrain_step(
     parallel_tool_calls: bool = True,
     template_args: Mapping[str, Any] | None = None,
     response_format_param: str = "response_format",
-) -> Callable[[Any, PreparedPrompt], Any] | None:
+) -> ConstrainStep | None:
     """The Session's ``constrain(tokenizer, prompt)`` for these fields, or ``None``.
 
     ``None`` when there is no ``response_format`` (or it is ``text``) and no
@@ -55,36 +54,56 @@ def constrain_step(
     if free_format and tool_choice in (None, "auto"):
         return None
     allow_thinking = (template_args or {}).get("enable_thinking", True) is not False
-    return functools.partial(
-        _compile,
+    return ConstrainStep(dict(
         response_format=response_format,
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
         allow_thinking=allow_thinking,
         response_format_param=response_format_param,
-    )
+    ))
 
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _compiled_lock = threading.Lock()
 
 
-def _compile(tokenizer, prompt: PreparedPrompt, **fields):
-    """``compile_constraint``, or the same request fields' spec compiled lately (a
-    field it refuses raises every time: refusals are not kept)."""
-    key = json.dumps([prompt.initial_state, fields], sort_keys=True, default=repr)
-    with _compiled_lock:
-        recent = _compiled.setdefault(tokenizer, collections.OrderedDict())
-        if key in recent:
+class ConstrainStep:
+    """One request's constraint fields; called, ``compile_constraint`` for them, or the
+    same fields' spec compiled lately (a field it refuses raises every time:
+    refusals are not kept). ``recent`` only looks: the Session calls it on the trio
+    thread and hands a miss to a worker thread, so a request whose grammar is
+    already compiled (an agent's tools, every turn) takes no thread hop."""
+
+    def __init__(self, fields: dict[str, Any]):
+        self.fields = fields
+
+    def _key(self, prompt: PreparedPrompt) -> str:
+        return json.dumps([prompt.initial_state, self.fields], sort_keys=True, default=repr)
+
+    def recent(self, tokenizer, prompt: PreparedPrompt) -> ConstraintSpec | None:
+        """The spec compiled lately for these fields and this prompt's start, or None."""
+        key = self._key(prompt)
+        with _compiled_lock:
+            recent = _compiled.get(tokenizer)
+            if recent is None or key not in recent:
+                return None
             recent.move_to_end(key)
             return recent[key]
-    spec = compile_constraint(tokenizer, initial_state=prompt.initial_state, **fields)
-    with _compiled_lock:
-        recent[key] = spec
-        while len(recent) > COMPILED_CONSTRAINTS:
-            recent.popitem(last=False)
-    return spec
+
+    def __call__(self, tokenizer, prompt: PreparedPrompt) -> ConstraintSpec:
+        key = self._key(prompt)
+        with _compiled_lock:
+            recent = _compiled.setdefault(tokenizer, collections.OrderedDict())
+            if key in recent:
+                recent.move_to_end(key)
+                return recent[key]
+        spec = compile_constraint(tokenizer, initial_state=prompt.initial_state, **self.fields)
+        with _compiled_lock:
+            recent[key] = spec
+            while len(recent) > COMPILED_CONSTRAINTS:
+                recent.popitem(last=False)
+        return spec
 
 
 # ------------------------------------------------ field checks (api.schemas)

@@ -16,6 +16,7 @@ from api.http import INLINE_PREPARE_BYTES, small_body
 from runtime.config import ServerConfig
 from runtime.engine.core import EngineCore
 from runtime.engine.loop import settle_heap
+from runtime.grammar import ConstraintSpec
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.messages import SamplingParams
@@ -50,6 +51,25 @@ async def test_a_short_prompt_is_prepared_on_the_trio_thread_and_a_constrained_o
 
         return prepare
 
+    compiled: list[tuple[str, bool]] = []  # (what, on the trio thread)
+    looked_up: list[bool] = []  # whether each lookup found a spec
+
+    class Compiling:
+        """A constrain step that compiles once, then finds its spec (as api.structured's)."""
+
+        spec = None
+
+        def recent(self, tok, prompt):
+            looked_up.append(self.spec is not None)
+            return self.spec
+
+        def __call__(self, tok, prompt):
+            compiled.append(("compile", threading.get_ident() == trio_thread))
+            self.spec = ConstraintSpec(grammar="%json {}", kind="json")
+            return self.spec
+
+    compiling = Compiling()
+
     async def run(name, **options):
         session = runtime.session(prepare=preparing(name), sampling=SamplingParams(),
                                   max_tokens=2, **options)
@@ -66,12 +86,17 @@ async def test_a_short_prompt_is_prepared_on_the_trio_thread_and_a_constrained_o
         with trio.fail_after(10):
             await run("inline", prepare_inline=True)
             await run("threaded")
-            await run("constrained", prepare_inline=True, constrain=lambda tok, prompt: None)
+            await run("constrained", prepare_inline=True, constrain=compiling)
+            await run("compiled lately", prepare_inline=True, constrain=compiling)
         nursery.cancel_scope.cancel()
     assert seen["inline"] == (trio_thread, 0)  # no hand-over, never counted as on its way
     assert seen["threaded"][0] != trio_thread and seen["threaded"][1] == 1
-    # a constraint may compile a grammar: always a worker thread
-    assert seen["constrained"][0] != trio_thread
+    # a short prompt is still prepared inline; its grammar compiles in a worker thread
+    assert seen["constrained"] == (trio_thread, 0)
+    assert compiled == [("compile", False)]
+    # the same fields' spec, compiled lately: looked up on the trio thread, no hand-over
+    assert seen["compiled lately"] == (trio_thread, 0)
+    assert looked_up == [False, True]
 
 
 async def test_only_a_small_body_with_a_declared_length_is_prepared_inline():

@@ -326,7 +326,9 @@ def test_a_constraint_asked_again_is_not_compiled_again(tiny_tokenizer, monkeypa
     city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     weather = {"type": "json_schema", "json_schema": {"name": "w", "schema": city}}
     step = structured.constrain_step(response_format=weather)
+    assert step.recent(tiny_tokenizer, prompt) is None  # only looks: compiles nothing
     first = step(tiny_tokenizer, prompt)
+    assert step.recent(tiny_tokenizer, prompt) is first
     assert step(tiny_tokenizer, prompt) is first
     assert structured.constrain_step(response_format=json.loads(json.dumps(weather)))(
         tiny_tokenizer, prompt) is first  # equal fields from another request
