@@ -51,6 +51,7 @@ from typing import Any
 
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 # ------------------------------------------------------------ the prompt cache
 
@@ -210,6 +211,38 @@ class _Overlay:
         return getattr(self._target, name)
 
 
+# ------------------------------------------------- freed buffers in prefill
+
+
+def keep_freed_buffers_in_generate() -> bool:
+    """Make ``mx.clear_cache()`` a no-op inside ``mlx_lm.generate`` (only there).
+
+    mlx-lm's prompt processing empties MLX's free-buffer cache after every prefill
+    chunk and again after a padded batch's last one, so every next chunk allocates
+    its buffers anew: about 5 ms a call on an H200 (``bench/clear_cache_cost.py``),
+    twice in most prefill steps, whether the chunk has 64 tokens or 2,048. A server
+    bounds that cache instead (``runtime.mlx_environment.bound_buffer_cache``): the
+    freed buffers are reused up to the bound and released past it. Call it only with
+    the cache bounded. Idempotent; True once installed.
+    """
+    import importlib
+
+    import mlx.core as mx
+
+    # the module (``mlx_lm.generate`` as an attribute is mlx-lm's generate function)
+    generate = importlib.import_module("mlx_lm.generate")
+    if isinstance(generate.mx, _Overlay):
+        return True
+    if generate.mx is not mx:
+        raise MlxLmInternalsChanged("mlx_lm.generate.mx is not mlx.core: see docs/upgrading-mlx-lm.md")
+    generate.mx = _Overlay(mx, clear_cache=_keep_freed_buffers)
+    return True
+
+
+def _keep_freed_buffers() -> None:
+    """``mx.clear_cache`` as ``mlx_lm.generate`` sees it under ``keep_freed_buffers_in_generate``."""
+
+
 # ------------------------------------------------- batch generator rows
 #
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
@@ -260,8 +293,68 @@ def _row_hook(sampler: Any):
     return getattr(sampler, "sampling_rows", None)
 
 
+def filter_layers(caches: list, keep: list[int]) -> None:
+    """Each layer's ``filter(keep)``, as mlx-lm's batches call it, with one device
+    round trip for all of a batch's KV layers.
+
+    mlx-lm's ``BatchKVCache.filter`` reads its new left padding back
+    (``tolist``) to trim the shared padding: one wait for the device per layer,
+    the first behind the decode step in flight, every other for a kernel of its
+    own (28 round trips on Qwen3-0.6B: ~20 ms of a 10 ms step on an H200, at
+    every step where a sequence finishes or a prompt joins). Here the plain
+    ``BatchKVCache`` layers select their rows, their paddings are evaluated
+    together, and each trims as mlx-lm's does; other cache types filter
+    themselves.
+    """
+    import mlx.core as mx
+
+    plain = [c for c in caches if type(c) is BatchKVCache]
+    for c in caches:
+        if type(c) is not BatchKVCache:
+            c.filter(keep)
+    if not plain:
+        return
+    rows = mx.array(keep)
+    for c in plain:
+        if c.keys is not None:
+            c.keys = c.keys[rows]
+            c.values = c.values[rows]
+        c.offset = c.offset[rows]
+        c.left_padding = c.left_padding[rows]
+    mx.eval([c.left_padding for c in plain])
+    for c in plain:
+        shared = min(c.left_padding.tolist())
+        if shared > 0:
+            if c.keys is not None:
+                c.keys = c.keys[..., shared:, :]
+                c.values = c.values[..., shared:, :]
+            c._idx -= shared
+            c.left_padding = c.left_padding - shared
+
+
+@contextlib.contextmanager
+def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
+    """Around mlx-lm's ``filter`` of a batch: the layers filtered by ``filter_layers``,
+    mlx-lm's own loop over them given no layers (it keeps the rest of its work)."""
+    caches = batch.prompt_cache
+    if not keep:  # mlx-lm clears the list itself
+        yield
+        return
+    filter_layers(caches, keep)
+    batch.prompt_cache = []
+    try:
+        yield
+    finally:
+        batch.prompt_cache = caches
+
+
 class RowAwarePromptBatch(PromptProcessingBatch):
-    """A prompt batch whose ``generate`` tells the sampler the rows of their first sample."""
+    """A prompt batch whose ``generate`` tells the sampler the rows of their first
+    sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once."""
+
+    def filter(self, keep):
+        with _layers_filtered(self, keep):
+            super().filter(keep)
 
     def generate(self, tokens):
         hook = _row_hook(self.fallback_sampler)
@@ -274,7 +367,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
 
 
 class RowAwareGenerationBatch(GenerationBatch):
-    """A generation batch whose ``_step`` tells the sampler its rows and their inputs."""
+    """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
+    and whose ``filter`` reads the layers' paddings at once."""
 
     def _step(self):
         hook = _row_hook(self.fallback_sampler)
@@ -294,7 +388,8 @@ class RowAwareGenerationBatch(GenerationBatch):
         self._queue_next_tokens()
 
     def filter(self, keep):
-        super().filter(keep)
+        with _layers_filtered(self, keep):
+            super().filter(keep)
         self._queue_next_tokens()
 
     def _queue_next_tokens(self) -> None:
@@ -369,6 +464,23 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         < next_source.find(".split("),
         "BatchGenerator._next takes prefill_batch_size - len(_prompt_batch) waiting "
         "sequences before it splits the done members off _currently_processing",
+    )
+    for cls in (PromptProcessingBatch, GenerationBatch):
+        filtering = _source(cls.filter).replace(" ", "")
+        expect(
+            "forcinself.prompt_cache:\nc.filter(keep)" in filtering
+            and "self.prompt_cache.clear()" in filtering,
+            f"{cls.__name__}.filter(keep) calls each of self.prompt_cache's filter(keep) "
+            "(or clears the list when nothing is kept)",
+        )
+    filtering = _source(BatchKVCache.filter)
+    expect(
+        all(part in filtering for part in (
+            "self.keys[batch_indices]", "self.offset[batch_indices]",
+            "self.left_padding[batch_indices]", "min(self.left_padding.tolist())",
+            "self._idx -= min_left_pad", "self.left_padding -= min_left_pad")),
+        "BatchKVCache.filter selects keys, values, offset and left_padding and trims the "
+        "shared left padding from keys, values, _idx and left_padding",
     )
     if generator is not None:
         for name in (

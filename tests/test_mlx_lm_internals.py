@@ -230,3 +230,95 @@ def test_the_internals_module_is_the_only_one_reading_private_mlx_lm_names():
             text = path.read_text()
             offenders += [f"{path.relative_to(root)}: {p}" for p in private if p in text]
     assert not offenders, offenders
+
+
+# ------------------------------------------------------------ batch caches' filter
+
+
+def _batch_layers(seed: int, paddings: list[int], length: int, rotating: bool = False) -> list:
+    """Two layers' batch KV caches (rows left-padded by ``paddings``), filled with random
+    keys and values; a rotating layer (a window of 8) beside them when asked."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    key = mx.random.key(seed)
+    layers = []
+    for i in range(2):
+        layer = BatchKVCache(list(paddings))
+        k1, k2 = mx.random.split(mx.random.key(seed * 10 + i))
+        shape = (len(paddings), 2, length, 4)
+        layer.update_and_fetch(mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2))
+        layers.append(layer)
+    if rotating:
+        layer = BatchRotatingKVCache(8, list(paddings))
+        shape = (len(paddings), 2, length, 4)
+        layer.update_and_fetch(mx.random.normal(shape, key=key), mx.random.normal(shape, key=key))
+        layers.append(layer)
+    mx.eval([c.state for c in layers])
+    return layers
+
+
+def _layer_state(layer) -> tuple:
+    return (layer.keys.tolist(), layer.values.tolist(), layer.offset.tolist(),
+            layer.left_padding.tolist(), layer._idx)
+
+
+@pytest.mark.parametrize(("paddings", "keep"), [
+    ([3, 0, 5, 2], [0, 2, 3]),  # the row without padding leaves: two columns trimmed
+    ([3, 0, 5, 2], [1, 2]),  # a row without padding stays: nothing trimmed
+    ([4, 4, 6], [2]),  # one row left
+    ([1, 2], [0, 1]),  # every row stays, padding shared by all trimmed
+])
+def test_layers_filter_as_mlx_lms_own_filter_does(paddings, keep):
+    ours = _batch_layers(7, paddings, 10, rotating=True)
+    theirs = _batch_layers(7, paddings, 10, rotating=True)
+    mlx_lm_internals.filter_layers(ours, keep)
+    for layer in theirs:
+        layer.filter(keep)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert _layer_state(mine) == _layer_state(reference)
+    # and a decode step after the filter sees the same cache
+    step = [mx.ones((len(keep), 2, 1, 4))] * 2
+    for mine, reference in zip(ours[:2], theirs[:2], strict=True):
+        got, want = mine.update_and_fetch(*step), reference.update_and_fetch(*step)
+        assert got[0].tolist() == want[0].tolist()
+        assert mine.make_mask(1).tolist() == reference.make_mask(1).tolist()
+
+
+def test_a_batch_filter_reads_its_paddings_back_once(monkeypatch):
+    """The generation batch's filter (a sequence finished) waits for the device once,
+    not once per layer."""
+    from mlx_lm.generate import GenerationBatch
+
+    layers = [_batch_layers(3, [2, 0, 1], 6)[0] for _ in range(8)]  # eight layers
+    batch = mlx_lm_internals.RowAwareGenerationBatch.empty(None, None)
+    batch.prompt_cache = layers
+    for name in ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
+                 "stop_sequences", "_next_logprobs", "_token_context", "_num_tokens",
+                 "_matchers"):
+        setattr(batch, name, [name] * 3)
+    batch._next_tokens = mx.array([1, 2, 3])
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evals.append(a), real_eval(*a))[1])
+    batch.filter([0, 2])
+    assert len(evals) == 1
+    assert batch.prompt_cache is layers and batch.uids == ["uids"] * 2
+    assert batch._next_tokens.tolist() == [1, 3]
+    assert [c.left_padding.tolist() for c in layers] == [[1, 0]] * 8  # one column trimmed
+    assert isinstance(batch, GenerationBatch)
+
+
+def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")  # the module, not the function
+    monkeypatch.setattr(generate, "mx", mx)  # undone after the test
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    assert mlx_lm_internals.keep_freed_buffers_in_generate()
+    assert mlx_lm_internals.keep_freed_buffers_in_generate()  # idempotent
+    generate.mx.clear_cache()
+    assert cleared == []
+    assert generate.mx.eval is mx.eval and generate.mx.array is mx.array
+    mx.clear_cache()  # everyone else's is MLX's own
+    assert cleared == [True]

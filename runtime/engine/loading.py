@@ -40,6 +40,7 @@ from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
 from runtime.mlx_lm_internals import (
     coming_prefill,
+    keep_freed_buffers_in_generate,
     sharded_load_on_the_default_stream,
     size_prefill_group,
 )
@@ -220,8 +221,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
-    if cache_limit is not None:
-        log.debug("MLX free-buffer cache limited to %.1f GB", cache_limit / 1e9)
+    if cache_limit is not None and keep_freed_buffers_in_generate():
+        log.debug("MLX free-buffer cache limited to %.1f GB, kept across prefill chunks",
+                  cache_limit / 1e9)
     if config.prefill_attention == "unfused" and install_prefill_attention(mx):
         log.debug("prefill attention: MLX's unfused path")
     # The group, the load and every step on this thread (see runtime.distributed).
