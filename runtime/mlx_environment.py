@@ -153,6 +153,10 @@ def install_prefill_attention(mx) -> bool:
     return True
 
 
+# What prefill does with MLX's freed buffers after each chunk (``--prefill-buffers``):
+# keep them for reuse within the bound below, or clear them as mlx-lm does.
+PREFILL_BUFFER_MODES = ("keep", "clear")
+
 # Freed buffers MLX keeps for reuse: at most this share of the device's memory
 # (and at least MIN_CACHE_BYTES). A batch's KV cache is rebuilt whole when
 # sequences join it, leave it, or grow past its allocation (all of it copied), so

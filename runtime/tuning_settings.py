@@ -14,7 +14,7 @@ nothing and emits nothing: a declaration, read through ``ServerConfig``.
 import attrs
 
 from runtime.compiled_decode import DECODE_PATHS
-from runtime.mlx_environment import PREFILL_ATTENTION_MODES
+from runtime.mlx_environment import PREFILL_ATTENTION_MODES, PREFILL_BUFFER_MODES
 from runtime.settings import TUNING, complete_settings, setting
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
@@ -112,6 +112,20 @@ class TuningSettings:
         help="worker threads for chat templates and tokenization (a trio.CapacityLimiter)",
         above=0,
         ours=True,
+        group=TUNING,
+    )
+    prefill_buffers: str = setting(
+        "keep",
+        help="MLX's freed buffers across prefill chunks: kept for reuse within the server's "
+        "buffer-cache bound, or released after every chunk as mlx-lm does (clear)",
+        choices=PREFILL_BUFFER_MODES,
+        ours=True,
+        notes="mlx-lm empties MLX's free-buffer cache after every prefill chunk, so the next "
+        "chunk allocates its buffers anew (about 5 ms a chunk on an H200). The server bounds "
+        "that cache (1/16 of the device's memory, at least 2 GB) and, with `keep`, lets "
+        "prefill reuse what it holds. `clear` restores mlx-lm's behaviour, for a device "
+        "whose memory is too tight to keep even the bound "
+        "([performance.md](performance.md)).",
         group=TUNING,
     )
     prefill_attention: str = setting(

@@ -201,6 +201,7 @@ TEXT_VALUES = {
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "prefill_attention": "mlx",
+    "prefill_buffers": "clear",
     "decode_path": "mlx",
     "admission_window_ms": "5", "burst_wait_ms": "4", "prompt_cache_min_reuse": "0",
     "shared_prefill_min_tokens": "64", "decode_stall_factor": "3", "prompt_cache_scope": "shared",

@@ -221,7 +221,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
-    if cache_limit is not None and keep_freed_buffers_in_generate():
+    if cache_limit is not None and config.prefill_buffers == "keep" and keep_freed_buffers_in_generate():
         log.debug("MLX free-buffer cache limited to %.1f GB, kept across prefill chunks",
                   cache_limit / 1e9)
     if config.prefill_attention == "unfused" and install_prefill_attention(mx):
