@@ -32,6 +32,8 @@
 #   constrained-step=SHAPE[:ROWS[:CONSTRAINED]]  bench/constrained_step.py: the engine's step
 #                                  with and without constrained rows, in-process, and where a
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
+#   first-step=SHAPE               bench/first_step.py: a prompt group's first decode step
+#                                  (GenerationBatch.__init__), timed by phase, in waves of 64
 #   constraints=SHAPE[:profile]    64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py); profile: the engine's cProfile too
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
@@ -138,6 +140,10 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 200)" python3 bench/constrained_step.py --model "$dir" \
         --rows "${p1:-64}" --constrained "${p2:-16}" --reps 5 2>&1 | tail -16
+      ;;
+    first-step)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 200)" python3 bench/first_step.py --model "$dir" --waves 4 2>&1 | tail -8
       ;;
     constraints)
       dir=$(model "$shape")
