@@ -24,9 +24,14 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``sharded_load_on_the_default_stream``: keeps the barrier at the end of
   ``mlx_lm.utils.sharded_load`` off the CPU stream on a GPU
   (``runtime.engine.loading``).
+* ``keep_freed_buffers_in_generate``: the name ``mx`` in ``mlx_lm.generate``,
+  overlaid so that its ``clear_cache`` after every prefill chunk does nothing
+  (``--prefill-buffers keep``; ``runtime.engine.loading``).
 * ``install_row_hooks`` (with ``RowAwarePromptBatch``,
   ``RowAwareGenerationBatch`` and ``check_internals``): tells a row-aware
-  sampler which rows it samples (``runtime.batch_sampling``); below.
+  sampler which rows it samples (``runtime.batch_sampling``), and filters a
+  batch's layers with one device round trip (``filter_layers``: what
+  ``BatchKVCache.filter`` does, for all layers at once); below.
 * ``size_prefill_group``: how many waiting prompts join the prefill in the
   coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
   ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
@@ -46,12 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------ the prompt cache
 
@@ -223,7 +231,8 @@ def keep_freed_buffers_in_generate() -> bool:
     twice in most prefill steps, whether the chunk has 64 tokens or 2,048. A server
     bounds that cache instead (``runtime.mlx_environment.bound_buffer_cache``): the
     freed buffers are reused up to the bound and released past it. Call it only with
-    the cache bounded. Idempotent; True once installed.
+    the cache bounded. Idempotent; True once installed, False (with a warning) where
+    mlx-lm's module no longer has the name to overlay.
     """
     import importlib
 
@@ -231,10 +240,12 @@ def keep_freed_buffers_in_generate() -> bool:
 
     # the module (``mlx_lm.generate`` as an attribute is mlx-lm's generate function)
     generate = importlib.import_module("mlx_lm.generate")
-    if isinstance(generate.mx, _Overlay):
+    if isinstance(getattr(generate, "mx", None), _Overlay):
         return True
-    if generate.mx is not mx:
-        raise MlxLmInternalsChanged("mlx_lm.generate.mx is not mlx.core: see docs/upgrading-mlx-lm.md")
+    if getattr(generate, "mx", None) is not mx:
+        log.warning("mlx_lm.generate no longer names mlx.core as mx: prefill clears MLX's "
+                    "buffer cache after every chunk (see docs/upgrading-mlx-lm.md)")
+        return False
     generate.mx = _Overlay(mx, clear_cache=_keep_freed_buffers)
     return True
 

@@ -322,3 +322,12 @@ def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):
     assert generate.mx.eval is mx.eval and generate.mx.array is mx.array
     mx.clear_cache()  # everyone else's is MLX's own
     assert cleared == [True]
+
+
+def test_freed_buffers_are_cleared_as_mlx_lm_does_where_its_module_changed(monkeypatch, caplog):
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")
+    monkeypatch.delattr(generate, "mx")
+    assert not mlx_lm_internals.keep_freed_buffers_in_generate()
+    assert not hasattr(generate, "mx") and "clears MLX's buffer cache" in caplog.text
