@@ -41,7 +41,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from actors.session import RequestTiming
+from actors.request_timing import RequestTiming
 from runtime.embeddings import BatchFigures
 from runtime.messages import BATCH_SIZE_BUCKETS, STEP_SECONDS_BUCKETS, EngineStats
 

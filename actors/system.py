@@ -51,8 +51,9 @@ from actors.model_loader import (
     ModelState,
 )
 from actors.prompt_cache import PromptCachePolicy
+from actors.request_timing import RequestTiming
 from actors.scheduler import Scheduler, SchedulerCore
-from actors.session import Arrivals, RequestTiming, Session
+from actors.session import Arrivals, Session
 from runtime.config import ServerConfig
 from runtime.distributed import launched_rank
 from runtime.engine.core import EngineCore

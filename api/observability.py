@@ -37,7 +37,8 @@ import attrs
 from quart import request
 
 from actors.metrics import CLIENT_CLOSED, ServerMetrics
-from actors.session import Arrivals, RequestTiming
+from actors.request_timing import RequestTiming
+from actors.session import Arrivals
 from runtime.engine.host_speed import probe_path
 
 ACCESS_LOG = logging.getLogger("mlx_trio.access")

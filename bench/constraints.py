@@ -18,6 +18,11 @@ machine hits them alike:
   rows in one batch); ``quarter-constrained``: on a quarter of them;
 * ``constrained-sampled``: ``constrained`` with temperature 0.7, top_p 0.9.
 
+Every chat request sends ``enable_thinking: false`` (``--thinking off``, the
+default): a constrained request must (the constraint would otherwise let the
+model open a thinking block), and a free one then has a prompt of the same
+shape, so that the modes differ by the response format alone.
+
 Prints one line per (mode, level) and run, with the engine's median decode
 step (time inside the batch generator's ``next`` on steps that prefilled
 nothing) and its host-speed probe (``runtime.engine.host_speed``: on the
@@ -107,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, help="per run (default max(8, 2c))")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=110)
+    p.add_argument("--thinking", choices=("off", "template"), default="off",
+                   help="off: every chat request sends enable_thinking false, as the constrained "
+                   "ones must, so that the modes' prompts have one shape (a thinking-off prompt "
+                   "ends in an empty think block, a cache segment of its own: one more prefill "
+                   "step); template: the free requests keep the template's default")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--server-args", default="--decode-concurrency 64",
                    help="more flags for the server")
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
         server.wait_healthy()
-        base = Workload(prompt_tokens=ns.prompt_tokens, max_tokens=ns.max_tokens)
+        base = Workload(prompt_tokens=ns.prompt_tokens, max_tokens=ns.max_tokens,
+                        enable_thinking=False if ns.thinking == "off" else None)
         workloads = {m: dataclasses.replace(base, **MODES[m]) for m in modes}
         for w in workloads.values():
             warm_up(url, w, builder)

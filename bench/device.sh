@@ -34,7 +34,7 @@
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
 #   first-step=SHAPE               bench/first_step.py: a prompt group's first decode step
 #                                  (GenerationBatch.__init__), timed by phase, in waves of 64
-#   constraints=SHAPE[:profile]    64 clients, a quarter of the requests json_schema-constrained,
+#   constraints=SHAPE[:profile[:ROUNDS]]  64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py); profile: the engine's cProfile too
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
 #                                  (bench/engine_overhead.py, every engine's main thread on CPU 3),
@@ -153,7 +153,7 @@ for scenario in "$@"; do
       [ "${p1:-}" = profile ] && profile="$OUT/constraints-engine.prof"
       MLX_TRIO_ENGINE_PROFILE="$profile" \
         timeout -s INT -k 10 "$(limit 400)" python3 bench/constraints.py --model "$dir" --modes greedy,quarter-constrained \
-        --levels 64 --requests 128 --rounds 5 --max-tokens 128 \
+        --levels 64 --requests 128 --rounds "${p2:-5}" --max-tokens 128 \
         --probe-dir "$OUT/constraints-probe" --json-out "$OUT/constraints-$shape.json" 2>&1 | tail -18
       ;;
     many-clients)

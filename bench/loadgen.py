@@ -120,6 +120,9 @@ class Workload:
     distinct_sampling: bool = False
     constrained: str | None = None  # "json_schema" (BENCH_SCHEMA) or "json_object"
     constrained_fraction: float = 1.0  # of the requests, the share with a response_format
+    # chat requests' enable_thinking (None: the template's default); a constrained
+    # request always has it off
+    enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "text"):
@@ -221,6 +224,8 @@ class PromptBuilder:
             body["stream_options"] = {"include_usage": True}
         if w.endpoint == "chat":
             body["messages"] = self.messages(w, index)
+            if w.enable_thinking is not None:
+                body["chat_template_kwargs"] = {"enable_thinking": w.enable_thinking}
             if w.is_constrained(index):
                 body["response_format"] = RESPONSE_FORMATS[w.constrained]
                 body["chat_template_kwargs"] = {"enable_thinking": False}

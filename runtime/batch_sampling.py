@@ -4,7 +4,7 @@ Owns the sampling state of the sequences of one ``BatchGenerator`` (their
 ``SamplingParams``, the random keys of seeded rows, their constraints), on the
 engine thread. Receives ``register(uid, params, constraint)`` / ``forget(uid)``
 from the engine, and each step the batch's logprobs from mlx-lm
-(``sampler(logprobs)``) while ``runtime.mlx_lm_internals``' hook has told it the
+(``sampler(logprobs)``) while ``runtime.mlx_lm_batches``' hook has told it the
 rows' uids and previous tokens. Emits one lazy token per row.
 
 mlx-lm samples a batch in one call only when every row has the same sampler
@@ -64,7 +64,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from runtime.messages import SamplingParams
-from runtime.mlx_lm_internals import install_row_hooks
+from runtime.mlx_lm_batches import install_row_hooks
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class BatchSampler:
 
         ``inputs``: an (n,) mx.array of the tokens fed to the model this step
         (each row's previous sample), or ``None`` when every row is sampled for
-        the first time. Installed by ``runtime.mlx_lm_internals``.
+        the first time. Installed by ``runtime.mlx_lm_batches``.
         """
         self._bound, self._inputs = uids, inputs
         try:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import make_sampler
 
-from runtime import mlx_lm_internals
+from runtime import mlx_lm_batches
 from runtime.batch_sampling import BatchSampler, make_batch_generator, unpack_bitmask
 from runtime.messages import SamplingParams
 
@@ -441,7 +441,7 @@ def test_a_mixed_batch_is_sampled_in_one_call_per_step(tiny):
     assert max(calls_per_step) == 1
     assert sampler.rows_per_call and set(sampler.rows_per_call) == {len(MIXED)}
     assert sampler.registered == 0  # every finished row was forgotten
-    assert isinstance(generator._generation_batch, mlx_lm_internals.RowAwareGenerationBatch)
+    assert isinstance(generator._generation_batch, mlx_lm_batches.RowAwareGenerationBatch)
 
 
 def test_greedy_rows_match_mlx_lm_and_seeded_rows_their_solo_run(tiny):
@@ -510,10 +510,10 @@ def test_mlx_lm_internals_are_what_the_hooks_expect(tiny):
     from mlx_lm.generate import BatchGenerator, GenerationBatch
 
     model, _ = tiny
-    assert mlx_lm.__version__.startswith(mlx_lm_internals.TESTED_MLX_LM)
-    mlx_lm_internals.check_internals()
+    assert mlx_lm.__version__.startswith(mlx_lm_batches.TESTED_MLX_LM)
+    mlx_lm_batches.check_internals()
     generator = make_batch_generator(model, sampler=BatchSampler(), prefill_batch_size=2)
-    assert isinstance(generator._prompt_batch, mlx_lm_internals.RowAwarePromptBatch)
+    assert isinstance(generator._prompt_batch, mlx_lm_batches.RowAwarePromptBatch)
     # split (through _copy) and extend keep the row-aware classes
     generator.insert([PROMPT, PROMPT[:3], PROMPT + PROMPT], max_tokens=[4, 4, 4])
     kinds = set()
@@ -521,13 +521,13 @@ def test_mlx_lm_internals_are_what_the_hooks_expect(tiny):
         generator.next()
         kinds.add((type(generator._prompt_batch), type(generator._generation_batch)))
     assert kinds == {
-        (mlx_lm_internals.RowAwarePromptBatch, mlx_lm_internals.RowAwareGenerationBatch)
+        (mlx_lm_batches.RowAwarePromptBatch, mlx_lm_batches.RowAwareGenerationBatch)
     }
     split = generator._prompt_batch.split([])
-    assert type(split) is mlx_lm_internals.RowAwarePromptBatch
+    assert type(split) is mlx_lm_batches.RowAwarePromptBatch
     generator.insert([PROMPT], max_tokens=[4])
     with pytest.raises(ValueError, match="no sequences"):
-        mlx_lm_internals.install_row_hooks(generator)
+        mlx_lm_batches.install_row_hooks(generator)
     fresh = BatchGenerator(model)
     assert type(fresh._generation_batch) is GenerationBatch  # what install replaces
 
@@ -539,5 +539,5 @@ def test_the_internals_check_fails_loudly_when_mlx_lm_changes(monkeypatch):
         return None
 
     monkeypatch.setattr(GenerationBatch, "_step", _step)
-    with pytest.raises(mlx_lm_internals.MlxLmInternalsChanged, match=r"GenerationBatch._step"):
-        mlx_lm_internals.check_internals()
+    with pytest.raises(mlx_lm_batches.MlxLmInternalsChanged, match=r"GenerationBatch._step"):
+        mlx_lm_batches.check_internals()

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.metrics import ServerMetrics
-from actors.session import RequestTiming
+from actors.request_timing import RequestTiming
 from api.server import create_app
 from runtime.config import ServerConfig
 from tests.conftest import wait_ready

@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
-from runtime import mlx_lm_internals
+from runtime import mlx_lm_batches, mlx_lm_internals
 from runtime.mlx_lm_internals import (
     convert_chat,
     keep_leading_space,
@@ -210,7 +210,8 @@ def test_the_barrier_overlay_is_scoped_to_mlx_lm_utils(monkeypatch):
 
 
 def test_the_internals_module_is_the_only_one_reading_private_mlx_lm_names():
-    """Outside runtime/mlx_lm_internals.py no code names the private parts it wraps."""
+    """Outside runtime/mlx_lm_internals.py (and mlx_lm_batches.py) no code names the private
+    parts it wraps."""
     root = Path(__file__).resolve().parents[1]
     private = (
         "._trie",
@@ -225,7 +226,7 @@ def test_the_internals_module_is_the_only_one_reading_private_mlx_lm_names():
     offenders = []
     for package in ("runtime", "actors", "api"):
         for path in (root / package).rglob("*.py"):
-            if path.name == "mlx_lm_internals.py":
+            if path.name in ("mlx_lm_internals.py", "mlx_lm_batches.py"):
                 continue
             text = path.read_text()
             offenders += [f"{path.relative_to(root)}: {p}" for p in private if p in text]
@@ -271,7 +272,7 @@ def _layer_state(layer) -> tuple:
 def test_layers_filter_as_mlx_lms_own_filter_does(paddings, keep):
     ours = _batch_layers(7, paddings, 10, rotating=True)
     theirs = _batch_layers(7, paddings, 10, rotating=True)
-    mlx_lm_internals.filter_layers(ours, keep)
+    mlx_lm_batches.filter_layers(ours, keep)
     for layer in theirs:
         layer.filter(keep)
     for mine, reference in zip(ours, theirs, strict=True):
@@ -290,7 +291,7 @@ def test_a_batch_filter_reads_its_paddings_back_once(monkeypatch):
     from mlx_lm.generate import GenerationBatch
 
     layers = [_batch_layers(3, [2, 0, 1], 6)[0] for _ in range(8)]  # eight layers
-    batch = mlx_lm_internals.RowAwareGenerationBatch.empty(None, None)
+    batch = mlx_lm_batches.RowAwareGenerationBatch.empty(None, None)
     batch.prompt_cache = layers
     for name in ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
                  "stop_sequences", "_next_logprobs", "_token_context", "_num_tokens",

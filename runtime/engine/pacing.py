@@ -28,7 +28,7 @@ the steps seen so far all had one size (the line cannot be told from a
 proportion), the next chunk takes another size (twice it, or half a full one),
 which gives the fit its second point. Sans-IO: ``observe`` after each step,
 ``chunk`` before the next; the generator is read and set through
-``runtime.mlx_lm_internals``.
+``runtime.mlx_lm_batches``.
 
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
@@ -159,7 +159,7 @@ class PacedSteps:
     """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
     before it (``before``, with the prefill group's sizing in between) and times it
     (``after``). ``coming`` reads what the step will do:
-    ``runtime.mlx_lm_internals.coming_prefill``."""
+    ``runtime.mlx_lm_batches.coming_prefill``."""
 
     def __init__(self, pacer: PrefillPacer, coming) -> None:
         self.pacer = pacer

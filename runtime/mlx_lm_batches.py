@@ -1,0 +1,401 @@
+"""Every use of the private parts of mlx-lm's ``BatchGenerator`` and its batches.
+
+As ``runtime.mlx_lm_internals`` for the rest of mlx-lm: each piece with the
+reason and what it relies on, checked against the installed mlx-lm
+(``check_internals``, at every generator's construction, and
+``tests/test_batch_sampling.py``, ``tests/test_mlx_lm_internals.py``;
+docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
+
+* ``install_row_hooks`` (with ``RowAwarePromptBatch``,
+  ``RowAwareGenerationBatch`` and ``check_internals``): tells a row-aware
+  sampler which rows it samples (``runtime.batch_sampling``), and filters a
+  batch's layers with one device round trip (``filter_layers``: what
+  ``BatchKVCache.filter`` does, for all layers at once).
+* ``size_prefill_group``: how many waiting prompts join the prefill in the
+  coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
+  ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
+* ``coming_prefill``: what the coming step decodes and prefills, for the chunk
+  size set between steps (the same attributes, ``_generation_batch``,
+  ``prefill_step_size``; ``runtime.engine.pacing``).
+
+Receives and emits nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx_lm
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
+
+# ------------------------------------------------- batch generator rows
+#
+# Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
+#
+# Owns the hook that tells a row-aware sampler which rows it is sampling. mlx-lm
+# 0.32 calls a sampler as ``sampler(logprobs)``, with no row identity, from two
+# places: ``GenerationBatch._step`` (every decode step of the running batch) and
+# ``PromptProcessingBatch.generate`` (whose freshly built ``GenerationBatch``
+# samples the first token of the rows that just finished their prompts, in its
+# ``__init__``). Two subclasses wrap exactly those two methods so that, during
+# the call, the sampler knows the rows' uids and their ``inputs`` (the tokens fed
+# to the model this step: each row's previous sample, or, for a row's first
+# sample, its last prompt token). ``install_row_hooks`` puts them into a
+# ``BatchGenerator`` right after construction.
+#
+# The mlx-lm internals relied on (0.32.x), all checked by ``check_internals``
+# (called by ``install_row_hooks``; tests/test_batch_sampling.py calls it too):
+#
+# - ``BatchGenerator`` instance attributes ``_prompt_batch``, ``_generation_batch``
+#   (created once in ``__init__`` and afterwards only ``extend``-ed, ``split``
+#   and ``filter``-ed, never replaced), ``_unprocessed_sequences``, ``model``,
+#   ``sampler`` (the fallback sampler every ``None`` row sampler becomes),
+#   ``prefill_step_size``.
+# - ``PromptProcessingBatch.empty(model, fallback_sampler, prefill_step_size)``,
+#   ``.generate(tokens)``; ``split`` copies through ``_copy``, which builds
+#   ``self.__class__`` (so a split keeps our subclass); ``extend`` keeps the
+#   receiver; instance attributes ``uids`` and ``fallback_sampler``.
+# - ``GenerationBatch.empty(model, fallback_sampler)``, ``._step()``, which reads
+#   the step's inputs from ``self._next_tokens`` and samples all rows in one call
+#   when every row has the same sampler object; instance attributes ``uids``,
+#   ``fallback_sampler``, ``_next_tokens``.
+#
+# A sampler takes part by having ``sampling_rows(uids, inputs)``, a context
+# manager (see ``runtime.batch_sampling.BatchSampler``); any other sampler is
+# called exactly as mlx-lm calls it.
+
+
+
+
+TESTED_MLX_LM = "0.32."  # the release series these hooks were written against
+
+
+class MlxLmInternalsChanged(RuntimeError):
+    """mlx-lm no longer has the private shape these hooks rely on."""
+
+
+def _row_hook(sampler: Any):
+    return getattr(sampler, "sampling_rows", None)
+
+
+def filter_layers(caches: list, keep: list[int]) -> None:
+    """Each layer's ``filter(keep)``, as mlx-lm's batches call it, with one device
+    round trip for all of a batch's KV layers.
+
+    mlx-lm's ``BatchKVCache.filter`` reads its new left padding back
+    (``tolist``) to trim the shared padding: one wait for the device per layer,
+    the first behind the decode step in flight, every other for a kernel of its
+    own (28 round trips on Qwen3-0.6B: ~20 ms of a 10 ms step on an H200, at
+    every step where a sequence finishes or a prompt joins). Here the plain
+    ``BatchKVCache`` layers select their rows, their paddings are evaluated
+    together, and each trims as mlx-lm's does; other cache types filter
+    themselves.
+    """
+    import mlx.core as mx
+
+    plain = [c for c in caches if type(c) is BatchKVCache]
+    for c in caches:
+        if type(c) is not BatchKVCache:
+            c.filter(keep)
+    if not plain:
+        return
+    rows = mx.array(keep)
+    for c in plain:
+        if c.keys is not None:
+            c.keys = c.keys[rows]
+            c.values = c.values[rows]
+        c.offset = c.offset[rows]
+        c.left_padding = c.left_padding[rows]
+    mx.eval([c.left_padding for c in plain])
+    for c in plain:
+        shared = min(c.left_padding.tolist())
+        if shared > 0:
+            if c.keys is not None:
+                c.keys = c.keys[..., shared:, :]
+                c.values = c.values[..., shared:, :]
+            c._idx -= shared
+            c.left_padding = c.left_padding - shared
+
+
+@contextlib.contextmanager
+def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
+    """Around mlx-lm's ``filter`` of a batch: the layers filtered by ``filter_layers``,
+    mlx-lm's own loop over them given no layers (it keeps the rest of its work)."""
+    caches = batch.prompt_cache
+    if not keep:  # mlx-lm clears the list itself
+        yield
+        return
+    filter_layers(caches, keep)
+    batch.prompt_cache = []
+    try:
+        yield
+    finally:
+        batch.prompt_cache = caches
+
+
+class RowAwarePromptBatch(PromptProcessingBatch):
+    """A prompt batch whose ``generate`` tells the sampler the rows of their first
+    sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once."""
+
+    def filter(self, keep):
+        with _layers_filtered(self, keep):
+            super().filter(keep)
+
+    def generate(self, tokens):
+        hook = _row_hook(self.fallback_sampler)
+        if hook is None:
+            return super().generate(tokens)
+        # The GenerationBatch built here samples every one of ``self.uids`` once
+        # in its __init__; their inputs are the last prompt tokens (not samples).
+        with hook(list(self.uids), None):
+            return super().generate(tokens)
+
+
+class RowAwareGenerationBatch(GenerationBatch):
+    """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
+    and whose ``filter`` reads the layers' paddings at once."""
+
+    def _step(self):
+        hook = _row_hook(self.fallback_sampler)
+        if hook is None:
+            return super()._step()
+        with hook(self.uids, self._next_tokens):
+            return super()._step()
+
+    # mlx-lm leaves the rows' next inputs lazy when rows join (a concatenation) or
+    # leave (a selection); evaluated at the next step, they would wait behind this
+    # step's prefill chunk on the device. A step with constrained rows reads them
+    # before building its own graph (the masks need them), so they are queued at
+    # once: it then waits for the decode tokens only, not for the prefill.
+
+    def extend(self, batch):
+        super().extend(batch)
+        self._queue_next_tokens()
+
+    def filter(self, keep):
+        with _layers_filtered(self, keep):
+            super().filter(keep)
+        self._queue_next_tokens()
+
+    def _queue_next_tokens(self) -> None:
+        if self._next_tokens is not None and _row_hook(self.fallback_sampler) is not None:
+            import mlx.core as mx
+
+            mx.async_eval(self._next_tokens)
+
+
+def _parameters(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def check_internals(generator: BatchGenerator | None = None) -> None:
+    """Raise ``MlxLmInternalsChanged`` naming every expectation mlx-lm no longer meets.
+
+    With ``generator``, its instance attributes are checked too.
+    """
+    problems: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            problems.append(what)
+
+    expect("sampler" in _parameters(BatchGenerator.__init__), "BatchGenerator(sampler=...)")
+    expect(
+        _parameters(PromptProcessingBatch.generate) == ["self", "tokens"],
+        "PromptProcessingBatch.generate(self, tokens)",
+    )
+    expect(
+        _parameters(PromptProcessingBatch.empty)[:3]
+        == ["model", "fallback_sampler", "prefill_step_size"],
+        "PromptProcessingBatch.empty(model, fallback_sampler, prefill_step_size)",
+    )
+    expect(
+        "self.__class__" in _source(PromptProcessingBatch._copy),
+        "PromptProcessingBatch._copy builds self.__class__ (split keeps the subclass)",
+    )
+    expect(
+        "GenerationBatch(" in _source(PromptProcessingBatch.generate)
+        and "self.fallback_sampler" in _source(PromptProcessingBatch.generate),
+        "PromptProcessingBatch.generate builds a GenerationBatch with its fallback_sampler",
+    )
+    expect(_parameters(GenerationBatch._step) == ["self"], "GenerationBatch._step(self)")
+    expect(
+        _parameters(GenerationBatch.empty)[:2] == ["model", "fallback_sampler"],
+        "GenerationBatch.empty(model, fallback_sampler)",
+    )
+    step = _source(GenerationBatch._step)
+    expect(
+        "self._next_tokens" in step and "self.fallback_sampler" in step,
+        "GenerationBatch._step takes its inputs from self._next_tokens and "
+        "samples with self.fallback_sampler",
+    )
+    init = _parameters(GenerationBatch.__init__)
+    expect(
+        "inputs" in init and "fallback_sampler" in init,
+        "GenerationBatch.__init__(..., inputs, ..., fallback_sampler, ...)",
+    )
+    next_source = _source(BatchGenerator._next)
+    expect(
+        "self.prefill_batch_size - len(self._prompt_batch)" in next_source
+        and next_source.find("prefill_batch_size")
+        < next_source.find("_currently_processing")
+        < next_source.find(".split("),
+        "BatchGenerator._next takes prefill_batch_size - len(_prompt_batch) waiting "
+        "sequences before it splits the done members off _currently_processing",
+    )
+    for cls in (PromptProcessingBatch, GenerationBatch):
+        filtering = _source(cls.filter).replace(" ", "")
+        expect(
+            "forcinself.prompt_cache:\nc.filter(keep)" in filtering
+            and "self.prompt_cache.clear()" in filtering,
+            f"{cls.__name__}.filter(keep) calls each of self.prompt_cache's filter(keep) "
+            "(or clears the list when nothing is kept)",
+        )
+    filtering = _source(BatchKVCache.filter)
+    expect(
+        all(part in filtering for part in (
+            "self.keys[batch_indices]", "self.offset[batch_indices]",
+            "self.left_padding[batch_indices]", "min(self.left_padding.tolist())",
+            "self._idx -= min_left_pad", "self.left_padding -= min_left_pad")),
+        "BatchKVCache.filter selects keys, values, offset and left_padding and trims the "
+        "shared left padding from keys, values, _idx and left_padding",
+    )
+    if generator is not None:
+        for name in (
+            "model",
+            "sampler",
+            "prefill_step_size",
+            "prefill_batch_size",
+            "completion_batch_size",
+            "_prompt_batch",
+            "_generation_batch",
+            "_unprocessed_sequences",
+            "_currently_processing",
+        ):
+            expect(hasattr(generator, name), f"BatchGenerator instance attribute {name}")
+        expect(
+            isinstance(getattr(generator, "_prompt_batch", None), PromptProcessingBatch),
+            "BatchGenerator._prompt_batch is a PromptProcessingBatch",
+        )
+        expect(
+            isinstance(getattr(generator, "_generation_batch", None), GenerationBatch),
+            "BatchGenerator._generation_batch is a GenerationBatch",
+        )
+        gen_batch = getattr(generator, "_generation_batch", None)
+        for name in ("uids", "fallback_sampler", "_next_tokens"):
+            expect(hasattr(gen_batch, name), f"GenerationBatch instance attribute {name}")
+        prompt_batch = getattr(generator, "_prompt_batch", None)
+        for name in ("uids", "fallback_sampler"):
+            expect(hasattr(prompt_batch, name), f"PromptProcessingBatch instance attribute {name}")
+    if problems:
+        raise MlxLmInternalsChanged(
+            f"mlx-lm {mlx_lm.__version__} (hooks written for {TESTED_MLX_LM}x) changed: "
+            + "; ".join(problems)
+        )
+
+
+def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
+    """Replace a new, empty generator's batches by the row-aware subclasses."""
+    check_internals(generator)
+    if (
+        len(generator._prompt_batch)
+        or len(generator._generation_batch)
+        or generator._unprocessed_sequences
+    ):
+        raise ValueError("install_row_hooks needs a BatchGenerator that has no sequences yet")
+    generator._prompt_batch = RowAwarePromptBatch.empty(
+        generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
+    )
+    generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
+    return generator
+
+
+# ------------------------------------------------------ prefill groups by tokens
+#
+# mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
+# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, ...)``) into
+# the prompt batch each step, *before* it splits off the members whose prompt is
+# done (``_currently_processing`` entries ``[segments, done, total]``; a member is
+# done when one segment of one token is left, which ``generate`` takes). So a
+# group of short prompts blocks the next group for a step after its prefill, and
+# short prompts are prefilled eight at a time however few tokens that is. Before
+# each step, ``size_prefill_group`` sets ``prefill_batch_size`` so that the step
+# takes exactly the sequences we want: the done members leave room, and beyond
+# ``base`` prefilling prompts more join while the tokens prefilled in the step stay
+# within a budget.
+
+
+def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
+    """Prompt tokens a sequence's next prefill step processes (mlx-lm's rule)."""
+    return min(len(segments[0]), step_size) if segments else 0
+
+
+def _is_done(member: Sequence[Any]) -> bool:
+    segments = member[0]
+    return len(segments) == 1 and len(segments[0]) == 1
+
+
+def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
+    """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
+    moves into the prompt batch the waiting sequences (in their order) that fit:
+    up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
+    whose prompt is done (they leave the prompt batch in this step), and more while
+    the step's prompt tokens stay within ``token_budget``; never more than the
+    decode batch has room for. Returns how many join."""
+    step_size = generator.prefill_step_size
+    members = generator._currently_processing
+    prefilling = [m for m in members if not _is_done(m)]
+    room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
+    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    joining = 0
+    for sequence in generator._unprocessed_sequences:
+        if joining >= free:
+            break
+        tokens = _first_chunk(sequence[1], step_size)
+        if len(prefilling) + joining >= base and tokens > room:
+            break
+        room -= tokens
+        joining += 1
+    generator.prefill_batch_size = len(generator._prompt_batch) + joining
+    return joining
+
+
+def coming_prefill(generator: BatchGenerator, short: int = 0) -> tuple[int, int, int, int]:
+    """What the coming ``generator.next()`` will do, with the generator's sizes as set:
+    (sequences it decodes, prompts it prefills, their prefill tokens padded to the
+    longest chunk, as mlx-lm pads them, and the longest next segment among those
+    prompts with at most ``short`` tokens to prefill in all: 0 if none)."""
+    decoding = len(generator._generation_batch)
+    if decoding >= generator.completion_batch_size:
+        return decoding, 0, 0, 0  # mlx-lm prefills nothing in such a step
+    step_size = generator.prefill_step_size
+    # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
+    prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
+    joining = min(
+        generator.prefill_batch_size - len(generator._prompt_batch),
+        generator.completion_batch_size - decoding,
+        len(generator._unprocessed_sequences),
+    )
+    for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
+        prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
+    chunks, longest_short = [], 0
+    for segs, total in prompts:
+        chunk = _first_chunk(segs, step_size)
+        if not chunk:
+            continue
+        chunks.append(chunk)
+        # A short prompt (its last token is the generator's, not a prefill's).
+        if total - 1 <= short:
+            longest_short = max(longest_short, len(segs[0]))
+    return decoding, len(chunks), len(chunks) * max(chunks, default=0), longest_short
