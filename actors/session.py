@@ -246,14 +246,8 @@ class Session:
             self.prompt = prepare(handle.tokenizer)
             constraint = await self._constrain_inline(handle.tokenizer, self.prompt)
         else:
-            self._runtime.arrivals.preparing += 1
-            try:
-                self.prompt, constraint = await trio.to_thread.run_sync(
-                    self._prepare_and_constrain, prepare, handle.tokenizer,
-                    limiter=self._runtime.tokenize_limiter,
-                )
-            finally:
-                self._runtime.arrivals.preparing -= 1
+            self.prompt, constraint = await self._in_worker(
+                self._prepare_and_constrain, prepare, handle.tokenizer)
         prompt = self.prompt
         if constraint is not None and key.draft is not None:
             raise ClientError(
@@ -327,10 +321,13 @@ class Session:
         spec = recent(tokenizer, prompt) if recent is not None else None
         if spec is not None:
             return spec
+        return await self._in_worker(self._constrain, tokenizer, prompt)
+
+    async def _in_worker(self, fn, *args):
+        """``fn(*args)`` in a tokenizer worker thread, counted as on its way meanwhile."""
         self._runtime.arrivals.preparing += 1
         try:
-            return await trio.to_thread.run_sync(
-                self._constrain, tokenizer, prompt, limiter=self._runtime.tokenize_limiter)
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._runtime.tokenize_limiter)
         finally:
             self._runtime.arrivals.preparing -= 1
 

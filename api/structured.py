@@ -92,15 +92,13 @@ class ConstrainStep:
             return recent[key]
 
     def __call__(self, tokenizer, prompt: PreparedPrompt) -> ConstraintSpec:
-        key = self._key(prompt)
-        with _compiled_lock:
-            recent = _compiled.setdefault(tokenizer, collections.OrderedDict())
-            if key in recent:
-                recent.move_to_end(key)
-                return recent[key]
+        spec = self.recent(tokenizer, prompt)
+        if spec is not None:
+            return spec
         spec = compile_constraint(tokenizer, initial_state=prompt.initial_state, **self.fields)
         with _compiled_lock:
-            recent[key] = spec
+            recent = _compiled.setdefault(tokenizer, collections.OrderedDict())
+            recent[self._key(prompt)] = spec
             while len(recent) > COMPILED_CONSTRAINTS:
                 recent.popitem(last=False)
         return spec
