@@ -94,6 +94,26 @@ async def test_a_second_turn_hits_and_says_how_much_it_reused(client):
     assert figures["cached_tokens"] == cached + reused
 
 
+async def test_a_second_turn_with_thinking_off_reuses_the_first_up_to_its_think_block(
+    client, tiny_tokenizer
+):
+    # With thinking off the template ends each prompt in an empty think block and
+    # drops it from past turns; the first prompt has no cache entry of its own up
+    # to that block (the finished entry, trimmed, serves it).
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    turn1 = [WEATHER, {"role": "user", "content": "what is the weather in Paris"}]
+    _, first, _ = await post(client, CHAT, {"messages": turn1, **off})
+    turn2 = next_turn(turn1, first, "and in Rome")
+    _, second, response = await post(client, CHAT, {"messages": turn2, **off})
+    _, _, cached = reported(second, response)
+    rendered = tiny_tokenizer.apply_chat_template(
+        turn1, add_generation_prompt=True, enable_thinking=False
+    )
+    think_start = tiny_tokenizer.convert_tokens_to_ids("<think>")
+    assert rendered[-6:].count(think_start) == 1
+    assert cached >= rendered.index(think_start, len(rendered) - 6)
+
+
 async def test_a_text_completion_reports_the_reuse_too(client):
     body = {"prompt": "The weather in Paris is " * 20, "max_tokens": 2}
     _, first, response = await post(client, "/v1/completions", body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import queue
+from types import SimpleNamespace
 
 import attrs
 import pytest
@@ -15,6 +16,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from actors.scheduler import SchedulerCore
 from runtime.engine.core import EngineCore
@@ -196,7 +198,7 @@ VOCAB = 64
 EOS = 5
 
 
-def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False):
+def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False, model=None):
     factory = FakeBatchGeneratorFactory(
         fail_on_step=fail_on_step,
         vocab=VOCAB,
@@ -206,7 +208,7 @@ def engine_with_fake(*, fail_on_step=None, batch=3, per_segment=False):
     )
     cache = FakePromptCache()
     handle = LoadedModel(
-        model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)
+        model=model, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=VOCAB)
     )
     core = EngineCore(
         handle,
@@ -599,6 +601,50 @@ def test_segment_caches_are_saved_with_their_types(per_segment):
         ]
     else:
         assert len(saved) == 1
+
+
+# Models as mlx-lm's make_prompt_cache sees them: layers of plain KVCache, or a
+# cache of the model's own (a sliding window here).
+PLAIN_KV_MODEL = SimpleNamespace(layers=[None, None])
+WINDOWED_MODEL = SimpleNamespace(
+    layers=[None], make_cache=lambda: [RotatingKVCache(max_size=8), KVCache()]
+)
+
+
+def _saves_and_steps_to_finish(model):
+    """The prompt-cache inserts of one thinking-tailed prompt, and the steps until
+    its finished entry is stored."""
+    core, factory, cache = engine_with_fake(per_segment=True, model=model)
+    core.handle_command(
+        make_submit(
+            1,
+            (1, 2, 3, 4, 5, 6, 7),
+            max_tokens=1,
+            segments=((1, 2), (3, 4, 5), (6, 7)),
+            types=("system", "user", "assistant"),
+        )
+    )
+    steps = 0
+    while not cache.inserts or cache.inserts[-1][2] != "assistant":
+        core.step()
+        steps += 1
+        assert steps < 10
+    return [(tokens, kind) for _, tokens, kind in cache.inserts], steps
+
+
+def test_the_save_point_before_a_thinking_tail_is_kept_only_for_caches_that_cannot_trim():
+    inner = [((1, 2), "system"), ((1, 2, 3, 4, 5), "user")]
+    plain_saves, plain_steps = _saves_and_steps_to_finish(PLAIN_KV_MODEL)
+    for model in (WINDOWED_MODEL, None):  # None: a model that cannot say
+        saves, steps = _saves_and_steps_to_finish(model)
+        assert saves[:-1] == inner
+        assert saves[-1][0][:7] == (1, 2, 3, 4, 5, 6, 7)
+        # The tail's save point is a prefill stop of its own.
+        assert steps == plain_steps + 1
+    assert plain_saves[:-1] == inner[:1]
+    # The finished entry covers the whole prompt: a plain cache is trimmed back
+    # to what the next turn repeats.
+    assert plain_saves[-1][0][:7] == (1, 2, 3, 4, 5, 6, 7)
 
 
 def test_logprobs_are_reported_for_the_requests_that_ask():

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from runtime.engine.admission import AdmissionWindow
 from runtime.engine.choices import (
     PendingChoices,
@@ -45,8 +47,10 @@ from runtime.engine.inserts import SequenceInserts
 from runtime.engine.sequences import (
     SequenceRecord,
     back_off_one_token,
+    plain_kv_caches,
     token_event,
     uncached_segments,
+    without_thinking_tail,
 )
 from runtime.engine.shared_prefill import SharedPrefills, save_points
 from runtime.loaded_model import LoadedModel
@@ -125,6 +129,8 @@ class EngineCore:
         self._new_batch_generator = batch_generator_factory
         self._batch = batch_generator_factory()
         self.prompt_cache = prompt_cache
+        # Plain KV caches need no save point before a prompt's thinking tail.
+        self._plain_kv_caches = plain_kv_caches(handle.model)
         self.cache_entries = CacheEntries(prompt_cache, prompt_cache_max_entries)
         self.batch_sampler = batch_sampler
         self._inserts = SequenceInserts(
@@ -200,6 +206,10 @@ class EngineCore:
         instead of the prompt cache's nearest entry; ``clone``: a further choice)."""
         if sub.request_id in self.active_request_ids:
             return  # duplicate submit: the first one stands
+        if self._plain_kv_caches:
+            segments, types = without_thinking_tail(sub.segments, sub.segment_types)
+            if types is not sub.segment_types:
+                sub = attrs.evolve(sub, segments=segments, segment_types=types)
         if start is None and not clone and self._shared.wait_behind(
             sub, lambda tokens: self._cached_now(sub, tokens)
         ):

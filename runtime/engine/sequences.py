@@ -8,7 +8,9 @@ its ``TokenEvent`` (``token_logprobs`` picks the sampled token's logprob and
 the top ones from the response's MLX array). At admission,
 ``uncached_segments`` gives the prompt segments the prompt cache did not
 cover, and ``back_off_one_token`` gives back one token of an exact hit so
-that the model has a token to feed. Everything here runs on the engine thread.
+that the model has a token to feed. ``plain_kv_caches`` says whether a model's
+cache can be cut back at any length, and ``without_thinking_tail`` drops the
+save point such a cache does not need. Everything here runs on the engine thread.
 """
 
 from __future__ import annotations
@@ -88,6 +90,35 @@ def uncached_segments(segments, segment_types, cached: int) -> tuple[list[list[i
             segments[0] = segments[0][skip:]
             skip = 0
     return segments, types
+
+
+def plain_kv_caches(model: Any) -> bool:
+    """Whether every layer of ``model``'s prompt cache is a plain ``KVCache`` (which
+    can be trimmed to any shorter prefix); False for a model that cannot say."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    try:
+        caches = make_prompt_cache(model)
+    except Exception:
+        return False
+    return bool(caches) and all(type(c) is KVCache for c in caches)
+
+
+def without_thinking_tail(segments, segment_types) -> tuple[tuple, tuple]:
+    """The segments with a thinking tail (a last "assistant" segment after others:
+    ``runtime.prompts.plan_segments``) joined to the segment before it.
+
+    The tail's save point (the prompt before an empty or opening think block)
+    is what the next turn reuses, since templates drop past turns' think blocks.
+    With plain ``KVCache`` layers the finished sequence's entry serves that
+    prefix just as well (mlx-lm's fetch trims a longer entry to the common
+    prefix, and its insert drops the shorter entry then anyway), while the save
+    point costs the prompt one more prefill step: the generator stops at every
+    segment end."""
+    if len(segment_types) < 2 or segment_types[-1] != "assistant":
+        return segments, segment_types
+    joined = tuple(segments[-2]) + tuple(segments[-1])
+    return (*segments[:-2], joined), tuple(segment_types[:-1])
 
 
 def back_off_one_token(cache: list, prompt: list[int]) -> tuple[list | None, list[int]]:
