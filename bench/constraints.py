@@ -115,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thinking", choices=("off", "template"), default="off",
                    help="off: every chat request sends enable_thinking false, as the constrained "
                    "ones must, so that the modes' prompts have one shape (a thinking-off prompt "
-                   "ends in an empty think block, a cache segment of its own: one more prefill "
-                   "step); template: the free requests keep the template's default")
+                   "ends in an empty think block, which models whose cache cannot be trimmed "
+                   "prefill in one more step); template: the free requests keep the "
+                   "template's default")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--server-args", default="--decode-concurrency 64",
                    help="more flags for the server")
