@@ -341,6 +341,13 @@ def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
     return min(len(segments[0]), step_size) if segments else 0
 
 
+def _in_last_chunk(member: Sequence[Any], step_size: int) -> bool:
+    """Whether a prompt-batch member is done with its prefill after its next chunk
+    (one segment left before the last token's, within a chunk)."""
+    segments = member[0]
+    return len(segments) == 2 and len(segments[1]) == 1 and len(segments[0]) <= step_size
+
+
 def _is_done(member: Sequence[Any]) -> bool:
     segments = member[0]
     return len(segments) == 1 and len(segments[0]) == 1
@@ -352,17 +359,28 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
     up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
     whose prompt is done (they leave the prompt batch in this step), and more while
     the step's prompt tokens stay within ``token_budget``; never more than the
-    decode batch has room for. Returns how many join."""
+    decode batch has room for; a long prompt does not join members that finish
+    their prefill in this step after a chunk or more (it would be padded to
+    their depth). Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
     room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
     free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    # mlx-lm aligns the rows of a prompt batch at their ends, so a prompt that joins
+    # members deep into their prompts is padded to their depth in every step it
+    # shares with them. When all of them finish their prefill in this step, a long
+    # prompt (a full chunk to go) waits that one step and starts a group of its own.
+    finishing_deep = bool(prefilling) and all(
+        _in_last_chunk(m, step_size) for m in prefilling
+    ) and any(m[1] >= step_size for m in prefilling)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
         tokens = _first_chunk(sequence[1], step_size)
+        if finishing_deep and tokens >= step_size:
+            break
         if len(prefilling) + joining >= base and tokens > room:
             break
         room -= tokens

@@ -94,6 +94,37 @@ def test_done_members_make_room_in_the_step_they_leave(model):
     assert prefilled_uids(theirs_third) == set(theirs_uids[2:])
 
 
+def test_a_long_prompt_waits_for_deep_members_to_finish_their_prefill(model):
+    gen = generator(model, base=8, step=64)
+    (deep,) = gen.insert(prompts(1, 150))  # chunks of 64, 64, 21, then the last token
+    for _ in range(2):
+        size_prefill_group(gen, base=8, token_budget=4096)
+        gen.next()
+    long_uids = gen.insert(prompts(3, 200))
+    short_uid = gen.insert(prompts(1, 20))[0]
+    # The deep member prefills its last 21 tokens alone: the long prompts would be
+    # padded to its 128 tokens, and the short one behind them waits its turn too.
+    assert size_prefill_group(gen, base=8, token_budget=4096) == 0
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == {deep}
+    # Then they start together, from no depth.
+    assert size_prefill_group(gen, base=8, token_budget=4096) == 4
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == {*long_uids, short_uid}
+
+
+def test_a_short_prompt_joins_deep_members_in_their_last_chunk(model):
+    gen = generator(model, base=8, step=64)
+    gen.insert(prompts(1, 150))
+    for _ in range(2):
+        size_prefill_group(gen, base=8, token_budget=4096)
+        gen.next()
+    (short_uid,) = gen.insert(prompts(1, 20))
+    assert size_prefill_group(gen, base=8, token_budget=4096) == 1
+    prompt_responses, _ = gen.next()
+    assert short_uid in prefilled_uids(prompt_responses)
+
+
 def test_the_decode_batch_caps_the_group(model):
     gen = generator(model, base=2, completion=3)
     gen.insert(prompts(6, 10))
