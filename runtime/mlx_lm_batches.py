@@ -341,11 +341,10 @@ def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
     return min(len(segments[0]), step_size) if segments else 0
 
 
-def _in_last_chunk(member: Sequence[Any], step_size: int) -> bool:
-    """Whether a prompt-batch member is done with its prefill after its next chunk
-    (one segment left before the last token's, within a chunk)."""
-    segments = member[0]
-    return len(segments) == 2 and len(segments[1]) == 1 and len(segments[0]) <= step_size
+def _prefill_steps(segments: Sequence[Sequence[int]], step_size: int) -> int:
+    """The prefill steps a sequence's segments take before its last token (mlx-lm
+    stops at every segment end and gives the last token a segment of its own)."""
+    return sum(-(-len(s) // step_size) for s in segments[:-1])
 
 
 def _is_done(member: Sequence[Any]) -> bool:
@@ -360,26 +359,25 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
     whose prompt is done (they leave the prompt batch in this step), and more while
     the step's prompt tokens stay within ``token_budget``; never more than the
     decode batch has room for; a long prompt does not join members that finish
-    their prefill in this step after a chunk or more (it would be padded to
+    their prefill in no more steps than it needs itself (it would be padded to
     their depth). Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
     room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
     free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
-    # mlx-lm aligns the rows of a prompt batch at their ends, so a prompt that joins
-    # members deep into their prompts is padded to their depth in every step it
-    # shares with them. When all of them finish their prefill in this step, a long
-    # prompt (a full chunk to go) waits that one step and starts a group of its own.
-    finishing_deep = bool(prefilling) and all(
-        _in_last_chunk(m, step_size) for m in prefilling
-    ) and any(m[1] >= step_size for m in prefilling)
+    # mlx-lm prefills a prompt batch in lockstep: the rows' ends aligned (a prompt
+    # that joins members deep into their prompts is padded to their depth) and every
+    # row's chunk padded to the step's longest. So a long prompt (a full chunk to go)
+    # joins only members with more prefill steps left than it has itself; otherwise
+    # it waits for them to finish, and starts a group of its own.
+    members_left = max((_prefill_steps(m[0], step_size) for m in prefilling), default=0)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
         tokens = _first_chunk(sequence[1], step_size)
-        if finishing_deep and tokens >= step_size:
+        if tokens >= step_size and 0 < members_left <= _prefill_steps(sequence[1], step_size):
             break
         if len(prefilling) + joining >= base and tokens > room:
             break

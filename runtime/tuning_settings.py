@@ -37,9 +37,9 @@ class TuningSettings:
         ours=True,
         notes="Short prompts are prefilled in fewer, fuller steps, and a group's next one "
         "joins in the step its predecessor leaves for decoding; long prompts keep mlx-lm's "
-        "groups of `--prompt-concurrency`, and a long prompt waits one step rather than join "
-        "prompts that finish a prefill of more than a chunk (it would be padded to their "
-        "length). Fewer groups mean fewer rebuilds of the batch's KV "
+        "groups of `--prompt-concurrency`, and a long prompt waits for the prompts being "
+        "prefilled when they need no more steps than it does, rather than join them (it "
+        "would be padded to their length). Fewer groups mean fewer rebuilds of the batch's KV "
         "cache (more tokens/s under load) but later first tokens for a large burst: set 0 "
         "where every request's first token under heavy load matters more than throughput "
         "([performance.md](performance.md)).",

@@ -97,20 +97,31 @@ def test_done_members_make_room_in_the_step_they_leave(model):
 def test_a_long_prompt_waits_for_deep_members_to_finish_their_prefill(model):
     gen = generator(model, base=8, step=64)
     (deep,) = gen.insert(prompts(1, 150))  # chunks of 64, 64, 21, then the last token
-    for _ in range(2):
-        size_prefill_group(gen, base=8, token_budget=4096)
-        gen.next()
-    long_uids = gen.insert(prompts(3, 200))
+    size_prefill_group(gen, base=8, token_budget=4096)
+    gen.next()
+    long_uids = gen.insert(prompts(3, 200))  # four chunks each
     short_uid = gen.insert(prompts(1, 20))[0]
-    # The deep member prefills its last 21 tokens alone: the long prompts would be
-    # padded to its 128 tokens, and the short one behind them waits its turn too.
-    assert size_prefill_group(gen, base=8, token_budget=4096) == 0
-    prompt_responses, _ = gen.next()
-    assert prefilled_uids(prompt_responses) == {deep}
+    # Two steps left for the deep member: the long prompts would be padded to its
+    # depth in both, so they wait (and the short one behind them waits its turn).
+    for _ in range(2):
+        assert size_prefill_group(gen, base=8, token_budget=4096) == 0
+        prompt_responses, _ = gen.next()
+        assert prefilled_uids(prompt_responses) == {deep}
     # Then they start together, from no depth.
     assert size_prefill_group(gen, base=8, token_budget=4096) == 4
     prompt_responses, _ = gen.next()
     assert prefilled_uids(prompt_responses) == {*long_uids, short_uid}
+
+
+def test_a_long_prompt_joins_members_with_more_steps_left_than_it_needs(model):
+    gen = generator(model, base=8, step=64)
+    (deep,) = gen.insert(prompts(1, 500))  # eight chunks
+    size_prefill_group(gen, base=8, token_budget=4096)
+    gen.next()
+    (joining,) = gen.insert(prompts(1, 130))  # three chunks: it does not wait seven
+    assert size_prefill_group(gen, base=8, token_budget=4096) == 1
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == {deep, joining}
 
 
 def test_a_short_prompt_joins_deep_members_in_their_last_chunk(model):
