@@ -29,6 +29,9 @@
 #                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
 #                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
 #                                  in-process)
+#   paced-step[=PATHS]            bench/paced_step.py: a paced prefill step at 1k-30k depth beside
+#                                  16 decoding sequences and alone, by prefill attention path
+#                                  (half,float32,cudnn,none; Qwen3-0.6B shape, built in-process)
 #   constrained-step=SHAPE[:ROWS[:CONSTRAINED]]  bench/constrained_step.py: the engine's step
 #                                  with and without constrained rows, in-process, and where a
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
@@ -89,6 +92,7 @@ for scenario in "$@"; do
   if [ $((deadline - SECONDS)) -lt 45 ]; then echo "== no time left for $scenario"; continue; fi
   name=${scenario%%=*}
   arg=${scenario#*=}
+  [ "$arg" = "$scenario" ] && arg=""
   IFS=: read -r shape p1 p2 p3 p4 <<< "$arg"
   step "$scenario"
   case $name in
@@ -135,6 +139,10 @@ for scenario in "$@"; do
     clear-cache)
       timeout -s INT -k 10 "$(limit 200)" python3 bench/clear_cache_cost.py --long-tokens "$shape" \
         --chunk "${p1:-64}" --reps 3 2>&1 | tail -8
+      ;;
+    paced-step)
+      timeout -s INT -k 10 "$(limit 300)" python3 bench/paced_step.py \
+        --paths "${shape:-half,float32,cudnn,none}" --json-out "$OUT/paced-step.json" 2>&1 | tail -100
       ;;
     constrained-step)
       dir=$(model "$shape")

@@ -102,12 +102,19 @@ def unfused_prefill_attention(
     limit: int = UNFUSED_SCORES_LIMIT,
     block_limit: int = UNFUSED_BLOCK_LIMIT,
     block_queries: int = UNFUSED_CHUNK_QUERIES,
+    scores: str = "float32",
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
-    sent to MLX's unfused attention; every other call as it was."""
+    sent to unfused attention; every other call as it was. ``scores``: "float32"
+    (MLX's fallback, reached through a float32 query) or "half" (``grouped_attention``
+    in the inputs' precision)."""
     half = (mx.bfloat16, mx.float16)
 
     def unfused(queries, keys, values, **kwargs):
+        if scores == "half" and kwargs.get("sinks") is None:
+            grouped = grouped_attention(mx, queries, keys, values, **kwargs)
+            if grouped is not None:
+                return grouped
         out = fused(queries.astype(mx.float32), keys, values, **kwargs)
         return out.astype(queries.dtype)
 
@@ -131,8 +138,8 @@ def unfused_prefill_attention(
 
     def attention(queries, keys, values, *args, **kwargs):
         if queries.ndim == 4 and queries.shape[2] > 1 and queries.dtype in half and not args:
-            scores = queries.size // queries.shape[3] * keys.shape[2]
-            if scores <= limit:
+            elements = queries.size // queries.shape[3] * keys.shape[2]
+            if elements <= limit:
                 return unfused(queries, keys, values, **kwargs)
             if keys.shape[2] > queries.shape[2] and queries.shape[2] <= block_queries:
                 return in_blocks(queries, keys, values, **kwargs)  # a paced chunk
@@ -140,6 +147,39 @@ def unfused_prefill_attention(
 
     attention.fused = fused
     return attention
+
+
+def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None):
+    """Attention as two matrix products in the inputs' precision around a float32
+    softmax, as MLX's own fallback computes it, with each KV head's query heads folded
+    into its query rows: one strided batch of products reads each KV head once, with
+    no broadcast copy of the keys and values. None for a mask of a shape it does not
+    take (the caller then uses MLX's fallback)."""
+    batch, heads, length, dim = queries.shape
+    kv_heads, n_keys = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        mask = mx.arange(n_keys - length, n_keys)[:, None] >= mx.arange(n_keys)[None]
+    elif mask is not None:
+        if mask.ndim == 4 and mask.shape[1] == 1:
+            mask = mask[:, :, None]
+        elif mask.ndim == 4 and mask.shape[1] == heads:
+            mask = mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
+        elif mask.ndim > 2:
+            return None
+    rows = (queries * scale).reshape(batch, kv_heads, group * length, dim)
+    products = (rows @ keys.swapaxes(-1, -2)).reshape(batch, kv_heads, group, length, n_keys)
+    if mask is not None and mask.dtype == mx.bool_:
+        # The lowest finite value, not -inf: a padded row that sees no key gets an
+        # even spread rather than NaN, which its zero weights would carry on.
+        products = mx.where(mask, products, mx.finfo(products.dtype).min)
+    elif mask is not None:
+        products = products + mask.astype(products.dtype)
+    weights = mx.softmax(products, axis=-1, precise=True)
+    out = weights.reshape(batch, kv_heads, group * length, n_keys) @ values
+    return out.reshape(batch, heads, length, dim)
 
 
 def install_prefill_attention(mx) -> bool:

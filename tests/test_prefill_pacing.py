@@ -175,7 +175,7 @@ def submits(vocab: int) -> list[Submit]:
         return Submit(request_id=i, prompt=prompt, segments=(prompt,), segment_types=("user",),
                       max_tokens=max_tokens, sampling=SamplingParams())
 
-    return [make(1, 12, 40), make(2, 15, 40), make(3, 600, 4)]
+    return [make(1, 12, 40), make(2, 15, 40), make(3, 1200, 4)]
 
 
 def drive(core, subs) -> tuple[dict[int, list[int]], list[int]]:

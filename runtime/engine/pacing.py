@@ -53,8 +53,10 @@ SMOOTHING = 0.3
 FIT_STEPS = 16
 # Two steps' sizes must differ by this share of the larger for their slope to count.
 FIT_SPREAD = 0.2
-# A prompt with at most this many tokens to prefill in all is prefilled in one step.
-SHORT_PROMPT = 512
+# A prompt with at most this many tokens to prefill in all is prefilled in one step:
+# a coding agent's next turn (its last reply and a user turn or tool result, 300-800
+# tokens) costs the others one longer gap instead of a dozen floor-sized steps.
+SHORT_PROMPT = 1024
 
 
 class PrefillCostFit:
