@@ -40,21 +40,26 @@ unfused attention:
   prompt. Through MLX's unfused attention (its own fallback: matmuls and a
   softmax, no graph to build) the same prefills took 19-31 ms the first time
   and 14 ms after.
-* MLX takes the fallback, call by call, for inputs cuDNN does not take: float32
-  ones. So a query longer than one token whose scores stay small (at most
-  ``UNFUSED_SCORES_LIMIT`` elements) goes in as float32 and the result comes
-  back in the input's dtype. Beyond the limit a fresh prompt's float32 scores
-  cost more than a graph build, and decoding (one query token a row) meets few
-  shapes: both keep MLX's choice.
-* A paced chunk (at most ``UNFUSED_CHUNK_QUERIES`` queries) that continues a
-  cached prefix has a shape of its own nearly every time, since the prefix
-  grows by each chunk. On an H200 a paced 30k-token prefill's chunks past the
-  limit took 115-1,160 ms where those under it took 40 (a graph per step).
-  Those go unfused too, their queries in blocks whose scores stay within
-  ``UNFUSED_BLOCK_LIMIT`` elements, each block against the keys up to its last
-  query (the causal mask unchanged): no graph builds and bounded memory, at any
-  prefix length (the longest step of that prefill: 116 ms). Longer chunks keep
-  cuDNN, whose attention outruns float32 scores by more than a graph build.
+* The wrapper computes that attention itself (``grouped_attention``): two
+  matrix products in the inputs' precision around a float32 softmax, as MLX's
+  own fallback does, with each KV head's query heads folded into its rows so
+  the keys and values are read once per KV head. A query longer than one token
+  whose scores stay small (at most ``UNFUSED_SCORES_LIMIT`` elements) goes this
+  way; beyond it a fresh prompt keeps cuDNN (its attention outruns the products
+  by more than a graph build), and decoding (one query token a row) meets few
+  shapes and keeps MLX's choice.
+* A chunk of at most ``UNFUSED_CHUNK_QUERIES`` queries that continues a cached
+  prefix (a paced chunk, a coding agent's next turn) has a shape of its own
+  nearly every time, since the prefix grows by each chunk: through cuDNN a
+  paced 30k-token prefill's chunks took 115-1,160 ms where those under the
+  limit took 40 (a graph per step). Those go the same way, their queries in
+  blocks whose scores stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block
+  against the keys up to its last query (the causal mask unchanged): no graph
+  builds and bounded memory at any prefix length. ``bench/paced_step.py`` on an
+  H200 (Qwen3-0.6B shape, 16 sequences decoding; docs/performance.md): a step
+  with a 64-token chunk at 24k took 61 ms this way, 99 through MLX's fallback
+  (a float32 query, which cuDNN does not take: the path before this one) and
+  132 through cuDNN; with a 1,024-token chunk at 16k, 176, 354 and 221 ms.
 """
 
 from __future__ import annotations
@@ -79,18 +84,19 @@ def server_defaults(environ: MutableMapping[str, str] | None = None) -> list[str
 
 # Scores of at most this many elements (batch x query heads x query x keys) go
 # through the unfused path: one 1024-token prompt with 32 heads, a group of eight
-# 360-token prompts. Measured on an H200 past it, float32 scores cost more than
-# cuDNN's build: a 4096-token prompt took 155 ms unfused against 80-90 cached
-# (134 the first time) on the Qwen3-0.6B shape.
+# 360-token prompts. Measured on an H200 past it (float32 scores, the path before
+# grouped_attention), a 4096-token prompt took 155 ms unfused against 80-90 through
+# cuDNN with its graph cached (134 the first time) on the Qwen3-0.6B shape.
 UNFUSED_SCORES_LIMIT = 1 << 25
 
 # A chunk of at most this many queries after a cached prefix goes unfused in blocks
-# of queries whose float32 scores have at most UNFUSED_BLOCK_LIMIT elements (512 MiB:
-# 279 queries of 16 heads against a 30k-token prefix). Longer chunks (a prompt
-# prefilled in full 2,048-token chunks, a turn of thousands of new tokens) keep
-# cuDNN: on an H200 a 24k-token prompt in 2,048-token chunks took 3.9 s unfused
-# against 2.2-2.4 s, each chunk's graph build included.
-UNFUSED_CHUNK_QUERIES = 256
+# of queries whose scores have at most UNFUSED_BLOCK_LIMIT elements (256 MiB in
+# bfloat16: 524 queries of 16 heads against a 16k-token prefix). Up to 1,024 queries
+# the products beat cuDNN beside decoding sequences (a graph build per step); longer
+# chunks (a prompt prefilled in full 2,048-token chunks) keep cuDNN: on an H200 a
+# 24k-token prompt in 2,048-token chunks took 3.9 s unfused in float32 against
+# 2.2-2.4 s, each chunk's graph build included.
+UNFUSED_CHUNK_QUERIES = 1024
 UNFUSED_BLOCK_LIMIT = 1 << 27
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
@@ -102,7 +108,7 @@ def unfused_prefill_attention(
     limit: int = UNFUSED_SCORES_LIMIT,
     block_limit: int = UNFUSED_BLOCK_LIMIT,
     block_queries: int = UNFUSED_CHUNK_QUERIES,
-    scores: str = "float32",
+    scores: str = "half",
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
     sent to unfused attention; every other call as it was. ``scores``: "float32"
@@ -179,7 +185,7 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
         products = products + mask.astype(products.dtype)
     weights = mx.softmax(products, axis=-1, precise=True)
     out = weights.reshape(batch, kv_heads, group * length, n_keys) @ values
-    return out.reshape(batch, heads, length, dim)
+    return out.reshape(batch, heads, length, values.shape[-1])
 
 
 def install_prefill_attention(mx) -> bool:

@@ -54,8 +54,9 @@ def _qkv(mx, batch, length, keys_length, dtype):
 
 
 def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
-    """Which calls the wrapper sends to MLX's unfused path (a float32 query: cuDNN takes
-    only half precision), which it passes on untouched, and that results keep their dtype."""
+    """Which calls the wrapper sends to MLX's unfused path (with ``scores="float32"``, a
+    float32 query: cuDNN takes only half precision), which it passes on untouched, and
+    that results keep their dtype."""
     import mlx.core as mx
 
     seen = []
@@ -64,7 +65,7 @@ def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
         seen.append((q.dtype, q.shape[2], mask))
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 8 * 8)
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 8 * 8, scores="float32")
     q, k, v = _qkv(mx, 2, 8, 8, mx.bfloat16)
     out = attention(q, k, v, scale=0.25, mask="causal")  # a prefill
     assert out.dtype == mx.bfloat16 and out.shape == q.shape
@@ -85,14 +86,75 @@ def test_unfused_prefill_attention_computes_the_same_attention():
     import mlx.core as mx
 
     fused = mx.fast.scaled_dot_product_attention
-    attention = unfused_prefill_attention(fused, mx)
     q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
     padding = mx.where(mx.arange(10) < 2, -mx.inf, 0.0).astype(mx.bfloat16)
-    for mask in ("causal", padding[None, None, None, :]):
-        expected = fused(q, k, v, scale=0.25, mask=mask).astype(mx.float32)
-        got = attention(q, k, v, scale=0.25, mask=mask)
-        assert got.dtype == mx.bfloat16
-        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    for scores in ("half", "float32"):
+        attention = unfused_prefill_attention(fused, mx, scores=scores)
+        for mask in ("causal", padding[None, None, None, :]):
+            expected = fused(q, k, v, scale=0.25, mask=mask).astype(mx.float32)
+            got = attention(q, k, v, scale=0.25, mask=mask)
+            assert got.dtype == mx.bfloat16
+            assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has():
+    """Causal over a cached prefix, a padded group's boolean mask (one for all heads and
+    one per head), a row-only mask and an additive one: the same attention as MLX's in
+    float32, within bfloat16's precision; values may have a head size of their own."""
+    import mlx.core as mx
+
+    from runtime.mlx_environment import grouped_attention
+
+    reference = mx.fast.scaled_dot_product_attention
+    q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
+    wide = mx.concatenate([v, v[..., :8]], axis=-1)  # 24 value dimensions, 16 query
+    causal = mx.arange(10)[None, :] <= (mx.arange(6)[:, None] + 4)
+    padding = mx.arange(10) >= 2
+    per_row = mx.stack([causal & padding, causal])[:, None]  # the first row padded by 2
+    masks = ("causal", None, per_row, mx.broadcast_to(per_row, (2, 4, 6, 10)),
+             padding[None, None, None, :], causal,
+             mx.where(padding, 0.0, -mx.inf)[None, None, None, :].astype(mx.bfloat16))
+    for values in (v, wide):
+        for mask in masks:
+            additive = isinstance(mask, mx.array) and mask.dtype == mx.bfloat16
+            as_float = mask.astype(mx.float32) if additive else mask
+            expected = reference(q.astype(mx.float32), k.astype(mx.float32),
+                                 values.astype(mx.float32), scale=0.25, mask=as_float)
+            got = grouped_attention(mx, q, k, values, scale=0.25, mask=mask)
+            assert got.dtype == mx.bfloat16 and got.shape == expected.shape
+            assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def test_grouped_attention_keeps_a_row_that_sees_no_key_finite():
+    """A padded group's padding rows see no key at all: their output must stay finite,
+    since the next layer's keys at those positions meet zero weights (0 x NaN is NaN)."""
+    import mlx.core as mx
+
+    from runtime.mlx_environment import grouped_attention
+
+    q, k, v = _qkv(mx, 1, 6, 10, mx.bfloat16)
+    nothing = mx.zeros((1, 1, 6, 10), dtype=mx.bool_)
+    assert not mx.isnan(grouped_attention(mx, q, k, v, scale=0.25, mask=nothing)).any().item()
+    assert grouped_attention(mx, q, k, v, scale=0.25, mask=nothing[0]) is None  # (B, L, S)
+
+
+def test_attention_sinks_keep_mlx_s_path(monkeypatch):
+    """grouped_attention takes no sinks: such a call goes through MLX's fallback."""
+    import mlx.core as mx
+
+    import runtime.mlx_environment as environment
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None, sinks=None):
+        seen.append((q.dtype, sinks is not None))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(environment, "grouped_attention", lambda *a, **k: seen.append("grouped"))
+    attention = unfused_prefill_attention(fused, mx)
+    q, k, v = _qkv(mx, 1, 6, 6, mx.bfloat16)
+    attention(q, k, v, scale=0.25, mask="causal", sinks=mx.zeros((4,)))
+    assert seen == [(mx.float32, True)]
 
 
 def test_install_prefill_attention_only_on_cuda(monkeypatch):
@@ -126,16 +188,25 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
         queries.append((q.dtype, q.shape[2]))
         return original(q, *args, **kwargs)
 
+    import runtime.mlx_environment as environment
+
+    grouped = environment.grouped_attention
+
+    def counting_grouped(mx_, q, *args, **kwargs):
+        queries.append(("grouped", q.shape[2]))
+        return grouped(mx_, q, *args, **kwargs)
+
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(environment, "grouped_attention", counting_grouped)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert install_prefill_attention(mx)
     model, _ = load(tiny_model_path)
-    model.set_dtype(mx.bfloat16)  # as served models are: the prefill's query goes float32
+    model.set_dtype(mx.bfloat16)  # as served models are
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))  # a prefill
     mx.eval(model(mx.array([[9]]), cache=cache))  # a decode step
     layers = len(model.layers)
-    assert queries == [(mx.float32, 4)] * layers + [(mx.bfloat16, 1)] * layers
+    assert queries == [("grouped", 4)] * layers + [(mx.bfloat16, 1)] * layers
 
 
 class _CacheLimits:
@@ -178,7 +249,8 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
 
     reference = mx.fast.scaled_dot_product_attention
     # 2 x 4 rows of scores: blocks of 3 queries against 20 keys stay within 2*4*3*20
-    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_limit=2 * 4 * 3 * 20)
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_limit=2 * 4 * 3 * 20,
+                                          scores="float32")
     q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)  # 7 new tokens after 13 cached
     causal = mx.arange(20)[None, :] <= (mx.arange(7)[:, None] + 13)
     padding = mx.arange(20) >= 2  # the first two keys are a padded row's
@@ -197,7 +269,8 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 20, 20)]
     seen.clear()  # a chunk longer than a paced one keeps MLX's choice
-    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_queries=6)
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_queries=6,
+                                          scores="float32")
     q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 7, 20)]
