@@ -132,17 +132,19 @@ class TuningSettings:
     )
     prefill_attention: str = setting(
         "unfused",
-        help="on CUDA, a prefill's attention through MLX's unfused path (no cuDNN graph built "
+        help="on CUDA, a prefill's attention as unfused matrix products (no cuDNN graph built "
         "per prompt shape) or as MLX picks it (cuDNN)",
         choices=PREFILL_ATTENTION_MODES,
         ours=True,
         notes="MLX's CUDA backend builds a cuDNN attention graph for every new prefill shape "
         "(group size, prompt length, cached prefix) on the engine's thread, tens of ms to "
         "seconds each, and a server meets new shapes with nearly every prompt. `unfused` "
-        "sends prefill attention whose scores have at most 2^25 elements (one 1024-token "
-        "prompt with 32 heads) to MLX's own unfused attention (no graph to build); decoding "
-        "and longer prompts keep MLX's choice. `mlx`: MLX's choice everywhere. No effect on "
-        "Apple silicon or the CPU ([performance.md](performance.md)).",
+        "computes as two matrix products around a float32 softmax (no graph to build) the "
+        "prefill attention whose scores have at most 2^25 elements (one 1024-token prompt "
+        "with 32 heads) and every chunk of at most 1,024 tokens after a cached prefix (a "
+        "paced chunk, an agent's next turn); decoding and longer prompts keep MLX's choice. "
+        "`mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
+        "([performance.md](performance.md)).",
         group=TUNING,
     )
     decode_path: str = setting(
