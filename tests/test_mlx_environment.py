@@ -209,6 +209,37 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
     assert queries == [("grouped", 4)] * layers + [(mx.bfloat16, 1)] * layers
 
 
+def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeypatch, tiny_model_path):
+    """A padded prefill group of two prompts, then a chunk after each one's cached
+    prefix, through mlx-lm's batch caches and the tiny model in bfloat16: the logits
+    with the server's prefill attention installed match MLX's own attention."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = load(tiny_model_path)
+    model.set_dtype(mx.bfloat16)
+    layers = len(model.layers)
+    first = mx.array([[0, 0, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
+    then = mx.array([[19, 20, 21], [22, 23, 24]])
+
+    def logits():
+        cache = [BatchKVCache(left_padding=[2, 0]) for _ in range(layers)]
+        out = [model(first, cache=cache), model(then, cache=cache)]
+        mx.eval(out)
+        return [o.astype(mx.float32) for o in out]
+
+    expected = logits()
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+    got = logits()
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape
+        assert mx.allclose(g, e, atol=0.1, rtol=0.05).item()
+        assert (mx.argmax(g, axis=-1) == mx.argmax(e, axis=-1)).mean().item() > 0.9
+
+
 class _CacheLimits:
     """Stands in for mlx.core's device_info / set_cache_limit."""
 
