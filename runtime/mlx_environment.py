@@ -159,9 +159,9 @@ def unfused_prefill_attention(
 def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None):
     """Attention as two matrix products in the inputs' precision around a float32
     softmax, as MLX's own fallback computes it, with each KV head's query heads folded
-    into its query rows: one strided batch of products reads each KV head once, with
-    no broadcast copy of the keys and values. None for a mask of a shape it does not
-    take (the caller then uses MLX's fallback)."""
+    into its query rows: one strided batch of products, each KV head's keys and values
+    read once for all its query heads. None for a mask of a shape it does not take
+    (the caller then uses MLX's fallback)."""
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
