@@ -80,7 +80,6 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
         gen.insert([[10 + i % 900 for i in range(long_tokens)]], max_tokens=[1])
         done = 0
         for depth in depths:
-            gen.prefill_step_size = FULL_CHUNK
             while done < depth:
                 gen.prefill_step_size = min(FULL_CHUNK, max(64, depth - done))
                 done += gen.prefill_step_size
