@@ -29,9 +29,12 @@
 #                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
 #                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
 #                                  in-process)
-#   paced-step[=PATHS]            bench/paced_step.py: a paced prefill step at 1k-30k depth beside
+#   paced-step[=PATHS[:OPTIONS]]  bench/paced_step.py: a paced prefill step at 1k-30k depth beside
 #                                  16 decoding sequences and alone, by prefill attention path
-#                                  (half,float32,cudnn,none; Qwen3-0.6B shape, built in-process)
+#                                  (half,float32,cudnn,none) and by pass (one shared by the
+#                                  decode and the chunk, or two); OPTIONS: more of its options
+#                                  (e.g. '--decoders 16 --chunks 64,256'); Qwen3-0.6B shape,
+#                                  built in-process
 #   constrained-step=SHAPE[:ROWS[:CONSTRAINED]]  bench/constrained_step.py: the engine's step
 #                                  with and without constrained rows, in-process, and where a
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
@@ -141,8 +144,10 @@ for scenario in "$@"; do
         --chunk "${p1:-64}" --reps 3 2>&1 | tail -8
       ;;
     paced-step)
+      # shellcheck disable=SC2086  # p1: more options, split at spaces
       timeout -s INT -k 10 "$(limit 300)" python3 bench/paced_step.py \
-        --paths "${shape:-half,float32,cudnn,none}" --json-out "$OUT/paced-step.json" 2>&1 | tail -100
+        --paths "${shape:-half,float32,cudnn,none}" ${p1:-} \
+        --json-out "$OUT/paced-step-$SECONDS.json" 2>&1 | tail -100
       ;;
     constrained-step)
       dir=$(model "$shape")

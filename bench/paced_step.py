@@ -15,6 +15,11 @@ decode-only step is timed before the prompt arrives. Prefill attention paths
   half     the server's unfused path in the inputs' precision (grouped_attention)
   none     no attention at all for a prefill (the rest of the step's cost)
 
+and, for each, the step's decode and its chunk as two forward passes (mlx-lm's,
+``separate``) or as one (``shared``, ``runtime.mixed_step``; ``--passes``). The model
+takes the server's compiled decode path (``--decode-path mlx``: mlx-lm's layers,
+which leaves no pass to share) and its batch generator (``make_batch_generator``).
+
     python bench/paced_step.py --json-out paced.json          # an H200
     python bench/paced_step.py --tiny --depths 256,512        # tries it on a CPU
 
@@ -33,9 +38,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
 
 from bench.clear_cache_cost import build_model  # noqa: E402
+from runtime.batch_sampling import BatchSampler, make_batch_generator  # noqa: E402
+from runtime.compiled_decode import install_compiled_decode  # noqa: E402
 from runtime.mlx_environment import unfused_prefill_attention  # noqa: E402
 
 FULL_CHUNK = 2048
@@ -62,13 +68,14 @@ def timed_step(gen) -> tuple[float, float, list]:
 
 
 def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[int],
-             steps: int) -> list[dict]:
+             steps: int, passes: str = "separate") -> list[dict]:
     fused = mx.fast.scaled_dot_product_attention
     mx.fast.scaled_dot_product_attention = attention_for(path, fused)
     rows = []
     try:
-        gen = BatchGenerator(model, max_tokens=1_000_000, prefill_step_size=FULL_CHUNK,
-                             completion_batch_size=64, prefill_batch_size=8)
+        gen = make_batch_generator(model, sampler=BatchSampler(), chunk_pass=passes,
+                                   max_tokens=1_000_000, prefill_step_size=FULL_CHUNK,
+                                   completion_batch_size=64, prefill_batch_size=8)
         decode_ms = None
         if decoders:
             gen.insert([[1 + i] * 64 for i in range(decoders)], max_tokens=[1_000_000] * decoders)
@@ -94,14 +101,15 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
                     done += chunk
             for chunk, pairs in times.items():
                 row = {
-                    "path": path, "decoders": decoders, "depth": start, "chunk": chunk,
+                    "path": path, "passes": passes, "decoders": decoders, "depth": start,
+                    "chunk": chunk,
                     "step_ms": round(statistics.median(w for w, _ in pairs), 2),
                     "max_ms": round(max(w for w, _ in pairs), 2),
                     "host_ms": round(statistics.median(c for _, c in pairs), 2),
                     "decode_only_ms": None if decode_ms is None else round(decode_ms, 2),
                 }
                 rows.append(row)
-                print(f"{path:8s} decoders {decoders:2d} depth {start:6d} chunk {chunk:4d}: step "
+                print(f"{path:8s} {passes:8s} decoders {decoders:2d} depth {start:6d} chunk {chunk:4d}: step "
                       f"{row['step_ms']:7.2f} ms (max {row['max_ms']:7.2f}, host {row['host_ms']:6.2f})"
                       f"  decode-only {row['decode_only_ms']}", flush=True)
         del gen
@@ -120,18 +128,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", default="64,256,1024")
     p.add_argument("--decoders", default="16,0", help="decoding sequences beside the prompt")
     p.add_argument("--steps", type=int, default=4, help="timed steps per chunk size and depth")
+    p.add_argument("--passes", default="separate,shared",
+                   help="a step's decode and chunk in two forward passes or one")
+    p.add_argument("--decode-path", choices=("compiled", "mlx"), default="compiled")
     p.add_argument("--tiny", action="store_true", help="a tiny model (to try it on a CPU)")
     p.add_argument("--json-out", default=None)
     ns = p.parse_args(argv)
     model = build_model(ns.tiny)
+    if ns.decode_path == "compiled":
+        install_compiled_decode(model)
     depths = [int(d) for d in ns.depths.split(",")]
     chunks = [int(c) for c in ns.chunks.split(",")]
     paths = ns.paths.split(",")
-    run_path(model, paths[0], 2, [min(depths)], chunks, 2)  # kernels' first use
+    passes = ns.passes.split(",")
+    for way in passes:  # kernels' and traces' first use
+        run_path(model, paths[0], 2, [min(depths)], chunks, 2, way)
     rows = []
     for decoders in (int(d) for d in ns.decoders.split(",")):
         for path in paths:
-            rows += run_path(model, path, decoders, depths, chunks, ns.steps)
+            for way in passes:
+                rows += run_path(model, path, decoders, depths, chunks, ns.steps, way)
     if ns.json_out:
         Path(ns.json_out).write_text(json.dumps({"device": mx.device_info(), "rows": rows},
                                                 indent=1, default=str))

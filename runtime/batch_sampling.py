@@ -64,6 +64,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from runtime.messages import SamplingParams
+from runtime.mixed_step import install_mixed_steps
 from runtime.mlx_lm_batches import install_row_hooks
 
 log = logging.getLogger(__name__)
@@ -471,15 +472,21 @@ def _sampling_kernel(top_p: bool, min_p: bool, top_k: bool):
     return mx.compile(in_sorted_space if top_k else in_token_space)
 
 
-def make_batch_generator(model, *, sampler: BatchSampler, **kwargs):
+def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "separate",
+                         **kwargs):
     """A ``BatchGenerator`` whose rows all sample through ``sampler``, one call per step.
 
     ``kwargs`` go to ``BatchGenerator`` (``completion_batch_size``, ``stream``,
     ...). Insert sequences with ``samplers=None`` (or ``[None]``) and register
-    each uid with ``sampler.register``.
+    each uid with ``sampler.register``. ``chunk_pass`` "shared": a step's prefill
+    chunk and the next decode step in one forward pass where the model allows
+    (``runtime.mixed_step``); "separate": two, as mlx-lm runs them.
     """
     from mlx_lm.generate import BatchGenerator
 
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
-    return install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    if chunk_pass == "shared":
+        install_mixed_steps(generator)
+    return generator

@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 DECODE_PATHS = ("compiled", "mlx")
 
 
-def _before_cache(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
-    """A decoder layer's decode step up to its KV cache: queries, keys, values."""
+def _projections(layer: Any, x: Any) -> tuple[Any, Any, Any]:
+    """A decoder layer's queries, keys and values for ``x`` (rows, length, width), before
+    RoPE: the input norm, the projections and qwen3's q / k norms, heads on axis 2."""
     attn = layer.self_attn
     rows, length, _ = x.shape
     h = layer.input_layernorm(x)
@@ -59,8 +60,19 @@ def _before_cache(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
     values = attn.v_proj(h).reshape(rows, length, attn.n_kv_heads, -1)
     if hasattr(attn, "q_norm"):
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    return queries, keys, values
+
+
+def _with_rope(layer: Any, queries: Any, keys: Any, values: Any, offset: Any):
+    """Heads first (rows, heads, length, dim), RoPE at ``offset``, as the cache takes them."""
     queries, keys, values = (t.transpose(0, 2, 1, 3) for t in (queries, keys, values))
-    return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
+    rope = layer.self_attn.rope
+    return rope(queries, offset=offset), rope(keys, offset=offset), values
+
+
+def _before_cache(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
+    """A decoder layer's decode step up to its KV cache: queries, keys, values."""
+    return _with_rope(layer, *_projections(layer, x), offset)
 
 
 def _after_attention(layer: Any, x: Any, attended: Any) -> Any:
@@ -69,6 +81,44 @@ def _after_attention(layer: Any, x: Any, attended: Any) -> Any:
     merged = attended.transpose(0, 2, 1, 3).reshape(rows, length, -1)
     h = x + layer.self_attn.o_proj(merged)
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _flat(x: Any) -> Any:
+    """(rows, length, width) as (rows * length, width)."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
+def _mixed_before_cache(layer: Any, decoding: Any, chunk: Any, decoding_offset: Any,
+                        chunk_offset: Any) -> tuple[Any, ...]:
+    """``_before_cache`` for a step's decoding rows (rows, 1, width) and a prefill chunk
+    (prompts, length, width) at once: one norm and one set of projections over all their
+    tokens, then each part's heads and RoPE at its own cache's offsets. Returns the
+    decoding rows' queries, keys and values, then the chunk's."""
+    import mlx.core as mx
+
+    rows, prompts, length = decoding.shape[0], chunk.shape[0], chunk.shape[1]
+    together = mx.concatenate([_flat(decoding), _flat(chunk)])[None]
+    parts = _projections(layer, together)
+    ours = [t[0, :rows].reshape(rows, 1, *t.shape[2:]) for t in parts]
+    theirs = [t[0, rows:].reshape(prompts, length, *t.shape[2:]) for t in parts]
+    return (*_with_rope(layer, *ours, decoding_offset), *_with_rope(layer, *theirs, chunk_offset))
+
+
+def _mixed_after_attention(layer: Any, decoding: Any, chunk: Any, decoding_attended: Any,
+                           chunk_attended: Any) -> tuple[Any, Any]:
+    """``_after_attention`` for the decoding rows and the chunk at once (one output
+    projection and one MLP over all their tokens); returns each part's layer output."""
+    import mlx.core as mx
+
+    rows, prompts, length = decoding.shape[0], chunk.shape[0], chunk.shape[1]
+    merged = mx.concatenate([
+        a.transpose(0, 2, 1, 3).reshape(a.shape[0] * a.shape[2], -1)
+        for a in (decoding_attended, chunk_attended)
+    ])
+    x = mx.concatenate([_flat(decoding), _flat(chunk)])
+    h = x + layer.self_attn.o_proj(merged)
+    out = h + layer.mlp(layer.post_attention_layernorm(h))
+    return out[:rows].reshape(decoding.shape), out[rows:].reshape(prompts, length, -1)
 
 
 def _block_classes() -> tuple[type, ...]:
@@ -125,8 +175,11 @@ class _SharedPair:
 
         self.template = template
         self.names = [name for name, _ in tree_flatten(template.parameters())]
-        self.before_cache = mx.compile(self._with_weights(_before_cache))
-        self.after_attention = mx.compile(self._with_weights(_after_attention))
+        self.before_cache = mx.compile(self._with_weights(_before_cache, 2))
+        self.after_attention = mx.compile(self._with_weights(_after_attention, 2))
+        # A decode step and a prefill chunk in one pass (runtime.mixed_step).
+        self.mixed_before_cache = mx.compile(self._with_weights(_mixed_before_cache, 4))
+        self.mixed_after_attention = mx.compile(self._with_weights(_mixed_after_attention, 4))
         self.broken = False  # a compiled call raised: mlx-lm's path from then on
         # While the load-time check (runtime.compiled_decode_check) runs, a call that raises
         # is its finding: it logs the one warning, and ``failure`` keeps the error for it.
@@ -141,16 +194,19 @@ class _SharedPair:
                             "decode as mlx-lm builds them from now on", type(error).__name__, error)
         self.broken = True
 
-    def _with_weights(self, piece: Callable) -> Callable:
+    def _with_weights(self, piece: Callable, inputs: int) -> Callable:
+        """``piece(template, *args[:inputs])`` with ``args[inputs:]`` as the template's
+        weights."""
         from mlx.utils import tree_unflatten
 
         template, names = self.template, self.names
 
-        def run(x, y, *weights):
+        def run(*args):
             saved = template.parameters()
+            weights = args[inputs:]
             template.update(tree_unflatten(list(zip(names, weights, strict=True))))
             try:
-                return piece(template, x, y)
+                return piece(template, *args[:inputs])
             finally:
                 template.update(saved)
 

@@ -179,7 +179,15 @@ class RowAwareGenerationBatch(GenerationBatch):
     def filter(self, keep):
         with _layers_filtered(self, keep):
             super().filter(keep)
+        rows_kept = getattr(self.model, "rows_kept", None)  # runtime.mixed_step
+        if rows_kept is not None:
+            rows_kept(self, keep, self._next_tokens)
         self._queue_next_tokens()
+
+    def extract_cache(self, idx):
+        caches = super().extract_cache(idx)
+        trim_pending = getattr(self.model, "trim_pending", None)  # runtime.mixed_step
+        return caches if trim_pending is None else trim_pending(self, caches)
 
     def _queue_next_tokens(self) -> None:
         if self._next_tokens is not None and _row_hook(self.fallback_sampler) is not None:
@@ -253,6 +261,22 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         < next_source.find(".split("),
         "BatchGenerator._next takes prefill_batch_size - len(_prompt_batch) waiting "
         "sequences before it splits the done members off _currently_processing",
+    )
+    # runtime.mixed_step: the generation batch's next decode runs in the prompt chunk's
+    # pass, which follows every change to the generation batch within a step.
+    expect(
+        -1 < next_source.find("self._generation_batch.extend(")
+        < next_source.find("self._prompt_batch.prompt("),
+        "BatchGenerator._next extends the generation batch before it prefills the step's chunk",
+    )
+    expect(
+        "self.model(inputs[:, None], cache=self.prompt_cache)" in step,
+        "GenerationBatch._step calls self.model(inputs[:, None], cache=self.prompt_cache)",
+    )
+    expect(
+        "self.model(tokens[:, :n_to_process], cache=self.prompt_cache)"
+        in _source(PromptProcessingBatch.prompt),
+        "PromptProcessingBatch.prompt calls self.model(chunk, cache=self.prompt_cache)",
     )
     for cls in (PromptProcessingBatch, GenerationBatch):
         filtering = _source(cls.filter).replace(" ", "")

@@ -14,6 +14,7 @@ nothing and emits nothing: a declaration, read through ``ServerConfig``.
 import attrs
 
 from runtime.compiled_decode import DECODE_PATHS
+from runtime.mixed_step import CHUNK_PASSES
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES, PREFILL_BUFFER_MODES
 from runtime.settings import TUNING, complete_settings, setting
 
@@ -161,6 +162,23 @@ class TuningSettings:
         "engine keep mlx-lm's path. At load it is checked against mlx-lm's layers (a few decode "
         "steps' logits) and turns itself off, with a warning, where they differ. Set `mlx` to "
         "rule the compiled path out when a model misbehaves ([performance.md](performance.md)).",
+        group=TUNING,
+    )
+    chunk_pass: str = setting(
+        "shared",
+        help="a step's paced prefill chunk and the decoding sequences' next step in one "
+        "forward pass (`shared`) or in two, as mlx-lm runs them (`separate`)",
+        choices=CHUNK_PASSES,
+        ours=True,
+        notes="While a long prompt is prefilled beside streams that decode, every step runs "
+        "a decode and a prefill chunk. At a small batch each forward pass is bound by the "
+        "host launching its operations, so a second pass costs the streams about as much as "
+        "their whole decode step. `shared` runs each decoder layer's norm, projections and MLP "
+        "once over both (the KV caches and the attention stay apart), for llama / qwen2 / "
+        "qwen3 / qwen3_moe models on the compiled decode path, and for chunks of 64 times a "
+        "power of two (the pacer keeps paced chunks to those lengths); anything else runs "
+        "as two passes. `separate`: mlx-lm's two passes everywhere "
+        "([performance.md](performance.md)).",
         group=TUNING,
     )
     lazy_decode_traces: bool = setting(

@@ -209,15 +209,17 @@ def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_mo
     paced = cores[1.5]._paced
     assert isinstance(paced, PacedSteps) and cores[0]._paced is None
     # Seed the estimates so that this CPU's timings do not decide the chunk:
-    # a decode step 10 ms, a prompt token 0.2 ms: 1.5 steps are 75 tokens.
+    # a decode step 10 ms, a prompt token 0.2 ms: 1.5 steps are 75 tokens, and the
+    # ladder's step below that (the chunk's pass shared with the decode) is 64.
     paced.pacer.decode_seconds, paced.pacer.token_seconds = 0.010, 0.0002
     paced.pacer.observe = lambda *a, **k: None
     results = {f: drive(core, submits(core.handle.info.vocab_size)) for f, core in cores.items()}
     (plain_tokens, plain_chunks), (paced_tokens, paced_chunks) = results[0], results[1.5]
     assert plain_chunks[0] == 512  # mlx-lm's full chunk, though two decode
-    assert max(paced_chunks) == 75 and len(paced_chunks) > len(plain_chunks)
+    assert max(paced_chunks) == 64 and len(paced_chunks) > len(plain_chunks)
     assert sum(paced_chunks) == sum(plain_chunks)
     assert paced_tokens == plain_tokens
+    assert cores[1.5]._batch._generation_batch.model.mixed_passes > 0
 
 
 def test_pacing_that_cannot_read_the_generator_turns_itself_off():

@@ -236,6 +236,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     commands = None
     serial = (config.draft_model is not None or config.kv_bits is not None
               or not handle.info.batchable)
+    compiled = False
     if config.decode_path == "compiled" and group is None and not serial:
         with mx.stream(stream):  # on this thread, before the first step
             compiled = install_compiled_decode(handle.model) and check_compiled_decode(
@@ -268,6 +269,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         if grammar is not None and config.draft_model is None:
             constraint_factory = functools.partial(_constraint_processor, grammar)
     else:
+        # One pass for a step's decode and its paced chunk needs the compiled layers.
+        chunk_pass = config.chunk_pass if compiled else "separate"
         backend = GrammarBackend(grammar) if grammar is not None else None
         batch_sampler = BatchSampler(xtc_special_tokens=xtc_special, constraint_backend=backend)
         constraint_factory = backend.new_constraint if backend is not None else None
@@ -280,6 +283,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 prefill_batch_size=config.prompt_concurrency,
                 prefill_step_size=config.prefill_step_size,
                 stream=stream,
+                chunk_pass=chunk_pass,
             )
 
     return EngineCore(
@@ -307,7 +311,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         paced_steps=None
         if serial or config.decode_stall_factor == 0
         else PacedSteps(
-            PrefillPacer(config.decode_stall_factor, config.prefill_step_size), coming_prefill
+            PrefillPacer(config.decode_stall_factor, config.prefill_step_size,
+                         ladder=config.chunk_pass == "shared"),
+            coming_prefill,
         ),
         prefill_group=None
         if serial or config.prefill_group_tokens == 0

@@ -26,7 +26,10 @@ end, for 64 tokens of the Qwen3-0.6B shape on an H200 beside a 9.5 ms decode
 step of 16 rows) chunks stay at the floor, the shortest stall there is; a larger ``factor`` buys a faster prefill with longer gaps. While
 the steps seen so far all had one size (the line cannot be told from a
 proportion), the next chunk takes another size (twice it, or half a full one),
-which gives the fit its second point. Sans-IO: ``observe`` after each step,
+which gives the fit its second point. With ``ladder``, a paced chunk is the floor
+times a power of two (64, 128, 256, ...): where a step's decode and its chunk
+share one compiled pass (``runtime.mixed_step``), each new length is a new
+trace. Sans-IO: ``observe`` after each step,
 ``chunk`` before the next; the generator is read and set through
 ``runtime.mlx_lm_batches``.
 
@@ -101,10 +104,13 @@ class PrefillPacer:
 
     ``factor``: a step's prefill may take this many decode steps' time (0: off,
     every chunk is ``full_chunk``). ``full_chunk``: the configured
-    ``--prefill-step-size``."""
+    ``--prefill-step-size``. ``ladder``: paced chunks only of ``min_chunk`` times a
+    power of two."""
 
-    def __init__(self, factor: float, full_chunk: int, min_chunk: int = MIN_CHUNK):
+    def __init__(self, factor: float, full_chunk: int, min_chunk: int = MIN_CHUNK,
+                 ladder: bool = False):
         self.factor = factor
+        self.ladder = ladder
         self.full_chunk = full_chunk
         self.min_chunk = min(min_chunk, full_chunk)
         self.decode_seconds: float | None = None  # a step that only decodes
@@ -146,11 +152,23 @@ class PrefillPacer:
         budget = self.factor * self.decode_seconds
         tokens = (budget - self.fixed_seconds) / self.token_seconds
         paced = min(self.full_chunk, max(self.min_chunk, int(tokens / prompts)))
+        if self.ladder:
+            paced = _ladder_step(paced, self.min_chunk)
         lone = self._lone_size
         if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
             # Only this size seen: a step of another gives the line its second point.
             paced = 2 * paced if 2 * paced <= self.full_chunk else paced // 2
         return min(self.full_chunk, max(paced, short))
+
+
+def _ladder_step(tokens: int, floor: int) -> int:
+    """The largest ``floor`` times a power of two within ``tokens`` (``floor`` at least):
+    a paced chunk takes few lengths, so that a compiled pass meets few shapes
+    (``runtime.mixed_step``)."""
+    size = floor
+    while 2 * size <= tokens:
+        size *= 2
+    return size
 
 
 def _average(current: float | None, new: float) -> float:

@@ -1,0 +1,245 @@
+"""One forward pass for a step's decoding rows and its prefill chunk.
+
+Owns ``MixedStepModel``, which ``install_mixed_steps`` puts in place of the model
+in a ``BatchGenerator``'s two lasting batches (its prompt batch and its
+generation batch). It receives the batches' model calls and emits nothing: it
+returns their logits.
+
+Why: mlx-lm's ``BatchGenerator`` runs a step as two forward passes, the decoding
+rows' and then the prompt batch's chunk, and at a small batch each pass is
+bound by the host building and launching its several hundred operations. On an
+H200 a step of 16 decoding rows and a 64-token chunk took 33-42 ms with no
+prefill attention at all, against 13 ms for the decode alone
+(docs/performance.md, "what a paced prefill step costs"): the streams wait
+2.5-3x their usual gap between tokens while a long prompt is prefilled, before
+any attention is counted. vLLM and Sarathi-Serve run both in one pass.
+
+How: when the prompt batch calls the model on a chunk (``prompt``, after the
+step's decode), this runs one pass over the chunk together with the generation
+batch's *next* decode step: its inputs (the tokens just sampled) are known by
+then. Each decoder layer's norm, projections and MLP run once over all the
+tokens (``runtime.compiled_decode``'s mixed pair: two compiled functions per
+layer, the decoding rows and the chunk concatenated); RoPE, the KV-cache update
+and the attention run per part on its own cache. The decoding rows' logits are
+kept (``pending``) and returned when the generation batch's next ``_step`` calls
+the model for exactly those inputs: the next step's decode costs no pass of its
+own. Nothing else reads the batch between the two, except removals (an abort):
+``rows_kept`` keeps the pending logits' rows in step, and a row extracted
+meanwhile drops the token its cache already holds (``trim_pending``).
+
+Taken only where the pieces are known: mlx-lm's llama (no sliding-window layers)
+/ qwen2 / qwen3 / qwen3_moe models in one process, every layer on the compiled
+decode path, every cache layer a plain ``BatchKVCache``, and a chunk whose length
+is on the pacer's ladder (``on_ladder``: 64 times a power of two, so that the
+compiled functions meet few shapes). Anything else runs as mlx-lm runs it. A
+mixed trace that fails turns mixing off for good, with a warning, before any
+cache is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHUNK_PASSES = ("shared", "separate")
+LADDER_FLOOR = 64  # the shortest chunk a mixed pass takes; the pacer's floor
+
+
+def on_ladder(length: int, floor: int = LADDER_FLOOR) -> bool:
+    """Whether ``length`` is ``floor`` times a power of two."""
+    if length < floor or length % floor:
+        return False
+    steps = length // floor
+    return steps & (steps - 1) == 0
+
+
+def _mixable_model(model: Any) -> bool:
+    from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
+
+    if type(model) not in (llama.Model, qwen2.Model, qwen3.Model, qwen3_moe.Model):
+        return False
+    inner = model.model
+    if getattr(inner, "swa_idx", None) is not None or getattr(inner, "pipeline_size", 1) != 1:
+        return False
+    layers = list(inner.layers)
+    return bool(layers) and all(
+        getattr(layer, "_compiled_decode", None) is not None for layer in layers
+    )
+
+
+class MixedStepModel:
+    """The model as a ``BatchGenerator``'s batches call it, with a step's decode and
+    its prefill chunk run as one pass where it can (see the module's docstring).
+
+    ``generator``: the ``BatchGenerator`` whose ``_prompt_batch`` and
+    ``_generation_batch`` call this. Every other attribute is the model's."""
+
+    def __init__(self, model: Any, generator: Any):
+        self.model = model
+        self._generator = generator
+        self.enabled = _mixable_model(model)
+        self._pending: tuple[Any, Any] | None = None  # (the decode inputs, their logits)
+        self._traced: set[tuple] = set()
+        self.mixed_passes = 0  # how many steps shared one pass (for tests and the log)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property
+    def pending(self) -> bool:
+        """Whether the generation batch's next decode step has run already."""
+        return self._pending is not None
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        generation = self._generator._generation_batch
+        if self._pending is not None and cache is generation.prompt_cache:
+            tokens, logits = self._pending
+            if generation._current_tokens is not tokens:
+                raise RuntimeError("a mixed step's decode inputs changed before its step")
+            self._pending = None
+            return logits
+        if (
+            self.enabled
+            and not kwargs
+            and self._pending is None
+            and cache is self._generator._prompt_batch.prompt_cache
+            and self._mixable(inputs, generation)
+        ):
+            self._pending = (generation._next_tokens, self._forward(generation, inputs, cache))
+            self.mixed_passes += 1
+            return None  # a prompt chunk's output is not used
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
+        """``batch`` kept ``keep`` of its rows (``filter``), its next inputs now
+        ``next_tokens``: where it is the generation batch, the pending logits follow."""
+        if self._pending is None or batch is not self._generator._generation_batch:
+            return
+        if not keep:
+            self._pending = None
+            return
+        import mlx.core as mx
+
+        self._pending = (next_tokens, self._pending[1][mx.array(keep)])
+
+    def trim_pending(self, batch: Any, caches: list) -> list:
+        """A row's cache extracted from ``batch`` (``extract_cache``) as of its tokens:
+        from the generation batch, without the token a pending decode step has
+        already written."""
+        if self._pending is not None and batch is self._generator._generation_batch:
+            import mlx.core as mx
+
+            for layer in caches:  # KVCache: every layer of a mixing batch is a BatchKVCache
+                layer.offset -= 1
+                layer.keys = mx.contiguous(layer.keys[..., : layer.offset, :])
+                layer.values = mx.contiguous(layer.values[..., : layer.offset, :])
+        return caches
+
+    # ------------------------------------------------------------------ the pass
+
+    def _mixable(self, inputs: Any, generation: Any) -> bool:
+        from mlx_lm.models.cache import BatchKVCache
+
+        if inputs.ndim != 2 or not on_ladder(inputs.shape[1]):
+            return False
+        if not generation.uids or generation._next_tokens is None:
+            return False
+        caches = list(generation.prompt_cache) + list(self._generator._prompt_batch.prompt_cache)
+        if not all(type(c) is BatchKVCache for c in caches):
+            return False
+        layers = self.model.model.layers
+        if any(layer._compiled_decode.broken for layer in layers):
+            return False
+        return self._trace(len(generation.uids), inputs.shape)
+
+    def _trace(self, rows: int, chunk_shape: tuple) -> bool:
+        """Trace the layers' mixed pair for this shape before any cache is touched;
+        a failure turns mixing off."""
+        import mlx.core as mx
+
+        key = (rows, *chunk_shape)
+        if key in self._traced:
+            return True
+        try:
+            for layer in _layouts(self.model.model.layers):
+                pair, weights = layer._compiled_decode, layer._compiled_weights
+                width = layer.input_layernorm.weight
+                decoding = mx.zeros((rows, 1, width.shape[0]), dtype=width.dtype)
+                chunk = mx.zeros((*chunk_shape, width.shape[0]), dtype=width.dtype)
+                offsets = (mx.zeros((rows,), dtype=mx.int32),
+                           mx.zeros((chunk_shape[0],), dtype=mx.int32))
+                parts = pair.mixed_before_cache(decoding, chunk, *offsets, *weights)
+                pair.mixed_after_attention(decoding, chunk, parts[0], parts[3], *weights)
+        except Exception as exc:
+            log.warning("one pass for a step's decode and prefill chunk failed to trace "
+                        "(%s: %s); they run as two passes from now on", type(exc).__name__, exc)
+            self.enabled = False
+            return False
+        self._traced.add(key)
+        return True
+
+    def _forward(self, generation: Any, chunk_tokens: Any, chunk_cache: list) -> Any:
+        """The decoding rows' logits (rows, 1, vocabulary) for ``generation``'s next
+        inputs, with ``chunk_tokens`` prefilled into ``chunk_cache`` in the same pass."""
+        from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+        model = self.model
+        inner = model.model
+        decode_cache = generation.prompt_cache
+        decoding = inner.embed_tokens(generation._next_tokens[:, None])
+        chunk = inner.embed_tokens(chunk_tokens)
+        decode_mask = create_attention_mask(decoding, decode_cache[0])
+        chunk_mask = create_attention_mask(chunk, chunk_cache[0])
+        last = len(inner.layers) - 1
+        for i, (layer, ours, theirs) in enumerate(
+                zip(inner.layers, decode_cache, chunk_cache, strict=True)):
+            pair, weights = layer._compiled_decode, layer._compiled_weights
+            scale = layer.self_attn.scale
+            dq, dk, dv, cq, ck, cv = pair.mixed_before_cache(
+                decoding, chunk, ours.offset, theirs.offset, *weights
+            )
+            dk, dv = ours.update_and_fetch(dk, dv)
+            decode_attended = scaled_dot_product_attention(
+                dq, dk, dv, cache=ours, scale=scale, mask=decode_mask
+            )
+            ck, cv = theirs.update_and_fetch(ck, cv)
+            if i == last:  # the chunk's keys and values are all its pass is for
+                decoding = pair.after_attention(decoding, decode_attended, *weights)
+                break
+            chunk_attended = scaled_dot_product_attention(
+                cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
+            )
+            decoding, chunk = pair.mixed_after_attention(
+                decoding, chunk, decode_attended, chunk_attended, *weights
+            )
+        out = inner.norm(decoding)
+        logits = (inner.embed_tokens.as_linear(out) if model.args.tie_word_embeddings
+                  else model.lm_head(out))
+        # Computed with the chunk (``prompt`` waits for its caches next): left lazy,
+        # it would hold the last layer's cache buffers until the next step, and the
+        # next chunk's cache update would copy them instead of writing in place.
+        import mlx.core as mx
+
+        mx.async_eval(logits)
+        return logits
+
+
+def _layouts(layers: list) -> list:
+    """One layer per compiled pair."""
+    seen: dict[int, Any] = {}
+    for layer in layers:
+        seen.setdefault(id(layer._compiled_decode), layer)
+    return list(seen.values())
+
+
+def install_mixed_steps(generator: Any) -> bool:
+    """Put a ``MixedStepModel`` in ``generator``'s prompt and generation batches (a new,
+    empty generator, its row hooks installed). Returns whether its model can mix."""
+    mixer = MixedStepModel(generator.model, generator)
+    generator._prompt_batch.model = mixer
+    generator._generation_batch.model = mixer
+    return mixer.enabled

@@ -1,0 +1,155 @@
+"""One forward pass for a step's decode and its prefill chunk (runtime.mixed_step).
+
+Real mlx (CPU) on tiny models of each known architecture, through the engine's
+own generator (``make_batch_generator``): sequences decode while two long prompts
+are prefilled in 64-token chunks, and the shared pass must give the very tokens
+of mlx-lm's two passes, also when a decoding sequence is removed (its extracted
+cache as of its tokens) or a row finishes between a shared pass and the step
+that reads it. Chunks off the ladder, models without the compiled layers and a
+trace that fails run as two passes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from runtime.batch_sampling import BatchSampler, make_batch_generator
+from runtime.compiled_decode import install_compiled_decode
+from runtime.engine.pacing import PrefillPacer
+from runtime.mixed_step import MixedStepModel, on_ladder
+from runtime.tiny_model import ARCHS, build_tiny_model
+
+LONG = [10 + (i * 7) % 300 for i in range(700)]
+SHORT = [[5, 9, 12, 40], [3, 3, 8, 9, 10], [17, 2, 99]]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_path(request, tmp_path_factory) -> str:
+    arch = request.param
+    return str(build_tiny_model(tmp_path_factory.mktemp(f"mix-{arch}") / arch, arch=arch))
+
+
+def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: int = 64):
+    model, _ = load(model_path)
+    if compiled:
+        install_compiled_decode(model)
+    return make_batch_generator(
+        model, sampler=BatchSampler(), chunk_pass=chunk_pass, completion_batch_size=8,
+        prefill_batch_size=8, prefill_step_size=step,
+    )
+
+
+def run(gen, *, remove_at: int | None = None, extract: bool = False):
+    """Three sequences decode for six steps, then two long prompts arrive; every
+    sequence's tokens, and (``remove_at``) the second sequence removed that many steps
+    after the long prompts arrived, with its extracted cache (``extract``)."""
+    uids = gen.insert(SHORT, max_tokens=[60, 50, 7])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    for _ in range(6):
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    uids += gen.insert([LONG, LONG[:300]], max_tokens=[10, 12])
+    out.update({u: [] for u in uids[3:]})
+    left, steps, removed = set(uids), 0, None
+    while left:
+        if steps == remove_at:
+            removed = gen.remove([uids[1]], return_prompt_caches=extract).get(uids[1])
+            left.discard(uids[1])
+        for r in gen.next()[1]:
+            if r.uid in left:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+        steps += 1
+    return [out[u] for u in uids], removed
+
+
+def mixer_of(gen) -> MixedStepModel | None:
+    model = gen._generation_batch.model
+    return model if isinstance(model, MixedStepModel) else None
+
+
+def test_a_shared_pass_gives_the_tokens_of_two(model_path):
+    separate = generator(model_path, "separate")
+    expected, _ = run(separate)
+    assert mixer_of(separate) is None
+    shared = generator(model_path, "shared")
+    tokens, _ = run(shared)
+    assert tokens == expected
+    assert [len(t) for t in tokens[3:]] == [10, 12]
+    # Both long prompts were prefilled beside the decoding sequences in shared passes.
+    assert mixer_of(shared).mixed_passes >= 700 // 64 - 1
+
+
+@pytest.mark.parametrize("steps_in", [2, 5])
+def test_a_sequence_removed_after_a_shared_pass_leaves_its_cache_as_of_its_tokens(
+        model_path, steps_in):
+    expected, (want_cache, want_tokens) = run(
+        generator(model_path, "separate"), remove_at=steps_in, extract=True)
+    shared = generator(model_path, "shared")
+    tokens, (cache, cache_tokens) = run(shared, remove_at=steps_in, extract=True)
+    assert mixer_of(shared).mixed_passes > 0
+    assert tokens == expected
+    assert list(cache_tokens) == list(want_tokens)
+    for ours, theirs in zip(cache, want_cache, strict=True):
+        assert ours.offset == theirs.offset == len(want_tokens)
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            np.testing.assert_allclose(np.array(a.astype(mx.float32)),
+                                       np.array(b.astype(mx.float32)), atol=1e-5)
+
+
+def test_a_row_removed_between_a_shared_pass_and_its_step_keeps_the_others_right(model_path):
+    expected, _ = run(generator(model_path, "separate"), remove_at=3)
+    shared = generator(model_path, "shared")
+    tokens, _ = run(shared, remove_at=3)
+    assert tokens == expected
+    assert mixer_of(shared).mixed_passes > 0
+
+
+def test_chunks_off_the_ladder_and_models_without_compiled_layers_take_two_passes(model_path):
+    expected, _ = run(generator(model_path, "separate", step=100))
+    off_ladder = generator(model_path, "shared", step=100)
+    assert run(off_ladder)[0] == expected
+    assert mixer_of(off_ladder).mixed_passes == 0
+    uncompiled = generator(model_path, "shared", compiled=False)
+    assert not mixer_of(uncompiled).enabled
+    assert run(uncompiled)[0] == run(generator(model_path, "separate", compiled=False))[0]
+    assert mixer_of(uncompiled).mixed_passes == 0
+
+
+def test_a_mixed_trace_that_fails_turns_mixing_off_before_any_cache_is_touched(
+        model_path, caplog):
+    expected, _ = run(generator(model_path, "separate"))
+    shared = generator(model_path, "shared")
+    for layer in shared.model.layers:
+
+        def broken(*args):
+            raise ValueError("planted")
+
+        layer._compiled_decode.mixed_before_cache = broken
+    with caplog.at_level(logging.WARNING, logger="runtime.mixed_step"):
+        tokens, _ = run(shared)
+    assert tokens == expected
+    mixer = mixer_of(shared)
+    assert not mixer.enabled and mixer.mixed_passes == 0
+    assert "planted" in caplog.text
+
+
+def test_the_ladder():
+    assert [n for n in range(1, 2100) if on_ladder(n)] == [64, 128, 256, 512, 1024, 2048]
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=8, prefill_tokens=0)
+    pacer.observe(0.0001 * 500, decoding=0, prefill_tokens=500)
+    pacer.observe(0.0001 * 1000, decoding=0, prefill_tokens=1000)
+    # 15 ms of budget is 150 tokens: the ladder's step below, 128; 75 each for two: 64.
+    assert pacer.chunk(decoding=8, prompts=1) == 128
+    assert pacer.chunk(decoding=8, prompts=2) == 64
+    # A short prompt still goes whole, and nothing waits: full chunks.
+    assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
+    assert pacer.chunk(decoding=0, prompts=1) == 2048
+    assert PrefillPacer(1.5, 2048).chunk(decoding=8, prompts=1) == 2048  # nothing learnt yet
