@@ -83,42 +83,35 @@ def _after_attention(layer: Any, x: Any, attended: Any) -> Any:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _flat(x: Any) -> Any:
-    """(rows, length, width) as (rows * length, width)."""
-    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
-
-
-def _mixed_before_cache(layer: Any, decoding: Any, chunk: Any, decoding_offset: Any,
+def _mixed_before_cache(layer: Any, x: Any, decoding_offset: Any,
                         chunk_offset: Any) -> tuple[Any, ...]:
-    """``_before_cache`` for a step's decoding rows (rows, 1, width) and a prefill chunk
-    (prompts, length, width) at once: one norm and one set of projections over all their
-    tokens, then each part's heads and RoPE at its own cache's offsets. Returns the
-    decoding rows' queries, keys and values, then the chunk's."""
-    import mlx.core as mx
-
-    rows, prompts, length = decoding.shape[0], chunk.shape[0], chunk.shape[1]
-    together = mx.concatenate([_flat(decoding), _flat(chunk)])[None]
-    parts = _projections(layer, together)
+    """``_before_cache`` for a step's decoding rows and a prefill chunk at once. ``x``:
+    all their tokens (tokens, width), first one per decoding row, then the chunk's
+    prompts one after another (their counts read from the offsets' shapes). One norm and
+    one set of projections over all of them, then each part's heads and RoPE at its own
+    cache's offsets. Returns the decoding rows' queries, keys and values, then the
+    chunk's."""
+    rows, prompts = decoding_offset.shape[0], chunk_offset.shape[0]
+    length = (x.shape[0] - rows) // prompts
+    parts = _projections(layer, x[None])
     ours = [t[0, :rows].reshape(rows, 1, *t.shape[2:]) for t in parts]
     theirs = [t[0, rows:].reshape(prompts, length, *t.shape[2:]) for t in parts]
     return (*_with_rope(layer, *ours, decoding_offset), *_with_rope(layer, *theirs, chunk_offset))
 
 
-def _mixed_after_attention(layer: Any, decoding: Any, chunk: Any, decoding_attended: Any,
-                           chunk_attended: Any) -> tuple[Any, Any]:
-    """``_after_attention`` for the decoding rows and the chunk at once (one output
-    projection and one MLP over all their tokens); returns each part's layer output."""
+def _mixed_after_attention(layer: Any, x: Any, decoding_attended: Any,
+                           chunk_attended: Any) -> Any:
+    """``_after_attention`` for the decoding rows and the chunk at once: one output
+    projection and one MLP over all their tokens (``x`` as ``_mixed_before_cache``
+    takes it); returns the layer's output in the same layout."""
     import mlx.core as mx
 
-    rows, prompts, length = decoding.shape[0], chunk.shape[0], chunk.shape[1]
     merged = mx.concatenate([
         a.transpose(0, 2, 1, 3).reshape(a.shape[0] * a.shape[2], -1)
         for a in (decoding_attended, chunk_attended)
     ])
-    x = mx.concatenate([_flat(decoding), _flat(chunk)])
     h = x + layer.self_attn.o_proj(merged)
-    out = h + layer.mlp(layer.post_attention_layernorm(h))
-    return out[:rows].reshape(decoding.shape), out[rows:].reshape(prompts, length, -1)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _block_classes() -> tuple[type, ...]:
@@ -178,8 +171,8 @@ class _SharedPair:
         self.before_cache = mx.compile(self._with_weights(_before_cache, 2))
         self.after_attention = mx.compile(self._with_weights(_after_attention, 2))
         # A decode step and a prefill chunk in one pass (runtime.mixed_step).
-        self.mixed_before_cache = mx.compile(self._with_weights(_mixed_before_cache, 4))
-        self.mixed_after_attention = mx.compile(self._with_weights(_mixed_after_attention, 4))
+        self.mixed_before_cache = mx.compile(self._with_weights(_mixed_before_cache, 3))
+        self.mixed_after_attention = mx.compile(self._with_weights(_mixed_after_attention, 3))
         self.broken = False  # a compiled call raised: mlx-lm's path from then on
         # While the load-time check (runtime.compiled_decode_check) runs, a call that raises
         # is its finding: it logs the one warning, and ``failure`` keeps the error for it.

@@ -168,12 +168,12 @@ class MixedStepModel:
             for layer in _layouts(self.model.model.layers):
                 pair, weights = layer._compiled_decode, layer._compiled_weights
                 width = layer.input_layernorm.weight
-                decoding = mx.zeros((rows, 1, width.shape[0]), dtype=width.dtype)
-                chunk = mx.zeros((*chunk_shape, width.shape[0]), dtype=width.dtype)
+                tokens = rows + chunk_shape[0] * chunk_shape[1]
+                x = mx.zeros((tokens, width.shape[0]), dtype=width.dtype)
                 offsets = (mx.zeros((rows,), dtype=mx.int32),
                            mx.zeros((chunk_shape[0],), dtype=mx.int32))
-                parts = pair.mixed_before_cache(decoding, chunk, *offsets, *weights)
-                pair.mixed_after_attention(decoding, chunk, parts[0], parts[3], *weights)
+                parts = pair.mixed_before_cache(x, *offsets, *weights)
+                pair.mixed_after_attention(x, parts[0], parts[3], *weights)
         except Exception as exc:
             log.warning("one pass for a step's decode and prefill chunk failed to trace "
                         "(%s: %s); they run as two passes from now on", type(exc).__name__, exc)
@@ -187,20 +187,25 @@ class MixedStepModel:
         inputs, with ``chunk_tokens`` prefilled into ``chunk_cache`` in the same pass."""
         from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
+        import mlx.core as mx
+
         model = self.model
         inner = model.model
         decode_cache = generation.prompt_cache
-        decoding = inner.embed_tokens(generation._next_tokens[:, None])
-        chunk = inner.embed_tokens(chunk_tokens)
-        decode_mask = create_attention_mask(decoding, decode_cache[0])
-        chunk_mask = create_attention_mask(chunk, chunk_cache[0])
+        rows = len(generation.uids)
+        # Every token of the pass in one array (the decoding rows', then the chunk's):
+        # the layers' shared pieces take and give it so, with no copy between layers.
+        x = inner.embed_tokens(mx.concatenate([generation._next_tokens,
+                                               chunk_tokens.reshape(-1)]))
+        decode_mask = create_attention_mask(x[:rows, None], decode_cache[0])
+        chunk_mask = create_attention_mask(chunk_tokens[..., None], chunk_cache[0])
         last = len(inner.layers) - 1
         for i, (layer, ours, theirs) in enumerate(
                 zip(inner.layers, decode_cache, chunk_cache, strict=True)):
             pair, weights = layer._compiled_decode, layer._compiled_weights
             scale = layer.self_attn.scale
             dq, dk, dv, cq, ck, cv = pair.mixed_before_cache(
-                decoding, chunk, ours.offset, theirs.offset, *weights
+                x, ours.offset, theirs.offset, *weights
             )
             dk, dv = ours.update_and_fetch(dk, dv)
             decode_attended = scaled_dot_product_attention(
@@ -208,22 +213,20 @@ class MixedStepModel:
             )
             ck, cv = theirs.update_and_fetch(ck, cv)
             if i == last:  # the chunk's keys and values are all its pass is for
-                decoding = pair.after_attention(decoding, decode_attended, *weights)
+                decoding = pair.after_attention(
+                    x[:rows].reshape(rows, 1, -1), decode_attended, *weights
+                )
                 break
             chunk_attended = scaled_dot_product_attention(
                 cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
             )
-            decoding, chunk = pair.mixed_after_attention(
-                decoding, chunk, decode_attended, chunk_attended, *weights
-            )
+            x = pair.mixed_after_attention(x, decode_attended, chunk_attended, *weights)
         out = inner.norm(decoding)
         logits = (inner.embed_tokens.as_linear(out) if model.args.tie_word_embeddings
                   else model.lm_head(out))
         # Computed with the chunk (``prompt`` waits for its caches next): left lazy,
         # it would hold the last layer's cache buffers until the next step, and the
         # next chunk's cache update would copy them instead of writing in place.
-        import mlx.core as mx
-
         mx.async_eval(logits)
         return logits
 

@@ -60,6 +60,10 @@ FIT_SPREAD = 0.2
 # a coding agent's next turn (its last reply and a user turn or tool result, 300-800
 # tokens) costs the others one longer gap instead of a dozen floor-sized steps.
 SHORT_PROMPT = 1024
+# The longest paced chunk: longer chunks after a cached prefix leave the grouped
+# attention for cuDNN, which builds a graph for each new shape (runtime.mlx_environment's
+# UNFUSED_CHUNK_QUERIES), a second or more inside a step that sixteen streams wait for.
+PACED_CEILING = 1024
 
 
 class PrefillCostFit:
@@ -74,6 +78,10 @@ class PrefillCostFit:
 
     def add(self, tokens: int, seconds: float) -> None:
         self._points.append((tokens, seconds))
+
+    def largest(self) -> int:
+        """The most prompt tokens among the steps the line goes through (0: none)."""
+        return max((tokens for tokens, _ in self._points), default=0)
 
     def line(self) -> tuple[float, float, bool] | None:
         """(fixed seconds, seconds per token, whether the steps' sizes differ enough to
@@ -152,6 +160,11 @@ class PrefillPacer:
         budget = self.factor * self.decode_seconds
         tokens = (budget - self.fixed_seconds) / self.token_seconds
         paced = min(self.full_chunk, max(self.min_chunk, int(tokens / prompts)))
+        # Where the line has seen only steps whose fixed part hides their tokens' cost
+        # (its slope near zero), it would allow any chunk: grow by doubling instead, so
+        # that a longer chunk's real cost enters the line before a far longer one runs.
+        paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts),
+                    PACED_CEILING)
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
         lone = self._lone_size
