@@ -185,9 +185,8 @@ class MixedStepModel:
     def _forward(self, generation: Any, chunk_tokens: Any, chunk_cache: list) -> Any:
         """The decoding rows' logits (rows, 1, vocabulary) for ``generation``'s next
         inputs, with ``chunk_tokens`` prefilled into ``chunk_cache`` in the same pass."""
-        from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-
         import mlx.core as mx
+        from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
         model = self.model
         inner = model.model
