@@ -473,20 +473,23 @@ def _sampling_kernel(top_p: bool, min_p: bool, top_k: bool):
 
 
 def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "separate",
-                         **kwargs):
+                         queue_chunks: bool = False, **kwargs):
     """A ``BatchGenerator`` whose rows all sample through ``sampler``, one call per step.
 
     ``kwargs`` go to ``BatchGenerator`` (``completion_batch_size``, ``stream``,
     ...). Insert sequences with ``samplers=None`` (or ``[None]``) and register
     each uid with ``sampler.register``. ``chunk_pass`` "shared": a step's prefill
     chunk and the next decode step in one forward pass where the model allows
-    (``runtime.mixed_step``); "separate": two, as mlx-lm runs them.
+    (``runtime.mixed_step``); "separate": two, as mlx-lm runs them. ``queue_chunks``:
+    a prefill chunk is queued without waiting for the device while sequences decode
+    (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     """
     from mlx_lm.generate import BatchGenerator
 
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
-    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs),
+                                  queue_chunks=queue_chunks)
     if chunk_pass == "shared":
         install_mixed_steps(generator)
     return generator

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
+
+from runtime.mlx_lm_internals import evals_queued, queue_evals_in_generate
 
 # ------------------------------------------------- batch generator rows
 #
@@ -139,7 +142,24 @@ def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
 
 class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
-    sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once."""
+    sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once.
+
+    The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
+    ``install_row_hooks(queue_chunks=True)``): while ``decoding()`` says sequences are
+    generating, ``prompt`` evaluates the chunk without waiting for the device, so the
+    next step's decode is built while the device runs the chunk (mlx-lm waits, and the
+    device then idles while the host builds). The decode step's own wait for its
+    tokens, queued before the chunk, bounds what is in flight to one chunk; with
+    nothing decoding, chunks are waited for as mlx-lm does."""
+
+    decoding = None  # a callable, on the generator's lasting prompt batch only
+
+    def prompt(self, tokens):
+        decoding = self.decoding
+        if decoding is None or not decoding():
+            return super().prompt(tokens)
+        with evals_queued():
+            return super().prompt(tokens)
 
     def filter(self, keep):
         with _layers_filtered(self, keep):
@@ -329,8 +349,10 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         )
 
 
-def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
-    """Replace a new, empty generator's batches by the row-aware subclasses."""
+def install_row_hooks(generator: BatchGenerator, *, queue_chunks: bool = False) -> BatchGenerator:
+    """Replace a new, empty generator's batches by the row-aware subclasses;
+    ``queue_chunks``: its prefill chunks are queued while sequences decode
+    (``RowAwarePromptBatch``)."""
     check_internals(generator)
     if (
         len(generator._prompt_batch)
@@ -342,6 +364,14 @@ def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
         generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
     )
     generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
+    if queue_chunks and queue_evals_in_generate():
+        lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
+
+        def decoding() -> bool:
+            owner = lasting()
+            return owner is not None and len(owner._generation_batch) > 0
+
+        generator._prompt_batch.decoding = decoding
     return generator
 
 

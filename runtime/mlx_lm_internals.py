@@ -27,6 +27,9 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``keep_freed_buffers_in_generate``: the name ``mx`` in ``mlx_lm.generate``,
   overlaid so that its ``clear_cache`` after every prefill chunk does nothing
   (``--prefill-buffers keep``; ``runtime.engine.loading``).
+* ``queue_evals_in_generate`` and ``evals_queued``: the same name's ``eval``, which
+  queues a prefill chunk without waiting for it while sequences decode
+  (``runtime.mlx_lm_batches``).
 
 The private parts of mlx-lm's ``BatchGenerator`` and its batches (row hooks,
 one-round-trip filters, prefill groups, the coming prefill) are the same kind of
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -222,20 +226,71 @@ def keep_freed_buffers_in_generate() -> bool:
     the cache bounded. Idempotent; True once installed, False (with a warning) where
     mlx-lm's module no longer has the name to overlay.
     """
+    if _overlay_generate(clear_cache=_keep_freed_buffers):
+        return True
+    log.warning("mlx_lm.generate no longer names mlx.core as mx: prefill clears MLX's "
+                "buffer cache after every chunk (see docs/upgrading-mlx-lm.md)")
+    return False
+
+
+def _overlay_generate(**replaced: Any) -> bool:
+    """Replace these attributes of the name ``mx`` in ``mlx_lm.generate`` (only there),
+    beside any replaced before; False where the module no longer names mlx.core so."""
     import importlib
 
     import mlx.core as mx
 
     # the module (``mlx_lm.generate`` as an attribute is mlx-lm's generate function)
     generate = importlib.import_module("mlx_lm.generate")
-    if isinstance(getattr(generate, "mx", None), _Overlay):
+    current = getattr(generate, "mx", None)
+    if isinstance(current, _Overlay):
+        current.__dict__.update(replaced)
         return True
-    if getattr(generate, "mx", None) is not mx:
-        log.warning("mlx_lm.generate no longer names mlx.core as mx: prefill clears MLX's "
-                    "buffer cache after every chunk (see docs/upgrading-mlx-lm.md)")
+    if current is not mx:
         return False
-    generate.mx = _Overlay(mx, clear_cache=_keep_freed_buffers)
+    generate.mx = _Overlay(mx, **replaced)
     return True
+
+
+# ------------------------------------------------- prefill chunks queued
+
+
+_queued_evals = threading.local()
+
+
+def queue_evals_in_generate() -> bool:
+    """Let ``mlx_lm.generate``'s ``mx.eval`` queue its arrays without waiting for them
+    inside ``evals_queued()`` (everywhere else, and outside it, MLX's own ``eval``).
+
+    mlx-lm's prompt step evaluates each prefill chunk's caches and waits for the
+    device to finish them; while sequences decode (``runtime.mlx_lm_batches``), the
+    engine queues the chunk instead and builds its next step as the device runs it:
+    the decode step's own wait for its tokens bounds what is queued, and lazy
+    evaluation keeps every result the same. Idempotent; False (the chunk waited for)
+    where mlx-lm's module no longer names mlx.core as mx.
+    """
+    return _overlay_generate(eval=_eval_in_generate)
+
+
+@contextlib.contextmanager
+def evals_queued() -> Iterator[None]:
+    """Within: ``mx.eval`` inside ``mlx_lm.generate`` queues (``queue_evals_in_generate``)."""
+    before = getattr(_queued_evals, "on", False)
+    _queued_evals.on = True
+    try:
+        yield
+    finally:
+        _queued_evals.on = before
+
+
+def _eval_in_generate(*arrays: Any) -> None:
+    """``mx.eval`` as ``mlx_lm.generate`` sees it under ``queue_evals_in_generate``."""
+    import mlx.core as mx
+
+    if getattr(_queued_evals, "on", False):
+        mx.async_eval(*arrays)
+    else:
+        mx.eval(*arrays)
 
 
 def _keep_freed_buffers() -> None:

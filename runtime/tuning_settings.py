@@ -181,6 +181,18 @@ class TuningSettings:
         "([performance.md](performance.md)).",
         group=TUNING,
     )
+    wait_for_chunks: bool = setting(
+        False,
+        help="wait for the device to finish each prefill chunk before the next step, as "
+        "mlx-lm does, also while sequences decode",
+        ours=True,
+        notes="While sequences decode beside a prompt's prefill, the engine queues each "
+        "chunk without waiting for it and builds the next step's decode while the device "
+        "runs the chunk (the decode step's wait for its tokens bounds what is queued to "
+        "one chunk). Set it to rule that overlap out when measuring or when a model "
+        "misbehaves ([performance.md](performance.md)).",
+        group=TUNING,
+    )
     lazy_decode_traces: bool = setting(
         False,
         help="with --decode-path compiled, trace the compiled decode step for each batch size "

@@ -153,3 +153,26 @@ def test_the_ladder():
     assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
     assert pacer.chunk(decoding=0, prompts=1) == 2048
     assert PrefillPacer(1.5, 2048).chunk(decoding=8, prompts=1) == 2048  # nothing learnt yet
+
+
+@pytest.mark.parametrize("chunk_pass", ["separate", "shared"])
+def test_chunks_queued_while_sequences_decode_give_the_same_tokens(
+        model_path, chunk_pass, monkeypatch):
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(len(a)), real(*a))[1])
+    runs = {}
+    for queue_chunks in (False, True):
+        model, _ = load(model_path)
+        install_compiled_decode(model)
+        gen = make_batch_generator(
+            model, sampler=BatchSampler(), chunk_pass=chunk_pass, queue_chunks=queue_chunks,
+            completion_batch_size=8, prefill_batch_size=8, prefill_step_size=64,
+        )
+        before = len(queued)
+        runs[queue_chunks] = run(gen)[0], len(queued) - before
+    (waited, waited_evals), (tokens, queued_evals) = runs[False], runs[True]
+    assert tokens == waited
+    # The long prompts' chunks beside the decoding sequences (at least the 300-token
+    # prompt's five) were queued rather than waited for.
+    assert queued_evals - waited_evals >= 5

@@ -284,6 +284,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 prefill_step_size=config.prefill_step_size,
                 stream=stream,
                 chunk_pass=chunk_pass,
+                queue_chunks=not config.wait_for_chunks,
             )
 
     return EngineCore(
