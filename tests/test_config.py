@@ -203,6 +203,7 @@ TEXT_VALUES = {
     "prefill_attention": "mlx",
     "prefill_buffers": "clear",
     "decode_path": "mlx",
+    "chunk_pass": "separate",
     "admission_window_ms": "5", "burst_wait_ms": "4", "prompt_cache_min_reuse": "0",
     "shared_prefill_min_tokens": "64", "decode_stall_factor": "3", "prompt_cache_scope": "shared",
     "stream_interval_ms": "40",
