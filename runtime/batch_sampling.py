@@ -65,7 +65,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from runtime.messages import SamplingParams
 from runtime.mixed_step import install_mixed_steps
-from runtime.mlx_lm_batches import install_row_hooks
+from runtime.mlx_lm_batches import install_row_hooks, queue_prefill_chunks
 
 log = logging.getLogger(__name__)
 
@@ -481,15 +481,16 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     each uid with ``sampler.register``. ``chunk_pass`` "shared": a step's prefill
     chunk and the next decode step in one forward pass where the model allows
     (``runtime.mixed_step``); "separate": two, as mlx-lm runs them. ``queue_chunks``:
-    a prefill chunk is queued without waiting for the device while sequences decode
-    (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
+    where passes are shared, a prefill chunk is queued without waiting for the device
+    while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     """
     from mlx_lm.generate import BatchGenerator
 
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
-    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs),
-                                  queue_chunks=queue_chunks)
-    if chunk_pass == "shared":
-        install_mixed_steps(generator)
+    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    if chunk_pass == "shared" and install_mixed_steps(generator) and queue_chunks:
+        # Measured on an H200 beside shared passes only: with two passes a step, queued
+        # chunks made the streams' steps longer (docs/performance.md).
+        queue_prefill_chunks(generator)
     return generator

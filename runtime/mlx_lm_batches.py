@@ -145,7 +145,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once.
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
-    ``install_row_hooks(queue_chunks=True)``): while ``decoding()`` says sequences are
+    ``queue_prefill_chunks``): while ``decoding()`` says sequences are
     generating, ``prompt`` evaluates the chunk without waiting for the device, so the
     next step's decode is built while the device runs the chunk (mlx-lm waits, and the
     device then idles while the host builds). The decode step's own wait for its
@@ -349,10 +349,8 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         )
 
 
-def install_row_hooks(generator: BatchGenerator, *, queue_chunks: bool = False) -> BatchGenerator:
-    """Replace a new, empty generator's batches by the row-aware subclasses;
-    ``queue_chunks``: its prefill chunks are queued while sequences decode
-    (``RowAwarePromptBatch``)."""
+def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
+    """Replace a new, empty generator's batches by the row-aware subclasses."""
     check_internals(generator)
     if (
         len(generator._prompt_batch)
@@ -364,15 +362,22 @@ def install_row_hooks(generator: BatchGenerator, *, queue_chunks: bool = False) 
         generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
     )
     generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
-    if queue_chunks and queue_evals_in_generate():
-        lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
-
-        def decoding() -> bool:
-            owner = lasting()
-            return owner is not None and len(owner._generation_batch) > 0
-
-        generator._prompt_batch.decoding = decoding
     return generator
+
+
+def queue_prefill_chunks(generator: BatchGenerator) -> bool:
+    """Let ``generator``'s prompt batch (row hooks installed) queue its chunks while
+    sequences decode (``RowAwarePromptBatch``); whether it can."""
+    if not isinstance(generator._prompt_batch, RowAwarePromptBatch) or not queue_evals_in_generate():
+        return False
+    lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
+
+    def decoding() -> bool:
+        owner = lasting()
+        return owner is not None and len(owner._generation_batch) > 0
+
+    generator._prompt_batch.decoding = decoding
+    return True
 
 
 # ------------------------------------------------------ prefill groups by tokens

@@ -184,13 +184,15 @@ class TuningSettings:
     wait_for_chunks: bool = setting(
         False,
         help="wait for the device to finish each prefill chunk before the next step, as "
-        "mlx-lm does, also while sequences decode",
+        "mlx-lm does, also where it shares its pass with the decoding sequences",
         ours=True,
-        notes="While sequences decode beside a prompt's prefill, the engine queues each "
-        "chunk without waiting for it and builds the next step's decode while the device "
-        "runs the chunk (the decode step's wait for its tokens bounds what is queued to "
-        "one chunk). Set it to rule that overlap out when measuring or when a model "
-        "misbehaves ([performance.md](performance.md)).",
+        notes="With `--chunk-pass shared`, while sequences decode beside a prompt's "
+        "prefill, the engine queues each shared pass without waiting for the device and "
+        "builds the next step while the device runs it (the decode step's wait for its "
+        "tokens bounds what is queued). Two passes a step always wait, as mlx-lm does: "
+        "there, queueing made the streams' steps longer on an H200. Set it to rule the "
+        "overlap out when measuring or when a model misbehaves "
+        "([performance.md](performance.md)).",
         group=TUNING,
     )
     lazy_decode_traces: bool = setting(
