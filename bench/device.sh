@@ -130,7 +130,7 @@ for scenario in "$@"; do
       # Our engine process's steps too (S lines: tokens, prompts, time in next()).
       MLX_TRIO_ENGINE_PROBE="$OUT/interleave-probe-$SECONDS" \
         timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
-        --systems "${p2:-ours,mlx_lm}" --server-args "${p3:-}" \
+        --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
       ;;
