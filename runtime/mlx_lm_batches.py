@@ -11,12 +11,12 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   sampler which rows it samples (``runtime.batch_sampling``), and filters a
   batch's layers with one device round trip (``filter_layers``: what
   ``BatchKVCache.filter`` does, for all layers at once).
-* ``size_prefill_group``: how many waiting prompts join the prefill in the
-  coming step, by their tokens (``BatchGenerator.prefill_batch_size``,
-  ``_currently_processing``, ``_unprocessed_sequences``; ``runtime.engine.core``).
-* ``coming_prefill``: what the coming step decodes and prefills, for the chunk
-  size set between steps (the same attributes, ``_generation_batch``,
-  ``prefill_step_size``; ``runtime.engine.pacing``).
+* ``RowAwarePromptBatch`` also grows its KV layers once for the rest of its
+  prompts (``_room_reserved``) and, with ``queue_prefill_chunks``, queues its
+  chunks while sequences decode.
+* ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
+  (which prompts join, what the coming step prefills); the attributes it uses
+  are checked here too.
 
 Receives and emits nothing.
 """
@@ -142,7 +142,9 @@ def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
 
 class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
-    sample, and whose ``filter`` (of a ``split``) reads the layers' paddings at once.
+    sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
+    whose layers grow once for the rest of its prompts (``tokens_to_come`` set,
+    ``_room_reserved``), a room its members do not take along when they leave.
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
     ``queue_prefill_chunks``): while ``decoding()`` says sequences are
@@ -153,17 +155,31 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     nothing decoding, chunks are waited for as mlx-lm does."""
 
     decoding = None  # a callable, on the generator's lasting prompt batch only
+    # On the lasting prompt batch: the most prompt tokens any member has still to
+    # prefill after the chunk being processed (``install_row_hooks``).
+    tokens_to_come = None
 
     def prompt(self, tokens):
-        decoding = self.decoding
-        if decoding is None or not decoding():
-            return super().prompt(tokens)
-        with evals_queued():
-            return super().prompt(tokens)
+        with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come):
+            decoding = self.decoding
+            if decoding is None or not decoding():
+                return super().prompt(tokens)
+            with evals_queued():
+                return super().prompt(tokens)
 
     def filter(self, keep):
         with _layers_filtered(self, keep):
             super().filter(keep)
+
+    def split(self, indices):
+        # The members that leave take only what they hold: mlx-lm copies the whole
+        # batch (``_copy``) before it filters both parts, and the generation batch they
+        # join pads every row to the longest layer it meets, so a room reserved for a
+        # long prompt would go with them. The rest regrow at their next chunk.
+        for c in self.prompt_cache:
+            if type(c) is BatchKVCache and c.keys is not None and c.keys.shape[2] > c._idx:
+                c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+        return super().split(indices)
 
     def generate(self, tokens):
         hook = _row_hook(self.fallback_sampler)
@@ -173,6 +189,52 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         # in its __init__; their inputs are the last prompt tokens (not samples).
         with hook(list(self.uids), None):
             return super().generate(tokens)
+
+
+@contextlib.contextmanager
+def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come) -> Iterator[None]:
+    """Around a prompt batch's ``prompt``: a ``BatchKVCache`` layer that grows in it
+    grows once to hold the whole rest of the prompts, not by mlx-lm's 256 tokens.
+
+    mlx-lm grows a batch cache by concatenating a new block onto all it holds: with
+    paced 64-token chunks, every fourth step of a 30k-token prompt copied the whole
+    cache into a new buffer (an H200 step 15 ms longer, sixteen streams waiting on
+    it), and a full-chunk prefill copies it at every chunk. The room is what the
+    prompt batch will hold in the end anyway; the class's ``step`` is set on the
+    layers for the call and taken back after it, so nothing else grows by it."""
+    if tokens_to_come is None or not tokens:
+        yield
+        return
+    needed = max(len(t) for t in tokens) + tokens_to_come()
+    step = BatchKVCache.step
+    if needed <= step:
+        yield
+        return
+    reserved = [c for c in caches if type(c) is BatchKVCache]
+    for c in reserved:
+        c.step = -(-needed // step) * step
+    try:
+        yield
+    finally:
+        for c in reserved:
+            c.__dict__.pop("step", None)
+
+
+def _tokens_to_come(generator: BatchGenerator):
+    """The most prompt tokens a prompt batch member of ``generator`` has still to
+    prefill (its last token, the first decode step's input, not counted)."""
+    lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
+
+    def tokens_to_come() -> int:
+        owner = lasting()
+        if owner is None:
+            return 0
+        return max(
+            (sum(len(s) for s in member[0]) - 1 for member in owner._currently_processing),
+            default=0,
+        )
+
+    return tokens_to_come
 
 
 class RowAwareGenerationBatch(GenerationBatch):
@@ -315,6 +377,12 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "BatchKVCache.filter selects keys, values, offset and left_padding and trims the "
         "shared left padding from keys, values, _idx and left_padding",
     )
+    # _room_reserved: a layer grows by whole blocks of its ``step`` tokens.
+    growing = _source(BatchKVCache.update_and_fetch)
+    expect(
+        "(self.step + keys.shape[2] - 1) // self.step" in growing,
+        "BatchKVCache.update_and_fetch grows the cache by whole blocks of self.step tokens",
+    )
     if generator is not None:
         for name in (
             "model",
@@ -362,6 +430,7 @@ def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
         generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
     )
     generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
+    generator._prompt_batch.tokens_to_come = _tokens_to_come(generator)
     return generator
 
 
@@ -378,99 +447,3 @@ def queue_prefill_chunks(generator: BatchGenerator) -> bool:
 
     generator._prompt_batch.decoding = decoding
     return True
-
-
-# ------------------------------------------------------ prefill groups by tokens
-#
-# mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
-# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, ...)``) into
-# the prompt batch each step, *before* it splits off the members whose prompt is
-# done (``_currently_processing`` entries ``[segments, done, total]``; a member is
-# done when one segment of one token is left, which ``generate`` takes). So a
-# group of short prompts blocks the next group for a step after its prefill, and
-# short prompts are prefilled eight at a time however few tokens that is. Before
-# each step, ``size_prefill_group`` sets ``prefill_batch_size`` so that the step
-# takes exactly the sequences we want: the done members leave room, and beyond
-# ``base`` prefilling prompts more join while the tokens prefilled in the step stay
-# within a budget.
-
-
-def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
-    """Prompt tokens a sequence's next prefill step processes (mlx-lm's rule)."""
-    return min(len(segments[0]), step_size) if segments else 0
-
-
-def _prefill_steps(segments: Sequence[Sequence[int]], step_size: int) -> int:
-    """The prefill steps a sequence's segments take before its last token (mlx-lm
-    stops at every segment end and gives the last token a segment of its own)."""
-    return sum(-(-len(s) // step_size) for s in segments[:-1])
-
-
-def _is_done(member: Sequence[Any]) -> bool:
-    segments = member[0]
-    return len(segments) == 1 and len(segments[0]) == 1
-
-
-def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
-    """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
-    moves into the prompt batch the waiting sequences (in their order) that fit:
-    up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
-    whose prompt is done (they leave the prompt batch in this step), and more while
-    the step's prompt tokens stay within ``token_budget``; never more than the
-    decode batch has room for; a long prompt does not join members that finish
-    their prefill in no more steps than it needs itself (it would be padded to
-    their depth). Returns how many join."""
-    step_size = generator.prefill_step_size
-    members = generator._currently_processing
-    prefilling = [m for m in members if not _is_done(m)]
-    room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
-    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
-    # mlx-lm prefills a prompt batch in lockstep: the rows' ends aligned (a prompt
-    # that joins members deep into their prompts is padded to their depth) and every
-    # row's chunk padded to the step's longest. So a long prompt (a full chunk to go)
-    # joins only members with more prefill steps left than it has itself; otherwise
-    # it waits for them to finish, and starts a group of its own.
-    members_left = max((_prefill_steps(m[0], step_size) for m in prefilling), default=0)
-    joining = 0
-    for sequence in generator._unprocessed_sequences:
-        if joining >= free:
-            break
-        tokens = _first_chunk(sequence[1], step_size)
-        if tokens >= step_size and 0 < members_left <= _prefill_steps(sequence[1], step_size):
-            break
-        if len(prefilling) + joining >= base and tokens > room:
-            break
-        room -= tokens
-        joining += 1
-    generator.prefill_batch_size = len(generator._prompt_batch) + joining
-    return joining
-
-
-def coming_prefill(generator: BatchGenerator, short: int = 0) -> tuple[int, int, int, int]:
-    """What the coming ``generator.next()`` will do, with the generator's sizes as set:
-    (sequences it decodes, prompts it prefills, their prefill tokens padded to the
-    longest chunk, as mlx-lm pads them, and the longest next segment among those
-    prompts with at most ``short`` tokens to prefill in all: 0 if none)."""
-    decoding = len(generator._generation_batch)
-    if decoding >= generator.completion_batch_size:
-        return decoding, 0, 0, 0  # mlx-lm prefills nothing in such a step
-    step_size = generator.prefill_step_size
-    # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
-    prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
-    joining = min(
-        generator.prefill_batch_size - len(generator._prompt_batch),
-        generator.completion_batch_size - decoding,
-        len(generator._unprocessed_sequences),
-    )
-    for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
-        prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
-    chunks, longest_short = [], 0
-    for segs, total in prompts:
-        chunk = _first_chunk(segs, step_size)
-        if not chunk:
-            continue
-        chunks.append(chunk)
-        # A short prompt (its last token is the generator's, not a prefill's).
-        if total - 1 <= short:
-            longest_short = max(longest_short, len(segs[0]))
-    return decoding, len(chunks), len(chunks) * max(chunks, default=0), longest_short

@@ -1,6 +1,6 @@
 """Prefill groups sized by tokens (``--prefill-group-tokens``), on the real tiny model.
 
-``runtime.mlx_lm_batches.size_prefill_group`` sets mlx-lm's
+``runtime.mlx_lm_prefill.size_prefill_group`` sets mlx-lm's
 ``prefill_batch_size`` before each step: beyond ``base`` prompts, more waiting
 prompts join while the step's prompt tokens stay within the budget; members
 whose prompt is done leave room in the step they go to decoding; the decode
@@ -19,7 +19,7 @@ from runtime.engine.core import EngineCore
 from runtime.engine.loading import make_engine_core
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
-from runtime.mlx_lm_batches import size_prefill_group
+from runtime.mlx_lm_prefill import size_prefill_group
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 from tests.test_engine_sampling import run, submit
 from tests.test_properties_scheduler import EOS, VOCAB, make_submit

@@ -18,7 +18,7 @@ from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
 from runtime.engine.pacing import MIN_CHUNK, PACED_CEILING, PacedSteps, PrefillCostFit, PrefillPacer
 from runtime.messages import SamplingParams, Submit
-from runtime.mlx_lm_batches import coming_prefill
+from runtime.mlx_lm_prefill import coming_prefill
 
 
 def test_without_both_estimates_or_anything_decoding_the_chunk_is_full():

@@ -118,7 +118,7 @@ class EngineCore:
         (``runtime.engine.admission``).
 
         ``prefill_group(generator)`` sizes each step's prefill group (None:
-        mlx-lm's ``prefill_batch_size``; ``mlx_lm_batches.size_prefill_group``);
+        mlx-lm's ``prefill_batch_size``; ``mlx_lm_prefill.size_prefill_group``);
         ``paced_steps`` (``runtime.engine.pacing.PacedSteps``; None: full chunks)
         sizes its chunk while sequences decode and times each ``next()``.
         ``shared_prefill_min_tokens`` (0: off): a request that repeats that many

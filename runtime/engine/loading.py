@@ -38,11 +38,11 @@ from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
-from runtime.mlx_lm_batches import coming_prefill, size_prefill_group
 from runtime.mlx_lm_internals import (
     keep_freed_buffers_in_generate,
     sharded_load_on_the_default_stream,
 )
+from runtime.mlx_lm_prefill import coming_prefill, size_prefill_group
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 from runtime.vision import vision_family

@@ -31,7 +31,7 @@ times a power of two (64, 128, 256, ...): where a step's decode and its chunk
 share one compiled pass (``runtime.mixed_step``), each new length is a new
 trace. Sans-IO: ``observe`` after each step,
 ``chunk`` before the next; the generator is read and set through
-``runtime.mlx_lm_batches``.
+``runtime.mlx_lm_prefill``.
 
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
@@ -192,7 +192,7 @@ class PacedSteps:
     """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
     before it (``before``, with the prefill group's sizing in between) and times it
     (``after``). ``coming`` reads what the step will do:
-    ``runtime.mlx_lm_batches.coming_prefill``."""
+    ``runtime.mlx_lm_prefill.coming_prefill``."""
 
     def __init__(self, pacer: PrefillPacer, coming) -> None:
         self.pacer = pacer

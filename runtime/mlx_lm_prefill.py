@@ -1,0 +1,115 @@
+"""How many waiting prompts join mlx-lm's prefill, and what the coming step prefills.
+
+Reads (and sets ``prefill_batch_size`` of) a ``BatchGenerator`` between its
+steps, through its private attributes ``_currently_processing``,
+``_unprocessed_sequences``, ``_prompt_batch``, ``_generation_batch``,
+``prefill_step_size`` and ``completion_batch_size``; ``runtime.mlx_lm_batches``'
+``check_internals`` checks them against the installed mlx-lm.
+
+* ``size_prefill_group``: how many waiting prompts join the prefill in the
+  coming step, by their tokens (``runtime.engine.core``).
+* ``coming_prefill``: what the coming step decodes and prefills, for the chunk
+  size set between steps (``runtime.engine.pacing``).
+
+Receives and emits nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+# mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
+# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, ...)``) into
+# the prompt batch each step, *before* it splits off the members whose prompt is
+# done (``_currently_processing`` entries ``[segments, done, total]``; a member is
+# done when one segment of one token is left, which ``generate`` takes). So a
+# group of short prompts blocks the next group for a step after its prefill, and
+# short prompts are prefilled eight at a time however few tokens that is. Before
+# each step, ``size_prefill_group`` sets ``prefill_batch_size`` so that the step
+# takes exactly the sequences we want: the done members leave room, and beyond
+# ``base`` prefilling prompts more join while the tokens prefilled in the step stay
+# within a budget.
+
+
+def _first_chunk(segments: Sequence[Sequence[int]], step_size: int) -> int:
+    """Prompt tokens a sequence's next prefill step processes (mlx-lm's rule)."""
+    return min(len(segments[0]), step_size) if segments else 0
+
+
+def _prefill_steps(segments: Sequence[Sequence[int]], step_size: int) -> int:
+    """The prefill steps a sequence's segments take before its last token (mlx-lm
+    stops at every segment end and gives the last token a segment of its own)."""
+    return sum(-(-len(s) // step_size) for s in segments[:-1])
+
+
+def _is_done(member: Sequence[Any]) -> bool:
+    segments = member[0]
+    return len(segments) == 1 and len(segments[0]) == 1
+
+
+def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
+    """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
+    moves into the prompt batch the waiting sequences (in their order) that fit:
+    up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
+    whose prompt is done (they leave the prompt batch in this step), and more while
+    the step's prompt tokens stay within ``token_budget``; never more than the
+    decode batch has room for; a long prompt does not join members that finish
+    their prefill in no more steps than it needs itself (it would be padded to
+    their depth). Returns how many join."""
+    step_size = generator.prefill_step_size
+    members = generator._currently_processing
+    prefilling = [m for m in members if not _is_done(m)]
+    room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
+    free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    # mlx-lm prefills a prompt batch in lockstep: the rows' ends aligned (a prompt
+    # that joins members deep into their prompts is padded to their depth) and every
+    # row's chunk padded to the step's longest. So a long prompt (a full chunk to go)
+    # joins only members with more prefill steps left than it has itself; otherwise
+    # it waits for them to finish, and starts a group of its own.
+    members_left = max((_prefill_steps(m[0], step_size) for m in prefilling), default=0)
+    joining = 0
+    for sequence in generator._unprocessed_sequences:
+        if joining >= free:
+            break
+        tokens = _first_chunk(sequence[1], step_size)
+        if tokens >= step_size and 0 < members_left <= _prefill_steps(sequence[1], step_size):
+            break
+        if len(prefilling) + joining >= base and tokens > room:
+            break
+        room -= tokens
+        joining += 1
+    generator.prefill_batch_size = len(generator._prompt_batch) + joining
+    return joining
+
+
+def coming_prefill(generator: BatchGenerator, short: int = 0) -> tuple[int, int, int, int]:
+    """What the coming ``generator.next()`` will do, with the generator's sizes as set:
+    (sequences it decodes, prompts it prefills, their prefill tokens padded to the
+    longest chunk, as mlx-lm pads them, and the longest next segment among those
+    prompts with at most ``short`` tokens to prefill in all: 0 if none)."""
+    decoding = len(generator._generation_batch)
+    if decoding >= generator.completion_batch_size:
+        return decoding, 0, 0, 0  # mlx-lm prefills nothing in such a step
+    step_size = generator.prefill_step_size
+    # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
+    prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
+    joining = min(
+        generator.prefill_batch_size - len(generator._prompt_batch),
+        generator.completion_batch_size - decoding,
+        len(generator._unprocessed_sequences),
+    )
+    for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
+        prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
+    chunks, longest_short = [], 0
+    for segs, total in prompts:
+        chunk = _first_chunk(segs, step_size)
+        if not chunk:
+            continue
+        chunks.append(chunk)
+        # A short prompt (its last token is the generator's, not a prefill's).
+        if total - 1 <= short:
+            longest_short = max(longest_short, len(segs[0]))
+    return decoding, len(chunks), len(chunks) * max(chunks, default=0), longest_short

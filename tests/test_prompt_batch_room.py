@@ -1,0 +1,93 @@
+"""A prompt batch's KV layers grow once for the rest of its prompts
+(``runtime.mlx_lm_batches``' ``RowAwarePromptBatch``).
+
+mlx-lm grows a batch cache 256 tokens at a time, copying all it holds into a new
+buffer each time; in 64-token paced chunks that was every fourth step of a long
+prompt. Real mlx (CPU) on the tiny model: the layers' capacity after the first
+chunk holds the whole prompt and never changes during its prefill, the class's
+step is left as it was, and the tokens are mlx-lm's own (a plain
+``BatchGenerator``), with prompts of different lengths padded together and
+sequences decoding beside them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache
+
+from runtime.batch_sampling import BatchSampler, make_batch_generator
+from runtime.tiny_model import build_tiny_model
+
+LONG = [10 + (i * 7) % 300 for i in range(1000)]
+SHORT = [[5, 9, 12, 40], [3, 3, 8, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model, _ = load(str(build_tiny_model(tmp_path_factory.mktemp("room") / "tiny")))
+    return model
+
+
+def ours(model) -> BatchGenerator:
+    return make_batch_generator(model, sampler=BatchSampler(), completion_batch_size=8,
+                                prefill_batch_size=8, prefill_step_size=64)
+
+
+def drain(gen, uids, out) -> None:
+    left = set(uids)
+    while left:
+        for r in gen.next()[1]:
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+
+
+def test_a_long_prompt_grows_its_cache_once(model):
+    gen = ours(model)
+    (uid,) = gen.insert([LONG], max_tokens=[3])
+    capacities = []
+    while gen._currently_processing or not len(gen._generation_batch):
+        gen.next()
+        layer = gen._prompt_batch.prompt_cache[0] if gen._prompt_batch.prompt_cache else None
+        if layer is not None and layer.keys is not None:
+            assert "step" not in vars(layer)  # taken back after the chunk
+            capacities.append(layer.keys.shape[2])
+    # 15 chunks of 64 tokens: mlx-lm would grow the layer four times (256, 512, 768, 1024).
+    assert len(capacities) >= 14
+    assert set(capacities) == {1024}
+    assert BatchKVCache.step == 256
+    assert all("step" not in vars(layer) for layer in gen._generation_batch.prompt_cache)
+
+
+def test_a_finished_prompt_leaves_the_room_behind(model):
+    """A short prompt prefilled beside a long one joins the decoding batch with only the
+    KV it holds: that batch pads every row to its longest layer, so the long prompt's
+    room would go to all of them."""
+    gen = ours(model)
+    long_uid, short_uid = gen.insert([LONG, LONG[:200]], max_tokens=[3, 40])
+    while short_uid not in gen._generation_batch.uids:
+        gen.next()
+    # The long one regrew in the same step.
+    assert gen._prompt_batch.prompt_cache[0].keys.shape[2] == 1024
+    decoding = gen._generation_batch.prompt_cache[0]
+    assert decoding.keys.shape[2] <= decoding._idx + BatchKVCache.step < 1024
+
+
+def test_the_tokens_are_mlx_lms(model):
+    plain = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
+                           prefill_step_size=64)
+    results = []
+    for gen in (plain, ours(model)):
+        out: dict[int, list[int]] = {}
+        uids = gen.insert(SHORT, max_tokens=[40, 30])
+        for _ in range(3):
+            for r in gen.next()[1]:
+                out.setdefault(r.uid, []).append(r.token)
+        # Two prompts of different lengths prefill together, beside the decoding two.
+        uids += gen.insert([LONG, LONG[:450]], max_tokens=[6, 6])
+        drain(gen, uids, out)
+        results.append([out[u] for u in uids])
+    assert results[0] == results[1]
+    assert all(len(tokens) > 0 for tokens in results[1])
