@@ -143,8 +143,8 @@ def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
 class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
-    whose layers grow once for the rest of its prompts (``tokens_to_come`` set,
-    ``_room_reserved``), a room its members do not take along when they leave.
+    whose layers, while it prefills one prompt, grow once for the rest of it
+    (``tokens_to_come`` set, ``_room_reserved``).
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
     ``queue_prefill_chunks``): while ``decoding()`` says sequences are
@@ -155,8 +155,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     nothing decoding, chunks are waited for as mlx-lm does."""
 
     decoding = None  # a callable, on the generator's lasting prompt batch only
-    # On the lasting prompt batch: the most prompt tokens any member has still to
-    # prefill after the chunk being processed (``install_row_hooks``).
+    # On the lasting prompt batch: the prompt tokens its member has still to prefill
+    # after the chunk being processed (``install_row_hooks``).
     tokens_to_come = None
 
     def prompt(self, tokens):
@@ -171,14 +171,17 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         with _layers_filtered(self, keep):
             super().filter(keep)
 
+    # A reserved room stays with its one prompt: a prompt that joins would be padded to
+    # it (and copied, rolled and filtered with it), and the members that leave (mlx-lm
+    # copies the whole batch before it filters both parts) would take it into the
+    # generation batch, which pads every row to the longest layer it meets.
+
+    def extend(self, batch):
+        _room_given_back(self.prompt_cache)
+        super().extend(batch)
+
     def split(self, indices):
-        # The members that leave take only what they hold: mlx-lm copies the whole
-        # batch (``_copy``) before it filters both parts, and the generation batch they
-        # join pads every row to the longest layer it meets, so a room reserved for a
-        # long prompt would go with them. The rest regrow at their next chunk.
-        for c in self.prompt_cache:
-            if type(c) is BatchKVCache and c.keys is not None and c.keys.shape[2] > c._idx:
-                c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+        _room_given_back(self.prompt_cache)
         return super().split(indices)
 
     def generate(self, tokens):
@@ -193,16 +196,17 @@ class RowAwarePromptBatch(PromptProcessingBatch):
 
 @contextlib.contextmanager
 def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come) -> Iterator[None]:
-    """Around a prompt batch's ``prompt``: a ``BatchKVCache`` layer that grows in it
-    grows once to hold the whole rest of the prompts, not by mlx-lm's 256 tokens.
+    """Around a prompt batch's ``prompt`` of one prompt: a ``BatchKVCache`` layer that
+    grows in it grows once to hold the whole rest of the prompt, not by mlx-lm's 256
+    tokens. Batches of several prompts grow as mlx-lm grows them.
 
     mlx-lm grows a batch cache by concatenating a new block onto all it holds: with
     paced 64-token chunks, every fourth step of a 30k-token prompt copied the whole
     cache into a new buffer (an H200 step 15 ms longer, sixteen streams waiting on
     it), and a full-chunk prefill copies it at every chunk. The room is what the
-    prompt batch will hold in the end anyway; the class's ``step`` is set on the
-    layers for the call and taken back after it, so nothing else grows by it."""
-    if tokens_to_come is None or not tokens:
+    prompt will hold in the end anyway; the class's ``step`` is set on the layers for
+    the call and taken back after it, so nothing else grows by it."""
+    if tokens_to_come is None or len(tokens) != 1:
         yield
         return
     needed = max(len(t) for t in tokens) + tokens_to_come()
@@ -218,6 +222,13 @@ def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come
     finally:
         for c in reserved:
             c.__dict__.pop("step", None)
+
+
+def _room_given_back(caches: list) -> None:
+    """Each ``BatchKVCache`` layer cut to what it holds (views, no copy)."""
+    for c in caches:
+        if type(c) is BatchKVCache and c.keys is not None and c.keys.shape[2] > c._idx:
+            c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
 
 
 def _tokens_to_come(generator: BatchGenerator):

@@ -1,11 +1,12 @@
-"""A prompt batch's KV layers grow once for the rest of its prompts
+"""A prompt batch of one prompt grows its KV layers once for the rest of it
 (``runtime.mlx_lm_batches``' ``RowAwarePromptBatch``).
 
 mlx-lm grows a batch cache 256 tokens at a time, copying all it holds into a new
 buffer each time; in 64-token paced chunks that was every fourth step of a long
 prompt. Real mlx (CPU) on the tiny model: the layers' capacity after the first
 chunk holds the whole prompt and never changes during its prefill, the class's
-step is left as it was, and the tokens are mlx-lm's own (a plain
+step is left as it was, a prompt that joins is not padded to the room nor takes
+it to the decoding batch, and the tokens are mlx-lm's own (a plain
 ``BatchGenerator``), with prompts of different lengths padded together and
 sequences decoding beside them.
 """
@@ -61,18 +62,32 @@ def test_a_long_prompt_grows_its_cache_once(model):
     assert all("step" not in vars(layer) for layer in gen._generation_batch.prompt_cache)
 
 
-def test_a_finished_prompt_leaves_the_room_behind(model):
-    """A short prompt prefilled beside a long one joins the decoding batch with only the
-    KV it holds: that batch pads every row to its longest layer, so the long prompt's
-    room would go to all of them."""
+def test_a_prompt_that_joins_takes_no_room(model):
+    """A short prompt that joins a long one's prefill is not padded to the long one's
+    room, and it joins the decoding batch with only the KV it holds: that batch pads
+    every row to its longest layer. The long one, alone again, regrows its room."""
     gen = ours(model)
-    long_uid, short_uid = gen.insert([LONG, LONG[:200]], max_tokens=[3, 40])
+    (long_uid,) = gen.insert([LONG], max_tokens=[3])
+    for _ in range(3):
+        gen.next()
+    assert gen._prompt_batch.prompt_cache[0].keys.shape[2] == 1024
+    (short_uid,) = gen.insert([LONG[:100]], max_tokens=[40])
+    gen.next()
+    assert len(gen._prompt_batch) == 2
+    joined = gen._prompt_batch.prompt_cache[0]
+    assert joined.keys.shape[2] <= joined._idx + BatchKVCache.step < 1024
     while short_uid not in gen._generation_batch.uids:
         gen.next()
-    # The long one regrew in the same step.
-    assert gen._prompt_batch.prompt_cache[0].keys.shape[2] == 1024
     decoding = gen._generation_batch.prompt_cache[0]
     assert decoding.keys.shape[2] <= decoding._idx + BatchKVCache.step < 1024
+    assert len(gen._prompt_batch) == 1
+    capacities = set()
+    while gen._currently_processing:
+        gen.next()
+        if gen._prompt_batch.prompt_cache:
+            capacities.add(gen._prompt_batch.prompt_cache[0].keys.shape[2])
+    (capacity,) = capacities  # one growth for the rest, then none
+    assert capacity >= len(LONG) - 1
 
 
 def test_the_tokens_are_mlx_lms(model):

@@ -29,7 +29,9 @@ proportion), the next chunk takes another size (twice it, or half a full one),
 which gives the fit its second point. With ``ladder``, a paced chunk is the floor
 times a power of two (64, 128, 256, ...): where a step's decode and its chunk
 share one compiled pass (``runtime.mixed_step``), each new length is a new
-trace. Sans-IO: ``observe`` after each step,
+trace; a lone prompt's segment that is not a multiple of the floor gives its odd
+tokens a step of their own first, while the context is short, rather than last,
+at its deepest, where that off-ladder step runs as two passes. Sans-IO: ``observe`` after each step,
 ``chunk`` before the next; the generator is read and set through
 ``runtime.mlx_lm_prefill``.
 
@@ -144,11 +146,12 @@ class PrefillPacer:
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
         self._lone_size = None if self._spread else prefill_tokens
 
-    def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
+    def chunk(self, *, decoding: int, prompts: int, short: int = 0, segment: int = 0) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
         generating and ``prompts`` prompts prefilling; ``short``: the longest next
         segment of the prompts whose whole prefill is at most ``SHORT_PROMPT``
-        tokens (0: none), which the chunk then covers."""
+        tokens (0: none), which the chunk then covers; ``segment``: with one prompt,
+        the tokens left in its segment (0: unknown)."""
         if (
             not self.factor
             or not prompts
@@ -167,6 +170,11 @@ class PrefillPacer:
                     PACED_CEILING)
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
+            odd = segment % self.min_chunk
+            if prompts == 1 and not short and odd and segment > paced:
+                # A segment's odd tokens go first, alone: off the ladder, that step runs
+                # as two passes, cheaper now than at the end of a long prompt.
+                return odd
         lone = self._lone_size
         if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
             # Only this size seen: a step of another gives the line its second point.
@@ -218,18 +226,21 @@ class PacedSteps:
             self._decoding = self._tokens = 0
 
     def _size(self, generator, size_group) -> None:
-        decoding, prompts, _, short = self._coming(generator, SHORT_PROMPT)
-        generator.prefill_step_size = self.pacer.chunk(
-            decoding=decoding, prompts=prompts, short=short
-        )
+        coming = self._coming(generator, SHORT_PROMPT)
+        generator.prefill_step_size = self._chunk(coming)
         if size_group is not None:
             size_group(generator)
-        decoding, prompts, tokens, short = self._coming(generator, SHORT_PROMPT)
-        narrower = self.pacer.chunk(decoding=decoding, prompts=prompts, short=short)
+        coming = self._coming(generator, SHORT_PROMPT)
+        tokens = coming.tokens
+        narrower = self._chunk(coming)
         if narrower < generator.prefill_step_size:  # more joined than first counted
             generator.prefill_step_size = narrower
-            tokens = self._coming(generator, SHORT_PROMPT)[2]
-        self._decoding, self._tokens = decoding, tokens
+            tokens = self._coming(generator, SHORT_PROMPT).tokens
+        self._decoding, self._tokens = coming.decoding, tokens
+
+    def _chunk(self, coming) -> int:
+        return self.pacer.chunk(decoding=coming.decoding, prompts=coming.prompts,
+                                short=coming.short, segment=coming.segment)
 
     def after(self, seconds: float) -> None:
         self.pacer.observe(seconds, decoding=self._decoding, prefill_tokens=self._tokens)
