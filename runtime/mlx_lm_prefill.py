@@ -92,7 +92,6 @@ class ComingPrefill(NamedTuple):
     prompts: int  # prompts it prefills
     tokens: int  # their prefill tokens, padded to the longest chunk as mlx-lm pads them
     short: int  # the longest next segment of a prompt with at most ``short`` tokens in all
-    segment: int  # with one prompt prefilling: the tokens left in its segment (else 0)
 
 
 def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
@@ -101,7 +100,7 @@ def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
     short, 0 if none is)."""
     decoding = len(generator._generation_batch)
     if decoding >= generator.completion_batch_size:
-        return ComingPrefill(decoding, 0, 0, 0, 0)  # mlx-lm prefills nothing in such a step
+        return ComingPrefill(decoding, 0, 0, 0)  # mlx-lm prefills nothing in such a step
     step_size = generator.prefill_step_size
     # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
     prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
@@ -112,17 +111,14 @@ def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
     )
     for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
         prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
-    chunks, longest_short, segments = [], 0, []
+    chunks, longest_short = [], 0
     for segs, total in prompts:
         chunk = _first_chunk(segs, step_size)
         if not chunk:
             continue
         chunks.append(chunk)
-        segments.append(len(segs[0]))
         # A short prompt (its last token is the generator's, not a prefill's).
         if total - 1 <= short:
             longest_short = max(longest_short, len(segs[0]))
-    return ComingPrefill(
-        decoding, len(chunks), len(chunks) * max(chunks, default=0), longest_short,
-        segments[0] if len(segments) == 1 else 0,
-    )
+    return ComingPrefill(decoding, len(chunks), len(chunks) * max(chunks, default=0),
+                         longest_short)

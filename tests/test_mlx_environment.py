@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
 from runtime.mlx_environment import (
@@ -97,7 +99,8 @@ def test_unfused_prefill_attention_computes_the_same_attention():
             assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
 
 
-def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has():
+@pytest.mark.parametrize("n_keys", [10, 64])  # padded to 64 keys, and aligned already
+def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has(n_keys):
     """Causal over a cached prefix, a padded group's boolean mask (one for all heads and
     one per head), a row-only mask and an additive one: the same attention as MLX's in
     float32, within bfloat16's precision; values may have a head size of their own."""
@@ -106,12 +109,12 @@ def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has():
     from runtime.mlx_environment import grouped_attention
 
     reference = mx.fast.scaled_dot_product_attention
-    q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
+    q, k, v = _qkv(mx, 2, 6, n_keys, mx.bfloat16)
     wide = mx.concatenate([v, v[..., :8]], axis=-1)  # 24 value dimensions, 16 query
-    causal = mx.arange(10)[None, :] <= (mx.arange(6)[:, None] + 4)
-    padding = mx.arange(10) >= 2
+    causal = mx.arange(n_keys)[None, :] <= (mx.arange(6)[:, None] + n_keys - 6)
+    padding = mx.arange(n_keys) >= 2
     per_row = mx.stack([causal & padding, causal])[:, None]  # the first row padded by 2
-    masks = ("causal", None, per_row, mx.broadcast_to(per_row, (2, 4, 6, 10)),
+    masks = ("causal", None, per_row, mx.broadcast_to(per_row, (2, 4, 6, n_keys)),
              padding[None, None, None, :], causal,
              mx.where(padding, 0.0, -mx.inf)[None, None, None, :].astype(mx.bfloat16))
     for values in (v, wide):
@@ -123,6 +126,36 @@ def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has():
             got = grouped_attention(mx, q, k, values, scale=0.25, mask=mask)
             assert got.dtype == mx.bfloat16 and got.shape == expected.shape
             assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def test_grouped_attention_pads_the_keys_to_the_alignment():
+    """Keys of another length than a multiple of ``KEY_ALIGNMENT`` are padded to one
+    (the GPU's fast matrix kernels need it); aligned ones are not copied."""
+    import mlx.core as mx
+
+    from runtime.mlx_environment import KEY_ALIGNMENT, grouped_attention
+
+    class Padding:
+        def __init__(self):
+            self.shapes = []
+
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def pad(self, array, widths, **kwargs):
+            out = mx.pad(array, widths, **kwargs)
+            self.shapes.append(out.shape)
+            return out
+
+    for n_keys, padded in ((10, KEY_ALIGNMENT), (KEY_ALIGNMENT + 3, 2 * KEY_ALIGNMENT),
+                           (KEY_ALIGNMENT, None)):
+        q, k, v = _qkv(mx, 1, 6, n_keys, mx.bfloat16)
+        spy = Padding()
+        grouped_attention(spy, q, k, v, scale=0.25, mask="causal")
+        if padded is None:
+            assert spy.shapes == []
+        else:
+            assert (1, 2, padded, 16) in spy.shapes  # keys and values
 
 
 def test_grouped_attention_keeps_a_row_that_sees_no_key_finite():

@@ -86,27 +86,6 @@ def test_a_line_with_no_slope_does_not_let_the_chunk_jump_to_a_full_one():
     assert pacer.chunk(decoding=16, prompts=2) == 256
 
 
-def test_a_segments_odd_tokens_go_first_on_the_ladder():
-    # Paced chunks are 64 x 2^k; a 30,013-token segment's last 61 tokens would be an
-    # off-ladder step (two passes) at the prompt's deepest: they go in the first step.
-    pacer = PrefillPacer(1.5, 2048, ladder=True)
-    pacer.observe(0.010, decoding=16, prefill_tokens=0)
-    for tokens in (64, 128):
-        pacer.observe(0.010 + 0.008 + 0.00001 * tokens, decoding=16, prefill_tokens=tokens)
-    paced = pacer.chunk(decoding=16, prompts=1)
-    assert paced == 256
-    assert pacer.chunk(decoding=16, prompts=1, segment=30_013) == 61
-    assert pacer.chunk(decoding=16, prompts=1, segment=29_952) == paced
-    assert pacer.chunk(decoding=16, prompts=1, segment=40) == paced  # its end anyway
-    assert pacer.chunk(decoding=16, prompts=2) == 128  # two prompts: no rule
-    assert pacer.chunk(decoding=16, prompts=1, short=300, segment=300) == 300  # whole
-    unladdered = PrefillPacer(1.5, 2048)  # separate passes: any length is one shape more
-    unladdered.observe(0.010, decoding=16, prefill_tokens=0)
-    for tokens in (64, 128):
-        unladdered.observe(0.018 + 0.00001 * tokens, decoding=16, prefill_tokens=tokens)
-    assert unladdered.chunk(decoding=16, prompts=1, segment=30_013) > 61
-
-
 def test_a_small_fixed_cost_leaves_the_budget_to_the_tokens():
     pacer = PrefillPacer(1.5, 2048)
     pacer.observe(0.010, decoding=8, prefill_tokens=0)
@@ -183,7 +162,7 @@ def test_coming_prefill_predicts_what_next_prefills(model):
     gen.insert(prompts)
     seen: dict[int, int] = {}
     for _ in range(12):
-        decoding, n, padded, short, segment = coming_prefill(gen, 100)
+        decoding, n, padded, short = coming_prefill(gen, 100)
         # The 20- and 50-token prompts are short: their next segments, whole.
         lefts = [len(m[0][0]) for m in gen._currently_processing
                  if m[2] - 1 <= 100 and not (len(m[0]) == 1 and len(m[0][0]) == 1)]
@@ -191,8 +170,6 @@ def test_coming_prefill_predicts_what_next_prefills(model):
         for i, m in enumerate(gen._currently_processing):
             if not (len(m[0]) == 1 and len(m[0][0]) == 1):
                 expected[gen._prompt_batch.uids[i]] = min(len(m[0][0]), 64)
-        members = [len(m[0][0]) for m in gen._currently_processing
-                   if not (len(m[0]) == 1 and len(m[0][0]) == 1)]
         prompt_responses, _ = gen.next()
         done = {r.uid: r.progress[0] for r in prompt_responses if not r.end_of_prompt}
         chunks = {uid: d - seen.get(uid, 0) for uid, d in done.items()}
@@ -204,10 +181,6 @@ def test_coming_prefill_predicts_what_next_prefills(model):
         assert n == len(chunks)
         assert padded == n * max(chunks.values(), default=0)
         assert short >= max(lefts, default=0)
-        if n == 1 and len(members) == 1:
-            assert segment == members[0]
-        elif n != 1:
-            assert segment == 0
     assert decoding >= 0
 
 

@@ -29,9 +29,10 @@ proportion), the next chunk takes another size (twice it, or half a full one),
 which gives the fit its second point. With ``ladder``, a paced chunk is the floor
 times a power of two (64, 128, 256, ...): where a step's decode and its chunk
 share one compiled pass (``runtime.mixed_step``), each new length is a new
-trace; a lone prompt's segment that is not a multiple of the floor gives its odd
-tokens a step of their own first, while the context is short, rather than last,
-at its deepest, where that off-ladder step runs as two passes. Sans-IO: ``observe`` after each step,
+trace. A segment's odd tokens (beyond a multiple of the floor) go in its last
+step: taken first, they would leave every later chunk's keys at a length that is
+no multiple of 64, and the attention's matrix products at such lengths made an
+H200's paced steps at 10k-20k tokens of context 2-2.5x as long. Sans-IO: ``observe`` after each step,
 ``chunk`` before the next; the generator is read and set through
 ``runtime.mlx_lm_prefill``.
 
@@ -146,12 +147,11 @@ class PrefillPacer:
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
         self._lone_size = None if self._spread else prefill_tokens
 
-    def chunk(self, *, decoding: int, prompts: int, short: int = 0, segment: int = 0) -> int:
+    def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
         generating and ``prompts`` prompts prefilling; ``short``: the longest next
         segment of the prompts whose whole prefill is at most ``SHORT_PROMPT``
-        tokens (0: none), which the chunk then covers; ``segment``: with one prompt,
-        the tokens left in its segment (0: unknown)."""
+        tokens (0: none), which the chunk then covers."""
         if (
             not self.factor
             or not prompts
@@ -170,11 +170,6 @@ class PrefillPacer:
                     PACED_CEILING)
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
-            odd = segment % self.min_chunk
-            if prompts == 1 and not short and odd and segment > paced:
-                # A segment's odd tokens go first, alone: off the ladder, that step runs
-                # as two passes, cheaper now than at the end of a long prompt.
-                return odd
         lone = self._lone_size
         if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
             # Only this size seen: a step of another gives the line its second point.
@@ -240,7 +235,7 @@ class PacedSteps:
 
     def _chunk(self, coming) -> int:
         return self.pacer.chunk(decoding=coming.decoding, prompts=coming.prompts,
-                                short=coming.short, segment=coming.segment)
+                                short=coming.short)
 
     def after(self, seconds: float) -> None:
         self.pacer.observe(seconds, decoding=self._decoding, prefill_tokens=self._tokens)
