@@ -11,9 +11,9 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   sampler which rows it samples (``runtime.batch_sampling``), and filters a
   batch's layers with one device round trip (``filter_layers``: what
   ``BatchKVCache.filter`` does, for all layers at once).
-* ``RowAwarePromptBatch`` also grows its KV layers once for the rest of its
-  prompts (``_room_reserved``) and, with ``queue_prefill_chunks``, queues its
-  chunks while sequences decode.
+* ``RowAwarePromptBatch`` also grows its KV layers once for the rest of a
+  lone prompt (``_room_reserved``) and, with ``queue_prefill_chunks``, queues
+  its chunks while sequences decode.
 * ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
   (which prompts join, what the coming step prefills); the attributes it uses
   are checked here too.

@@ -31,10 +31,11 @@ times a power of two (64, 128, 256, ...): where a step's decode and its chunk
 share one compiled pass (``runtime.mixed_step``), each new length is a new
 trace, and a short prompt that joins a long one is covered by the next ladder
 step up, so that the long one's chunk stays on it. A segment's odd tokens
-(beyond a multiple of the floor) go in its last step: taken first, they would leave every later chunk's keys at a length that is
-no multiple of 64, and the attention's matrix products at such lengths made an
-H200's paced steps at 10k-20k tokens of context 2-2.5x as long. Sans-IO: ``observe`` after each step,
-``chunk`` before the next; the generator is read and set through
+(beyond a multiple of the floor) go in its last step: taken first, they would
+leave every later chunk's keys at a length that is no multiple of 64, and the
+attention's matrix products at such lengths made an H200's paced steps at
+10k-20k tokens of context 2-2.5x as long. Sans-IO: ``observe`` after each
+step, ``chunk`` before the next; the generator is read and set through
 ``runtime.mlx_lm_prefill``.
 
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
