@@ -149,8 +149,9 @@ def test_the_ladder():
     # 15 ms of budget is 150 tokens: the ladder's step below, 128; 75 each for two: 64.
     assert pacer.chunk(decoding=8, prompts=1) == 128
     assert pacer.chunk(decoding=8, prompts=2) == 64
-    # A short prompt still goes whole, and nothing waits: full chunks.
-    assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
+    # A short prompt still goes whole (the step a multiple of 64), and nothing waits:
+    # full chunks.
+    assert pacer.chunk(decoding=8, prompts=2, short=300) == 320
     assert pacer.chunk(decoding=0, prompts=1) == 2048
     assert PrefillPacer(1.5, 2048).chunk(decoding=8, prompts=1) == 2048  # nothing learnt yet
 

@@ -86,9 +86,9 @@ def test_a_line_with_no_slope_does_not_let_the_chunk_jump_to_a_full_one():
     assert pacer.chunk(decoding=16, prompts=2) == 256
 
 
-def test_on_the_ladder_a_short_prompt_pads_to_the_next_step_of_it():
+def test_on_the_ladder_a_short_prompt_pads_to_a_multiple_of_the_floor():
     # A short prompt (79 tokens) joins a long one's paced prefill: the step covers it
-    # whole, and the long one's chunk stays 64 x 2^k (its keys a multiple of 64).
+    # whole, and the long one's chunk stays a multiple of 64 (so are its keys).
     pacer = PrefillPacer(1.5, 2048, ladder=True)
     pacer.observe(0.010, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 64, 128):
@@ -96,7 +96,7 @@ def test_on_the_ladder_a_short_prompt_pads_to_the_next_step_of_it():
     assert pacer.chunk(decoding=16, prompts=2) == 64
     assert pacer.chunk(decoding=16, prompts=2, short=79) == 128
     assert pacer.chunk(decoding=16, prompts=2, short=64) == 64
-    assert pacer.chunk(decoding=16, prompts=1, short=600) == 1024
+    assert pacer.chunk(decoding=16, prompts=1, short=600) == 640
     off_ladder = PrefillPacer(1.5, 2048)
     off_ladder.observe(0.010, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 64, 128):

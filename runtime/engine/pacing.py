@@ -29,8 +29,8 @@ proportion), the next chunk takes another size (twice it, or half a full one),
 which gives the fit its second point. With ``ladder``, a paced chunk is the floor
 times a power of two (64, 128, 256, ...): where a step's decode and its chunk
 share one compiled pass (``runtime.mixed_step``), each new length is a new
-trace, and a short prompt that joins a long one is covered by the next ladder
-step up, so that the long one's chunk stays on it. A segment's odd tokens
+trace, and a short prompt that joins a long one is covered by the next
+multiple of the floor, which the long one's chunk then is. A segment's odd tokens
 (beyond a multiple of the floor) go in its last step: taken first, they would
 leave every later chunk's keys at a length that is no multiple of 64, and the
 attention's matrix products at such lengths made an H200's paced steps at
@@ -177,9 +177,9 @@ class PrefillPacer:
             # Only this size seen: a step of another gives the line its second point.
             paced = 2 * paced if 2 * paced <= self.full_chunk else paced // 2
         if short and self.ladder:
-            # A short prompt beside a long one: the long one's chunk stays on the ladder
-            # (its keys a multiple of 64 long, the pass shared), the short one's padded.
-            short = _ladder_step(2 * short - 1, self.min_chunk)
+            # A short prompt beside a long one: the long one's chunk stays a multiple of
+            # the floor (its keys a multiple of 64 long), the short one's padded to it.
+            short = -(-short // self.min_chunk) * self.min_chunk
         return min(self.full_chunk, max(paced, short))
 
 
