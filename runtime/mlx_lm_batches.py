@@ -171,18 +171,13 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         with _layers_filtered(self, keep):
             super().filter(keep)
 
-    # A reserved room stays with its one prompt: a prompt that joins would be padded to
-    # it (and copied, rolled and filtered with it), and the members that leave (mlx-lm
-    # copies the whole batch before it filters both parts) would take it into the
-    # generation batch, which pads every row to the longest layer it meets.
-
     def extend(self, batch):
+        # A reserved room stays with its one prompt: a prompt that joins would be padded
+        # to it (copied, rolled and filtered with it), and would take it along when it
+        # leaves into the generation batch, which pads every row to its longest layer.
+        # (A lone prompt's room is its own size when it leaves.)
         _room_given_back(self.prompt_cache)
         super().extend(batch)
-
-    def split(self, indices):
-        _room_given_back(self.prompt_cache)
-        return super().split(indices)
 
     def generate(self, tokens):
         hook = _row_hook(self.fallback_sampler)
