@@ -204,7 +204,7 @@ def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come
     if tokens_to_come is None or len(tokens) != 1:
         yield
         return
-    needed = max(len(t) for t in tokens) + tokens_to_come()
+    needed = len(tokens[0]) + tokens_to_come()
     step = BatchKVCache.step
     if needed <= step:
         yield
