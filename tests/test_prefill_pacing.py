@@ -113,17 +113,33 @@ def test_a_small_fixed_cost_leaves_the_budget_to_the_tokens():
     assert pacer.chunk(decoding=8, prompts=1) == pytest.approx(600, abs=1)
 
 
-def test_steps_of_one_size_over_their_budget_double_the_next_chunk():
+def test_steps_of_one_size_learn_the_line_from_a_step_of_half_that_size():
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    for _ in range(3):  # 256 tokens: 5 ms fixed, 30 us a token
+        pacer.observe(0.010 + 0.005 + 0.00003 * 256, decoding=16, prefill_tokens=256)
+    # One size seen: the line is a proportion (all the cost on the tokens). The next
+    # step is half as long instead of twice, so the second point costs no longer stall.
+    assert pacer.fixed_seconds == 0.0
+    assert pacer.chunk(decoding=16, prompts=1) == 128
+    pacer.observe(0.010 + 0.005 + 0.00003 * 128, decoding=16, prefill_tokens=128)
+    assert pacer.fixed_seconds == pytest.approx(0.005, rel=1e-6)
+    # Two sizes: (15 ms - 5 ms) / 30 us = 333 tokens, 256 on the ladder.
+    assert pacer.chunk(decoding=16, prompts=1) == 256
+
+
+def test_steps_of_one_size_at_the_floor_stay_there_while_over_their_budget():
     pacer = PrefillPacer(1.5, 2048)
     pacer.observe(0.0065, decoding=16, prefill_tokens=0)
     pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=64)
-    # One size seen: the line is a proportion, which alone would keep the floor.
+    # A proportion of 30 ms for 64 tokens allows fewer than the floor; no step of
+    # another size is tried, since a longer one would only lengthen the stall.
     assert pacer.fixed_seconds == 0.0
-    assert pacer.chunk(decoding=16, prompts=1) == 128
-    pacer.observe(0.0065 + 0.0305, decoding=16, prefill_tokens=128)
-    # Two sizes: nearly all of it is fixed, more than the budget: the floor.
-    assert pacer.fixed_seconds == pytest.approx(0.0295, rel=0.05)
     assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
+    # Under half the budget, twice the floor fits even costed in proportion: it grows.
+    for _ in range(5):
+        pacer.observe(0.0065 + 0.004, decoding=16, prefill_tokens=64)
+    assert pacer.chunk(decoding=16, prompts=1) == 2 * MIN_CHUNK
 
 
 def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
