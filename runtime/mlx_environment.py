@@ -49,17 +49,19 @@ unfused attention:
   by more than a graph build), and decoding (one query token a row) meets few
   shapes and keeps MLX's choice.
 * A chunk of at most ``UNFUSED_CHUNK_QUERIES`` queries that continues a cached
-  prefix (a paced chunk, a coding agent's next turn) has a shape of its own
-  nearly every time, since the prefix grows by each chunk: through cuDNN a
-  paced 30k-token prefill's chunks took 115-1,160 ms where those under the
-  limit took 40 (a graph per step). Those go the same way, their queries in
-  blocks whose scores stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block
-  against the keys up to its last query (the causal mask unchanged): no graph
-  builds and bounded memory at any prefix length. ``bench/paced_step.py`` on an
-  H200 (Qwen3-0.6B shape, 16 sequences decoding; docs/performance.md): a step
-  with a 64-token chunk at 24k took 61 ms this way, 99 through MLX's fallback
-  (a float32 query, which cuDNN does not take: the path before this one) and
-  132 through cuDNN; with a 1,024-token chunk at 16k, 176, 354 and 221 ms.
+  prefix (a paced chunk, a coding agent's next turn, a long prompt's later
+  chunks and its last, odd-sized one) has a shape of its own nearly every time,
+  since the prefix grows by each chunk: through cuDNN a paced 30k-token
+  prefill's chunks took 115-1,160 ms where those under the limit took 40 (a
+  graph per step). Those go the same way, their queries in blocks whose scores
+  stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block against the keys up
+  to its last query (the causal mask unchanged): no graph builds and bounded
+  memory at any prefix length. ``bench/paced_step.py`` on an H200 (Qwen3-0.6B
+  shape, docs/performance.md): a step with a 64-token chunk at 24k took 61 ms
+  this way, 99 through MLX's fallback (a float32 query, which cuDNN does not
+  take) and 132 through cuDNN; one prompt's 1,776-token chunk at 22.5k took 219
+  ms this way against 290 through cuDNN at a new shape and 254 with its graph
+  built, and a 4,096-token one 579 against 896 and 776.
 """
 
 from __future__ import annotations
@@ -91,13 +93,12 @@ UNFUSED_SCORES_LIMIT = 1 << 25
 
 # A chunk of at most this many queries after a cached prefix goes unfused in blocks
 # of queries whose scores have at most UNFUSED_BLOCK_LIMIT elements (256 MiB in
-# bfloat16: 524 queries of 16 heads against a 16k-token prefix). Up to 1,024 queries
-# the products beat cuDNN at a shape it has not built a graph for, which a growing
-# prefix always is (bench/paced_step.py on an H200: 122 against 153 ms at 8k); longer
-# chunks (a prompt prefilled in full 2,048-token chunks) keep cuDNN: on an H200 a
-# 24k-token prompt in 2,048-token chunks took 3.9 s unfused in float32 against
-# 2.2-2.4 s, each chunk's graph build included.
-UNFUSED_CHUNK_QUERIES = 1024
+# bfloat16: 524 queries of 16 heads against a 16k-token prefix): twice mlx-lm's
+# prefill step, so that a prompt's every chunk after its first goes this way. On an
+# H200 (bench/paced_step.py, one prompt) the grouped products beat cuDNN at 1,024 to
+# 4,096 queries after 22.5k tokens, even where cuDNN's graph was already built, and
+# matched it after 4k (102-282 ms against 80-266 built, 118-345 at a new shape).
+UNFUSED_CHUNK_QUERIES = 4096
 UNFUSED_BLOCK_LIMIT = 1 << 27
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")

@@ -67,10 +67,6 @@ FIT_SPREAD = 0.2
 # a coding agent's next turn (its last reply and a user turn or tool result, 300-800
 # tokens) costs the others one longer gap instead of a dozen floor-sized steps.
 SHORT_PROMPT = 1024
-# The longest paced chunk: longer chunks after a cached prefix leave the grouped
-# attention for cuDNN, which builds a graph for each new shape (runtime.mlx_environment's
-# UNFUSED_CHUNK_QUERIES), a second or more inside a step that sixteen streams wait for.
-PACED_CEILING = 1024
 
 
 class PrefillCostFit:
@@ -170,8 +166,7 @@ class PrefillPacer:
         # Where the line has seen only steps whose fixed part hides their tokens' cost
         # (its slope near zero), it would allow any chunk: grow by doubling instead, so
         # that a longer chunk's real cost enters the line before a far longer one runs.
-        paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts),
-                    PACED_CEILING)
+        paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
         lone = self._lone_size
