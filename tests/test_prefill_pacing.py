@@ -127,18 +127,17 @@ def test_steps_of_one_size_learn_the_line_from_a_step_of_half_that_size():
     assert pacer.chunk(decoding=16, prompts=1) == 256
 
 
-def test_steps_of_one_size_at_the_floor_stay_there_while_over_their_budget():
+def test_steps_of_one_size_at_the_floor_learn_the_line_from_one_of_twice_it():
     pacer = PrefillPacer(1.5, 2048)
     pacer.observe(0.0065, decoding=16, prefill_tokens=0)
     pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=64)
-    # A proportion of 30 ms for 64 tokens allows fewer than the floor; no step of
-    # another size is tried, since a longer one would only lengthen the stall.
+    # One size seen: the line is a proportion, which alone would keep the floor for good.
     assert pacer.fixed_seconds == 0.0
+    assert pacer.chunk(decoding=16, prompts=1) == 128
+    pacer.observe(0.0065 + 0.0305, decoding=16, prefill_tokens=128)
+    # Two sizes: nearly all of it is fixed, more than the budget: the floor.
+    assert pacer.fixed_seconds == pytest.approx(0.0295, rel=0.05)
     assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
-    # Under half the budget, twice the floor fits even costed in proportion: it grows.
-    for _ in range(5):
-        pacer.observe(0.0065 + 0.004, decoding=16, prefill_tokens=64)
-    assert pacer.chunk(decoding=16, prompts=1) == 2 * MIN_CHUNK
 
 
 def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():

@@ -20,25 +20,24 @@ decode, and a prefill's cost as a fixed part per step plus a part per (padded)
 prompt token, less the step's decode part (a line through the recent steps,
 fitted by medians: the time per token grows with the context, and single steps
 run several times long). The fixed part matters: a chunk is what the budget
-leaves after it, and where the fixed part alone fills the budget (a long
-context on a GPU: 20 ms at the start of a 30k-token prompt and 80-98 ms at its
-end, for 64 tokens of the Qwen3-0.6B shape on an H200 beside a 9.5 ms decode
-step of 16 rows) chunks stay at the floor, the shortest stall there is; a
-larger ``factor`` buys a faster prefill with longer gaps. While the steps seen
-so far all had one size (the line cannot be told from a proportion), the next
-chunk takes half that size, which gives the fit its second point without a
-longer stall; at the floor the proportion alone (all the cost on the tokens)
-decides, which grows a chunk only where twice it, so costed, fits. With
-``ladder``, a paced chunk is the floor times a power of two (64, 128, 256,
-...): where a step's decode and its chunk share one compiled pass (``runtime.mixed_step``), each new length is a new
-trace, and a short prompt that joins a long one is covered by the next
-multiple of the floor, which the long one's chunk then is. A segment's odd tokens
-(beyond a multiple of the floor) go in its last step: taken first, they would
-leave every later chunk's keys at a length that is no multiple of 64, and the
-attention's matrix products at such lengths made an H200's paced steps at
-10k-20k tokens of context 2-2.5x as long. Sans-IO: ``observe`` after each
-step, ``chunk`` before the next; the generator is read and set through
-``runtime.mlx_lm_prefill``.
+leaves after it, and where the fixed part alone fills the budget (a long context
+on a GPU: 20 ms at the start of a 30k-token prompt and 80-98 ms at its end, for
+64 tokens of the Qwen3-0.6B shape on an H200 beside a 9.5 ms decode step of 16
+rows) chunks stay at the floor, the shortest stall there is; a larger ``factor``
+buys a faster prefill with longer gaps. While the steps seen so far all had one
+size (the line cannot be told from a proportion), the next chunk takes half that
+size, which gives the fit its second point without a longer stall (twice the
+floor at the floor, where most of a step's cost is its fixed part). With
+``ladder``, a paced chunk is the floor times a power of two (64, 128, 256, ...):
+where a step's decode and its chunk share one compiled pass
+(``runtime.mixed_step``), each new length is a new trace, and a short prompt
+that joins a long one is covered by the next multiple of the floor, which the
+long one's chunk then is. A segment's odd tokens (beyond a multiple of the
+floor) go in its last step: taken first, they would leave every later chunk's
+keys at a length that is no multiple of 64, and the attention's matrix products
+at such lengths made an H200's paced steps at 10k-20k tokens of context 2-2.5x
+as long. Sans-IO: ``observe`` after each step, ``chunk`` before the next; the
+generator is read and set through ``runtime.mlx_lm_prefill``.
 
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
@@ -173,11 +172,11 @@ class PrefillPacer:
         if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
             # Only this size seen: a step of half of it gives the line its second point.
             # Not twice it: that step would be the longest stall of the prefill (on an
-            # H200 a 512-token probe among 256-token steps took 68-96 ms against 35).
-            # At the floor none is needed: without a second point all of a step's cost
-            # is put on its tokens, which lets a chunk grow only where it fits anyway.
-            if paced // 2 >= self.min_chunk:
-                paced //= 2
+            # H200 a 512-token probe among 256-token steps took 41-96 ms against 20-35).
+            # At the floor, twice it: there the fixed part is most of a step, so twice
+            # the tokens cost little more, and without a second point (all of a step's
+            # cost put on its tokens) the chunk would stay at the floor for good.
+            paced = paced // 2 if paced // 2 >= self.min_chunk else 2 * paced
         if short and self.ladder:
             # A short prompt beside a long one: the long one's chunk stays a multiple of
             # the floor (its keys a multiple of 64 long), the short one's padded to it.
