@@ -93,8 +93,8 @@ UNFUSED_SCORES_LIMIT = 1 << 25
 
 # A chunk of at most this many queries after a cached prefix goes unfused in blocks
 # of queries whose scores have at most UNFUSED_BLOCK_LIMIT elements (256 MiB in
-# bfloat16: 524 queries of 16 heads against a 16k-token prefix): twice mlx-lm's
-# prefill step, so that a prompt's every chunk after its first goes this way. On an
+# bfloat16: 524 queries of 16 heads against a 16k-token prefix): twice the default
+# --prefill-step-size, so that a prompt's every chunk after its first goes this way. On an
 # H200 (bench/paced_step.py, one prompt) the grouped products beat cuDNN at 1,024 to
 # 4,096 queries after 22.5k tokens, even where cuDNN's graph was already built, and
 # matched it after 4k (102-282 ms against 80-266 built, 118-345 at a new shape).
