@@ -34,6 +34,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime.mlx_lm_internals import evals_queued, queue_evals_in_generate
+from runtime.mlx_lm_prefill import tokens_to_come
 
 # ------------------------------------------------- batch generator rows
 #
@@ -224,23 +225,6 @@ def _room_given_back(caches: list) -> None:
     for c in caches:
         if type(c) is BatchKVCache and c.keys is not None and c.keys.shape[2] > c._idx:
             c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
-
-
-def _tokens_to_come(generator: BatchGenerator):
-    """The most prompt tokens a prompt batch member of ``generator`` has still to
-    prefill (its last token, the first decode step's input, not counted)."""
-    lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
-
-    def tokens_to_come() -> int:
-        owner = lasting()
-        if owner is None:
-            return 0
-        return max(
-            (sum(len(s) for s in member[0]) - 1 for member in owner._currently_processing),
-            default=0,
-        )
-
-    return tokens_to_come
 
 
 class RowAwareGenerationBatch(GenerationBatch):
@@ -436,7 +420,7 @@ def install_row_hooks(generator: BatchGenerator) -> BatchGenerator:
         generator.model, generator.sampler, prefill_step_size=generator.prefill_step_size
     )
     generator._generation_batch = RowAwareGenerationBatch.empty(generator.model, generator.sampler)
-    generator._prompt_batch.tokens_to_come = _tokens_to_come(generator)
+    generator._prompt_batch.tokens_to_come = tokens_to_come(generator)
     return generator
 
 

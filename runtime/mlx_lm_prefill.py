@@ -10,13 +10,16 @@ steps, through its private attributes ``_currently_processing``,
   coming step, by their tokens (``runtime.engine.core``).
 * ``coming_prefill``: what the coming step decodes and prefills, for the chunk
   size set between steps (``runtime.engine.pacing``).
+* ``tokens_to_come``: a reader of how many prompt tokens the prompt batch has
+  still to prefill (``runtime.mlx_lm_batches``' room reservation).
 
 Receives and emits nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from mlx_lm.generate import BatchGenerator
@@ -122,3 +125,20 @@ def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
             longest_short = max(longest_short, len(segs[0]))
     return ComingPrefill(decoding, len(chunks), len(chunks) * max(chunks, default=0),
                          longest_short)
+
+
+def tokens_to_come(generator: BatchGenerator) -> Callable[[], int]:
+    """A reader of the most prompt tokens a prompt batch member of ``generator`` has
+    still to prefill (its last token, the first decode step's input, not counted)."""
+    lasting = weakref.ref(generator)  # no cycle: a replaced generator's caches go at once
+
+    def read() -> int:
+        owner = lasting()
+        if owner is None:
+            return 0
+        return max(
+            (sum(len(s) for s in member[0]) - 1 for member in owner._currently_processing),
+            default=0,
+        )
+
+    return read
