@@ -12,7 +12,11 @@ decode-only step is timed before the prompt arrives. Prefill attention paths
 
   cudnn    MLX as installed (a cuDNN graph per new shape)
   float32  the server's unfused path through MLX's fallback (a float32 query)
-  half     the server's unfused path in the inputs' precision (grouped_attention)
+  half     the server's unfused path in the inputs' precision (grouped_attention); in a
+           shared pass the chunk's keys read in place from its cache, one mask for all
+           layers (runtime.mlx_environment.ChunkAttention)
+  padded   half as it was before that: in every layer the chunk's keys and values
+           padded to the alignment by a copy, and the mask padded anew
   none     no attention at all for a prefill (the rest of the step's cost)
 
 and, for each, the step's decode and its chunk as two forward passes (mlx-lm's,
@@ -39,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+import runtime.mixed_step as mixed_step  # noqa: E402
+import runtime.mlx_environment as environment  # noqa: E402
 from bench.clear_cache_cost import build_model  # noqa: E402
 from runtime.batch_sampling import BatchSampler, make_batch_generator  # noqa: E402
 from runtime.compiled_decode import install_compiled_decode  # noqa: E402
@@ -50,8 +56,9 @@ FULL_CHUNK = 2048
 def attention_for(path: str, fused):
     if path == "cudnn":
         return fused
-    if path in ("float32", "half"):  # every chunk of this bench's sizes unfused
-        return unfused_prefill_attention(fused, mx, block_queries=4096, scores=path)
+    if path in ("float32", "half", "padded"):  # every chunk of this bench's sizes unfused
+        scores = "half" if path == "padded" else path
+        return unfused_prefill_attention(fused, mx, block_queries=4096, scores=scores)
 
     def no_attention(queries, keys, values, *args, **kwargs):
         if queries.shape[2] > 1:
@@ -71,6 +78,10 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
              steps: int, passes: str = "separate") -> list[dict]:
     fused = mx.fast.scaled_dot_product_attention
     mx.fast.scaled_dot_product_attention = attention_for(path, fused)
+    in_place, kept = mixed_step.chunk_attention, environment.KEPT_MASK_ELEMENTS
+    if path == "padded":
+        mixed_step.chunk_attention = lambda *args, **kwargs: None
+        environment.KEPT_MASK_ELEMENTS = -1
     rows = []
     try:
         gen = make_batch_generator(model, sampler=BatchSampler(), chunk_pass=passes,
@@ -115,6 +126,7 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
         del gen
     finally:
         mx.fast.scaled_dot_product_attention = fused
+        mixed_step.chunk_attention, environment.KEPT_MASK_ELEMENTS = in_place, kept
         mx.synchronize()
         mx.clear_cache()
     return rows

@@ -41,6 +41,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from runtime.mlx_environment import chunk_attention
+
 log = logging.getLogger(__name__)
 
 CHUNK_PASSES = ("shared", "separate")
@@ -198,6 +200,10 @@ class MixedStepModel:
                                                chunk_tokens.reshape(-1)]))
         decode_mask = create_attention_mask(x[:rows, None], decode_cache[0])
         chunk_mask = create_attention_mask(chunk_tokens[..., None], chunk_cache[0])
+        # On CUDA, the chunk's keys read in place from its cache and one mask for all
+        # layers (runtime.mlx_environment.ChunkAttention); else the installed attention.
+        aligned = chunk_attention(mx, chunk_cache[0], length=chunk_tokens.shape[1],
+                                  heads=inner.layers[0].self_attn.n_heads, dtype=x.dtype)
         last = len(inner.layers) - 1
         for i, (layer, ours, theirs) in enumerate(
                 zip(inner.layers, decode_cache, chunk_cache, strict=True)):
@@ -216,9 +222,11 @@ class MixedStepModel:
                     x[:rows].reshape(rows, 1, -1), decode_attended, *weights
                 )
                 break
-            chunk_attended = scaled_dot_product_attention(
-                cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
-            )
+            chunk_attended = aligned(cq, theirs, scale=scale) if aligned else None
+            if chunk_attended is None:
+                chunk_attended = scaled_dot_product_attention(
+                    cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
+                )
             x = pair.mixed_after_attention(x, decode_attended, chunk_attended, *weights)
         out = inner.norm(decoding)
         logits = (inner.embed_tokens.as_linear(out) if model.args.tie_word_embeddings

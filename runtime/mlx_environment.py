@@ -67,7 +67,9 @@ unfused attention:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import MutableMapping
+from typing import Any
 
 SERVER_DEFAULTS = {
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
@@ -154,6 +156,7 @@ def unfused_prefill_attention(
         return fused(queries, keys, values, *args, **kwargs)
 
     attention.fused = fused
+    attention.grouped = scores == "half"
     return attention
 
 
@@ -175,26 +178,11 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     padding = -n_keys % KEY_ALIGNMENT
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        mask = mx.arange(n_keys - length, n_keys)[:, None] >= mx.arange(n_keys)[None]
-    elif mask is not None:
-        if mask.ndim == 4 and mask.shape[1] == 1:
-            mask = mask[:, :, None]
-        elif mask.ndim == 4 and mask.shape[1] == heads:
-            mask = mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
-        elif mask.ndim > 2:
-            return None
+    mask = _key_mask(mx, mask, heads=heads, kv_heads=kv_heads, length=length,
+                     n_keys=n_keys, padding=padding, dtype=queries.dtype)
+    if mask is _UNTAKEN:
+        return None
     if padding:
-        # The padding gets -inf, a masked key the lowest finite value: a row that sees
-        # no key still spreads its weight over the real keys only (as below).
-        if mask is None:
-            mask = mx.zeros((n_keys,), dtype=queries.dtype)
-        elif mask.dtype == mx.bool_:
-            mask = mx.where(mask, 0, mx.finfo(queries.dtype).min).astype(queries.dtype)
-        mask = mx.broadcast_to(mask, (*mask.shape[:-1], n_keys))
-        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, padding)], constant_values=-mx.inf)
         widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
         keys, values = mx.pad(keys, widths), mx.pad(values, widths)
         n_keys += padding
@@ -209,6 +197,102 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     weights = mx.softmax(products, axis=-1, precise=True)
     out = weights.reshape(batch, kv_heads, group * length, n_keys) @ values
     return out.reshape(batch, heads, length, values.shape[-1])
+
+
+_UNTAKEN = object()  # a mask grouped_attention does not take
+
+# Masks of at most this many elements are kept for the next layer (``_key_mask``).
+KEPT_MASK_ELEMENTS = 1 << 24
+
+
+class _KeptMask(threading.local):
+    """The last mask ``_key_mask`` made on this thread, with what it was made from."""
+
+    source: Any = None
+    key: tuple = ()
+    mask: Any = None
+
+
+_kept_mask = _KeptMask()
+
+
+def _key_mask(mx, mask, *, heads, kv_heads, length, n_keys, padding, dtype):
+    """``mask`` (None, "causal", boolean or additive, per head or for all) in the layout
+    of ``grouped_attention``'s products, over the keys and their ``padding``; _UNTAKEN
+    for one it does not take. A model's layers each get the same mask in a forward pass:
+    the last one made on this thread is handed out again for the same source, so that
+    the pass builds it once, not once per layer."""
+    key = (length, n_keys, padding, heads, kv_heads, dtype)
+    kept = _kept_mask
+    if kept.key == key and (kept.source is mask or (
+            isinstance(mask, str) and isinstance(kept.source, str) and kept.source == mask)):
+        return kept.mask
+    source, group = mask, heads // kv_heads
+    if isinstance(mask, str):
+        if mask != "causal":
+            return _UNTAKEN
+        mask = mx.arange(n_keys - length, n_keys)[:, None] >= mx.arange(n_keys)[None]
+    elif mask is not None:
+        if mask.ndim == 4 and mask.shape[1] == 1:
+            mask = mask[:, :, None]
+        elif mask.ndim == 4 and mask.shape[1] == heads:
+            mask = mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
+        elif mask.ndim > 2:
+            return _UNTAKEN
+    if padding:
+        # The padding gets -inf, a masked key the lowest finite value: a row that sees
+        # no key still spreads its weight over the real keys only (as below).
+        if mask is None:
+            mask = mx.zeros((n_keys,), dtype=dtype)
+        elif mask.dtype == mx.bool_:
+            mask = mx.where(mask, 0, mx.finfo(dtype).min).astype(dtype)
+        mask = mx.broadcast_to(mask, (*mask.shape[:-1], n_keys))
+        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, padding)], constant_values=-mx.inf)
+    if mask is not None and mask.size <= KEPT_MASK_ELEMENTS:
+        kept.source, kept.key, kept.mask = source, key, mask
+    return mask
+
+
+class ChunkAttention:
+    """A prefill chunk's attention read from its batch KV cache's buffer, for the
+    layers of one forward pass (``runtime.mixed_step``): the keys and values up to the
+    cache's length rounded up to ``KEY_ALIGNMENT``, sliced from the buffer with no copy
+    (mlx-lm allocates it zeroed, in blocks of 256 tokens or more), and one boolean mask
+    for every layer that hides the keys past the chunk's end as it hides later keys.
+    The same attention as ``grouped_attention`` over the cache's keys, without
+    padding and masking the whole prefix anew in every layer."""
+
+    def __init__(self, mx, *, prefix: int, length: int, left_padding):
+        self.mx = mx
+        self.n_keys = -(-(prefix + length) // KEY_ALIGNMENT) * KEY_ALIGNMENT
+        keys = mx.arange(self.n_keys)
+        causal = mx.arange(prefix, prefix + length)[:, None] >= keys[None]
+        self.mask = causal & (left_padding.reshape(-1, 1, 1, 1) <= keys)
+
+    def __call__(self, queries, cache, *, scale):
+        """The chunk's attention in ``cache`` (its keys already updated), or None where
+        the buffer is shorter than the aligned keys."""
+        if cache.keys.shape[2] < self.n_keys:
+            return None
+        keys = cache.keys[..., : self.n_keys, :]
+        values = cache.values[..., : self.n_keys, :]
+        return grouped_attention(self.mx, queries, keys, values, scale=scale, mask=self.mask)
+
+
+def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttention | None:
+    """A ``ChunkAttention`` for a ``length``-token chunk about to be added to ``cache``
+    (a ``BatchKVCache`` layer, before its update), where the prefill attention is the
+    grouped one (``install_prefill_attention``), the queries are in half precision and
+    the scores stay within ``UNFUSED_BLOCK_LIMIT``; None where the chunk's attention
+    should take the installed path as it is."""
+    installed = mx.fast.scaled_dot_product_attention
+    if not getattr(installed, "grouped", False) or dtype not in (mx.bfloat16, mx.float16):
+        return None
+    prefix = cache._idx
+    scores = len(cache.left_padding) * heads * length * (prefix + length + KEY_ALIGNMENT)
+    if length < 2 or scores > UNFUSED_BLOCK_LIMIT:
+        return None
+    return ChunkAttention(mx, prefix=prefix, length=length, left_padding=cache.left_padding)
 
 
 def install_prefill_attention(mx) -> bool:

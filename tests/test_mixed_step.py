@@ -34,8 +34,11 @@ def model_path(request, tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp(f"mix-{arch}") / arch, arch=arch))
 
 
-def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: int = 64):
+def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: int = 64,
+              dtype=None):
     model, _ = load(model_path)
+    if dtype is not None:
+        model.set_dtype(dtype)
     if compiled:
         install_compiled_decode(model)
     return make_batch_generator(
@@ -180,3 +183,28 @@ def test_shared_passes_queued_while_sequences_decode_give_the_same_tokens(
         assert queued_evals - waited_evals >= 5
     else:  # two passes a step: always waited for
         assert queued_evals == waited_evals
+
+
+def test_a_shared_pass_reads_its_chunk_s_keys_in_place_under_the_grouped_attention(
+        model_path, monkeypatch):
+    """In half precision with the server's prefill attention installed (as on CUDA), a
+    shared pass's chunk attends over its cache's buffer with one mask for all layers
+    (``ChunkAttention``): the same tokens as the installed attention's own path."""
+    import runtime.mixed_step as mixed_step
+    from runtime.mlx_environment import ChunkAttention, install_prefill_attention
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+    calls = []
+    real_call = ChunkAttention.__call__
+    monkeypatch.setattr(ChunkAttention, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
+    in_place = generator(model_path, "shared", dtype=mx.bfloat16)
+    tokens, _ = run(in_place)
+    assert mixer_of(in_place).mixed_passes > 0 and len(calls) >= mixer_of(in_place).mixed_passes
+    monkeypatch.setattr(mixed_step, "chunk_attention", lambda *a, **k: None)
+    calls.clear()
+    installed = generator(model_path, "shared", dtype=mx.bfloat16)
+    assert run(installed)[0] == tokens
+    assert not calls and mixer_of(installed).mixed_passes > 0

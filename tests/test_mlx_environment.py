@@ -10,7 +10,9 @@ import pytest
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
 from runtime.mlx_environment import (
+    KEY_ALIGNMENT,
     SERVER_DEFAULTS,
+    chunk_attention,
     install_prefill_attention,
     server_defaults,
     unfused_prefill_attention,
@@ -271,6 +273,82 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
         assert g.shape == e.shape
         assert mx.allclose(g, e, atol=0.1, rtol=0.05).item()
         assert (mx.argmax(g, axis=-1) == mx.argmax(e, axis=-1)).mean().item() > 0.9
+
+
+def test_a_pass_s_layers_share_one_mask_and_another_source_gets_its_own():
+    """Each layer of a forward pass calls the attention with the same mask: it is
+    brought to the products' layout (and padded) once; a new mask of the same shape,
+    as the next pass has, is made anew, and each gives MLX's attention."""
+    import mlx.core as mx
+
+    from runtime.mlx_environment import _key_mask, grouped_attention
+
+    q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
+    first = (mx.arange(10)[None, :] <= (mx.arange(6)[:, None] + 4))[None, None]
+    second = mx.broadcast_to(mx.arange(10) >= 3, (1, 1, 6, 10))
+    shape = dict(heads=4, kv_heads=2, length=6, n_keys=10, padding=54, dtype=mx.bfloat16)
+    made = _key_mask(mx, first, **shape)
+    assert _key_mask(mx, first, **shape) is made
+    assert _key_mask(mx, second, **shape) is not made
+    for mask in (first, second, first):
+        expected = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32),
+            scale=0.25, mask=mask)
+        got = grouped_attention(mx, q, k, v, scale=0.25, mask=mask)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def _installed(monkeypatch):
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+
+
+@pytest.mark.parametrize("prefix", [61, 64, 250])
+def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix):
+    """A chunk of 5 tokens after a cached prefix, in a batch cache of two rows (one
+    left-padded by 2): read in place from the cache's buffer up to the aligned length,
+    the same attention as MLX's over the cache's keys with mlx-lm's mask."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    _installed(monkeypatch)
+    cache = BatchKVCache(left_padding=[2, 0])
+    _, k, v = _qkv(mx, 2, 1, prefix, mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    q, k, v = _qkv(mx, 2, 5, 5, mx.bfloat16)
+    attention = chunk_attention(mx, cache, length=5, heads=4, dtype=mx.bfloat16)
+    mask = create_attention_mask(q[:, 0, :, :1], cache)  # mlx-lm's, before the update
+    keys, values = cache.update_and_fetch(k, v)
+    assert attention.n_keys % KEY_ALIGNMENT == 0 and attention.n_keys >= prefix + 5
+    got = attention(q, cache, scale=0.25)
+    expected = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+        scale=0.25, mask=mask)
+    assert got.dtype == mx.bfloat16 and got.shape == q.shape
+    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    cache.keys, cache.values = keys, values  # a buffer no longer than the keys
+    if keys.shape[2] % KEY_ALIGNMENT:
+        assert attention(q, cache, scale=0.25) is None
+
+
+def test_a_chunk_s_attention_in_place_only_where_the_grouped_attention_is_installed(monkeypatch):
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = BatchKVCache(left_padding=[0])
+    cache.update_and_fetch(*_qkv(mx, 1, 1, 100, mx.bfloat16)[1:])
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    assert chunk_attention(mx, cache, length=8, heads=4, dtype=mx.bfloat16) is None
+    _installed(monkeypatch)
+    assert chunk_attention(mx, cache, length=8, heads=4, dtype=mx.bfloat16) is not None
+    assert chunk_attention(mx, cache, length=8, heads=4, dtype=mx.float32) is None
+    assert chunk_attention(mx, cache, length=1, heads=4, dtype=mx.bfloat16) is None
+    # Scores past the block limit keep the installed path (its blocks).
+    assert chunk_attention(mx, cache, length=1 << 13, heads=1 << 10, dtype=mx.bfloat16) is None
 
 
 class _CacheLimits:
