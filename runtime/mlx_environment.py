@@ -167,13 +167,16 @@ def unfused_prefill_attention(
 KEY_ALIGNMENT = 64
 
 
-def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None):
+def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None,
+                      key_block: int = 0):
     """Attention as two matrix products in the inputs' precision around a float32
     softmax, as MLX's own fallback computes it, with each KV head's query heads folded
     into its query rows: one strided batch of products, each KV head's keys and values
     read once for all its query heads, and the keys padded to ``KEY_ALIGNMENT`` (the
     padding masked out). None for a mask of a shape it does not take (the caller then
-    uses MLX's fallback)."""
+    uses MLX's fallback). ``key_block``: where it divides the keys into two or more
+    blocks, the second product runs per block of keys and the blocks' results are
+    summed (more of the device at work when few queries meet many keys)."""
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -195,7 +198,13 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     elif mask is not None:
         products = products + mask.astype(products.dtype)
     weights = mx.softmax(products, axis=-1, precise=True)
-    out = weights.reshape(batch, kv_heads, group * length, n_keys) @ values
+    blocks = n_keys // key_block if key_block and n_keys % key_block == 0 else 1
+    if blocks > 1:
+        weights = weights.reshape(batch, kv_heads, group * length, blocks, key_block)
+        values = values.reshape(batch, kv_heads, blocks, key_block, values.shape[-1])
+        out = (weights.swapaxes(2, 3) @ values).sum(axis=2)
+    else:
+        out = weights.reshape(batch, kv_heads, group * length, n_keys) @ values
     return out.reshape(batch, heads, length, values.shape[-1])
 
 
@@ -253,30 +262,54 @@ def _key_mask(mx, mask, *, heads, kv_heads, length, n_keys, padding, dtype):
     return mask
 
 
+# A chunk's attention after at least two blocks of this many keys runs its second
+# product per block (``grouped_attention``'s ``key_block``; 0: never).
+CHUNK_KEY_BLOCK = 0
+
+
 class ChunkAttention:
     """A prefill chunk's attention read from its batch KV cache's buffer, for the
     layers of one forward pass (``runtime.mixed_step``): the keys and values up to the
-    cache's length rounded up to ``KEY_ALIGNMENT``, sliced from the buffer with no copy
-    (mlx-lm allocates it zeroed, in blocks of 256 tokens or more), and one boolean mask
-    for every layer that hides the keys past the chunk's end as it hides later keys.
-    The same attention as ``grouped_attention`` over the cache's keys, without
-    padding and masking the whole prefix anew in every layer."""
+    cache's length rounded up to ``KEY_ALIGNMENT`` (to ``CHUNK_KEY_BLOCK`` where the
+    buffer holds that many), sliced from the buffer with no copy (mlx-lm allocates it
+    zeroed, in blocks of 256 tokens or more), and one boolean mask for every layer that
+    hides the keys past the chunk's end as it hides later keys. The same attention as
+    ``grouped_attention`` over the cache's keys, without padding and masking the whole
+    prefix anew in every layer."""
 
     def __init__(self, mx, *, prefix: int, length: int, left_padding):
         self.mx = mx
+        self.prefix, self.length, self.left_padding = prefix, length, left_padding
         self.n_keys = -(-(prefix + length) // KEY_ALIGNMENT) * KEY_ALIGNMENT
-        keys = mx.arange(self.n_keys)
-        causal = mx.arange(prefix, prefix + length)[:, None] >= keys[None]
-        self.mask = causal & (left_padding.reshape(-1, 1, 1, 1) <= keys)
+        self.key_block = 0
+        block = CHUNK_KEY_BLOCK
+        if block and prefix + length > block:
+            self.key_block = block
+            self.blocked_keys = -(-(prefix + length) // block) * block
+        self._masks: dict[int, Any] = {}
+
+    def mask(self, n_keys: int):
+        """The chunk's mask over ``n_keys`` keys (made once for all layers)."""
+        if n_keys not in self._masks:
+            mx = self.mx
+            keys = mx.arange(n_keys)
+            causal = mx.arange(self.prefix, self.prefix + self.length)[:, None] >= keys[None]
+            self._masks[n_keys] = causal & (self.left_padding.reshape(-1, 1, 1, 1) <= keys)
+        return self._masks[n_keys]
 
     def __call__(self, queries, cache, *, scale):
         """The chunk's attention in ``cache`` (its keys already updated), or None where
         the buffer is shorter than the aligned keys."""
-        if cache.keys.shape[2] < self.n_keys:
+        buffered = cache.keys.shape[2]
+        n_keys, key_block = self.n_keys, 0
+        if self.key_block and buffered >= self.blocked_keys:
+            n_keys, key_block = self.blocked_keys, self.key_block
+        if buffered < n_keys:
             return None
-        keys = cache.keys[..., : self.n_keys, :]
-        values = cache.values[..., : self.n_keys, :]
-        return grouped_attention(self.mx, queries, keys, values, scale=scale, mask=self.mask)
+        keys = cache.keys[..., :n_keys, :]
+        values = cache.values[..., :n_keys, :]
+        return grouped_attention(self.mx, queries, keys, values, scale=scale,
+                                 mask=self.mask(n_keys), key_block=key_block)
 
 
 def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttention | None:
