@@ -15,7 +15,6 @@ decode-only step is timed before the prompt arrives. Prefill attention paths
   half     the server's unfused path in the inputs' precision (grouped_attention); in a
            shared pass the chunk's keys read in place from its cache, one mask for all
            layers (runtime.mlx_environment.ChunkAttention)
-  split    half, the second product per block of 1,024 keys at depth (CHUNK_KEY_BLOCK)
   padded   half as it was before that: in every layer the chunk's keys and values
            padded to the alignment by a copy, and the mask padded anew
   none     no attention at all for a prefill (the rest of the step's cost)
@@ -57,7 +56,7 @@ FULL_CHUNK = 2048
 def attention_for(path: str, fused):
     if path == "cudnn":
         return fused
-    if path in ("float32", "half", "padded", "split"):  # every chunk of this bench's sizes unfused
+    if path in ("float32", "half", "padded"):  # every chunk of this bench's sizes unfused
         scores = "float32" if path == "float32" else "half"
         return unfused_prefill_attention(fused, mx, block_queries=4096, scores=scores)
 
@@ -80,7 +79,6 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
     fused = mx.fast.scaled_dot_product_attention
     mx.fast.scaled_dot_product_attention = attention_for(path, fused)
     in_place, kept = mixed_step.chunk_attention, environment.KEPT_MASK_ELEMENTS
-    environment.CHUNK_KEY_BLOCK = 1024 if path == "split" else 0
     if path == "padded":
         mixed_step.chunk_attention = lambda *args, **kwargs: None
         environment.KEPT_MASK_ELEMENTS = -1
@@ -129,7 +127,6 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
     finally:
         mx.fast.scaled_dot_product_attention = fused
         mixed_step.chunk_attention, environment.KEPT_MASK_ELEMENTS = in_place, kept
-        environment.CHUNK_KEY_BLOCK = 0
         mx.synchronize()
         mx.clear_cache()
     return rows

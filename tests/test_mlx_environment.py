@@ -306,9 +306,8 @@ def _installed(monkeypatch):
     assert install_prefill_attention(mx)
 
 
-@pytest.mark.parametrize("key_block", [0, 64])
 @pytest.mark.parametrize("prefix", [61, 64, 250])
-def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix, key_block):
+def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix):
     """A chunk of 5 tokens after a cached prefix, in a batch cache of two rows (one
     left-padded by 2): read in place from the cache's buffer up to the aligned length,
     the same attention as MLX's over the cache's keys with mlx-lm's mask."""
@@ -316,10 +315,7 @@ def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import BatchKVCache
 
-    from runtime import mlx_environment
-
     _installed(monkeypatch)
-    monkeypatch.setattr(mlx_environment, "CHUNK_KEY_BLOCK", key_block)
     cache = BatchKVCache(left_padding=[2, 0])
     _, k, v = _qkv(mx, 2, 1, prefix, mx.bfloat16)
     cache.update_and_fetch(k, v)
@@ -328,7 +324,6 @@ def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix
     mask = create_attention_mask(q[:, 0, :, :1], cache)  # mlx-lm's, before the update
     keys, values = cache.update_and_fetch(k, v)
     assert attention.n_keys % KEY_ALIGNMENT == 0 and attention.n_keys >= prefix + 5
-    assert attention.key_block == (key_block if prefix + 5 > key_block else 0)
     got = attention(q, cache, scale=0.25)
     expected = mx.fast.scaled_dot_product_attention(
         q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
@@ -415,6 +410,16 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
     q, k, v = _qkv(mx, 2, 20, 20, mx.bfloat16)  # a fresh prompt past the limit
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 20, 20)]
+    seen.clear()  # a full chunk of a fresh prompt (its prefix two chunks) keeps MLX's choice
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, recurring_queries=6,
+                                          scores="float32")
+    q, k, v = _qkv(mx, 2, 7, 21, mx.bfloat16)
+    attention(q, k, v, scale=0.25, mask="causal")
+    assert seen == [(mx.bfloat16, 7, 21)]
+    seen.clear()  # the same chunk after a prefix of another length goes in blocks
+    q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)
+    attention(q, k, v, scale=0.25, mask="causal")
+    assert [s[1] for s in seen] == [7] and seen[0][0] == mx.float32
     seen.clear()  # a chunk longer than a paced one keeps MLX's choice
     attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_queries=6,
                                           scores="float32")
