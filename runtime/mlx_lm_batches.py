@@ -373,6 +373,17 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "(self.step + keys.shape[2] - 1) // self.step" in growing,
         "BatchKVCache.update_and_fetch grows the cache by whole blocks of self.step tokens",
     )
+    # runtime.mlx_environment.ChunkAttention: a layer's keys are its buffer's first _idx,
+    # the buffer zero-filled where it grows, and its mask is causal from _idx with
+    # left_padding.
+    expect(
+        "mx.zeros(k_shape" in growing
+        and "self.keys[..., : self._idx, :]" in _source(BatchKVCache.keys_and_values)
+        and "offset=self._idx, left_padding=self.left_padding"
+        in _source(BatchKVCache.make_mask).replace("\n", " ").replace("  ", ""),
+        "BatchKVCache grows its buffer with zeros, fetches its first _idx keys and masks "
+        "causally from _idx with its left_padding",
+    )
     if generator is not None:
         for name in (
             "model",
