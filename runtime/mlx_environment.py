@@ -65,7 +65,8 @@ unfused attention:
 * A fresh prompt's full chunks (more than ``RECURRING_CHUNK_QUERIES`` queries,
   the prefix a whole number of chunks) keep cuDNN: their shapes recur from
   prompt to prompt, so each graph is built once, and with it built cuDNN ran
-  a cold 16k prompt's 2,048-query chunks in 66-121 ms against 92-171 ms.
+  a cold 32k prompt's 2,048-query chunks after 10k in 151-209 ms against
+  200-319 ms.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ UNFUSED_BLOCK_LIMIT = 1 << 27
 # Except a chunk of more than this many queries whose prefix is a whole number of
 # chunks of its length: a fresh prompt's full --prefill-step-size chunks, whose shapes
 # recur from prompt to prompt, so cuDNN builds each graph once and its kernel then
-# outruns the grouped products. On an H200 (Qwen3-0.6B shape, a cold 16k prompt alone),
-# 2,048-query chunks after 4k-14k tokens took 66-121 ms through cuDNN with its graphs
-# built and 92-171 through the grouped products.
+# outruns the grouped products. On an H200 (Qwen3-0.6B shape, cold 32k prompts alone,
+# the bare engine's cuDNN against the server's grouped products), 2,048-query chunks
+# after 10k-30k tokens took 151-209 ms against 200-319 (the prompt 0.79x as fast).
 RECURRING_CHUNK_QUERIES = 1024
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
