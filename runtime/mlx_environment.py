@@ -65,8 +65,8 @@ unfused attention:
 * A fresh prompt's full chunks (more than ``RECURRING_CHUNK_QUERIES`` queries,
   the prefix a whole number of chunks) keep cuDNN: their shapes recur from
   prompt to prompt, so each graph is built once, and with it built cuDNN ran
-  a cold 32k prompt's 2,048-query chunks after 10k in 151-209 ms against
-  200-319 ms.
+  a cold 32k prompt's 2,048-query chunks after 10k-26k in 109-209 ms against
+  162-319 ms.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ UNFUSED_BLOCK_LIMIT = 1 << 27
 # recur from prompt to prompt, so cuDNN builds each graph once and its kernel then
 # outruns the grouped products. On an H200 (Qwen3-0.6B shape, cold 32k prompts alone,
 # the bare engine's cuDNN against the server's grouped products), 2,048-query chunks
-# after 10k-30k tokens took 151-209 ms against 200-319 (the prompt 0.79x as fast).
+# after 10k-26k tokens took 109-209 ms against 162-319 (the prompt 0.79x as fast).
 RECURRING_CHUNK_QUERIES = 1024
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
