@@ -410,16 +410,6 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
     q, k, v = _qkv(mx, 2, 20, 20, mx.bfloat16)  # a fresh prompt past the limit
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 20, 20)]
-    seen.clear()  # a full chunk of a fresh prompt (its prefix two chunks) keeps MLX's choice
-    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, recurring_queries=6,
-                                          scores="float32")
-    q, k, v = _qkv(mx, 2, 7, 21, mx.bfloat16)
-    attention(q, k, v, scale=0.25, mask="causal")
-    assert seen == [(mx.bfloat16, 7, 21)]
-    seen.clear()  # the same chunk after a prefix of another length goes in blocks
-    q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)
-    attention(q, k, v, scale=0.25, mask="causal")
-    assert [s[1] for s in seen] == [7] and seen[0][0] == mx.float32
     seen.clear()  # a chunk longer than a paced one keeps MLX's choice
     attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, block_queries=6,
                                           scores="float32")
