@@ -244,6 +244,15 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
     assert queries == [("grouped", 4)] * layers + [(mx.bfloat16, 1)] * layers
 
 
+def _installed(monkeypatch):
+    """The server's prefill attention installed as on CUDA, undone after the test."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+
+
 def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeypatch, tiny_model_path):
     """A padded prefill group of two prompts, then a chunk after each one's cached
     prefix, through mlx-lm's batch caches and the tiny model in bfloat16: the logits
@@ -265,9 +274,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
         return [o.astype(mx.float32) for o in out]
 
     expected = logits()
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert install_prefill_attention(mx)
+    _installed(monkeypatch)
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape
@@ -296,14 +303,6 @@ def test_a_pass_s_layers_share_one_mask_and_another_source_gets_its_own():
             scale=0.25, mask=mask)
         got = grouped_attention(mx, q, k, v, scale=0.25, mask=mask)
         assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
-
-
-def _installed(monkeypatch):
-    import mlx.core as mx
-
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
-    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert install_prefill_attention(mx)
 
 
 @pytest.mark.parametrize("prefix", [61, 64, 250])
