@@ -49,8 +49,8 @@ unfused attention:
   by more than a graph build), and decoding (one query token a row) meets few
   shapes and keeps MLX's choice.
 * A chunk of at most ``UNFUSED_CHUNK_QUERIES`` queries that continues a cached
-  prefix (a paced chunk, a coding agent's next turn, a long prompt's later
-  chunks and its last, odd-sized one) has a shape of its own nearly every time,
+  prefix (a paced chunk, a coding agent's next turn, a long prompt's last,
+  odd-sized chunk) has a shape of its own nearly every time,
   since the prefix grows by each chunk: through cuDNN a paced 30k-token
   prefill's chunks took 115-1,160 ms where those under the limit took 40 (a
   graph per step). Those go the same way, their queries in blocks whose scores
@@ -62,6 +62,12 @@ unfused attention:
   take) and 132 through cuDNN; one prompt's 1,776-token chunk at 22.5k took 219
   ms this way against 290 through cuDNN at a new shape and 254 with its graph
   built, and a 4,096-token one 579 against 896 and 776.
+* A fresh prompt's full chunks (more than ``RECURRING_CHUNK_QUERIES`` queries,
+  the prefix a whole number of chunks) keep cuDNN, with their keys made
+  contiguous: their shapes recur from prompt to prompt, so each graph is built
+  once, and with it built cuDNN outruns the grouped products at depth. Every
+  prefill call that reaches cuDNN gets contiguous keys, so that its graph
+  follows the call's shapes and not the length of the buffer it was read from.
 """
 
 from __future__ import annotations
@@ -96,19 +102,21 @@ UNFUSED_SCORES_LIMIT = 1 << 25
 # A chunk of at most this many queries after a cached prefix goes unfused in blocks
 # of queries whose scores have at most UNFUSED_BLOCK_LIMIT elements (256 MiB in
 # bfloat16: 524 queries of 16 heads against a 16k-token prefix): twice the default
-# --prefill-step-size, so that a prompt's every chunk after its first goes this way. On an
+# --prefill-step-size, so that a chunk after a cached prefix goes this way. On an
 # H200 (bench/paced_step.py, one prompt) the grouped products beat cuDNN at 1,024 to
 # 4,096 queries after 22.5k tokens, even where cuDNN's graph was already built, and
 # matched it after 4k (102-282 ms against 80-266 built, 118-345 at a new shape).
-# A fresh prompt's full chunks go this way too, although cuDNN runs them faster once
-# its graph is built (the bare engine's 2,048-query chunks of cold 32k prompts after
-# 10k-26k tokens: 109-209 ms against 162-319 here): cuDNN keys a graph by the keys'
-# strides as well as their shapes, and a prompt batch of one prompt holds its KV in a
-# buffer sized to that prompt (runtime.mlx_lm_batches), so those graphs would recur
-# only between prompts of one length, and prompts of other lengths would build one
-# per chunk.
 UNFUSED_CHUNK_QUERIES = 4096
 UNFUSED_BLOCK_LIMIT = 1 << 27
+
+# Except a chunk of more than this many queries whose prefix is a whole number of
+# chunks of its length: a fresh prompt's full --prefill-step-size chunks. Their shapes
+# recur from prompt to prompt, and their keys go to cuDNN contiguous (a copy of the
+# prefix: a few milliseconds over a 32k prompt), so each graph is built once for the
+# server's life, and its kernel then outruns the grouped products: the bare engine's
+# 2,048-query chunks of cold 32k prompts after 10k-26k tokens took 109-209 ms through
+# cuDNN against 162-319 through the grouped products (H200, Qwen3-0.6B shape).
+RECURRING_CHUNK_QUERIES = 1024
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
 
@@ -119,6 +127,7 @@ def unfused_prefill_attention(
     limit: int = UNFUSED_SCORES_LIMIT,
     block_limit: int = UNFUSED_BLOCK_LIMIT,
     block_queries: int = UNFUSED_CHUNK_QUERIES,
+    recurring_queries: int = RECURRING_CHUNK_QUERIES,
     scores: str = "half",
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
@@ -158,8 +167,15 @@ def unfused_prefill_attention(
             elements = queries.size // queries.shape[3] * keys.shape[2]
             if elements <= limit:
                 return unfused(queries, keys, values, **kwargs)
-            if keys.shape[2] > queries.shape[2] and queries.shape[2] <= block_queries:
+            n_queries, n_keys = queries.shape[2], keys.shape[2]
+            recurring = n_queries > recurring_queries and (n_keys - n_queries) % n_queries == 0
+            if n_queries < n_keys and n_queries <= block_queries and not recurring:
                 return in_blocks(queries, keys, values, **kwargs)  # a paced chunk
+            # To cuDNN, whose graphs are keyed by the keys' strides as well as their
+            # shapes: read from a prompt batch's buffer (sized to the whole prompt), the
+            # keys' strides follow the prompt's length, so a graph would be built for
+            # every chunk of every new length. Contiguous, they follow the chunk alone.
+            keys, values = mx.contiguous(keys), mx.contiguous(values)
         return fused(queries, keys, values, *args, **kwargs)
 
     attention.fused = fused

@@ -415,3 +415,51 @@ def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():
     q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)
     attention(q, k, v, scale=0.25, mask="causal")
     assert seen == [(mx.bfloat16, 7, 20)]
+
+
+class _ContiguousCalls:
+    """``mlx.core`` with ``contiguous`` counted: which arrays the wrapper made contiguous."""
+
+    def __init__(self):
+        import mlx.core as mx
+        self._mx, self.shapes = mx, []
+
+    def __getattr__(self, name):
+        return getattr(self._mx, name)
+
+    def contiguous(self, a):
+        self.shapes.append(tuple(a.shape))
+        return self._mx.contiguous(a)
+
+
+def test_a_fresh_prompt_s_full_chunks_reach_cudnn_with_contiguous_keys():
+    """A chunk of more than ``recurring_queries`` queries whose prefix is a whole number
+    of chunks goes to the fused attention (cuDNN on CUDA), not in blocks; every prefill
+    call sent there gets its keys and values contiguous (sliced from a longer buffer,
+    as a prompt batch's are), and the result is MLX's attention. Decoding is untouched."""
+    import mlx.core as mx
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None):
+        seen.append((q.shape[2], k.shape[2]))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    counted = _ContiguousCalls()
+    attention = unfused_prefill_attention(fused, counted, limit=2 * 4 * 7, recurring_queries=4)
+    q, k_buffer, v_buffer = _qkv(mx, 2, 8, 40, mx.bfloat16)
+    k, v = k_buffer[:, :, :24], v_buffer[:, :, :24]  # a 40-token buffer holding 24
+    got = attention(q, k, v, scale=0.25, mask="causal")  # the third 8-token chunk
+    assert seen == [(8, 24)] and counted.shapes == [(2, 2, 24, 16)] * 2
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert mx.allclose(got.astype(mx.float32), expected.astype(mx.float32), atol=2e-2).item()
+    seen.clear(), counted.shapes.clear()
+    attention(q, k_buffer[:, :, :8], v_buffer[:, :, :8], scale=0.25, mask="causal")  # the first
+    assert seen == [(8, 8)] and counted.shapes == [(2, 2, 8, 16)] * 2
+    seen.clear(), counted.shapes.clear()
+    attention(q, k_buffer[:, :, :20], v_buffer[:, :, :20], scale=0.25, mask="causal")
+    assert seen == [] and counted.shapes == []  # after 12 cached: grouped, in blocks
+    attention(q[:, :, :4], k_buffer[:, :, :12], v_buffer[:, :, :12], scale=0.25, mask="causal")
+    assert seen == [] and counted.shapes == []  # 4 queries, not over recurring_queries
+    attention(q[:, :, :1], k, v, scale=0.25)  # a decode step
+    assert seen[-1] == (1, 24) and counted.shapes == []
