@@ -19,10 +19,12 @@
 #                                  (e.g. qwen3-0.6b:12000:1,4,16:6)
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
-#   cold=SHAPE:TOKENS[:LEVELS[:SPREAD]]  a cold prompt alone and in a wave of 8 (LEVELS,
+#   cold=SHAPE:TOKENS[:LEVELS[:SPREAD[:VARIANTS]]]  a cold prompt alone and in a wave of 8 (LEVELS,
 #                                  default 1,8): the server's TTFT against the bare engine's
 #                                  (bench/engine_overhead.py); SPREAD: each prompt's length
-#                                  drawn from TOKENS +- SPREAD (default 0: one length)
+#                                  drawn from TOKENS +- SPREAD (default 0: one length);
+#                                  VARIANTS: more servers, 'NAME@TREE:FLAGS' joined by '|'
+#                                  (bench/engine_overhead.py --server-variant)
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
@@ -122,10 +124,13 @@ for scenario in "$@"; do
       ;;
     cold)
       dir=$(model "$shape")
+      variants=()
+      IFS='|' read -ra specs <<< "${p4:-}"
+      for spec in "${specs[@]}"; do variants+=(--server-variant "$spec"); done
       timeout -s INT -k 10 "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels "${p2:-1,8}" --requests 8 --prompt-tokens "$p1" --prompt-tokens-spread "${p3:-0}" \
         --max-tokens 2 --rounds 1 --no-pickle --trace "$OUT/cold-trace-$p1-${p3:-0}" \
-        --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
+        "${variants[@]}" --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
         | tail -12
       ;;
     interleave)
