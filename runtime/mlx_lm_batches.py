@@ -161,7 +161,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     tokens_to_come = None
 
     def prompt(self, tokens):
-        with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come):
+        with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
+                _plain_causal_masks(self.prompt_cache, tokens):
             decoding = self.decoding
             if decoding is None or not decoding():
                 return super().prompt(tokens)
@@ -218,6 +219,44 @@ def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come
     finally:
         for c in reserved:
             c.__dict__.pop("step", None)
+
+
+@contextlib.contextmanager
+def _plain_causal_masks(caches: list, tokens: Sequence[Sequence[int]]) -> Iterator[None]:
+    """Around a prompt batch's ``prompt`` of one unpadded prompt: its ``BatchKVCache``
+    layers give the attention mask as ``"causal"`` (every key up to each query's own
+    position), not as the boolean array mlx-lm builds for a batch, which is the same
+    mask for one row without padding.
+
+    With an array, MLX's CUDA attention hands cuDNN the mask as a bias it reads in
+    full for every head of every layer (a 2,048-query chunk after 24k tokens: 54M
+    elements a layer); ``"causal"`` lets it skip the masked blocks and read nothing.
+    Where several prompts share the batch, their rows' paddings need the array."""
+    if len(tokens) != 1:
+        yield
+        return
+    plain = [c for c in caches if type(c) is BatchKVCache]
+    if not plain or plain[0].left_padding.size != 1 or plain[0].left_padding.item():
+        yield
+        return
+    for c in plain:
+        c.make_mask = _causal_mask_maker(c)
+    try:
+        yield
+    finally:
+        for c in plain:
+            c.__dict__.pop("make_mask", None)
+
+
+def _causal_mask_maker(cache):
+    made_by_class = cache.make_mask
+
+    def make_mask(n, return_array=False, **kwargs):
+        if n > 1 and not return_array and kwargs.get("window_size") is None:
+            return "causal"
+        return made_by_class(n, return_array=return_array, **kwargs)
+
+    return make_mask
 
 
 def _room_given_back(caches: list) -> None:

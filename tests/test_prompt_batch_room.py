@@ -8,11 +8,13 @@ chunk holds the whole prompt and never changes during its prefill, the class's
 step is left as it was, a prompt that joins is not padded to the room nor takes
 it to the decoding batch, and the tokens are mlx-lm's own (a plain
 ``BatchGenerator``), with prompts of different lengths padded together and
-sequences decoding beside them.
+sequences decoding beside them. A lone prompt's chunks attend under the mask
+``"causal"``, prompts padded together under mlx-lm's array.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
@@ -108,3 +110,34 @@ def test_the_tokens_are_mlx_lms(model):
         results.append([out[u] for u in uids])
     assert results[0] == results[1]
     assert all(len(tokens) > 0 for tokens in results[1])
+
+
+def test_a_lone_prompt_attends_under_the_causal_mask_padded_prompts_under_arrays(
+        model, monkeypatch):
+    fused = mx.fast.scaled_dot_product_attention
+    masks = []
+
+    def recording(q, k, v, *, scale, mask=None, **kwargs):
+        if q.shape[2] > 1:
+            masks.append((q.shape[0], mask if isinstance(mask, str) else "array"))
+        return fused(q, k, v, scale=scale, mask=mask, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
+    results = []
+    for gen in (BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
+                               prefill_step_size=64), ours(model)):
+        masks.clear()
+        out: dict[int, list[int]] = {}
+        uids = gen.insert([LONG], max_tokens=[8])
+        drain(gen, uids, out)
+        lone = list(masks)
+        masks.clear()
+        uids += gen.insert([LONG[:300], LONG[:450]], max_tokens=[4, 4])
+        drain(gen, uids[1:], out)
+        results.append(([out[u] for u in uids], lone, list(masks)))
+        assert all("make_mask" not in vars(layer) for layer in gen._prompt_batch.prompt_cache)
+    (plain_tokens, plain_lone, _), (our_tokens, our_lone, our_padded) = results
+    assert our_tokens == plain_tokens
+    assert plain_lone and {mask for _, mask in plain_lone} == {"array"}
+    assert len(our_lone) == len(plain_lone) and {m for _, m in our_lone} == {"causal"}
+    assert (2, "array") in our_padded  # two prompts of different lengths, one padded
