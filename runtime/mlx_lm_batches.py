@@ -12,8 +12,9 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   batch's layers with one device round trip (``filter_layers``: what
   ``BatchKVCache.filter`` does, for all layers at once).
 * ``RowAwarePromptBatch`` also grows its KV layers once for the rest of a
-  lone prompt (``_room_reserved``) and, with ``queue_prefill_chunks``, queues
-  its chunks while sequences decode.
+  lone prompt (``_room_reserved``), gives a lone unpadded prompt's attention the
+  mask ``"causal"`` (``_plain_causal_masks``) and, with
+  ``queue_prefill_chunks``, queues its chunks while sequences decode.
 * ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
   (which prompts join, what the coming step prefills); the attributes it uses
   are checked here too.
@@ -145,7 +146,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
     whose layers, while it prefills one prompt, grow once for the rest of it
-    (``tokens_to_come`` set, ``_room_reserved``).
+    (``tokens_to_come`` set, ``_room_reserved``) and, the prompt unpadded, give
+    the mask as ``"causal"`` (``_plain_causal_masks``).
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
     ``queue_prefill_chunks``): while ``decoding()`` says sequences are
@@ -422,6 +424,13 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         in _source(BatchKVCache.make_mask).replace("\n", " ").replace("  ", ""),
         "BatchKVCache grows its buffer with zeros, fetches its first _idx keys and masks "
         "causally from _idx with its left_padding",
+    )
+    # _plain_causal_masks: a model's mask comes from its cache's make_mask, read from
+    # the instance (so that a layer's own make_mask is the one called).
+    from mlx_lm.models import base
+    expect(
+        "cache.make_mask(" in _source(base.create_attention_mask),
+        "mlx_lm.models.base.create_attention_mask asks the cache's make_mask for the mask",
     )
     if generator is not None:
         for name in (

@@ -143,8 +143,9 @@ class TuningSettings:
         "computes as two matrix products around a float32 softmax (no graph to build) the "
         "prefill attention whose scores have at most 2^25 elements (one 1024-token prompt "
         "with 32 heads) and every chunk of at most 4,096 tokens after a cached prefix (a "
-        "paced chunk, an agent's next turn, a long prompt's chunks after its first); "
-        "decoding and a long prompt's first chunk keep MLX's choice. "
+        "paced chunk, an agent's next turn, a long prompt's last chunk); decoding and a "
+        "fresh prompt's full chunks keep MLX's choice, those with contiguous keys (their "
+        "shapes recur from prompt to prompt, so each graph is built once). "
         "`mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
         "([performance.md](performance.md)).",
         group=TUNING,
