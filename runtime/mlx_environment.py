@@ -113,9 +113,10 @@ UNFUSED_BLOCK_LIMIT = 1 << 27
 # chunks of its length: a fresh prompt's full --prefill-step-size chunks. Their shapes
 # recur from prompt to prompt, and their keys go to cuDNN contiguous (a copy of the
 # prefix: a few milliseconds over a 32k prompt), so each graph is built once for the
-# server's life, and its kernel then outruns the grouped products: the bare engine's
-# 2,048-query chunks of cold 32k prompts after 10k-26k tokens took 109-209 ms through
-# cuDNN against 162-319 through the grouped products (H200, Qwen3-0.6B shape).
+# server's life, and its kernel then outruns the grouped products: on an H200
+# (Qwen3-0.6B shape) the bare engine's 2,048-query chunks of cold 32k prompts after
+# 10k-26k tokens took 109-209 ms through cuDNN against 162-319 through the grouped
+# products, and a lone prompt's, under the causal mask (runtime.mlx_lm_batches), 17-40.
 RECURRING_CHUNK_QUERIES = 1024
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
