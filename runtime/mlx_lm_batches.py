@@ -230,13 +230,11 @@ def _plain_causal_masks(caches: list, tokens: Sequence[Sequence[int]]) -> Iterat
     position), not as the boolean array mlx-lm builds for a batch, which is the same
     mask for one row without padding.
 
-    With an array, MLX's CUDA attention hands cuDNN the mask as a bias it reads in
-    full for every head of every layer (a 2,048-query chunk after 24k tokens: 54M
-    elements a layer); ``"causal"`` lets it skip the masked blocks and read nothing.
-    On an H200 (``bench/chunk_masks.py``) one layer's attention of such a chunk took
-    a quarter to a third of the time, and a cold 32k prompt's prefill went 3.5x as
-    fast as mlx-lm's own engine's. Where several prompts share the batch, their rows'
-    paddings need the array."""
+    MLX's CUDA attention hands cuDNN an array as a bias it reads in every layer;
+    ``"causal"`` lets it skip the masked blocks: on an H200 a 2,048-query chunk's
+    attention after 4k-30k tokens took a quarter of the time (``bench/chunk_masks.py``)
+    and a cold 32k prompt was prefilled 3.5x as fast as by mlx-lm's own engine.
+    Several prompts in the batch need the array for their rows' paddings."""
     if len(tokens) != 1:
         yield
         return
