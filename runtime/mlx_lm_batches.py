@@ -428,8 +428,7 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "BatchKVCache grows its buffer with zeros, fetches its first _idx keys and masks "
         "causally from _idx with its left_padding",
     )
-    # _plain_causal_masks: a model's mask comes from its cache's make_mask, read from
-    # the instance (so that a layer's own make_mask is the one called).
+    # _plain_causal_masks: a model's mask comes from the cache instance's make_mask.
     from mlx_lm.models import base
     expect(
         "cache.make_mask(" in _source(base.create_attention_mask),
