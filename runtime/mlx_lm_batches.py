@@ -12,9 +12,9 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   batch's layers with one device round trip (``filter_layers``: what
   ``BatchKVCache.filter`` does, for all layers at once).
 * ``RowAwarePromptBatch`` also grows its KV layers once for the rest of a
-  lone prompt (``_room_reserved``), gives a lone unpadded prompt's attention the
-  mask ``"causal"`` (``_plain_causal_masks``) and, with
-  ``queue_prefill_chunks``, queues its chunks while sequences decode.
+  lone prompt (``_room_reserved``) and, with ``queue_prefill_chunks``, queues
+  its chunks while sequences decode. Both batches give one unpadded row's
+  attention no mask array (``runtime.plain_masks``).
 * ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
   (which prompts join, what the coming step prefills); the attributes it uses
   are checked here too.
@@ -36,6 +36,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from runtime.mlx_lm_internals import evals_queued, queue_evals_in_generate
 from runtime.mlx_lm_prefill import tokens_to_come
+from runtime.plain_masks import plain_masks
 
 # ------------------------------------------------- batch generator rows
 #
@@ -147,7 +148,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
     whose layers, while it prefills one prompt, grow once for the rest of it
     (``tokens_to_come`` set, ``_room_reserved``) and, the prompt unpadded, give
-    the mask as ``"causal"`` (``_plain_causal_masks``).
+    the mask as ``"causal"`` (``runtime.plain_masks``).
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
     ``queue_prefill_chunks``): while ``decoding()`` says sequences are
@@ -164,7 +165,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
 
     def prompt(self, tokens):
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
-                _plain_causal_masks(self.prompt_cache, tokens):
+                plain_masks(self.prompt_cache, len(tokens)):
             decoding = self.decoding
             if decoding is None or not decoding():
                 return super().prompt(tokens)
@@ -184,13 +185,14 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         super().extend(batch)
 
     def generate(self, tokens):
-        hook = _row_hook(self.fallback_sampler)
-        if hook is None:
-            return super().generate(tokens)
-        # The GenerationBatch built here samples every one of ``self.uids`` once
-        # in its __init__; their inputs are the last prompt tokens (not samples).
-        with hook(list(self.uids), None):
-            return super().generate(tokens)
+        with plain_masks(self.prompt_cache, len(tokens)):
+            hook = _row_hook(self.fallback_sampler)
+            if hook is None:
+                return super().generate(tokens)
+            # The GenerationBatch built here samples every one of ``self.uids`` once
+            # in its __init__; their inputs are the last prompt tokens (not samples).
+            with hook(list(self.uids), None):
+                return super().generate(tokens)
 
 
 @contextlib.contextmanager
@@ -223,47 +225,6 @@ def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come
             c.__dict__.pop("step", None)
 
 
-@contextlib.contextmanager
-def _plain_causal_masks(caches: list, tokens: Sequence[Sequence[int]]) -> Iterator[None]:
-    """Around a prompt batch's ``prompt`` of one unpadded prompt: its ``BatchKVCache``
-    layers give the attention mask as ``"causal"`` (every key up to each query's own
-    position), not as the boolean array mlx-lm builds for a batch, which is the same
-    mask for one row without padding.
-
-    MLX's CUDA attention hands cuDNN an array as a bias it reads in every layer;
-    ``"causal"`` lets it skip the masked blocks: on an H200 a 2,048-query chunk's
-    attention after 4k-30k tokens took a quarter of the time (``bench/chunk_masks.py``)
-    and a cold 32k prompt was prefilled 3.5x as fast as by mlx-lm's own engine.
-    Several prompts in the batch need the array for their rows' paddings."""
-    if len(tokens) != 1:
-        yield
-        return
-    plain = [c for c in caches if type(c) is BatchKVCache]
-    if not plain or plain[0].left_padding.size != 1 or plain[0].left_padding.item():
-        yield
-        return
-    for c in plain:
-        c.make_mask = _causal_mask_maker(c)
-    try:
-        yield
-    finally:
-        for c in plain:
-            c.__dict__.pop("make_mask", None)
-
-
-def _causal_mask_maker(cache):
-    """``cache``'s ``make_mask`` with a prefill chunk's full-attention mask as
-    ``"causal"``; an array where one is asked for, and a windowed mask, as before."""
-    made_by_class = cache.make_mask
-
-    def make_mask(n, return_array=False, **kwargs):
-        if n > 1 and not return_array and kwargs.get("window_size") is None:
-            return "causal"
-        return made_by_class(n, return_array=return_array, **kwargs)
-
-    return make_mask
-
-
 def _room_given_back(caches: list) -> None:
     """Each ``BatchKVCache`` layer cut to what it holds (views, no copy)."""
     for c in caches:
@@ -276,11 +237,12 @@ class RowAwareGenerationBatch(GenerationBatch):
     and whose ``filter`` reads the layers' paddings at once."""
 
     def _step(self):
-        hook = _row_hook(self.fallback_sampler)
-        if hook is None:
-            return super()._step()
-        with hook(self.uids, self._next_tokens):
-            return super()._step()
+        with plain_masks(self.prompt_cache, len(self.uids)):
+            hook = _row_hook(self.fallback_sampler)
+            if hook is None:
+                return super()._step()
+            with hook(self.uids, self._next_tokens):
+                return super()._step()
 
     # mlx-lm leaves the rows' next inputs lazy when rows join (a concatenation) or
     # leave (a selection); evaluated at the next step, they would wait behind this
@@ -428,7 +390,7 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "BatchKVCache grows its buffer with zeros, fetches its first _idx keys and masks "
         "causally from _idx with its left_padding",
     )
-    # _plain_causal_masks: a model's mask comes from the cache instance's make_mask.
+    # runtime.plain_masks: a model's mask comes from the cache instance's make_mask.
     from mlx_lm.models import base
     expect(
         "cache.make_mask(" in _source(base.create_attention_mask),

@@ -8,8 +8,8 @@ chunk holds the whole prompt and never changes during its prefill, the class's
 step is left as it was, a prompt that joins is not padded to the room nor takes
 it to the decoding batch, and the tokens are mlx-lm's own (a plain
 ``BatchGenerator``), with prompts of different lengths padded together and
-sequences decoding beside them. A lone prompt's chunks attend under the mask
-``"causal"``, prompts padded together under mlx-lm's array.
+sequences decoding beside them. A lone row attends under ``"causal"`` and with no
+mask (``runtime.plain_masks``), rows padded together under mlx-lm's arrays.
 """
 
 from __future__ import annotations
@@ -112,14 +112,17 @@ def test_the_tokens_are_mlx_lms(model):
     assert all(len(tokens) > 0 for tokens in results[1])
 
 
-def test_a_lone_prompt_attends_under_the_causal_mask_padded_prompts_under_arrays(
-        model, monkeypatch):
+def test_a_lone_row_attends_with_no_mask_array_padded_rows_with_mlx_lm_s(model, monkeypatch):
+    """One unpadded row (a lone prompt's chunks, then its decode steps) reaches the
+    attention with ``"causal"`` and no mask; prompts of different lengths padded
+    together, and the rows decoding beside them, with mlx-lm's arrays. The tokens are
+    a plain ``BatchGenerator``'s, whose every call has an array."""
     fused = mx.fast.scaled_dot_product_attention
     masks = []
 
     def recording(q, k, v, *, scale, mask=None, **kwargs):
-        if q.shape[2] > 1:
-            masks.append((q.shape[0], mask if isinstance(mask, str) else "array"))
+        kind = "array" if isinstance(mask, mx.array) else mask
+        masks.append(("chunk" if q.shape[2] > 1 else "decode", q.shape[0], kind))
         return fused(q, k, v, scale=scale, mask=mask, **kwargs)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recording)
@@ -130,14 +133,15 @@ def test_a_lone_prompt_attends_under_the_causal_mask_padded_prompts_under_arrays
         out: dict[int, list[int]] = {}
         uids = gen.insert([LONG], max_tokens=[8])
         drain(gen, uids, out)
-        lone = list(masks)
+        lone = set(masks)
         masks.clear()
         uids += gen.insert([LONG[:300], LONG[:450]], max_tokens=[4, 4])
         drain(gen, uids[1:], out)
-        results.append(([out[u] for u in uids], lone, list(masks)))
-        assert all("make_mask" not in vars(layer) for layer in gen._prompt_batch.prompt_cache)
+        results.append(([out[u] for u in uids], lone, set(masks)))
+        layers = gen._prompt_batch.prompt_cache + gen._generation_batch.prompt_cache
+        assert all("make_mask" not in vars(layer) for layer in layers)
     (plain_tokens, plain_lone, _), (our_tokens, our_lone, our_padded) = results
     assert our_tokens == plain_tokens
-    assert plain_lone and {mask for _, mask in plain_lone} == {"array"}
-    assert len(our_lone) == len(plain_lone) and {m for _, m in our_lone} == {"causal"}
-    assert (2, "array") in our_padded  # two prompts of different lengths, one padded
+    assert plain_lone == {("chunk", 1, "array"), ("decode", 1, "array")}
+    assert our_lone == {("chunk", 1, "causal"), ("decode", 1, None)}
+    assert ("chunk", 2, "array") in our_padded and ("decode", 2, "array") in our_padded
