@@ -9,8 +9,9 @@ key, as MLX defines it), and its decode step's is no mask at all.
 On CUDA the array costs: MLX hands cuDNN a prefill chunk's mask as a bias it
 reads in full in every layer (``"causal"`` lets it skip the masked blocks: a
 2,048-query chunk's attention after 4k-30k tokens took a quarter of the time on
-an H200, ``bench/chunk_masks.py``), and MLX's one-query attention kernel takes
-no array mask, so a decode step with one goes another way.
+an H200, ``bench/chunk_masks.py``), and MLX's CUDA attention takes no boolean
+mask, so every layer of a decode step first turns the array into an additive
+one, which the attention then reads (with none, only the keys and values).
 
 Owns ``plain_masks``, which ``runtime.mlx_lm_batches``' prompt and generation
 batches put around their model calls. Receives and emits nothing.
