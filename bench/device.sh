@@ -31,6 +31,8 @@
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   chunk-masks[=OPTIONS]          bench/chunk_masks.py: a chunk's attention under mlx-lm's
 #                                  array mask and under "causal", times and largest difference
+#   chunk-attention[=OPTIONS]      bench/chunk_attention.py: a paced chunk's attention after long
+#                                  prefixes, the server's grouped products against other ways
 #   clear-cache=TOKENS[:CHUNK]     bench/clear_cache_cost.py: a paced prefill of TOKENS (chunks
 #                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
 #                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
@@ -148,6 +150,11 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
         --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
+      ;;
+    chunk-attention)
+      # shellcheck disable=SC2086  # the options, split at spaces
+      timeout -s INT -k 10 "$(limit 200)" python3 bench/chunk_attention.py $arg \
+        --json-out "$OUT/chunk-attention-$SECONDS.json" 2>&1 | tail -24
       ;;
     chunk-masks)
       # shellcheck disable=SC2086  # the options, split at spaces

@@ -68,6 +68,9 @@ unfused attention:
   once, and with it built cuDNN outruns the grouped products at depth. Every
   prefill call that reaches cuDNN gets contiguous keys, so that its graph
   follows the call's shapes and not the length of the buffer it was read from.
+* A lone prompt's last, odd-sized chunk (under the causal mask, more than
+  ``PADDED_TAIL_SHARE``'s share of a full chunk) goes to cuDNN padded to a full
+  chunk, whose graph it then shares.
 """
 
 from __future__ import annotations
@@ -76,6 +79,20 @@ import os
 import threading
 from collections.abc import MutableMapping
 from typing import Any
+
+# Prompt tokens per prefill step where --prefill-step-size is not given, by the
+# device MLX computes on: mlx-lm's 2048 on a GPU. On the CPU, MLX's attention
+# computes each chunk's scores in full, the causally masked ones included, a waste
+# that grows with the chunk: a lone 3,120-token prompt of the tiny test model
+# prefilled in 1.41 s in chunks of 512 against 1.84 in chunks of 2,048, one of a
+# 32-layer, 8-head model in 39 s against 49 (bench/prefill_step_sizes.py).
+PREFILL_STEP_SIZES = {"gpu": 2048, "cpu": 512}
+
+
+def default_prefill_step_size(mx) -> int:
+    """The prefill step size for MLX's default device (``PREFILL_STEP_SIZES``)."""
+    return PREFILL_STEP_SIZES["gpu" if mx.default_device().type == mx.gpu else "cpu"]
+
 
 SERVER_DEFAULTS = {
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
@@ -119,6 +136,18 @@ UNFUSED_BLOCK_LIMIT = 1 << 27
 # products, and a lone prompt's, under the causal mask (runtime.mlx_lm_batches), 17-40.
 RECURRING_CHUNK_QUERIES = 1024
 
+# A lone prompt's last, odd-sized chunk of more than a quarter of a full chunk (or a
+# lone fresh prompt of that length, under one chunk) goes to cuDNN as a full chunk:
+# its queries and keys padded at the end to the full chunk's length (the padding's
+# queries see only padding past the real keys, under the causal mask aligned to the
+# last key, and their outputs are dropped). Its shape is then a full chunk's at the
+# same prefix, whose graph is built once; as it is, every prompt length would build
+# its own. On an H200 (Qwen3-0.6B shape) a cold 32k prompt's last chunk of about
+# 1,280 queries took 189 ms through the grouped products, against 17-40 for a full
+# chunk through cuDNN; at a quarter of a chunk the grouped products cost about what
+# a full chunk does at 24k-30k of context (bench/chunk_attention.py).
+PADDED_TAIL_SHARE = 4
+
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
 
 
@@ -130,11 +159,15 @@ def unfused_prefill_attention(
     block_queries: int = UNFUSED_CHUNK_QUERIES,
     recurring_queries: int = RECURRING_CHUNK_QUERIES,
     scores: str = "half",
+    full_chunk: int | None = None,
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
     sent to unfused attention; every other call as it was. ``scores``: "float32"
     (MLX's fallback, reached through a float32 query) or "half" (``grouped_attention``
-    in the inputs' precision)."""
+    in the inputs' precision). ``full_chunk``: the prefill's chunk length
+    (--prefill-step-size), for padding a lone prompt's last chunk to it (None: no
+    padding); the returned function's attribute of that name, which a later
+    ``install_prefill_attention`` sets."""
     half = (mx.bfloat16, mx.float16)
 
     def unfused(queries, keys, values, **kwargs):
@@ -163,24 +196,43 @@ def unfused_prefill_attention(
                                    values[:, :, :seen], mask=block_mask, **kwargs))
         return mx.concatenate(outputs, axis=2)
 
+    def padded_tail(queries, keys, values, full, **kwargs):
+        """A lone prompt's last chunk through ``fused`` as a full chunk (above
+        ``PADDED_TAIL_SHARE``): queries and keys padded at the end, the real queries'
+        outputs kept."""
+        n_queries = queries.shape[2]
+        widths = [(0, 0), (0, 0), (0, full - n_queries), (0, 0)]
+        out = fused(mx.pad(queries, widths), mx.pad(keys, widths), mx.pad(values, widths),
+                    **kwargs)
+        return out[:, :, :n_queries]
+
     def attention(queries, keys, values, *args, **kwargs):
         if queries.ndim == 4 and queries.shape[2] > 1 and queries.dtype in half and not args:
             elements = queries.size // queries.shape[3] * keys.shape[2]
             if elements <= limit:
                 return unfused(queries, keys, values, **kwargs)
             n_queries, n_keys = queries.shape[2], keys.shape[2]
+            full, mask = attention.full_chunk, kwargs.get("mask")
+            if (full is not None and isinstance(mask, str) and mask == "causal"
+                    and kwargs.get("sinks") is None
+                    and full // PADDED_TAIL_SHARE < n_queries < full
+                    and (n_keys - n_queries) % full == 0):
+                return padded_tail(queries, keys, values, full, **kwargs)
             recurring = n_queries > recurring_queries and (n_keys - n_queries) % n_queries == 0
             if n_queries < n_keys and n_queries <= block_queries and not recurring:
                 return in_blocks(queries, keys, values, **kwargs)  # a paced chunk
-            # To cuDNN, whose graphs are keyed by the keys' strides as well as their
+            # To cuDNN, whose graphs are keyed by the inputs' strides as well as their
             # shapes: read from a prompt batch's buffer (sized to the whole prompt), the
             # keys' strides follow the prompt's length, so a graph would be built for
-            # every chunk of every new length. Contiguous, they follow the chunk alone.
+            # every chunk of every new length. Contiguous, they follow the chunk alone,
+            # and a full chunk's graph is a padded last chunk's (padding makes them so).
+            queries = mx.contiguous(queries)
             keys, values = mx.contiguous(keys), mx.contiguous(values)
         return fused(queries, keys, values, *args, **kwargs)
 
     attention.fused = fused
     attention.grouped = scores == "half"
+    attention.full_chunk = full_chunk
     return attention
 
 
@@ -319,14 +371,16 @@ def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttent
     return ChunkAttention(mx, prefix=prefix, length=length, left_padding=cache.left_padding)
 
 
-def install_prefill_attention(mx) -> bool:
+def install_prefill_attention(mx, full_chunk: int | None = None) -> bool:
     """Route prefill attention to MLX's unfused path in this process, on CUDA only
-    (MLX's Metal kernels build no per-shape graphs); whether it did. Idempotent."""
+    (MLX's Metal kernels build no per-shape graphs); whether it did. Idempotent; the
+    latest call's ``full_chunk`` (``unfused_prefill_attention``) stands."""
     if not mx.cuda.is_available():
         return False
     current = mx.fast.scaled_dot_product_attention
     if not hasattr(current, "fused"):
-        mx.fast.scaled_dot_product_attention = unfused_prefill_attention(current, mx)
+        current = mx.fast.scaled_dot_product_attention = unfused_prefill_attention(current, mx)
+    current.full_chunk = full_chunk
     return True
 
 

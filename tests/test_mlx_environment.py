@@ -11,8 +11,10 @@ from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
 from runtime.mlx_environment import (
     KEY_ALIGNMENT,
+    PREFILL_STEP_SIZES,
     SERVER_DEFAULTS,
     chunk_attention,
+    default_prefill_step_size,
     install_prefill_attention,
     server_defaults,
     unfused_prefill_attention,
@@ -46,6 +48,33 @@ def test_the_engine_sets_them_before_it_loads(monkeypatch, tiny_model_path):
     monkeypatch.setattr(loading, "load_model", load_and_look)
     make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
     assert at_load == SERVER_DEFAULTS
+
+
+def test_the_prefill_step_size_follows_the_device_unless_given(tiny_model_path):
+    """mlx-lm's 2048-token steps on a GPU, 512 on the CPU, where MLX's attention computes
+    a chunk's causally masked scores too; --prefill-step-size, where given, stands."""
+    import mlx.core as mx
+
+    class OnTheGpu:
+        gpu = mx.gpu
+
+        @staticmethod
+        def default_device():
+            return mx.Device(mx.gpu)
+
+    assert PREFILL_STEP_SIZES == {"gpu": 2048, "cpu": 512}
+    assert default_prefill_step_size(OnTheGpu) == 2048
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert default_prefill_step_size(mx) == 512
+        chosen = make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
+        given = make_engine_core(ServerConfig(model=tiny_model_path, prefill_step_size=1024),
+                                 tiny_model_path)
+    finally:
+        mx.set_default_device(previous)
+    assert chosen._batch.prefill_step_size == 512
+    assert given._batch.prefill_step_size == 1024
 
 
 def _qkv(mx, batch, length, keys_length, dtype):
@@ -450,12 +479,12 @@ def test_a_fresh_prompt_s_full_chunks_reach_cudnn_with_contiguous_keys():
     q, k_buffer, v_buffer = _qkv(mx, 2, 8, 40, mx.bfloat16)
     k, v = k_buffer[:, :, :24], v_buffer[:, :, :24]  # a 40-token buffer holding 24
     got = attention(q, k, v, scale=0.25, mask="causal")  # the third 8-token chunk
-    assert seen == [(8, 24)] and counted.shapes == [(2, 2, 24, 16)] * 2
+    assert seen == [(8, 24)] and counted.shapes == [(2, 4, 8, 16)] + [(2, 2, 24, 16)] * 2
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
     assert mx.allclose(got.astype(mx.float32), expected.astype(mx.float32), atol=2e-2).item()
     seen.clear(), counted.shapes.clear()
     attention(q, k_buffer[:, :, :8], v_buffer[:, :, :8], scale=0.25, mask="causal")  # the first
-    assert seen == [(8, 8)] and counted.shapes == [(2, 2, 8, 16)] * 2
+    assert seen == [(8, 8)] and counted.shapes == [(2, 4, 8, 16)] + [(2, 2, 8, 16)] * 2
     seen.clear(), counted.shapes.clear()
     attention(q, k_buffer[:, :, :20], v_buffer[:, :, :20], scale=0.25, mask="causal")
     assert seen == [] and counted.shapes == []  # after 12 cached: grouped, in blocks
@@ -463,3 +492,43 @@ def test_a_fresh_prompt_s_full_chunks_reach_cudnn_with_contiguous_keys():
     assert seen == [] and counted.shapes == []  # 4 queries, not over recurring_queries
     attention(q[:, :, :1], k, v, scale=0.25)  # a decode step
     assert seen[-1] == (1, 24) and counted.shapes == []
+
+
+def test_a_lone_prompt_s_last_chunk_reaches_cudnn_padded_to_a_full_chunk():
+    """Under the causal mask, a chunk of more than a quarter of ``full_chunk`` queries
+    after a whole number of full chunks (a lone prompt's last, odd-sized chunk, or a
+    fresh prompt shorter than one chunk) reaches the fused attention padded to a full
+    chunk, the shape a full chunk has at that prefix; the real queries' outputs are
+    MLX's attention of the unpadded chunk. Shorter tails, array masks and prefixes off
+    the chunk grid keep their paths, and without ``full_chunk`` nothing is padded."""
+    import mlx.core as mx
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None):
+        seen.append((q.shape[2], k.shape[2]))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, recurring_queries=4,
+                                          full_chunk=8)
+    q, k_buffer, v_buffer = _qkv(mx, 2, 8, 40, mx.bfloat16)
+    for prefix, length in ((16, 6), (0, 7), (8, 3)):
+        k, v = k_buffer[:, :, :prefix + length], v_buffer[:, :, :prefix + length]
+        got = attention(q[:, :, :length], k, v, scale=0.25, mask="causal")
+        assert seen.pop() == (8, prefix + 8)
+        expected = mx.fast.scaled_dot_product_attention(q[:, :, :length], k, v, scale=0.25,
+                                                        mask="causal")
+        assert got.shape == expected.shape
+        assert mx.allclose(got.astype(mx.float32), expected.astype(mx.float32),
+                           atol=2e-2).item()
+    attention(q[:, :, :2], k_buffer[:, :, :18], v_buffer[:, :, :18], scale=0.25,
+              mask="causal")  # a quarter of a chunk or less: grouped, in blocks
+    attention(q[:, :, :5], k_buffer[:, :, :18], v_buffer[:, :, :18], scale=0.25,
+              mask="causal")  # after 13 cached, off the grid of full chunks
+    array_mask = mx.arange(16, 22)[:, None] >= mx.arange(22)[None]
+    attention(q[:, :, :6], k_buffer[:, :, :22], v_buffer[:, :, :22], scale=0.25,
+              mask=array_mask)  # several prompts padded together
+    assert seen == []
+    attention.full_chunk = None
+    attention(q[:, :, :6], k_buffer[:, :, :22], v_buffer[:, :, :22], scale=0.25, mask="causal")
+    assert seen == []

@@ -22,6 +22,8 @@ import gc
 import logging
 import time
 
+import attrs
+
 from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
@@ -37,7 +39,12 @@ from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
-from runtime.mlx_environment import bound_buffer_cache, install_prefill_attention, server_defaults
+from runtime.mlx_environment import (
+    bound_buffer_cache,
+    default_prefill_step_size,
+    install_prefill_attention,
+    server_defaults,
+)
 from runtime.mlx_lm_internals import (
     keep_freed_buffers_in_generate,
     sharded_load_on_the_default_stream,
@@ -223,7 +230,11 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if cache_limit is not None and config.prefill_buffers == "keep" and keep_freed_buffers_in_generate():
         log.debug("MLX free-buffer cache limited to %.1f GB, kept across prefill chunks",
                   cache_limit / 1e9)
-    if config.prefill_attention == "unfused" and install_prefill_attention(mx):
+    if config.prefill_step_size is None:
+        config = attrs.evolve(config, prefill_step_size=default_prefill_step_size(mx))
+        log.debug("prefill step size: %d tokens", config.prefill_step_size)
+    if config.prefill_attention == "unfused" and install_prefill_attention(
+            mx, full_chunk=config.prefill_step_size):
         log.debug("prefill attention: MLX's unfused path")
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)

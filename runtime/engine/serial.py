@@ -30,16 +30,17 @@ import attrs
 
 from runtime.config import ServerConfig
 from runtime.engine.failures import SequenceError
+from runtime.mlx_environment import PREFILL_STEP_SIZES
 
 log = logging.getLogger(__name__)
 
 # The server builds its generators from its settings (``runtime.engine.loading``).
-# Built without them (the tests), a generator prefills, drafts and groups the
-# quantized KV cache as the settings' defaults say, which are mlx_lm.server's:
-# mlx-lm's functions have defaults of their own (``speculative_generate_step``
-# drafts 2 tokens and prefills 512 at a time). ``quantized_kv_start`` (0:
-# quantize from the first token) and ``max_tokens`` (``BatchGenerator``'s) are
-# the generator's own.
+# Built without them (the tests), a generator prefills in mlx-lm's 2048-token
+# steps, and drafts and groups the quantized KV cache as the settings' defaults
+# say, which are mlx_lm.server's: mlx-lm's functions have defaults of their own
+# (``speculative_generate_step`` drafts 2 tokens and prefills 512 at a time).
+# ``quantized_kv_start`` (0: quantize from the first token) and ``max_tokens``
+# (``BatchGenerator``'s) are the generator's own.
 _SETTINGS = attrs.fields(ServerConfig)
 
 
@@ -95,7 +96,7 @@ class SerialGenerator:
         *,
         draft_model: Any = None,
         stream: Any = None,
-        prefill_step_size: int = _SETTINGS.prefill_step_size.default,
+        prefill_step_size: int = PREFILL_STEP_SIZES["gpu"],
         num_draft_tokens: int = _SETTINGS.num_draft_tokens.default,
         kv_bits: int | None = _SETTINGS.kv_bits.default,
         kv_group_size: int = _SETTINGS.kv_group_size.default,
