@@ -7,7 +7,9 @@ costs beyond a decode step. This times the attention of one forward pass's layer
 pass evaluates them) after prefixes of several lengths, each way:
 
 * ``grouped``: the server's way (``runtime.mlx_environment.ChunkAttention``): the keys
-  read in place, two products around a float32 softmax, one boolean mask;
+  read in place, two products around a float32 softmax, one boolean mask applied to
+  the scores of the chunk's own keys alone (the prefix is visible to every query);
+* ``full-mask``: the same with the mask applied to every score, as the server did;
 * ``split``: the same, with the second product (weights times values) taken in blocks
   of ``--split-keys`` keys and the blocks' partial sums added, so that the GPU gets
   many independent products instead of one long reduction per KV head;
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-WAYS = ("grouped", "split", "scores", "softmax", "cudnn")
+WAYS = ("grouped", "full-mask", "split", "scores", "softmax", "cudnn")
 
 
 def split_values(mx, weights, values, block: int):
@@ -48,7 +50,7 @@ def split_values(mx, weights, values, block: int):
 
 def attention_ways(mx, fused, *, prefix, length, heads, kv_heads, dim, split_keys):
     """Each way as a function of (queries, keys buffer, values buffer)."""
-    from runtime.mlx_environment import ChunkAttention
+    from runtime.mlx_environment import ChunkAttention, grouped_attention
 
     chunk = ChunkAttention(mx, prefix=prefix, length=length, left_padding=mx.array([0]))
     n_keys, group, scale = chunk.n_keys, heads // kv_heads, dim ** -0.5
@@ -67,6 +69,10 @@ def attention_ways(mx, fused, *, prefix, length, heads, kv_heads, dim, split_key
     def grouped(q, k, v):
         return chunk(q, SimpleNamespace(keys=k, values=v), scale=scale)
 
+    def full_mask(q, k, v):
+        return grouped_attention(mx, q, k[..., :n_keys, :], v[..., :n_keys, :], scale=scale,
+                                 mask=chunk.mask)
+
     def split(q, k, v):
         w = masked_softmax(q, k, split_n, split_mask).reshape(1, kv_heads, group * length, split_n)
         out = split_values(mx, w, v[..., :split_n, :], split_keys)
@@ -83,7 +89,7 @@ def attention_ways(mx, fused, *, prefix, length, heads, kv_heads, dim, split_key
         return fused(q, mx.contiguous(k[..., :end, :]), mx.contiguous(v[..., :end, :]),
                      scale=scale, mask="causal")
 
-    return {"grouped": grouped, "split": split, "scores": scores, "softmax": softmax,
+    return {"grouped": grouped, "full-mask": full_mask, "split": split, "scores": scores, "softmax": softmax,
             "cudnn": cudnn}, split_n
 
 
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
                    "max_abs_diff": {}}
             if "grouped" in outs:
                 ref = outs["grouped"].astype(mx.float32)
-                for way in ("split", "cudnn"):
+                for way in ("full-mask", "split", "cudnn"):
                     if way in outs:
                         diff = mx.abs(outs[way].astype(mx.float32) - ref).max().item()
                         row["max_abs_diff"][way] = round(diff, 5)

@@ -243,13 +243,17 @@ def unfused_prefill_attention(
 KEY_ALIGNMENT = 64
 
 
-def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None):
+def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None,
+                      visible_keys: int = 0):
     """Attention as two matrix products in the inputs' precision around a float32
     softmax, as MLX's own fallback computes it, with each KV head's query heads folded
     into its query rows: one strided batch of products, each KV head's keys and values
     read once for all its query heads, and the keys padded to ``KEY_ALIGNMENT`` (the
     padding masked out). None for a mask of a shape it does not take (the caller then
-    uses MLX's fallback)."""
+    uses MLX's fallback). ``visible_keys``: the first this many keys are visible to
+    every query (a boolean mask all true there), so only the scores after them are
+    masked, written back in place: at 30k keys of context the mask's pass over every
+    score was as costly as the first product (bench/chunk_attention.py)."""
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
@@ -267,7 +271,12 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     if mask is not None and mask.dtype == mx.bool_:
         # The lowest finite value, not -inf: a padded row that sees no key gets an
         # even spread rather than NaN, which its zero weights would carry on.
-        products = mx.where(mask, products, mx.finfo(products.dtype).min)
+        lowest = mx.finfo(products.dtype).min
+        if visible_keys:
+            products[..., visible_keys:] = mx.where(
+                mask[..., visible_keys:], products[..., visible_keys:], lowest)
+        else:
+            products = mx.where(mask, products, lowest)
     elif mask is not None:
         products = products + mask.astype(products.dtype)
     weights = mx.softmax(products, axis=-1, precise=True)
@@ -344,6 +353,10 @@ class ChunkAttention:
         keys = mx.arange(self.n_keys)
         causal = mx.arange(prefix, prefix + length)[:, None] >= keys[None]
         self.mask = causal & (left_padding.reshape(-1, 1, 1, 1) <= keys)
+        # One row with no padding sees the whole prefix: only the chunk's own keys
+        # (from the aligned block it starts in) are masked.
+        lone = left_padding.size == 1 and not left_padding.item()
+        self.visible_keys = prefix // KEY_ALIGNMENT * KEY_ALIGNMENT if lone else 0
 
     def __call__(self, queries, cache, *, scale):
         """The chunk's attention in ``cache`` (its keys already updated), or None where
@@ -352,7 +365,8 @@ class ChunkAttention:
             return None
         keys = cache.keys[..., : self.n_keys, :]
         values = cache.values[..., : self.n_keys, :]
-        return grouped_attention(self.mx, queries, keys, values, scale=scale, mask=self.mask)
+        return grouped_attention(self.mx, queries, keys, values, scale=scale, mask=self.mask,
+                                 visible_keys=self.visible_keys)
 
 
 def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttention | None:

@@ -335,23 +335,28 @@ def test_a_pass_s_layers_share_one_mask_and_another_source_gets_its_own():
 
 
 @pytest.mark.parametrize("prefix", [61, 64, 250])
-def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix):
+@pytest.mark.parametrize("left_padding", [[2, 0], [0]])
+def test_a_chunk_s_attention_read_from_its_cache_matches_mlx(monkeypatch, prefix, left_padding):
     """A chunk of 5 tokens after a cached prefix, in a batch cache of two rows (one
-    left-padded by 2): read in place from the cache's buffer up to the aligned length,
-    the same attention as MLX's over the cache's keys with mlx-lm's mask."""
+    left-padded by 2) or of one: read in place from the cache's buffer up to the
+    aligned length, the same attention as MLX's over the cache's keys with mlx-lm's
+    mask. One row without padding sees its whole prefix, so only the scores from the
+    aligned block the chunk starts in are masked."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import BatchKVCache
 
     _installed(monkeypatch)
-    cache = BatchKVCache(left_padding=[2, 0])
-    _, k, v = _qkv(mx, 2, 1, prefix, mx.bfloat16)
+    rows = len(left_padding)
+    cache = BatchKVCache(left_padding=left_padding)
+    _, k, v = _qkv(mx, rows, 1, prefix, mx.bfloat16)
     cache.update_and_fetch(k, v)
-    q, k, v = _qkv(mx, 2, 5, 5, mx.bfloat16)
+    q, k, v = _qkv(mx, rows, 5, 5, mx.bfloat16)
     attention = chunk_attention(mx, cache, length=5, heads=4, dtype=mx.bfloat16)
     mask = create_attention_mask(q[:, 0, :, :1], cache)  # mlx-lm's, before the update
     keys, values = cache.update_and_fetch(k, v)
     assert attention.n_keys % KEY_ALIGNMENT == 0 and attention.n_keys >= prefix + 5
+    assert attention.visible_keys == (prefix // KEY_ALIGNMENT * KEY_ALIGNMENT if rows == 1 else 0)
     got = attention(q, cache, scale=0.25)
     expected = mx.fast.scaled_dot_product_attention(
         q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
