@@ -143,9 +143,9 @@ RECURRING_CHUNK_QUERIES = 1024
 # last key, and their outputs are dropped). Its shape is then a full chunk's at the
 # same prefix, whose graph is built once; as it is, every prompt length would build
 # its own. On an H200 (Qwen3-0.6B shape) a cold 32k prompt's last chunk of about
-# 1,280 queries took 189 ms through the grouped products, against 17-40 for a full
-# chunk through cuDNN; at a quarter of a chunk the grouped products cost about what
-# a full chunk does at 24k-30k of context (bench/chunk_attention.py).
+# 1,295 queries took 171-202 ms through the grouped products and 45-51 padded; at a
+# quarter of a chunk the grouped products cost about what a full chunk does through
+# cuDNN at 24k-30k of context (bench/chunk_attention.py).
 PADDED_TAIL_SHARE = 4
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
