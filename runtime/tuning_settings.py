@@ -143,9 +143,10 @@ class TuningSettings:
         "computes as two matrix products around a float32 softmax (no graph to build) the "
         "prefill attention whose scores have at most 2^25 elements (one 1024-token prompt "
         "with 32 heads) and every chunk of at most 4,096 tokens after a cached prefix (a "
-        "paced chunk, an agent's next turn, a long prompt's last chunk); decoding and a "
-        "fresh prompt's full chunks keep MLX's choice, those with contiguous keys (their "
-        "shapes recur from prompt to prompt, so each graph is built once). "
+        "paced chunk, an agent's next turn, a short last chunk of a long prompt); decoding "
+        "and a fresh prompt's full chunks keep MLX's choice, those with contiguous keys (their "
+        "shapes recur from prompt to prompt, so each graph is built once), and a lone "
+        "prompt's last chunk of more than a quarter of a full one joins them, padded to one. "
         "`mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
         "([performance.md](performance.md)).",
         group=TUNING,
