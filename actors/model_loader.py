@@ -61,11 +61,13 @@ RESTART_WINDOW_SECONDS = 600.0  # restarts counted against max_restarts: those t
 
 @attrs.frozen
 class EngineProcessSpec:
-    """How to run engines in child processes: the tokenizer for the trio side, logging."""
+    """How to run engines in child processes: the tokenizer for the trio side, logging,
+    the CPU's BLAS (``--cpu-blas``)."""
 
     load_tokenizer: Callable[[EngineReady], object]
     log_level: str = "INFO"
     log_format: str = logging.BASIC_FORMAT
+    cpu_blas: str = "openblas"
 
 
 class ModelState(enum.StrEnum):
@@ -458,6 +460,7 @@ class ModelLoader:
                 check_cancelled=trio.from_thread.check_cancelled,
                 log_level=spec.log_level,
                 log_format=spec.log_format,
+                cpu_blas=spec.cpu_blas,
             )
             return
         run_engine_loop(

@@ -87,6 +87,7 @@ def _engine_process_spec(config: ServerConfig) -> EngineProcessSpec:
         load_tokenizer=functools.partial(_load_tokenizer, config),
         log_level=config.log_level.upper(),
         log_format=getattr(formatter, "_fmt", None) or logging.BASIC_FORMAT,
+        cpu_blas=config.cpu_blas,
     )
 
 

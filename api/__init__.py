@@ -20,10 +20,8 @@ class _AppFromEnvironment:
         if self._app is None:
             import logging
 
-            from api.generation import WATCH_SERVER_DEADLINE
-            from api.server import create_app
             from runtime.config import config_from_env
-            from runtime.model_fetch import fetch_served_model
+            from runtime.cpu_blas import prepare_server_process
 
             config = config_from_env()
             logging.basicConfig(
@@ -31,6 +29,13 @@ class _AppFromEnvironment:
                 format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             )
             _one_line_per_event()
+            # Before the imports below load MLX: its CPU products on OpenBLAS if the engine
+            # runs here.
+            prepare_server_process(config.cpu_blas, config.engine_mode, distributed=False)
+            from api.generation import WATCH_SERVER_DEADLINE
+            from api.server import create_app
+            from runtime.model_fetch import fetch_served_model
+
             fetch_served_model(config)  # before serving: a missing model fails the start-up
             self._app = create_app(config)
             # Hypercorn's shutdown shows only as a deadline on the requests' tasks.

@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_config(argv)
     except ConfigError as exc:
         sys.exit(f"mlx-trio-server: {exc}")
+    from runtime.cpu_blas import prepare_server_process
     from runtime.distributed import is_follower, launched_rank
 
     rank = launched_rank()
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         level=config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
+    # Before anything here imports MLX: its CPU products on OpenBLAS if the engine runs here.
+    prepare_server_process(config.cpu_blas, config.engine_mode, distributed=rank is not None)
     # The launcher is our parent now; if it dies first, we are re-parented.
     parent = ParentWatch() if rank is not None else None
     problems = unsupported(config)

