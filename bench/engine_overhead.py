@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--systems",
         default="ceiling,core",
-        help="comma list of ceiling and core variants: "
+        help="comma list of ceiling and core variants (empty: the servers alone): "
         + "; ".join(f"{k}: {v}" for k, v in CORE_VARIANTS.items()),
     )
     p.add_argument("--server", action="store_true", help="also the whole server over HTTP")
@@ -798,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.admission_window_ms is not None:
         flags["admission_window_ms"] = ns.admission_window_ms
     systems: dict[str, Any] = {}
-    for name in ns.systems.split(","):
+    for name in filter(None, ns.systems.split(",")):  # "": the servers alone
         if name == "ceiling":
             systems[name] = Ceiling(model, ns.decode_concurrency, ns.prompt_concurrency)
         elif name in CORE_VARIANTS:
