@@ -19,6 +19,7 @@ Imports no MLX: it must run before MLX is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import logging
@@ -91,10 +92,10 @@ def openblas_for_mlx(folder: Path | None = None) -> Path | None:
     patchelf = _patchelf()
     if patchelf is None:
         return None
-    folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{target.name}.{os.getpid()}"
     names = folder / f".{target.name}.{os.getpid()}.names"
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(library, partial)
         names.write_text("".join(f"{OPENBLAS_PREFIX}{name} {name}\n" for name in RENAMED_SYMBOLS))
         subprocess.run(
@@ -107,7 +108,8 @@ def openblas_for_mlx(folder: Path | None = None) -> Path | None:
         return None
     finally:
         for leftover in (partial, names):
-            leftover.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                leftover.unlink()
     return target
 
 

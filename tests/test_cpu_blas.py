@@ -90,6 +90,12 @@ def test_the_copy_exports_mlx_s_blas_names_and_is_made_once(cache):
     assert sorted(p.name for p in library.parent.iterdir()) == [library.name]  # no leftovers
 
 
+def test_a_cache_folder_that_cannot_be_made_leaves_the_reference_blas(tmp_path, caplog):
+    (tmp_path / "a-file").write_text("")
+    assert cpu_blas.openblas_for_mlx(tmp_path / "a-file" / "mlx-trio-server") is None
+    assert "the reference BLAS stays" in caplog.text
+
+
 def test_loaded_before_mlx_it_serves_mlx_s_products(cache):
     got = _probe("openblas", "before", cache)
     assert got["loaded"] is True and got["openblas_mapped"]
