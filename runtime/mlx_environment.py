@@ -416,6 +416,29 @@ CACHE_SHARE = 1 / 16
 MIN_CACHE_BYTES = 2 << 30
 
 
+# A prompt group's prefill attention (``runtime.mlx_lm_prefill.size_prefill_group``):
+# one layer's float32 scores in the group's deepest step stay within this share of the
+# device's memory. A group of more than one prompt attends under mlx-lm's array mask,
+# which MLX computes unfused, holding the scores several times over (the products, the
+# masked ones, the softmax); mlx-lm's own BatchGenerator, given eight cold 32k-token
+# prompts at once, ran an H200 (141 GB) out of memory in its first prefill step.
+PREFILL_SCORES_SHARE = 1 / 16
+SCORE_BYTES = 4  # float32: MLX's fallback computes the softmax in float32
+
+
+def prefill_score_budget(mx, heads: int) -> int | None:
+    """Score elements per attention head that a prompt group's deepest prefill step may
+    hold (``PREFILL_SCORES_SHARE`` of the device's memory); None where MLX does not
+    report the memory (its CPU backend), which leaves groups unbounded."""
+    try:
+        memory = int(mx.device_info().get("memory_size", 0))
+    except Exception:
+        memory = 0
+    if not memory:
+        return None
+    return int(memory * PREFILL_SCORES_SHARE) // (SCORE_BYTES * max(1, heads))
+
+
 def bound_buffer_cache(mx) -> int | None:
     """Lower MLX's free-buffer cache limit to ``CACHE_SHARE`` of the device's memory
     (never raise it); the limit set, or None where the memory size is unknown."""

@@ -7,7 +7,8 @@ steps, through its private attributes ``_currently_processing``,
 ``check_internals`` checks them against the installed mlx-lm.
 
 * ``size_prefill_group``: how many waiting prompts join the prefill in the
-  coming step, by their tokens (``runtime.engine.core``).
+  coming step, by their tokens and by the memory their attention takes
+  (``runtime.engine.core``).
 * ``coming_prefill``: what the coming step decodes and prefills, for the chunk
   size set between steps (``runtime.engine.pacing``).
 * ``tokens_to_come``: a reader of how many prompt tokens the prompt batch has
@@ -53,7 +54,35 @@ def _is_done(member: Sequence[Any]) -> bool:
     return len(segments) == 1 and len(segments[0]) == 1
 
 
-def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: int) -> int:
+def _depth(sequence: Sequence[Any]) -> int:
+    """A waiting sequence's keys once prefilled: its cached prefix and its prompt."""
+    caches = sequence[3]
+    cached = getattr(caches[0], "offset", 0) if caches else 0
+    return int(cached) + sum(len(s) for s in sequence[1])
+
+
+def group_scores(rows: int, depth: int, step_size: int) -> int:
+    """One attention head's scores in a prompt group's deepest prefill step: every row
+    (padded to the deepest) with a chunk of queries against all the keys. Where the
+    attention is not fused (MLX's fallback under mlx-lm's array mask, which a group of
+    more than one prompt gets), they are in memory at once, several times over."""
+    return rows * min(depth, step_size) * depth
+
+
+def _fits(rows: int, depth: int, step_size: int, score_budget: int | None) -> bool:
+    """Whether a group of ``rows`` prompts as deep as ``depth`` keeps within the budget;
+    a lone prompt always does (its attention runs fused, under the causal mask)."""
+    return score_budget is None or rows <= 1 or group_scores(rows, depth, step_size) <= score_budget
+
+
+def size_prefill_group(
+    generator: BatchGenerator,
+    *,
+    base: int,
+    token_budget: int | None,
+    score_budget: int | None = None,
+    full_chunk: int | None = None,
+) -> int:
     """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
     moves into the prompt batch the waiting sequences (in their order) that fit:
     up to ``base`` prompts prefilling at once as mlx-lm allows, not counting members
@@ -61,28 +90,40 @@ def size_prefill_group(generator: BatchGenerator, *, base: int, token_budget: in
     the step's prompt tokens stay within ``token_budget``; never more than the
     decode batch has room for; a long prompt does not join members that finish
     their prefill in no more steps than it needs itself (it would be padded to
-    their depth). Returns how many join."""
+    their depth). ``token_budget`` None: mlx-lm's groups of ``base`` exactly, with
+    neither rule. And never a group whose deepest step's attention scores
+    (``group_scores``, per head, in chunks of ``full_chunk``: a paced chunk is
+    smaller, but the group may outlive the pacing) pass ``score_budget``: a wave of
+    long prompts is prefilled a few at a time rather than run the device out of
+    memory. Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
-    room = token_budget - sum(_first_chunk(m[0], step_size) for m in prefilling)
     free = generator.completion_batch_size - len(generator._generation_batch) - len(members)
+    if token_budget is None:
+        free = min(free, base - len(prefilling))
+    room = (token_budget or 0) - sum(_first_chunk(m[0], step_size) for m in prefilling)
     # mlx-lm prefills a prompt batch in lockstep: the rows' ends aligned (a prompt
     # that joins members deep into their prompts is padded to their depth) and every
     # row's chunk padded to the step's longest. So a long prompt (a full chunk to go)
     # joins only members with more prefill steps left than it has itself; otherwise
     # it waits for them to finish, and starts a group of its own.
     members_left = max((_prefill_steps(m[0], step_size) for m in prefilling), default=0)
+    depth = max((m[2] for m in prefilling), default=0)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
-        tokens = _first_chunk(sequence[1], step_size)
-        if tokens >= step_size and 0 < members_left <= _prefill_steps(sequence[1], step_size):
+        depth = max(depth, _depth(sequence))
+        if not _fits(len(prefilling) + joining + 1, depth, full_chunk or step_size, score_budget):
             break
-        if len(prefilling) + joining >= base and tokens > room:
-            break
-        room -= tokens
+        if token_budget is not None:
+            tokens = _first_chunk(sequence[1], step_size)
+            if tokens >= step_size and 0 < members_left <= _prefill_steps(sequence[1], step_size):
+                break
+            if len(prefilling) + joining >= base and tokens > room:
+                break
+            room -= tokens
         joining += 1
     generator.prefill_batch_size = len(generator._prompt_batch) + joining
     return joining

@@ -19,7 +19,8 @@ from runtime.engine.core import EngineCore
 from runtime.engine.loading import make_engine_core
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
-from runtime.mlx_lm_prefill import size_prefill_group
+from runtime.mlx_environment import PREFILL_SCORES_SHARE, prefill_score_budget
+from runtime.mlx_lm_prefill import group_scores, size_prefill_group
 from tests.fakes import FakeBatchGeneratorFactory, FakePromptCache
 from tests.test_engine_sampling import run, submit
 from tests.test_properties_scheduler import EOS, VOCAB, make_submit
@@ -136,6 +137,78 @@ def test_a_short_prompt_joins_deep_members_in_their_last_chunk(model):
     assert short_uid in prefilled_uids(prompt_responses)
 
 
+def test_a_group_keeps_its_deepest_attention_scores_within_the_budget(model):
+    gen = generator(model, base=8, step=64)
+    uids = gen.insert(prompts(5, 200))  # 200 keys deep at the end: 64 x 200 scores a row
+    budget = group_scores(2, 200, 64)
+    assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=budget) == 2
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(uids[:2])
+    # A budget for three (the pacer's smaller chunk does not count: the group may
+    # outlive the pacing, so the bound assumes full chunks).
+    gen = generator(model, base=8, step=16)
+    budget = group_scores(3, 200, 64)
+    gen.insert(prompts(5, 200))
+    assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=budget,
+                              full_chunk=64) == 3
+
+
+def test_a_lone_prompt_goes_whatever_its_scores(model):
+    gen = generator(model, base=8, step=64)
+    uids = gen.insert(prompts(3, 200))
+    assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=1) == 1
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == {uids[0]}
+    # It prefills alone: the others wait, however small their own chunks.
+    assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=1) == 0
+
+
+def test_a_cached_prefix_counts_in_a_prompt_s_depth(model):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cached = make_prompt_cache(model)
+    model(mx.array([prompts(1, 300)[0]]), cache=cached)
+    mx.eval([c.state for c in cached])
+    gen = generator(model, base=8, step=64)
+    gen.insert(prompts(2, 50), caches=[cached, None])  # 350 keys deep, and 50
+    assert size_prefill_group(gen, base=8, token_budget=4096,
+                              score_budget=group_scores(2, 349, 64)) == 1
+    gen = generator(model, base=8, step=64)
+    gen.insert(prompts(2, 50), caches=[make_prompt_cache(model), None])
+    assert size_prefill_group(gen, base=8, token_budget=4096,
+                              score_budget=group_scores(2, 50, 64)) == 2
+
+
+def test_without_a_token_budget_groups_are_the_base_and_still_bounded(model):
+    gen = generator(model, base=2)
+    uids = gen.insert(prompts(6, 10))
+    assert size_prefill_group(gen, base=3, token_budget=None) == 3
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(uids[:3])
+    gen = generator(model, base=2)
+    gen.insert(prompts(6, 10))
+    assert size_prefill_group(gen, base=3, token_budget=None,
+                              score_budget=group_scores(2, 10, 2048)) == 2
+
+
+def test_the_score_budget_is_a_share_of_the_device_s_memory():
+    class Device:
+        def __init__(self, info):
+            self.info = info
+
+        def device_info(self):
+            return self.info
+
+    memory = 141 << 30
+    budget = prefill_score_budget(Device({"memory_size": memory}), heads=16)
+    assert budget == int(memory * PREFILL_SCORES_SHARE) // (4 * 16)
+    # An H200 and a 0.6B-shaped model: two 32k-token prompts a group, four at 16k.
+    assert group_scores(2, 32768, 2048) <= budget < group_scores(3, 32768, 2048)
+    assert group_scores(4, 16384, 2048) <= budget < group_scores(5, 16384, 2048)
+    assert prefill_score_budget(Device({}), heads=16) is None  # MLX's CPU backend
+
+
 def test_the_decode_batch_caps_the_group(model):
     gen = generator(model, base=2, completion=3)
     gen.insert(prompts(6, 10))
@@ -151,7 +224,8 @@ def test_greedy_tokens_do_not_depend_on_the_grouping(tiny_model_path):
             ServerConfig(model=tiny_model_path, prompt_concurrency=2, prefill_group_tokens=budget),
             tiny_model_path,
         )
-        assert (core._prefill_group is None) == (budget == 0)
+        # 0: mlx-lm's groups of --prompt-concurrency (only the memory bound applies).
+        assert (core._prefill_group.keywords["token_budget"] is None) == (budget == 0)
         prefills = []
         seen = run(
             core,

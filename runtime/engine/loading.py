@@ -43,6 +43,7 @@ from runtime.mlx_environment import (
     bound_buffer_cache,
     default_prefill_step_size,
     install_prefill_attention,
+    prefill_score_budget,
     server_defaults,
 )
 from runtime.mlx_lm_internals import (
@@ -173,6 +174,11 @@ def load_tokenizer(config: ServerConfig, model_path: str, eos_token_ids) -> obje
     tokenizer.eos_token_ids = set(eos_token_ids)
     _finish_tokenizer(config, tokenizer)
     return tokenizer
+
+
+def _attention_heads(model) -> int:
+    """The model's query heads (its config's ``num_attention_heads``; 1 where it has none)."""
+    return getattr(getattr(model, "args", None), "num_attention_heads", None) or 1
 
 
 def kv_bytes_per_token(model) -> int:
@@ -328,11 +334,13 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             coming_prefill,
         ),
         prefill_group=None
-        if serial or config.prefill_group_tokens == 0
+        if serial
         else functools.partial(
             size_prefill_group,
             base=config.prompt_concurrency,
-            token_budget=config.prefill_group_tokens,
+            token_budget=config.prefill_group_tokens or None,
+            score_budget=prefill_score_budget(mx, _attention_heads(handle.model)),
+            full_chunk=config.prefill_step_size,
         ),
     )
 
