@@ -61,18 +61,19 @@ def _depth(sequence: Sequence[Any]) -> int:
     return int(cached) + sum(len(s) for s in sequence[1])
 
 
-def group_scores(rows: int, depth: int, step_size: int) -> int:
+def group_scores(rows: int, queries: int, keys: int) -> int:
     """One attention head's scores in a prompt group's deepest prefill step: every row
-    (padded to the deepest) with a chunk of queries against all the keys. Where the
-    attention is not fused (MLX's fallback under mlx-lm's array mask, which a group of
-    more than one prompt gets), they are in memory at once, several times over."""
-    return rows * min(depth, step_size) * depth
+    (padded to the longest chunk and to the deepest row) with ``queries`` queries
+    against ``keys`` keys. Where the attention is not fused (MLX's fallback under
+    mlx-lm's array mask, which a group of more than one prompt gets), they are in
+    memory at once, several times over."""
+    return rows * queries * keys
 
 
-def _fits(rows: int, depth: int, step_size: int, score_budget: int | None) -> bool:
-    """Whether a group of ``rows`` prompts as deep as ``depth`` keeps within the budget;
-    a lone prompt always does (its attention runs fused, under the causal mask)."""
-    return score_budget is None or rows <= 1 or group_scores(rows, depth, step_size) <= score_budget
+def _fits(rows: int, queries: int, keys: int, score_budget: int | None) -> bool:
+    """Whether a group of ``rows`` prompts keeps within the budget; a lone prompt always
+    does (its attention runs under the causal mask, fused or in bounded blocks)."""
+    return score_budget is None or rows <= 1 or group_scores(rows, queries, keys) <= score_budget
 
 
 def size_prefill_group(
@@ -92,10 +93,11 @@ def size_prefill_group(
     their prefill in no more steps than it needs itself (it would be padded to
     their depth). ``token_budget`` None: mlx-lm's groups of ``base`` exactly, with
     neither rule. And never a group whose deepest step's attention scores
-    (``group_scores``, per head, in chunks of ``full_chunk``: a paced chunk is
-    smaller, but the group may outlive the pacing) pass ``score_budget``: a wave of
-    long prompts is prefilled a few at a time rather than run the device out of
-    memory. Returns how many join."""
+    (``group_scores``, per head: its longest prompt to prefill, up to a chunk of
+    ``full_chunk`` queries, against its deepest row's keys; a paced chunk is smaller,
+    but the group may outlive the pacing) pass ``score_budget``: a wave of long
+    prompts is prefilled a few at a time rather than run the device out of memory.
+    Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
     prefilling = [m for m in members if not _is_done(m)]
@@ -109,13 +111,16 @@ def size_prefill_group(
     # joins only members with more prefill steps left than it has itself; otherwise
     # it waits for them to finish, and starts a group of its own.
     members_left = max((_prefill_steps(m[0], step_size) for m in prefilling), default=0)
+    chunk = full_chunk or step_size
     depth = max((m[2] for m in prefilling), default=0)
+    queries = max((sum(len(s) for s in m[0]) for m in prefilling), default=0)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
         depth = max(depth, _depth(sequence))
-        if not _fits(len(prefilling) + joining + 1, depth, full_chunk or step_size, score_budget):
+        queries = max(queries, sum(len(s) for s in sequence[1]))
+        if not _fits(len(prefilling) + joining + 1, min(queries, chunk), depth, score_budget):
             break
         if token_budget is not None:
             tokens = _first_chunk(sequence[1], step_size)

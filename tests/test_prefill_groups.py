@@ -140,14 +140,14 @@ def test_a_short_prompt_joins_deep_members_in_their_last_chunk(model):
 def test_a_group_keeps_its_deepest_attention_scores_within_the_budget(model):
     gen = generator(model, base=8, step=64)
     uids = gen.insert(prompts(5, 200))  # 200 keys deep at the end: 64 x 200 scores a row
-    budget = group_scores(2, 200, 64)
+    budget = group_scores(2, 64, 200)
     assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=budget) == 2
     prompt_responses, _ = gen.next()
     assert prefilled_uids(prompt_responses) == set(uids[:2])
     # A budget for three (the pacer's smaller chunk does not count: the group may
     # outlive the pacing, so the bound assumes full chunks).
     gen = generator(model, base=8, step=16)
-    budget = group_scores(3, 200, 64)
+    budget = group_scores(3, 64, 200)
     gen.insert(prompts(5, 200))
     assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=budget,
                               full_chunk=64) == 3
@@ -173,11 +173,27 @@ def test_a_cached_prefix_counts_in_a_prompt_s_depth(model):
     gen = generator(model, base=8, step=64)
     gen.insert(prompts(2, 50), caches=[cached, None])  # 350 keys deep, and 50
     assert size_prefill_group(gen, base=8, token_budget=4096,
-                              score_budget=group_scores(2, 349, 64)) == 1
+                              score_budget=group_scores(2, 50, 349)) == 1
     gen = generator(model, base=8, step=64)
     gen.insert(prompts(2, 50), caches=[make_prompt_cache(model), None])
     assert size_prefill_group(gen, base=8, token_budget=4096,
-                              score_budget=group_scores(2, 50, 64)) == 2
+                              score_budget=group_scores(2, 50, 50)) == 2
+
+
+def test_short_prompts_after_a_deep_prefix_count_only_their_own_queries(model):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = []
+    for _ in range(3):
+        cached = make_prompt_cache(model)
+        model(mx.array([prompts(1, 300)[0]]), cache=cached)
+        mx.eval([c.state for c in cached])
+        caches.append(cached)
+    gen = generator(model, base=8, step=64)
+    gen.insert(prompts(3, 20), caches=caches)  # 20 queries each, 320 keys deep
+    assert size_prefill_group(gen, base=8, token_budget=4096,
+                              score_budget=group_scores(3, 20, 320)) == 3
 
 
 def test_without_a_token_budget_groups_are_the_base_and_still_bounded(model):
@@ -189,7 +205,7 @@ def test_without_a_token_budget_groups_are_the_base_and_still_bounded(model):
     gen = generator(model, base=2)
     gen.insert(prompts(6, 10))
     assert size_prefill_group(gen, base=3, token_budget=None,
-                              score_budget=group_scores(2, 10, 2048)) == 2
+                              score_budget=group_scores(2, 10, 10)) == 2
 
 
 def test_the_score_budget_is_a_share_of_the_device_s_memory():
@@ -204,8 +220,8 @@ def test_the_score_budget_is_a_share_of_the_device_s_memory():
     budget = prefill_score_budget(Device({"memory_size": memory}), heads=16)
     assert budget == int(memory * PREFILL_SCORES_SHARE) // (4 * 16)
     # An H200 and a 0.6B-shaped model: two 32k-token prompts a group, four at 16k.
-    assert group_scores(2, 32768, 2048) <= budget < group_scores(3, 32768, 2048)
-    assert group_scores(4, 16384, 2048) <= budget < group_scores(5, 16384, 2048)
+    assert group_scores(2, 2048, 32768) <= budget < group_scores(3, 2048, 32768)
+    assert group_scores(4, 2048, 16384) <= budget < group_scores(5, 2048, 16384)
     assert prefill_score_budget(Device({}), heads=16) is None  # MLX's CPU backend
 
 
