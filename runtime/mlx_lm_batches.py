@@ -340,6 +340,11 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "BatchGenerator._next takes prefill_batch_size - len(_prompt_batch) waiting "
         "sequences before it splits the done members off _currently_processing",
     )
+    # runtime.mlx_lm_prefill: a waiting sequence's segments and caches (its depth).
+    expect(
+        "pending.append((uid, seq, m, c," in _source(BatchGenerator.insert_segments),
+        "BatchGenerator.insert_segments queues (uid, segments, max_tokens, caches, ...) entries",
+    )
     # runtime.mixed_step: the generation batch's next decode runs in the prompt chunk's
     # pass, which follows every change to the generation batch within a step.
     expect(

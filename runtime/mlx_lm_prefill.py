@@ -26,8 +26,9 @@ from typing import Any, NamedTuple
 from mlx_lm.generate import BatchGenerator
 
 # mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
-# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, ...)``) into
-# the prompt batch each step, *before* it splits off the members whose prompt is
+# sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, max_tokens,
+# caches, ...)``) into the prompt batch each step, *before* it splits off the members
+# whose prompt is
 # done (``_currently_processing`` entries ``[segments, done, total]``; a member is
 # done when one segment of one token is left, which ``generate`` takes). So a
 # group of short prompts blocks the next group for a step after its prefill, and
