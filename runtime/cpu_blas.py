@@ -37,6 +37,7 @@ CPU_BLAS_MODES = ("openblas", "reference")
 RENAMED_SYMBOLS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # MLX's BLAS imports
 OPENBLAS_PREFIX = "scipy_"  # scipy-openblas32's prefix on every exported symbol
 PATCHELF_SECONDS = 60
+PRELOAD_SEPARATORS = (" ", ":", "\t", "\n")  # where the dynamic linker splits LD_PRELOAD
 
 
 def reference_blas_in_use() -> bool:
@@ -77,9 +78,10 @@ def _patchelf() -> str | None:
 def openblas_for_mlx(folder: Path | None = None) -> Path | None:
     """The OpenBLAS copy that serves MLX's imports, made on first use; None if it cannot be.
 
-    The copy is named by the OpenBLAS version, so an upgrade makes a new one;
-    it is written to a temporary name and renamed into place, so processes
-    that start together never load a half-written file.
+    The copy is named by the OpenBLAS version, so an upgrade makes a new one
+    (and removes the older copies); it is written to a temporary name and
+    renamed into place, so processes that start together never load a
+    half-written file.
     """
     found = _openblas_library()
     if found is None:
@@ -103,6 +105,9 @@ def openblas_for_mlx(folder: Path | None = None) -> Path | None:
             check=True, capture_output=True, timeout=PATCHELF_SECONDS,
         )
         os.replace(partial, target)
+        for older in folder.glob("libopenblas-for-mlx-*.so"):
+            if older != target:  # a process still using it keeps its mapping
+                older.unlink(missing_ok=True)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not prepare OpenBLAS for MLX (%s); the reference BLAS stays", exc)
         return None
@@ -125,11 +130,21 @@ def fast_blas(mode: str) -> Path | None:
 
 
 def child_environment(mode: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` for an engine process: with ``LD_PRELOAD`` naming the OpenBLAS copy."""
+    """``environ`` for an engine process: with ``LD_PRELOAD`` naming the OpenBLAS copy.
+
+    The dynamic linker splits ``LD_PRELOAD`` at spaces and colons, so a copy whose
+    path has one cannot be named there: the engine keeps the reference BLAS, and
+    the log says how to move the cache folder."""
     env = dict(environ)
     library = fast_blas(mode)
-    if library is not None:
-        env["LD_PRELOAD"] = " ".join(filter(None, [str(library), env.get("LD_PRELOAD")]))
+    if library is None:
+        return env
+    if any(separator in str(library) for separator in PRELOAD_SEPARATORS):
+        log.warning("OpenBLAS for MLX is at %s, a path LD_PRELOAD cannot name (a space or a "
+                    "colon); the engine keeps the reference BLAS. Set XDG_CACHE_HOME to a "
+                    "folder without them to use OpenBLAS", library)
+        return env
+    env["LD_PRELOAD"] = " ".join(filter(None, [str(library), env.get("LD_PRELOAD")]))
     return env
 
 

