@@ -416,6 +416,15 @@ CACHE_SHARE = 1 / 16
 MIN_CACHE_BYTES = 2 << 30
 
 
+def device_memory(mx) -> int:
+    """The bytes of memory MLX reports for its device; 0 where it reports none (its CPU
+    backend)."""
+    try:
+        return int(mx.device_info().get("memory_size", 0))
+    except Exception:
+        return 0
+
+
 # A prompt group's prefill attention (``runtime.mlx_lm_prefill.size_prefill_group``):
 # one layer's float32 scores in the group's deepest step stay within this share of the
 # device's memory. A group of more than one prompt attends under mlx-lm's array mask,
@@ -430,10 +439,7 @@ def prefill_score_budget(mx, heads: int) -> int | None:
     """Score elements per attention head that a prompt group's deepest prefill step may
     hold (``PREFILL_SCORES_SHARE`` of the device's memory); None where MLX does not
     report the memory (its CPU backend), which leaves groups unbounded."""
-    try:
-        memory = int(mx.device_info().get("memory_size", 0))
-    except Exception:
-        memory = 0
+    memory = device_memory(mx)
     if not memory:
         return None
     return int(memory * PREFILL_SCORES_SHARE) // (SCORE_BYTES * max(1, heads))
@@ -442,10 +448,7 @@ def prefill_score_budget(mx, heads: int) -> int | None:
 def bound_buffer_cache(mx) -> int | None:
     """Lower MLX's free-buffer cache limit to ``CACHE_SHARE`` of the device's memory
     (never raise it); the limit set, or None where the memory size is unknown."""
-    try:
-        memory = int(mx.device_info().get("memory_size", 0))
-    except Exception:
-        memory = 0
+    memory = device_memory(mx)
     if not memory:
         return None
     limit = max(MIN_CACHE_BYTES, int(memory * CACHE_SHARE))

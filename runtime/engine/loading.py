@@ -42,6 +42,7 @@ from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import (
     bound_buffer_cache,
     default_prefill_step_size,
+    device_memory,
     install_prefill_attention,
     prefill_score_budget,
     server_defaults,
@@ -187,7 +188,7 @@ def kv_bytes_per_token(model) -> int:
 
     args = getattr(model, "args", None)
     layers = getattr(args, "num_hidden_layers", None) or len(getattr(model, "layers", []))
-    heads = getattr(args, "num_attention_heads", None) or 1
+    heads = _attention_heads(model)
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     hidden = getattr(args, "hidden_size", None) or 0
     head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
@@ -209,10 +210,7 @@ def default_kv_budget() -> int:
 
     import mlx.core as mx
 
-    try:
-        memory = int(mx.device_info().get("memory_size", 0))
-    except Exception:
-        memory = 0
+    memory = device_memory(mx)
     if not memory:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return memory // 2
