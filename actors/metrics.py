@@ -313,6 +313,17 @@ class RuntimeCollector(Collector):
             "Milliseconds those aborts waited in the engine's inbox",
             s.abort_wait_ms_total,
         )
+        yield counter(
+            "prompt_cache_aborted_prefills",
+            "Prompts aborted while prefilled whose part computed so far went to the prompt "
+            "cache (--aborted-prefill-min-tokens)",
+            s.aborted_prefills_kept,
+        )
+        yield counter(
+            "prompt_cache_aborted_prefill_tokens",
+            "Prompt tokens those aborted prefills had computed, kept for a retry",
+            s.aborted_prefill_tokens_kept,
+        )
         yield gauge("engine_abort_wait_ms_max", "The longest abort wait (ms)", s.abort_wait_ms_max)
         yield gauge(
             "engine_abort_wait_steps_max",

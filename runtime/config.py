@@ -257,6 +257,21 @@ class ServerConfig(TuningSettings):
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=PROMPT_CACHE,
     )
+    aborted_prefill_min_tokens: int = setting(
+        256,
+        help="a request cancelled while its prompt is prefilled (its client left or timed "
+        "out) leaves the part computed so far in the prompt cache when that part is at "
+        "least this many tokens, so that the same request sent again resumes from it "
+        "(0: an aborted prefill is dropped)",
+        minimum=0,
+        ours=True,
+        notes="Coding agents time out and retry: a first request of 20k-30k tokens can take "
+        "minutes to prefill on a laptop, and without this every retry starts from the last "
+        "segment the prompt cache holds. The kept part is an ordinary prompt-cache entry, "
+        "counted and evicted like the others. Requests that waited behind the aborted one's "
+        "prefix (`--shared-prefill-min-tokens`) start from it too.",
+        group=PROMPT_CACHE,
+    )
     prompt_cache_scope: str = setting(
         "key",
         help="`key`: with API keys set, a request reuses only prompt-cache entries made with "

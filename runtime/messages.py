@@ -311,6 +311,9 @@ class EngineStats:
     abort_wait_ms_total: float = 0.0
     abort_wait_ms_max: float = 0.0
     abort_wait_steps_max: int = 0
+    # Aborted prompts whose part computed so far went to the prompt cache, and its tokens
+    aborted_prefills_kept: int = 0
+    aborted_prefill_tokens_kept: int = 0
     # Tokens: of the prompts admitted (cached ones included), and generated.
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)

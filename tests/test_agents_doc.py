@@ -70,7 +70,8 @@ def test_every_flag_the_page_names_is_a_server_flag_or_an_agents_own():
     assert not unknown, f"docs/agents.md names flags the server does not have: {sorted(unknown)}"
     # The settings the page is about are the server's own.
     for flag in ("--max-tokens", "--max-model-len", "--prompt-cache-size", "--prompt-cache-bytes",
-                 "--shared-prefill-min-tokens", "--decode-stall-factor", "--request-timeout"):
+                 "--shared-prefill-min-tokens", "--aborted-prefill-min-tokens", "--decode-stall-factor",
+                 "--request-timeout"):
         assert flag in mentioned and flag in server_flags(), flag
 
 

@@ -207,6 +207,7 @@ TEXT_VALUES = {
     "chunk_pass": "separate",
     "admission_window_ms": "5", "burst_wait_ms": "4", "prompt_cache_min_reuse": "0",
     "shared_prefill_min_tokens": "64", "decode_stall_factor": "3", "prompt_cache_scope": "shared",
+    "aborted_prefill_min_tokens": "0",
     "stream_interval_ms": "40",
     "api_key": "key-1, key-2", "api_key_file": "/etc/mlx-trio/keys",
     "allowed_models": "org/model,/models/m", "models_dir": "/models",

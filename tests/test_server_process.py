@@ -7,6 +7,7 @@ and bursts). Sync tests: the server runs in its own process.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -228,12 +229,26 @@ def test_disconnect_during_a_long_prefill_stops_it(small_prefill_server):
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(request)
         received = b""
-        while b": keepalive" not in received:
+        while not (done := _prefilled(received)) or done < 320:
             chunk = sock.recv(65536)
             assert chunk
             received += chunk
         assert b"data: {" not in received, "still prefilling when we leave"
     _wait_idle(base)
+    # The part computed before the client left is in the prompt cache
+    # (--aborted-prefill-min-tokens 256): the same request sent again resumes from it.
+    retry = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 2})
+    assert retry.status_code == 200
+    assert retry.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= done
+    metrics = httpx.get(f"{base}/metrics", timeout=5).text
+    assert "mlx_trio_prompt_cache_aborted_prefills_total 1.0" in metrics
+
+
+def _prefilled(received: bytes) -> int:
+    """The last ``: keepalive DONE/TOTAL`` progress in a stream so far (0: none)."""
+    notes = re.findall(rb": keepalive (\d+)/\d+", received)
+    return int(notes[-1]) if notes else 0
 
 
 def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):

@@ -230,15 +230,16 @@ def arrivals(draw):
             draw(st.lists(st.integers(1, FAKE_VOCAB - 1), min_size=0, max_size=3))
         )
         arrive = draw(st.integers(0, 6))
-        abort = draw(st.none() | st.integers(0, 10))
+        # arrive + 1: often between its system prompt's step and the rest's.
+        abort = draw(st.none() | st.integers(0, 10) | st.just(arrive + 1))
         events.append((i + 1, system, tail, arrive, abort))
-    return events, draw(st.integers(1, 4)), draw(st.integers(1, 8))
+    return events, draw(st.integers(1, 4)), draw(st.integers(1, 8)), draw(st.sampled_from([0, 1, 8]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(example=arrivals())
 def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(example):
-    events, batch, min_tokens = example
+    events, batch, min_tokens, aborted_min_tokens = example
     factory = FakeBatchGeneratorFactory(
         vocab=FAKE_VOCAB, eos_ids={0}, completion_batch_size=batch, per_segment=True
     )
@@ -249,6 +250,7 @@ def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(examp
         batch_generator_factory=factory,
         prompt_cache=PrefixServingCache(),
         shared_prefill_min_tokens=min_tokens,
+        aborted_prefill_min_tokens=aborted_min_tokens,
     )
     submits = {rid: sub(rid, system, tail, max_tokens=3) for rid, system, tail, _, _ in events}
     ends: dict[int, list[str]] = {rid: [] for rid in submits}
@@ -273,6 +275,13 @@ def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(examp
         if step > 10 and not core.has_work:
             break
     assert not core.has_work
+    if core.stats().aborted_prefills_kept:
+        event("an aborted prefill was kept")
+    # Every entry, kept from an aborted prefill or stored whole, is some prompt's prefix
+    # (or a finished sequence's prompt and reply).
+    everything = [s.prompt + tuple(tokens[rid]) for rid, s in submits.items()]
+    for _, entry in core.prompt_cache.entries:
+        assert any(whole[: len(entry)] == entry for whole in everything), entry
     for rid, how in ends.items():
         assert len(how) == 1, (rid, how)
         assert how != ["failed"]

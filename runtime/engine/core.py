@@ -96,6 +96,7 @@ class EngineCore:
         prefill_group: Callable[[Any], Any] | None = None,
         burst_wait: float = 0.0,
         shared_prefill_min_tokens: int = 0,
+        aborted_prefill_min_tokens: int = 0,
         paced_steps: Any = None,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
@@ -123,7 +124,10 @@ class EngineCore:
         sizes its chunk while sequences decode and times each ``next()``.
         ``shared_prefill_min_tokens`` (0: off): a request that repeats that many
         uncached tokens of a prompt being prefilled waits for that prefix's
-        prompt-cache copy (``runtime.engine.shared_prefill``)."""
+        prompt-cache copy (``runtime.engine.shared_prefill``).
+        ``aborted_prefill_min_tokens`` (0: off): a sequence aborted while its prompt
+        is prefilled, with at least that many of its uncached tokens computed,
+        leaves them in the prompt cache (``_keep_aborted_prefill``)."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -153,6 +157,7 @@ class EngineCore:
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
+        self._aborted_prefill_min_tokens = aborted_prefill_min_tokens
         self._by_uid: dict[int, SequenceRecord] = {}
         self._by_request: dict[int, SequenceRecord] = {}
         self._started: list[SequenceStarted] = []
@@ -297,12 +302,37 @@ class EngineCore:
         seq = self._by_request.get(request_id)
         if seq is None:
             return False  # already finished: its terminal event has been emitted
+        self._keep_aborted_prefill(seq)  # before its followers look the prompt cache up
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
         waiting = self._clones.take(request_id)
         self._aborted.extend(SequenceAborted(request_id=c.request_id) for c in waiting)
         return True
+
+    def _keep_aborted_prefill(self, seq: SequenceRecord) -> None:
+        """Store the KV an aborted sequence's prompt has computed so far, when it is still
+        being prefilled and has computed at least ``aborted_prefill_min_tokens`` tokens the
+        prompt cache did not hold. A client that timed out during a long prefill and
+        sends the same request again (agents retry) resumes from there, and so do the
+        requests that waited behind this one's prefix (``_forget`` releases them)."""
+        done, total = seq.prompt_progress
+        floor = self._aborted_prefill_min_tokens
+        if not floor or not seq.save_final or not floor <= done < total:
+            return
+        extracted = self._batch.extract_cache([seq.uid]).get(seq.uid)
+        if extracted is None:  # a generator that cannot hand it over (one at a time)
+            return
+        cache, tokens = extracted
+        self.cache_entries.insert(
+            seq.cache_key,
+            list(tokens),
+            cache,
+            # The type of the segment it was in (segment_types is reversed).
+            cache_type=seq.segment_types[-1] if seq.segment_types else "user",
+            request_id=seq.request_id,
+        )
+        self.counters.kept_aborted_prefill(done)
 
     def _forget(self, seq: SequenceRecord) -> None:
         del self._by_uid[seq.uid]
@@ -374,7 +404,7 @@ class EngineCore:
             seq = self._by_uid.get(r.uid)
             if seq is None:
                 continue
-            done, total = r.progress
+            done, total = seq.prompt_progress = r.progress
             progress.append(PromptProgress(request_id=seq.request_id, done=done, total=total))
             shared.progressed(seq.request_id, done)
             if r.end_of_segment and not r.end_of_prompt and seq.segment_types:

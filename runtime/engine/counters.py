@@ -33,6 +33,8 @@ class EngineCounters:
     abort_wait_ms_total: float = 0.0  # from Abort.posted_at to its removal
     abort_wait_ms_max: float = 0.0
     abort_wait_steps_max: int = 0  # steps finished while an abort waited
+    aborted_prefills_kept: int = 0  # aborted prompts whose computed part was cached
+    aborted_prefill_tokens_kept: int = 0  # the tokens they had computed
     recent_step_ends: collections.deque[float] = attrs.field(
         factory=lambda: collections.deque(maxlen=RECENT_STEPS)
     )
@@ -86,6 +88,11 @@ class EngineCounters:
         self.abort_wait_ms_max = max(self.abort_wait_ms_max, wait_ms)
         self.abort_wait_steps_max = max(self.abort_wait_steps_max, steps)
 
+    def kept_aborted_prefill(self, tokens: int) -> None:
+        """An aborted prompt's ``tokens`` computed so far went to the prompt cache."""
+        self.aborted_prefills_kept += 1
+        self.aborted_prefill_tokens_kept += tokens
+
     def stats(
         self, *, active_sequences: int, prompt_cache_entries: int, prompt_cache_bytes: int
     ) -> EngineStats:
@@ -103,6 +110,8 @@ class EngineCounters:
             abort_wait_ms_total=self.abort_wait_ms_total,
             abort_wait_ms_max=self.abort_wait_ms_max,
             abort_wait_steps_max=self.abort_wait_steps_max,
+            aborted_prefills_kept=self.aborted_prefills_kept,
+            aborted_prefill_tokens_kept=self.aborted_prefill_tokens_kept,
             prompt_tokens=self.prompt_tokens,
             prompt_tokens_computed=self.prompt_tokens_computed,
             generated_tokens=self.generated_tokens,

@@ -324,6 +324,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         admission_tokens=0 if serial else config.prefill_group_tokens,
         admission_limit=config.decode_concurrency,
         shared_prefill_min_tokens=0 if serial else config.shared_prefill_min_tokens,
+        aborted_prefill_min_tokens=config.aborted_prefill_min_tokens,
         paced_steps=None
         if serial or config.decode_stall_factor == 0
         else PacedSteps(

@@ -36,6 +36,8 @@ class SequenceRecord:
     segment_types: list[str]  # reversed: pop() gives the next segment's type
     save_final: bool = True  # its cache goes to the prompt cache when it finishes
     cache_key: Any = None  # its prompt-cache partition (the model's key, with a scope)
+    # Its prompt's progress: (done, total) tokens of the part its cache did not hold.
+    prompt_progress: tuple[int, int] = (0, 0)
     # Read for every token: computed once.
     wants_logprobs: bool = attrs.field(init=False)
 
