@@ -313,6 +313,19 @@ class RuntimeCollector(Collector):
             "Milliseconds those aborts waited in the engine's inbox",
             s.abort_wait_ms_total,
         )
+        yield gauge("prompt_cache_disk_entries", "Prompt-cache entries on disk (--prompt-cache-dir)",
+                    s.prompt_cache_disk_entries)
+        yield gauge("prompt_cache_disk_bytes", "Bytes of the prompt-cache entries on disk",
+                    s.prompt_cache_disk_bytes)
+        yield counter("prompt_cache_disk_writes",
+                      "Prompt-cache entries written to disk (system prompts, evicted entries)",
+                      s.prompt_cache_disk_writes)
+        yield counter("prompt_cache_disk_reads",
+                      "Prompt-cache entries read back from disk for a request",
+                      s.prompt_cache_disk_reads)
+        yield counter("prompt_cache_disk_read_tokens",
+                      "Prompt tokens of the entries read back from disk",
+                      s.prompt_cache_disk_read_tokens)
         yield counter(
             "prompt_cache_aborted_prefills",
             "Prompts aborted while prefilled whose part computed so far went to the prompt "

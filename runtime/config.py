@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from runtime.distributed import BACKENDS
+from runtime.prompt_cache_settings import PromptCacheSettings
 from runtime.settings import (
     BATCHING,
     DISTRIBUTED,
@@ -28,7 +29,6 @@ from runtime.settings import (
     EMBEDDINGS,
     LIMITS,
     MODEL,
-    PROMPT_CACHE,
     SAMPLING,
     SECURITY,
     SERVER,
@@ -40,7 +40,6 @@ from runtime.settings import (
     setting,
 )
 from runtime.settings import ConfigError as ConfigError  # raised by config_from_*
-from runtime.tuning_settings import TuningSettings
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENGINE_MODES = ("process", "thread")
@@ -49,9 +48,11 @@ ENGINE_MODES = ("process", "thread")
 # This module has no ``from __future__ import annotations``: ``complete_settings``
 # reads the fields' types (to pick their text format), so they must be real types.
 @attrs.frozen(kw_only=True, field_transformer=complete_settings)
-class ServerConfig(TuningSettings):
-    """Every setting of the server, one field each; the Advanced tuning ones are
-    declared in ``runtime.tuning_settings`` and inherited (listed last, in their group)."""
+class ServerConfig(PromptCacheSettings):
+    """Every setting of the server, one field each; the prompt cache's and the Advanced
+    tuning ones are declared in ``runtime.prompt_cache_settings`` and
+    ``runtime.tuning_settings`` and inherited (``PromptCacheSettings`` extends
+    ``TuningSettings``), each listed in its group."""
 
     model: str | None = setting(
         None,
@@ -212,75 +213,6 @@ class ServerConfig(TuningSettings):
         "chunk's attention needs more memory than the machine has: its scores grow with the "
         "chunk times the prompt's length.",
         group=BATCHING,
-    )
-    prompt_cache_size: int = setting(
-        10,
-        help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
-        notes="0 keeps none (every response says `miss; reason=disabled`).",
-        group=PROMPT_CACHE,
-    )
-    prompt_cache_bytes: int | None = setting(
-        None,
-        help="byte limit of the prompt cache, a size such as 512M or 4GB (none: no limit)",
-        format=SIZE.or_none(),
-        notes="When set, the limit is shared with the running sequences: after each admission "
-        "the cache is trimmed to this value minus the bytes of the batch's KV caches. The "
-        "prompt-cache policy decides the evictions (after each stored entry and each admission, "
-        "in mlx-lm's order) and the engine applies them between steps; in a distributed "
-        "launch every rank evicts what rank 0's byte counts decide.",
-        group=PROMPT_CACHE,
-    )
-    prompt_cache_min_reuse: int = setting(
-        64,
-        help="reuse a cached prompt prefix only if it covers at least this many tokens "
-        "(a chat template's few opening tokens are not worth copying an entry for; 0: any)",
-        minimum=0,
-        ours=True,
-        notes="0 reuses any, as mlx_lm.server does. A chat template's opening tokens are "
-        "shared by almost every prompt, and reusing them copies a whole cache entry to skip "
-        "a few tokens of prefill; real shared prefixes (a system prompt, earlier turns) are "
-        "longer.",
-        group=PROMPT_CACHE,
-    )
-    shared_prefill_min_tokens: int = setting(
-        256,
-        help="a request that repeats at least this many tokens of a prompt being prefilled, "
-        "not in the prompt cache yet, waits until that prefix is cached and starts from it "
-        "instead of computing it again (0: every request computes its own)",
-        minimum=0,
-        ours=True,
-        notes="For sessions that start together over one long system prompt (coding agents): "
-        "the prefix is prefilled once, at the end of the system prompt, where the prompt "
-        "cache stores a copy; the others then prefill only what follows it. A waiting "
-        "request's stream gets keep-alive comments with its leader's progress. Lower it to "
-        "share shorter prefixes; 0 turns it off "
-        "([performance.md](performance.md#coding-agents-sessions)).",
-        group=PROMPT_CACHE,
-    )
-    aborted_prefill_min_tokens: int = setting(
-        256,
-        help="a request cancelled while its prompt is prefilled (its client left or timed "
-        "out) leaves the part computed so far in the prompt cache when that part is at "
-        "least this many tokens, so that the same request sent again resumes from it "
-        "(0: an aborted prefill is dropped)",
-        minimum=0,
-        ours=True,
-        notes="Coding agents time out and retry: a first request of 20k-30k tokens can take "
-        "minutes to prefill on a laptop, and without this every retry starts from the last "
-        "segment the prompt cache holds. The kept part is an ordinary prompt-cache entry, "
-        "counted and evicted like the others. Requests that waited behind the aborted one's "
-        "prefix (`--shared-prefill-min-tokens`) start from it too.",
-        group=PROMPT_CACHE,
-    )
-    prompt_cache_scope: str = setting(
-        "key",
-        help="`key`: with API keys set, a request reuses only prompt-cache entries made with "
-        "its own key; `shared`: every request reuses every entry",
-        choices=("key", "shared"),
-        ours=True,
-        notes="A shared cache tells one tenant, by its time to first token, what another "
-        "sent. A request's `cache_salt` scopes it too ([api.md](api.md#prompt-cache)).",
-        group=PROMPT_CACHE,
     )
     max_queued_requests: int = setting(
         256,

@@ -314,6 +314,13 @@ class EngineStats:
     # Aborted prompts whose part computed so far went to the prompt cache, and its tokens
     aborted_prefills_kept: int = 0
     aborted_prefill_tokens_kept: int = 0
+    # The prompt cache's disk tier (--prompt-cache-dir): what it holds, entries written
+    # to it, and entries read back for requests (with their tokens)
+    prompt_cache_disk_entries: int = 0
+    prompt_cache_disk_bytes: int = 0
+    prompt_cache_disk_writes: int = 0
+    prompt_cache_disk_reads: int = 0
+    prompt_cache_disk_read_tokens: int = 0
     # Tokens: of the prompts admitted (cached ones included), and generated.
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)

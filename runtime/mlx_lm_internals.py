@@ -95,6 +95,16 @@ def prompt_cache_has_entry(cache: Any, model: Any, tokens: Sequence[int]) -> boo
     return node is not None and "__value__" in node
 
 
+def prompt_cache_entry_layers(cache: Any, model: Any, tokens: Sequence[int]) -> list | None:
+    """The stored layers of the entry for exactly ``tokens`` (no copy), or None.
+
+    Relies on the ``"__value__"`` of the entry's node being mlx-lm's
+    ``LRUPromptCache.CacheEntry`` (its ``prompt_cache``)."""
+    node = _trie_node(cache, model, tokens)
+    entry = None if node is None else node.get("__value__")
+    return getattr(entry, "prompt_cache", None)
+
+
 def remove_prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> int | None:
     """Remove the entry for exactly ``tokens`` from an ``LRUPromptCache``; its bytes, or
     None if there was none.

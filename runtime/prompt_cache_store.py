@@ -65,6 +65,7 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache
 
 from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
 from runtime.mlx_lm_internals import (
+    prompt_cache_entry_layers,
     prompt_cache_has_entry,
     remove_prompt_cache_entry,
     shared_prefix_length,
@@ -202,6 +203,10 @@ class PromptCacheStore(LRUPromptCache):
     def has_entry(self, model: Any, tokens: list[int]) -> bool:
         return prompt_cache_has_entry(self, model, tokens)
 
+    def entry_layers(self, model: Any, tokens: list[int]) -> list | None:
+        """The stored layers of the entry for exactly ``tokens`` (not copies), or None."""
+        return prompt_cache_entry_layers(self, model, tokens)
+
     def remove_entry(self, model: Any, tokens: list[int]) -> int | None:
         """Drop the entry for exactly ``tokens``; its bytes, or None if there was none."""
         return remove_prompt_cache_entry(self, model, tokens)
@@ -276,6 +281,9 @@ class CacheEntries:
         self._queued: list[tuple] = []  # inserts since the last lookup, eviction or step end
         self._events: list[CacheEvent] = []
         self._unowned: list = []  # arrays of entries stored since the last ``settle``
+        # The disk tier (``runtime.engine.disk_tier.DiskTier``): told of entries stored
+        # and evicted (None: memory only).
+        self.disk: Any = None
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -363,6 +371,8 @@ class CacheEntries:
         if not doomed:
             stored = self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
             self._unowned.extend(cache_arrays(stored if stored is not None else cache))
+            if self.disk is not None:
+                self.disk.kept(model, key, stored if stored is not None else cache, cache_type)
         if trimmable:  # mlx-lm drops the entries such a cache covers (its strict prefixes)
             for other, entry_id in list(by_tokens.items()):
                 n = len(other)
@@ -404,6 +414,10 @@ class CacheEntries:
             passed_over = entry_id in self._passed_over
             self._forget(entry_id)
             if not passed_over:
+                if self.disk is not None:
+                    layers = self.store.entry_layers(key[0], list(key[1]))
+                    if layers is not None:
+                        self.disk.evicting(key[0], key[1], layers)
                 freed += self.store.remove_entry(key[0], list(key[1])) or 0
         return freed
 

@@ -287,6 +287,34 @@ def test_disconnect_storm_leaves_the_engine_idle(small_prefill_server):
     assert time.monotonic() - started < 5
 
 
+def test_a_system_prompt_outlives_a_restart_with_a_prompt_cache_dir(tiny_model_path, tmp_path):
+    env = {"MLX_TRIO_MODEL": tiny_model_path, "MLX_TRIO_PROMPT_CACHE_DIR": str(tmp_path / "kv")}
+    system = {"role": "system", "content": " ".join(f"rule{i}" for i in range(200))}
+
+    def ask(base, question):
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "messages": [system, {"role": "user", "content": question}], "max_tokens": 2})
+        assert r.status_code == 200
+        return r.json()["usage"]
+
+    proc, base = spawn_server(hypercorn_args, env)
+    try:
+        first = ask(base, "first question")
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        stop_server(proc)
+    assert list((tmp_path / "kv").glob("*.json")), "the system prompt's entry on disk"
+    proc, base = spawn_server(hypercorn_args, env)
+    try:
+        usage = ask(base, "a question after the restart")
+        # The system prompt (most of the first prompt) came back from disk.
+        assert usage["prompt_tokens_details"]["cached_tokens"] > 0.9 * first["prompt_tokens"]
+        metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        assert "mlx_trio_prompt_cache_disk_reads_total 1.0" in metrics
+    finally:
+        stop_server(proc)
+
+
 def test_huge_body_is_a_413(server):
     body = b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}'
     r = httpx.post(f"{server}/v1/completions", content=body,

@@ -9,10 +9,11 @@ It owns, for one loaded model: the batch generator (mlx-lm's
 ``BatchGenerator``, or ``runtime.engine.serial.SerialGenerator`` for requests
 that cannot share a batch: one interface, one path), a ``SequenceRecord`` per
 sequence in it (``runtime.engine.sequences``), the prompt cache's arrays
-(``runtime.prompt_cache_store.CacheEntries``: a lookup at admission, inserts
-at segment ends and at finish, reported as ``cache_events``; the
-prompt-cache policy's ``EvictCache`` removes entries between steps), the requests
-it holds outside the batch (admission window, choices, shared prefills), and
+(``runtime.engine.cache_handoffs``: a lookup at admission, inserts at segment
+ends, at finish and for a prefill aborted mid-way, reported as
+``cache_events``, and the disk tier; the prompt-cache policy's ``EvictCache``
+removes entries between steps), the requests it holds outside the batch
+(admission window, choices, shared prefills, reads from disk), and
 the counters of ``EngineStats`` (``runtime.engine.counters``). How a sequence
 samples and is inserted (its rows' registrations with the batch sampler) is
 ``runtime.engine.inserts``'s.
@@ -34,6 +35,7 @@ from typing import Any
 import attrs
 
 from runtime.engine.admission import AdmissionWindow
+from runtime.engine.cache_handoffs import CacheHandoffs
 from runtime.engine.choices import (
     PendingChoices,
     abort_waiting,
@@ -42,11 +44,11 @@ from runtime.engine.choices import (
 )
 from runtime.engine.commands import CommandSource, LocalCommands
 from runtime.engine.counters import EngineCounters
+from runtime.engine.disk_tier import POLL_SECONDS as DISK_POLL_SECONDS
 from runtime.engine.failures import FAILED_STEPS_TO_RESTART, EngineBroken, SequenceError
 from runtime.engine.inserts import SequenceInserts
 from runtime.engine.sequences import (
     SequenceRecord,
-    back_off_one_token,
     plain_kv_caches,
     token_event,
     uncached_segments,
@@ -67,7 +69,6 @@ from runtime.messages import (
     Submit,
     TokenEvent,
 )
-from runtime.prompt_cache_store import CacheEntries
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class EngineCore:
         shared_prefill_min_tokens: int = 0,
         aborted_prefill_min_tokens: int = 0,
         paced_steps: Any = None,
+        disk: Any = None,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
 
@@ -125,9 +127,7 @@ class EngineCore:
         ``shared_prefill_min_tokens`` (0: off): a request that repeats that many
         uncached tokens of a prompt being prefilled waits for that prefix's
         prompt-cache copy (``runtime.engine.shared_prefill``).
-        ``aborted_prefill_min_tokens`` (0: off): a sequence aborted while its prompt
-        is prefilled, with at least that many of its uncached tokens computed,
-        leaves them in the prompt cache (``_keep_aborted_prefill``)."""
+        ``aborted_prefill_min_tokens``, ``disk``: ``runtime.engine.cache_handoffs``'s."""
         self.handle = handle
         self.commands = commands or LocalCommands()
         self._new_batch_generator = batch_generator_factory
@@ -135,7 +135,12 @@ class EngineCore:
         self.prompt_cache = prompt_cache
         # Plain KV caches need no save point before a prompt's thinking tail.
         self._plain_kv_caches = plain_kv_caches(handle.model)
-        self.cache_entries = CacheEntries(prompt_cache, prompt_cache_max_entries)
+        self.counters = EngineCounters()
+        self._cache = CacheHandoffs(
+            prompt_cache, prompt_cache_max_entries, handle.info.model_key, self.counters,
+            aborted_prefill_min_tokens=aborted_prefill_min_tokens, disk=disk,
+        )
+        self.cache_entries = self._cache.entries
         self.batch_sampler = batch_sampler
         self._inserts = SequenceInserts(
             sampler_factory=sampler_factory,
@@ -157,13 +162,12 @@ class EngineCore:
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
-        self._aborted_prefill_min_tokens = aborted_prefill_min_tokens
+        self._disk = disk  # requests waiting for an entry read from disk
         self._by_uid: dict[int, SequenceRecord] = {}
         self._by_request: dict[int, SequenceRecord] = {}
         self._started: list[SequenceStarted] = []
         self._aborted: list[SequenceAborted] = []
         self._failed: list[SequenceFailed] = []
-        self.counters = EngineCounters()
         self._failed_steps = 0  # steps in a row that failed their whole batch
 
     # ------------------------------------------------------------ commands
@@ -175,6 +179,8 @@ class EngineCore:
         if held:
             ids += self.admission.request_ids()
             ids += self._shared.request_ids()
+            if self._disk is not None:
+                ids += self._disk.request_ids()
         return ids
 
     @property
@@ -183,12 +189,16 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_request or self.admission or self._shared)
+        return bool(self._by_request or self.admission or self._shared or self._disk)
 
     def hold_timeout(self) -> float | None:
         """How long the engine loop may wait for a command before the admission window
-        needs a step (None: step now)."""
-        return self.admission.timeout(decoding=len(self._by_uid))
+        needs a step (None: step now). While entries are read from disk and nothing is
+        in the batch, at most ``DISK_POLL_SECONDS``."""
+        hold = self.admission.timeout(decoding=len(self._by_uid))
+        if self._disk and not self._by_uid:
+            return DISK_POLL_SECONDS if hold is None else min(hold, DISK_POLL_SECONDS)
+        return hold
 
     def handle_command(self, command: EngineCommand) -> None:
         if isinstance(command, Submit):
@@ -215,8 +225,10 @@ class EngineCore:
             segments, types = without_thinking_tail(sub.segments, sub.segment_types)
             if types is not sub.segment_types:
                 sub = attrs.evolve(sub, segments=segments, segment_types=types)
+        if start is None and not clone and self._cache.waits_for_disk(sub):
+            return  # until its prefix is read from disk
         if start is None and not clone and self._shared.wait_behind(
-            sub, lambda tokens: self._cached_now(sub, tokens)
+            sub, lambda tokens: self._cache.cached_now(sub, tokens)
         ):
             return  # behind a sequence that is prefilling the same prefix
         try:
@@ -233,7 +245,7 @@ class EngineCore:
             top_logprobs=sub.top_logprobs,
             segment_types=[] if clone else segment_types[::-1],
             save_final=not clone,
-            cache_key=self._cache_key(sub),
+            cache_key=self._cache.key(sub),
         )
         self._by_uid[uid] = seq
         self._by_request[sub.request_id] = seq
@@ -259,17 +271,6 @@ class EngineCore:
             for choice in further_choices(sub):
                 self._submit(choice, clone=True)
 
-    def _cache_key(self, sub: Submit):
-        """The prompt cache's key for ``sub``'s entries: the model's, within its scope."""
-        key = self.handle.info.model_key
-        return (key, sub.cache_scope) if sub.cache_scope else key
-
-    def _cached_now(self, sub: Submit, tokens) -> int:
-        """How many leading ``tokens`` the prompt cache could serve ``sub`` now."""
-        self.cache_entries.settle()  # entries queued in this step count
-        shared_prefix = getattr(self.prompt_cache, "shared_prefix", None)
-        return shared_prefix(self._cache_key(sub), list(tokens)) if shared_prefix else 0
-
     def _insert(self, sub: Submit, start: list | None = None) -> tuple[int, int, list[str], int]:
         """Into the generator, after the prompt cache (or from ``start``): (uid, tokens
         cached, segment types, the batch's KV bytes now: the prompt cache's byte budget
@@ -279,10 +280,7 @@ class EngineCore:
         if start is not None:
             cache, rest = start, prompt[-1:]
         else:
-            cache, rest = self.cache_entries.fetch(self._cache_key(sub), prompt)
-            if cache is not None and not rest:
-                # An exact hit leaves nothing to feed the model: give back one token.
-                cache, rest = back_off_one_token(cache, prompt)
+            cache, rest = self._cache.lookup(sub, prompt)
         cached = len(prompt) - len(rest)
         segments, types = uncached_segments(sub.segments, sub.segment_types, cached)
         uid = self._inserts.insert(
@@ -293,8 +291,10 @@ class EngineCore:
     def _abort(self, request_id: int) -> bool:
         """Remove a sequence now; returns whether there was one to remove. A first
         choice takes with it the choices still waiting for its prompt."""
-        ended = abort_waiting(self.admission.held, self._clones, request_id) or self._shared.drop(
-            request_id
+        ended = (
+            abort_waiting(self.admission.held, self._clones, request_id)
+            or self._shared.drop(request_id)
+            or (self._disk.drop(request_id) if self._disk is not None else [])
         )
         self._aborted.extend(SequenceAborted(request_id=r) for r in ended)
         if ended:
@@ -302,37 +302,13 @@ class EngineCore:
         seq = self._by_request.get(request_id)
         if seq is None:
             return False  # already finished: its terminal event has been emitted
-        self._keep_aborted_prefill(seq)  # before its followers look the prompt cache up
+        self._cache.aborted(self._batch, seq)  # before its followers look the cache up
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
         waiting = self._clones.take(request_id)
         self._aborted.extend(SequenceAborted(request_id=c.request_id) for c in waiting)
         return True
-
-    def _keep_aborted_prefill(self, seq: SequenceRecord) -> None:
-        """Store the KV an aborted sequence's prompt has computed so far, when it is still
-        being prefilled and has computed at least ``aborted_prefill_min_tokens`` tokens the
-        prompt cache did not hold. A client that timed out during a long prefill and
-        sends the same request again (agents retry) resumes from there, and so do the
-        requests that waited behind this one's prefix (``_forget`` releases them)."""
-        done, total = seq.prompt_progress
-        floor = self._aborted_prefill_min_tokens
-        if not floor or not seq.save_final or not floor <= done < total:
-            return
-        extracted = self._batch.extract_cache([seq.uid]).get(seq.uid)
-        if extracted is None:  # a generator that cannot hand it over (one at a time)
-            return
-        cache, tokens = extracted
-        self.cache_entries.insert(
-            seq.cache_key,
-            list(tokens),
-            cache,
-            # The type of the segment it was in (segment_types is reversed).
-            cache_type=seq.segment_types[-1] if seq.segment_types else "user",
-            request_id=seq.request_id,
-        )
-        self.counters.kept_aborted_prefill(done)
 
     def _forget(self, seq: SequenceRecord) -> None:
         del self._by_uid[seq.uid]
@@ -347,6 +323,8 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Run one engine step (if there is work) and collect everything since the last."""
         began = time.perf_counter()
+        if self._disk is not None:
+            self._cache.disk_step(self._submit)
         for sub in self.admission.due(
             decoding=len(self._by_uid), awaiting_first=bool(self._awaiting_first)
         ):
@@ -419,13 +397,7 @@ class EngineCore:
         for uid in save:
             cache, cache_tokens = extracted[uid]
             seq = self._by_uid[uid]
-            self.cache_entries.insert(
-                seq.cache_key,
-                list(cache_tokens),
-                cache,
-                cache_type=seq.segment_types.pop(),
-                request_id=seq.request_id,
-            )
+            self._cache.segment_end(seq, cache, cache_tokens)
             released += shared.stored(seq.request_id, len(cache_tokens))
         for follower in released:  # their lookup finds the prefix just stored
             self._submit(follower)
@@ -449,14 +421,7 @@ class EngineCore:
             tokens.append(token_event(seq, r))
             if r.finish_reason is not None:
                 self._forget(seq)
-                if r.prompt_cache is not None and r.all_tokens is not None and seq.save_final:
-                    self.cache_entries.insert(
-                        seq.cache_key,
-                        list(r.all_tokens),
-                        r.prompt_cache,
-                        cache_type="assistant",
-                        request_id=seq.request_id,
-                    )
+                self._cache.finished(seq, r)
 
     def _fail_sequence(self, error: SequenceError) -> None:
         seq = self._by_uid.get(error.uid)
@@ -483,6 +448,8 @@ class EngineCore:
         if closing:
             self.admission.clear()
         waiting = self._shared.clear()  # their leaders are gone
+        if self._disk is not None:
+            waiting += self._disk.clear()
         self._clones.clear()
         self._by_uid.clear()
         self._awaiting_first.clear()
@@ -503,13 +470,17 @@ class EngineCore:
                 log.exception("closing the batch generator failed")
 
     def stats(self) -> EngineStats:
-        return self.counters.stats(
+        stats = self.counters.stats(
             active_sequences=len(self._request_ids()),
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
         )
+        return stats if self._disk is None else attrs.evolve(stats, **self._disk.stats())
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
         """Fail whatever is still running and release the batch generator."""
         self._fail_all(reason, retryable=True, closing=True)
-        return self.step()
+        outputs = self.step()
+        if self._disk is not None:
+            self._disk.close()  # after the step that hands its writer the last entries
+        return outputs

@@ -31,6 +31,7 @@ from runtime.config import ServerConfig
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
+from runtime.engine.disk_tier import DiskTier
 from runtime.engine.pacing import PacedSteps, PrefillPacer
 from runtime.engine.serial import SerialGenerator
 from runtime.engine.vision_generator import VisionGenerator
@@ -52,6 +53,7 @@ from runtime.mlx_lm_internals import (
     sharded_load_on_the_default_stream,
 )
 from runtime.mlx_lm_prefill import coming_prefill, size_prefill_group
+from runtime.prompt_cache_disk import DiskPromptCache, model_fingerprint
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 from runtime.vision import vision_family
@@ -341,7 +343,33 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             score_budget=prefill_score_budget(mx, _attention_heads(handle.model)),
             full_chunk=config.prefill_step_size,
         ),
+        disk=_disk_tier(config, handle, model_path, distributed=group is not None),
     )
+
+
+def _disk_tier(config: ServerConfig, handle: LoadedModel, model_path: str, *,
+               distributed: bool) -> DiskTier | None:
+    """The prompt cache's disk tier for this model, where ``--prompt-cache-dir`` asks
+    for one and the model can have it."""
+    if config.prompt_cache_dir is None:
+        return None
+    if distributed or handle.info.vision_family is not None:
+        log.info("--prompt-cache-dir: not used for a %s model",
+                 "distributed" if distributed else "vision-language")
+        return None
+    fingerprint = model_fingerprint(model_path, config.adapter_path)
+    if fingerprint is None:
+        log.warning("--prompt-cache-dir: the files of %s were not found; the prompt cache "
+                    "stays in memory", model_path)
+        return None
+    try:
+        disk = DiskPromptCache(config.prompt_cache_dir, config.prompt_cache_dir_bytes,
+                               fingerprint)
+    except OSError as exc:
+        log.warning("--prompt-cache-dir %s cannot be used (%s); the prompt cache stays in "
+                    "memory", config.prompt_cache_dir, exc)
+        return None
+    return DiskTier(disk)
 
 
 def _grammar_tokenizer(handle: LoadedModel) -> GrammarTokenizer | None:
