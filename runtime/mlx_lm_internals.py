@@ -9,10 +9,11 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 
 * ``shared_prefix_length``: walks ``LRUPromptCache._trie._trie`` (the prompt
   cache's reuse floor, ``runtime.prompt_cache_store``).
-* ``prompt_cache_has_entry`` and ``remove_prompt_cache_entry``: one named
-  entry of an ``LRUPromptCache`` (``_trie``, ``_lru``, ``_n_bytes``,
-  ``_n_bytes_by_type``): the engine applies the prompt-cache policy's evictions
-  and reports what mlx-lm's ``insert_cache`` dropped by itself.
+* ``prompt_cache_has_entry``, ``prompt_cache_entry`` and
+  ``remove_prompt_cache_entry``: one named entry of an ``LRUPromptCache``
+  (``_trie``, ``_lru``, ``_n_bytes``, ``_n_bytes_by_type``): the engine applies
+  the prompt-cache policy's evictions (handing an evicted entry to the disk
+  tier first) and reports what mlx-lm's ``insert_cache`` dropped by itself.
 * ``new_eviction_order``: ``LRUPromptCache.CacheOrder``, mlx-lm's eviction
   order (one LRU per segment type), which the prompt-cache policy decides with.
 * ``keep_leading_space``: a text completion keeps its first space; sets
@@ -95,14 +96,17 @@ def prompt_cache_has_entry(cache: Any, model: Any, tokens: Sequence[int]) -> boo
     return node is not None and "__value__" in node
 
 
-def prompt_cache_entry_layers(cache: Any, model: Any, tokens: Sequence[int]) -> list | None:
-    """The stored layers of the entry for exactly ``tokens`` (no copy), or None.
+def prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> tuple[list, str] | None:
+    """The stored layers (no copy) and segment type of the entry for exactly ``tokens``,
+    or None.
 
     Relies on the ``"__value__"`` of the entry's node being mlx-lm's
-    ``LRUPromptCache.CacheEntry`` (its ``prompt_cache``)."""
+    ``LRUPromptCache.CacheEntry`` (its ``prompt_cache`` and ``cache_type``)."""
     node = _trie_node(cache, model, tokens)
     entry = None if node is None else node.get("__value__")
-    return getattr(entry, "prompt_cache", None)
+    if entry is None:
+        return None
+    return entry.prompt_cache, entry.cache_type
 
 
 def remove_prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> int | None:

@@ -88,6 +88,7 @@ class DiskEntry:
     digest: str  # the model's fingerprint with the prompt-cache scope
     tokens: np.ndarray  # int32
     layers: int
+    cache_type: str  # its segment type in the prompt cache: "system", "user", "assistant"
     arrays: list[tuple[str, tuple[int, ...], int]]  # (dtype, shape, bytes), in file order
     nbytes: int
     last_used: float
@@ -168,11 +169,12 @@ class DiskPromptCache:
 
     # ------------------------------------------------------------ writing
 
-    def keep(self, scope: str, tokens: Sequence[int], spans: list[list[tuple[Any, Any]]]) -> bool:
+    def keep(self, scope: str, tokens: Sequence[int], spans: list[list[tuple[Any, Any]]], *,
+             cache_type: str = "system") -> bool:
         """Queue an entry for writing (engine thread): ``spans``, each a list of every
         layer's (keys, values) MLX arrays (batch 1, contiguous) for a run of the tokens,
-        in order. Returns whether it was queued (not when it is kept already or the
-        queue is full)."""
+        in order; ``cache_type``: its segment type in the prompt cache. Returns whether
+        it was queued (not when it is kept already or the queue is full)."""
         digest = self.digest(scope)
         token_array = np.asarray(tokens, dtype=np.int32)
         name = self._name(digest, token_array)
@@ -191,6 +193,7 @@ class DiskPromptCache:
             "digest": digest,
             "tokens": token_array.tolist(),
             "layers": len(spans[0]),
+            "cache_type": cache_type,
             "arrays": [[str(a.dtype).rsplit(".", 1)[-1], list(a.shape), v.nbytes]
                        for a, v in zip(arrays, views, strict=True)],
         }
@@ -357,6 +360,7 @@ def _entry(name: str, meta: dict, last_used: float) -> DiskEntry:
         digest=str(meta["digest"]),
         tokens=np.asarray(meta["tokens"], dtype=np.int32),
         layers=int(meta["layers"]),
+        cache_type=str(meta["cache_type"]),
         arrays=[(str(d), tuple(int(x) for x in s), int(n)) for d, s, n in meta["arrays"]],
         nbytes=int(meta["nbytes"]),
         last_used=last_used,

@@ -65,7 +65,7 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache
 
 from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
 from runtime.mlx_lm_internals import (
-    prompt_cache_entry_layers,
+    prompt_cache_entry,
     prompt_cache_has_entry,
     remove_prompt_cache_entry,
     shared_prefix_length,
@@ -203,9 +203,10 @@ class PromptCacheStore(LRUPromptCache):
     def has_entry(self, model: Any, tokens: list[int]) -> bool:
         return prompt_cache_has_entry(self, model, tokens)
 
-    def entry_layers(self, model: Any, tokens: list[int]) -> list | None:
-        """The stored layers of the entry for exactly ``tokens`` (not copies), or None."""
-        return prompt_cache_entry_layers(self, model, tokens)
+    def stored_entry(self, model: Any, tokens: list[int]) -> tuple[list, str] | None:
+        """The stored layers (not copies) and segment type of the entry for exactly
+        ``tokens``, or None."""
+        return prompt_cache_entry(self, model, tokens)
 
     def remove_entry(self, model: Any, tokens: list[int]) -> int | None:
         """Drop the entry for exactly ``tokens``; its bytes, or None if there was none."""
@@ -414,10 +415,10 @@ class CacheEntries:
             passed_over = entry_id in self._passed_over
             self._forget(entry_id)
             if not passed_over:
-                if self.disk is not None:
-                    layers = self.store.entry_layers(key[0], list(key[1]))
-                    if layers is not None:
-                        self.disk.evicting(key[0], key[1], layers)
+                stored = (self.store.stored_entry(key[0], list(key[1]))
+                          if self.disk is not None else None)
+                if stored is not None:
+                    self.disk.evicting(key[0], key[1], *stored)
                 freed += self.store.remove_entry(key[0], list(key[1])) or 0
         return freed
 

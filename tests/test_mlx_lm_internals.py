@@ -19,6 +19,7 @@ from runtime.mlx_lm_internals import (
     convert_chat,
     keep_leading_space,
     new_eviction_order,
+    prompt_cache_entry,
     prompt_cache_has_entry,
     remove_prompt_cache_entry,
     shared_prefix_length,
@@ -72,6 +73,12 @@ def test_one_named_entry_can_be_found_and_removed_with_its_bytes():
     assert prompt_cache_has_entry(cache, "m", [1, 2, 3])
     assert not prompt_cache_has_entry(cache, "m", [1, 2])  # a path, not an entry
     assert not prompt_cache_has_entry(cache, "other", [1, 2, 3])
+    found = prompt_cache_entry(cache, "m", [1, 2, 3])
+    require(
+        found is not None and found[1] == "user" and found[0][0].offset == 3,
+        "an entry's node no longer holds its CacheEntry (prompt_cache, cache_type)",
+    )
+    assert prompt_cache_entry(cache, "m", [1, 2]) is None
     freed = remove_prompt_cache_entry(cache, "m", [1, 2, 3])
     require(
         freed is not None and freed > 0 and cache.nbytes == kept - freed and len(cache) == 1,

@@ -257,6 +257,8 @@ def test_an_entry_evicted_from_memory_comes_back_from_disk(tiny_model_path, fold
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert core.stats().prompt_cache_entries == 0
+    entry, _ = core._disk.disk.longest("", conversation)
+    assert entry.cache_type == "assistant"  # it comes back as what it was
     follow_up = conversation + tokens_of(core, 30, seed=5)
     cached, tokens = served(core, submit(11, follow_up))
     assert cached == len(conversation)

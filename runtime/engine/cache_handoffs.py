@@ -120,6 +120,7 @@ class CacheHandoffs:
         for loaded in self.disk.finished():
             if loaded.cache is not None and loaded.waiting:
                 self.entries.insert(self.key(loaded.waiting[0]), loaded.entry.tokens.tolist(),
-                                    loaded.cache, cache_type="system", request_id=None)
+                                    loaded.cache, cache_type=loaded.entry.cache_type,
+                                    request_id=None)
             for sub in loaded.waiting:
                 submit(sub)

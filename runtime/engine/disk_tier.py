@@ -89,7 +89,7 @@ class DiskTier:
 
     def __init__(self, disk: DiskPromptCache):
         self.disk = disk
-        self._to_write: list[tuple[str, tuple[int, ...], list]] = []
+        self._to_write: list[tuple[str, tuple[int, ...], list, str]] = []
         self._reads: dict[str, _Read] = {}
         self._loaded: set[int] = set()  # request ids that went through a read
         self.loads = 0  # entries read back
@@ -101,20 +101,21 @@ class DiskTier:
     def kept(self, cache_key: Any, tokens: tuple[int, ...], layers: list, cache_type: str) -> None:
         """An entry was stored in memory: a long system prompt goes to disk too."""
         if cache_type == "system" and len(tokens) >= MIN_TOKENS:
-            self._to_write.append((scope_of(cache_key), tokens, layers))
+            self._to_write.append((scope_of(cache_key), tokens, layers, cache_type))
 
-    def evicting(self, cache_key: Any, tokens: tuple[int, ...], layers: list) -> None:
+    def evicting(self, cache_key: Any, tokens: tuple[int, ...], layers: list,
+                 cache_type: str) -> None:
         """An entry leaves memory to keep its limits: a long one goes to disk."""
         if len(tokens) >= MIN_TOKENS:
-            self._to_write.append((scope_of(cache_key), tokens, layers))
+            self._to_write.append((scope_of(cache_key), tokens, layers, cache_type))
 
     def flush(self) -> None:
         """Hand the entries noted since the last step to the writer."""
         to_write, self._to_write = self._to_write, []
-        for scope, tokens, layers in to_write:
+        for scope, tokens, layers, cache_type in to_write:
             spans = entry_spans(layers)
             if spans is not None:
-                self.disk.keep(scope, tokens, spans)
+                self.disk.keep(scope, tokens, spans, cache_type=cache_type)
 
     # --------------------------------------------------------- reading
 
