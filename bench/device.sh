@@ -29,6 +29,9 @@
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
+#   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
+#                                  and a first turn after a restart with --prompt-cache-dir, each
+#                                  against cold, a system prompt of S tokens (REPS default 3)
 #   chunk-masks[=OPTIONS]          bench/chunk_masks.py: a chunk's attention under mlx-lm's
 #                                  array mask and under "causal", times and largest difference
 #   chunk-attention[=OPTIONS]      bench/chunk_attention.py: a paced chunk's attention after long
@@ -145,6 +148,12 @@ for scenario in "$@"; do
         --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
+      ;;
+    resume)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 500)" python3 bench/resume_prefill.py --model "$dir" \
+        --system-tokens "$p1" --user-tokens 300 --reps "${p2:-3}" \
+        --json-out "$OUT/resume-$shape-$p1.json" 2>&1 | tail -8
       ;;
     one-client)
       dir=$(model "$shape")

@@ -22,7 +22,8 @@ repetition, so each ratio is taken within one server's run.
 
   python bench/resume_prefill.py --model DIR [--system-tokens 3000] [--reps 3]
 
-Results: ``bench/results/<--out>/resume-<model>.json`` and a table on stdout.
+Results: ``bench/results/<--out>/resume-<model>.json`` (or ``--json-out``) and a
+table on stdout.
 """
 
 from __future__ import annotations
@@ -164,12 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leave-at", type=float, default=0.5, help="share of the prompt done")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--scenes", default="retry,restart")
-    p.add_argument("--out", default="cpu-resume")
+    p.add_argument("--out", default="cpu-resume", help="a folder under bench/results")
+    p.add_argument("--json-out", type=Path, help="the results file (default: in --out)")
     ns = p.parse_args(argv)
     setup_logging()
     builder = PromptBuilder(ns.model)
     out_dir = BENCH / "results" / ns.out
-    log_dir = out_dir / "logs"
+    log_dir = BENCH / "results" / "logs"  # server logs, not kept in git
     scenes = ns.scenes.split(",")
     runs: list[dict[str, Any]] = []
     for rep in range(ns.reps):
@@ -198,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": ns.model, "system_tokens": ns.system_tokens,
               "user_tokens": ns.user_tokens, "leave_at": ns.leave_at, "summary": rows,
               "runs": runs}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"resume-{Path(ns.model).name}.json"
+    path = ns.json_out or out_dir / f"resume-{Path(ns.model).name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     print("| scene | feature | runs | cold TTFT p50 (ms) | TTFT p50 (ms) | ratio | cached |")
     print("|---|---|---|---|---|---|---|")
