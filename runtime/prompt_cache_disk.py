@@ -224,7 +224,7 @@ class DiskPromptCache:
                     self._writing.discard(name)
 
     def _write(self, name: str, meta: dict, views: list[memoryview]) -> None:
-        kv, tmp = self.folder / f"{name}.kv", self.folder / f".{name}.kv.tmp"
+        kv, tmp = self.folder / f"{name}.kv", self.folder / f".{name}.{os.getpid()}.kv.tmp"
         try:
             with open(tmp, "wb") as out:
                 for view in views:
@@ -281,14 +281,18 @@ class DiskPromptCache:
 
     @staticmethod
     def as_cache(entry: DiskEntry, arrays: list[np.ndarray]) -> list:
-        """``entry``'s KV cache from its ``load``ed bytes: one ``KVCache`` a layer (engine thread)."""
+        """``entry``'s KV cache from its ``load``ed bytes: one ``KVCache`` a layer (engine
+        thread). Each host array is let go once copied, so ``arrays`` is emptied."""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
-        made = [
-            mx.array(data).view(getattr(mx, dtype)).reshape(shape)
-            for data, (dtype, shape, _) in zip(arrays, entry.arrays, strict=True)
-        ]
+        if len(arrays) != len(entry.arrays):
+            raise ValueError(f"{entry.name}: {len(arrays)} arrays read, {len(entry.arrays)} indexed")
+        made = []
+        for i, (dtype, shape, _) in enumerate(entry.arrays):
+            made.append(mx.array(arrays[i]).view(getattr(mx, dtype)).reshape(shape))
+            arrays[i] = None  # the copy is MLX's now: at most one array held twice
+        arrays.clear()
         per_span = 2 * entry.layers
         spans = [made[i : i + per_span] for i in range(0, len(made), per_span)]
         cache = []
@@ -368,7 +372,7 @@ def _entry(name: str, meta: dict, last_used: float) -> DiskEntry:
 
 
 def _write_json(path: Path, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(meta, separators=(",", ":")))
         os.replace(tmp, path)

@@ -353,6 +353,9 @@ def _disk_tier(config: ServerConfig, handle: LoadedModel, model_path: str, *,
     for one and the model can have it."""
     if config.prompt_cache_dir is None:
         return None
+    if config.prompt_cache_size == 0:
+        log.info("--prompt-cache-dir: not used with --prompt-cache-size 0 (no prompt cache)")
+        return None
     if distributed or handle.info.vision_family is not None:
         log.info("--prompt-cache-dir: not used for a %s model",
                  "distributed" if distributed else "vision-language")
