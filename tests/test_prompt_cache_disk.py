@@ -283,3 +283,157 @@ def test_a_request_aborted_while_it_waits_for_a_read_ends_once(tiny_model_path, 
         out = core.step()
         assert not out.started and not out.aborted and not out.tokens
     core.close()
+
+
+# ------------------------------------------- property: the fake engine, any order
+
+import concurrent.futures  # noqa: E402
+
+import attrs  # noqa: E402
+from hypothesis import event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from runtime.engine.core import EngineCore  # noqa: E402
+from runtime.lifecycle import ModelInfo  # noqa: E402
+from runtime.loaded_model import LoadedModel  # noqa: E402
+from tests.fakes import FakeBatchGeneratorFactory, FakeKVCache  # noqa: E402
+from tests.test_shared_prefill import FAKE_VOCAB, PrefixServingCache  # noqa: E402
+
+
+@attrs.define(eq=False)
+class FakeDiskEntry:
+    name: str
+    tokens: np.ndarray
+    cache_type: str = "system"
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class FakeDisk:
+    """``DiskPromptCache`` as ``DiskTier`` uses it: entries of given token prefixes, whose
+    reads the test finishes (or fails) when it likes."""
+
+    def __init__(self, prefixes: list[tuple[int, ...]]):
+        self.entries_by_name = {
+            f"e{i}": FakeDiskEntry(f"e{i}", np.asarray(p, dtype=np.int32))
+            for i, p in enumerate(prefixes)
+        }
+        self.reads: list[tuple[FakeDiskEntry, concurrent.futures.Future]] = []
+        self.forgotten: list[str] = []
+        self.entries, self.nbytes, self.writes = len(prefixes), 0, 0
+
+    def longest(self, scope, tokens):
+        best = None
+        for entry in self.entries_by_name.values():
+            n = entry.n_tokens
+            if tuple(tokens[:n]) == tuple(entry.tokens.tolist()) and (best is None or n > best[1]):
+                best = (entry, n)
+        return best
+
+    def load(self, entry):
+        future = concurrent.futures.Future()
+        self.reads.append((entry, future))
+        return future
+
+    @staticmethod
+    def as_cache(entry, arrays):
+        return [FakeKVCache(tuple(entry.tokens.tolist()))]
+
+    def forget(self, entry):
+        self.forgotten.append(entry.name)
+        self.entries_by_name.pop(entry.name, None)
+
+    def keep(self, *args, **kwargs):
+        return False
+
+    def close(self):
+        pass
+
+
+@st.composite
+def disk_arrivals(draw):
+    systems = [tuple(draw(st.lists(st.integers(1, FAKE_VOCAB - 1), min_size=4, max_size=8)))
+               for _ in range(2)]
+    events = []
+    for i in range(draw(st.integers(1, 6))):
+        system = systems[draw(st.integers(0, 1))]
+        tail = (FAKE_VOCAB - 1 - i, *draw(st.lists(st.integers(1, 90), max_size=3)))
+        arrive = draw(st.integers(0, 5))
+        abort = draw(st.none() | st.integers(0, 8) | st.just(arrive + 1))
+        events.append((i + 1, system, tail, arrive, abort))
+    # Each step, reads in flight finish (True), fail (False) or wait (None), in order.
+    outcomes = draw(st.lists(st.none() | st.booleans(), min_size=20, max_size=20))
+    return systems, events, outcomes
+
+
+@settings(max_examples=150, deadline=None)
+@given(example=disk_arrivals())
+def test_any_arrivals_aborts_and_reads_end_each_request_once_with_its_own_tokens(example):
+    systems, events, outcomes = example
+    disk = FakeDisk(systems)
+    factory = FakeBatchGeneratorFactory(vocab=FAKE_VOCAB, eos_ids={0}, completion_batch_size=2)
+    store = PrefixServingCache()
+    core = EngineCore(
+        LoadedModel(model=None, tokenizer=None,
+                    info=ModelInfo(model_key="fake", vocab_size=FAKE_VOCAB)),
+        batch_generator_factory=factory,
+        prompt_cache=store,
+        disk=DiskTier(disk, min_tokens=1),
+    )
+    submits = {rid: Submit(request_id=rid, prompt=system + tail,
+                           segments=(system, tail), segment_types=("system", "user"),
+                           max_tokens=3, sampling=SamplingParams())
+               for rid, system, tail, _, _ in events}
+    ends = {rid: [] for rid in submits}
+    tokens = {rid: [] for rid in submits}
+    cached = {}
+    for step in range(60):
+        for rid, _, _, arrive, abort in events:
+            if arrive == step:
+                core.handle_command(submits[rid])
+            if abort is not None and abort == step and arrive <= step:
+                core.handle_command(Abort(request_id=rid))
+        outcome = outcomes[step] if step < len(outcomes) else True
+        for _, future in disk.reads:
+            if future.done() or outcome is None:
+                continue
+            if outcome:
+                future.set_result([])
+            else:
+                future.set_exception(OSError("a damaged file"))
+        if core._disk:
+            event("a request waited for a read")
+        out = core.step()
+        cached.update({s.request_id: s.cached_tokens for s in out.started})
+        for e in out.tokens:
+            tokens[e.request_id].append(e.token)
+            if e.finish_reason is not None:
+                ends[e.request_id].append("finished")
+        for a in out.aborted:
+            ends[a.request_id].append("aborted")
+        for f in out.failed:
+            ends[f.request_id].append("failed")
+        if step > 8 and not core.has_work:
+            break
+    assert not core.has_work
+    for rid, how in ends.items():
+        assert len(how) == 1, (rid, how)
+        assert how != ["failed"]
+        if how == ["finished"]:
+            generator = factory.current
+            (uid,) = [u for u, seq in generator.sequences.items()
+                      if tuple(seq.prompt) == submits[rid].prompt]
+            assert tokens[rid] == generator.expected_tokens(uid)
+            # What the cache served is a prefix of its prompt, the system prompt at most
+            # (or the whole prompt but one token).
+            assert cached[rid] <= len(submits[rid].prompt) - 1
+            if False not in outcomes:  # every read served: each system prompt came from disk
+                assert cached[rid] >= len(submits[rid].segments[0])
+    if disk.forgotten:
+        event("a read failed")
+    # A read that failed removed its entry; every one that served went into the cache.
+    for entry, future in disk.reads:
+        if future.done() and future.exception() is not None:
+            assert entry.name in disk.forgotten

@@ -87,8 +87,9 @@ def entry_spans(layers: list) -> list[list[tuple[Any, Any]]] | None:
 class DiskTier:
     """What an engine core keeps on disk and reads back (see the module's docstring)."""
 
-    def __init__(self, disk: DiskPromptCache):
+    def __init__(self, disk: DiskPromptCache, min_tokens: int = MIN_TOKENS):
         self.disk = disk
+        self.min_tokens = min_tokens
         self._to_write: list[tuple[str, tuple[int, ...], list, str]] = []
         self._reads: dict[str, _Read] = {}
         self._loaded: set[int] = set()  # request ids that went through a read
@@ -100,13 +101,13 @@ class DiskTier:
 
     def kept(self, cache_key: Any, tokens: tuple[int, ...], layers: list, cache_type: str) -> None:
         """An entry was stored in memory: a long system prompt goes to disk too."""
-        if cache_type == "system" and len(tokens) >= MIN_TOKENS:
+        if cache_type == "system" and len(tokens) >= self.min_tokens:
             self._to_write.append((scope_of(cache_key), tokens, layers, cache_type))
 
     def evicting(self, cache_key: Any, tokens: tuple[int, ...], layers: list,
                  cache_type: str) -> None:
         """An entry leaves memory to keep its limits: a long one goes to disk."""
-        if len(tokens) >= MIN_TOKENS:
+        if len(tokens) >= self.min_tokens:
             self._to_write.append((scope_of(cache_key), tokens, layers, cache_type))
 
     def flush(self) -> None:
@@ -120,7 +121,7 @@ class DiskTier:
     # --------------------------------------------------------- reading
 
     def hold(self, sub: Submit, cached_now: Callable[[], int]) -> bool:
-        """Whether ``sub`` waits for a read: the disk serves at least ``MIN_TOKENS``
+        """Whether ``sub`` waits for a read: the disk serves at least ``min_tokens``
         more of its prompt than memory does (``cached_now()``)."""
         if sub.request_id in self._loaded:
             self._loaded.discard(sub.request_id)
@@ -130,7 +131,7 @@ class DiskTier:
             return False
         entry, shared = found
         shared = min(shared, len(sub.prompt) - 1)  # the last token is always computed
-        if shared < MIN_TOKENS or shared < cached_now() + MIN_TOKENS:
+        if shared < self.min_tokens or shared < cached_now() + self.min_tokens:
             return False
         read = self._reads.get(entry.name)
         if read is None:
