@@ -9,7 +9,9 @@ writer queue skips; a damaged file fails its read and leaves the folder.
 Then the engine core on the tiny real model: a system prompt cached by one
 engine serves the next engine started on the same folder, with the tokens a
 whole prefill gives; an entry evicted from memory comes back from disk; a
-request aborted while it waits for a read ends once.
+request aborted while it waits for a read ends once. Last, a property on the
+fake engine: any arrivals, aborts and reads (served, failed or slow) end each
+request once with its own tokens.
 """
 
 from __future__ import annotations
