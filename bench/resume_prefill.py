@@ -134,19 +134,19 @@ def restart_scene(ns, builder, rep: int, folder: bool, log_dir: Path) -> dict[st
     disk = Path(tempfile.mkdtemp(prefix="resume-kv-"))
     extra = ["--prompt-cache-dir", str(disk)] if folder else []
     system_seed = f"restart-{rep}-{folder}"
+
+    def session(run: str) -> dict[str, Any]:
+        """A server's life: a warm-up request, then session ``run``'s first request."""
+        server = started(ns, free_port(), extra, log_dir / f"restart-{rep}-{folder}-{run}.log")
+        try:
+            timed(server.url, prompt(builder, ns, f"warm-{run}-{system_seed}", f"warm-{run}"))
+            return timed(server.url, prompt(builder, ns, f"{system_seed}-{run}", system_seed))
+        finally:
+            server.stop()
+
     try:
-        server = started(ns, free_port(), extra, log_dir / f"restart-{rep}-{folder}-a.log")
-        try:
-            timed(server.url, prompt(builder, ns, f"warm-{system_seed}", f"warm-{system_seed}"))
-            first = timed(server.url, prompt(builder, ns, f"{system_seed}-s1", system_seed))
-        finally:
-            server.stop()
-        server = started(ns, free_port(), extra, log_dir / f"restart-{rep}-{folder}-b.log")
-        try:
-            timed(server.url, prompt(builder, ns, f"warm2-{system_seed}", f"warm2-{system_seed}"))
-            after = timed(server.url, prompt(builder, ns, f"{system_seed}-s2", system_seed))
-        finally:
-            server.stop()
+        first = session("s1")
+        after = session("s2")  # the same system prompt, after a restart
     finally:
         shutil.rmtree(disk, ignore_errors=True)
     return {"folder": folder, "cold": first, "after_restart": after}

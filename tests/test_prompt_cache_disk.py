@@ -299,7 +299,12 @@ from runtime.engine.core import EngineCore  # noqa: E402
 from runtime.lifecycle import ModelInfo  # noqa: E402
 from runtime.loaded_model import LoadedModel  # noqa: E402
 from tests.fakes import FakeBatchGeneratorFactory, FakeKVCache  # noqa: E402
-from tests.test_shared_prefill import FAKE_VOCAB, PrefixServingCache  # noqa: E402
+from tests.test_shared_prefill import (  # noqa: E402
+    FAKE_VOCAB,
+    PrefixServingCache,
+    record,
+    send_due,
+)
 
 
 @attrs.define(eq=False)
@@ -392,11 +397,7 @@ def test_any_arrivals_aborts_and_reads_end_each_request_once_with_its_own_tokens
     tokens = {rid: [] for rid in submits}
     cached = {}
     for step in range(60):
-        for rid, _, _, arrive, abort in events:
-            if arrive == step:
-                core.handle_command(submits[rid])
-            if abort is not None and abort == step and arrive <= step:
-                core.handle_command(Abort(request_id=rid))
+        send_due(core, events, submits, step)
         outcome = outcomes[step] if step < len(outcomes) else True
         for _, future in disk.reads:
             if future.done() or outcome is None:
@@ -409,14 +410,7 @@ def test_any_arrivals_aborts_and_reads_end_each_request_once_with_its_own_tokens
             event("a request waited for a read")
         out = core.step()
         cached.update({s.request_id: s.cached_tokens for s in out.started})
-        for e in out.tokens:
-            tokens[e.request_id].append(e.token)
-            if e.finish_reason is not None:
-                ends[e.request_id].append("finished")
-        for a in out.aborted:
-            ends[a.request_id].append("aborted")
-        for f in out.failed:
-            ends[f.request_id].append("failed")
+        record(out, ends, tokens)
         if step > 8 and not core.has_work:
             break
     assert not core.has_work

@@ -236,6 +236,27 @@ def arrivals(draw):
     return events, draw(st.integers(1, 4)), draw(st.integers(1, 8)), draw(st.sampled_from([0, 1, 8]))
 
 
+def send_due(core, events, submits, step: int) -> None:
+    """The submits and aborts ``events`` (rid, system, tail, arrive, abort) place at ``step``."""
+    for rid, _, _, arrive, abort in events:
+        if arrive == step:
+            core.handle_command(submits[rid])
+        if abort is not None and abort == step and arrive <= step:
+            core.handle_command(Abort(request_id=rid))
+
+
+def record(out, ends: dict, tokens: dict) -> None:
+    """A step's tokens, and each request's ends (finished, aborted, failed)."""
+    for e in out.tokens:
+        tokens[e.request_id].append(e.token)
+        if e.finish_reason is not None:
+            ends[e.request_id].append("finished")
+    for a in out.aborted:
+        ends[a.request_id].append("aborted")
+    for f in out.failed:
+        ends[f.request_id].append("failed")
+
+
 @settings(max_examples=150, deadline=None)
 @given(example=arrivals())
 def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(example):
@@ -256,22 +277,10 @@ def test_any_arrivals_and_aborts_end_each_request_once_with_its_own_tokens(examp
     ends: dict[int, list[str]] = {rid: [] for rid in submits}
     tokens: dict[int, list[int]] = {rid: [] for rid in submits}
     for step in range(200):
-        for rid, _, _, arrive, abort in events:
-            if arrive == step:
-                core.handle_command(submits[rid])
-            if abort is not None and abort == step and arrive <= step:
-                core.handle_command(Abort(request_id=rid))
+        send_due(core, events, submits, step)
         if core._shared:
             event("a request waited behind another's prefill")
-        out = core.step()
-        for e in out.tokens:
-            tokens[e.request_id].append(e.token)
-            if e.finish_reason is not None:
-                ends[e.request_id].append("finished")
-        ends_by = [(a.request_id, "aborted") for a in out.aborted]
-        ends_by += [(f.request_id, "failed") for f in out.failed]
-        for rid, how in ends_by:
-            ends[rid].append(how)
+        record(core.step(), ends, tokens)
         if step > 10 and not core.has_work:
             break
     assert not core.has_work
