@@ -360,6 +360,15 @@ class Runtime:
             "engine_restarts": loader.restarts,
             "prompt_cache": self.prompt_cache_figures(),
         }
+        stats = scheduler.stats
+        if self.config.prompt_cache_dir is not None:
+            body["prompt_cache"]["disk"] = {
+                "entries": stats.prompt_cache_disk_entries,
+                "bytes": stats.prompt_cache_disk_bytes,
+                "writes": stats.prompt_cache_disk_writes,
+                "reads": stats.prompt_cache_disk_reads,
+                "read_tokens": stats.prompt_cache_disk_read_tokens,
+            }
         body["engine"] = {
             "mode": loader.engine_mode,
             "pid": (info.engine_pid or os.getpid()) if info is not None else None,

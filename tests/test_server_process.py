@@ -311,6 +311,8 @@ def test_a_system_prompt_outlives_a_restart_with_a_prompt_cache_dir(tiny_model_p
         assert usage["prompt_tokens_details"]["cached_tokens"] > 0.9 * first["prompt_tokens"]
         metrics = httpx.get(f"{base}/metrics", timeout=5).text
         assert "mlx_trio_prompt_cache_disk_reads_total 1.0" in metrics
+        disk = health(base)["prompt_cache"]["disk"]
+        assert disk["reads"] == 1 and disk["entries"] >= 1 and disk["bytes"] > 0
     finally:
         stop_server(proc)
 
