@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 WRITE_QUEUE = 4  # entries waiting for the writer; more are not written
-CLOSE_WAIT_SECONDS = 10.0  # how long closing waits for the entry being written
+CLOSE_WAIT_SECONDS = 4.0  # how long closing waits for the entries queued to be written
 # Files whose names say they are a model's weights, configuration or tokenizer.
 MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".gguf", ".model", ".bin", ".tiktoken")
 
@@ -147,7 +147,8 @@ class DiskPromptCache:
 
     def longest(self, scope: str, tokens: Sequence[int]) -> tuple[DiskEntry, int] | None:
         """The entry of this model and scope that shares the most leading tokens with
-        ``tokens``, and how many it shares; None if none shares any."""
+        ``tokens`` (of those, the shortest: the least to read), and how many it shares;
+        None if none shares any."""
         digest = self.digest(scope)
         prompt = np.asarray(tokens, dtype=np.int32)
         with self._lock:
@@ -157,7 +158,8 @@ class DiskPromptCache:
             m = min(entry.n_tokens, len(prompt))
             differ = np.flatnonzero(entry.tokens[:m] != prompt[:m])
             shared = int(differ[0]) if differ.size else m
-            if shared and (best is None or shared > best[1]):
+            if shared and (best is None or (shared, -entry.n_tokens)
+                           > (best[1], -best[0].n_tokens)):
                 best = (entry, shared)
         return best
 
@@ -175,6 +177,40 @@ class DiskPromptCache:
         layer's (keys, values) MLX arrays (batch 1, contiguous) for a run of the tokens,
         in order; ``cache_type``: its segment type in the prompt cache. Returns whether
         it was queued (not when it is kept already or the queue is full)."""
+        job = self._job(scope, tokens, spans, cache_type)
+        if job is None:
+            return False
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            with self._lock:
+                self._writing.discard(job[0])
+            self.write_skips += 1
+            return False
+        return True
+
+    def write_now(self, scope: str, tokens: Sequence[int], spans: list[list[tuple[Any, Any]]],
+                  *, cache_type: str) -> bool:
+        """Write an entry on the calling thread (the engine's, as it stops); as ``keep``,
+        whether it was written."""
+        job = self._job(scope, tokens, spans, cache_type)
+        if job is None:
+            return False
+        try:
+            self._write(*job)
+        except OSError as exc:
+            self.write_failures += 1
+            log.warning("could not write a prompt-cache entry to %s: %s", self.folder, exc)
+            return False
+        finally:
+            with self._lock:
+                self._writing.discard(job[0])
+        return True
+
+    def _job(self, scope: str, tokens: Sequence[int], spans: list[list[tuple[Any, Any]]],
+             cache_type: str) -> tuple[str, dict, list[memoryview]] | None:
+        """(name, index, buffers) of an entry to write, marked as being written; None when
+        it is kept already (its last use is now) or being written."""
         digest = self.digest(scope)
         token_array = np.asarray(tokens, dtype=np.int32)
         name = self._name(digest, token_array)
@@ -183,11 +219,11 @@ class DiskPromptCache:
             if kept is not None or name in self._writing:
                 if kept is not None:
                     kept.last_used = time.time()
-                return False
+                return None
         arrays = [a for span in spans for pair in span for a in pair]
         views = [memoryview(a) for a in arrays]  # evaluates them; each view keeps its array
         if not all(v.c_contiguous for v in views):
-            return False
+            return None
         meta = {
             "format": FORMAT,
             "digest": digest,
@@ -199,14 +235,7 @@ class DiskPromptCache:
         }
         with self._lock:
             self._writing.add(name)
-        try:
-            self._jobs.put_nowait((name, meta, views))
-        except queue.Full:
-            with self._lock:
-                self._writing.discard(name)
-            self.write_skips += 1
-            return False
-        return True
+        return name, meta, views
 
     def _write_loop(self) -> None:
         while True:

@@ -84,12 +84,14 @@ class PromptCacheSettings(TuningSettings):
         None,
         help="a folder where the prompt cache also keeps entries on disk (made if missing): "
         "system prompts of 256 tokens or more as they are cached, and entries of 256 tokens "
-        "or more that the memory limits evict; they outlive restarts, and a request whose "
-        "prompt starts with one reads it back instead of computing it (none: memory only)",
+        "or more that the memory limits evict or that memory holds when the server stops; "
+        "they outlive restarts, and a request whose prompt starts with one reads it back "
+        "instead of computing it (none: memory only)",
         ours=True,
         notes="For coding agents: their 10k-25k-token system prompts are prefilled once, not "
-        "after every restart, and a session that went quiet comes back from disk rather than "
-        "being prefilled again. Entries are kept per model (its files' sizes and times) and "
+        "after every restart, and a session that went quiet, or was running when the server "
+        "stopped (the newest entries are written for at most 4 s), comes back from disk "
+        "rather than being prefilled again. Entries are kept per model (its files' sizes and times) and "
         "per prompt-cache scope. The folder holds the prompts' tokens and KV: keep it "
         "private. Not used by distributed or vision-language models "
         "([architecture.md](architecture.md#the-prompt-cache-on-disk)).",

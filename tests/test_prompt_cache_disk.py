@@ -8,7 +8,8 @@ writer queue skips; a damaged file fails its read and leaves the folder.
 
 Then the engine core on the tiny real model: a system prompt cached by one
 engine serves the next engine started on the same folder, with the tokens a
-whole prefill gives; an entry evicted from memory comes back from disk; a
+whole prefill gives; a conversation in memory when an engine stops serves its
+next turn in the next engine; an entry evicted from memory comes back from disk; a
 request aborted while it waits for a read ends once. Last, a property on the
 fake engine: any arrivals, aborts and reads (served, failed or slow) end each
 request once with its own tokens.
@@ -227,8 +228,8 @@ def test_a_system_prompt_cached_by_one_engine_serves_the_next(tiny_model_path, f
     first = core_for(tiny_model_path, folder)
     system = tokens_of(first, 300, seed=1)
     served(first, submit(1, system, tokens_of(first, 20, seed=2)))
-    first.close()  # its writer finishes the entries handed to it
-    assert len(list(folder.glob("*.json"))) == 1
+    first.close()  # the system prompt, and as it stops what memory holds
+    assert len(list(folder.glob("*.json"))) == 2  # the system prompt; the conversation
 
     second = core_for(tiny_model_path, folder)  # a restart on the same folder
     question = tokens_of(second, 20, seed=3)
@@ -236,13 +237,27 @@ def test_a_system_prompt_cached_by_one_engine_serves_the_next(tiny_model_path, f
     assert cached == len(system)
     stats = second.stats()
     assert stats.prompt_cache_disk_reads == 1 and stats.prompt_cache_disk_read_tokens == 300
-    assert stats.prompt_cache_disk_entries == 1 and stats.prompt_cache_disk_bytes > 0
+    assert stats.prompt_cache_disk_entries == 2 and stats.prompt_cache_disk_bytes > 0
     # The very tokens a whole prefill gives.
     assert served(memory_core, submit(3, system, question)) == (0, tokens)
     # The next request finds it in memory: no second read.
     assert served(second, submit(4, system, question[:10]))[0] >= len(system)
     assert second.stats().prompt_cache_disk_reads == 1
     second.close()
+
+
+def test_a_conversation_in_memory_when_the_engine_stops_serves_its_next_turn(
+        tiny_model_path, folder, memory_core):
+    core = core_for(tiny_model_path, folder)
+    conversation = tokens_of(core, 300, seed=8)
+    _, reply = served(core, submit(30, conversation))
+    core.close()  # writes what memory holds: the conversation and its reply
+    core = core_for(tiny_model_path, folder)
+    next_turn = conversation + tuple(reply) + tokens_of(core, 20, seed=9)
+    cached, tokens = served(core, submit(31, next_turn))
+    assert cached >= len(conversation) + len(reply) - 1
+    assert served(memory_core, submit(32, next_turn)) == (0, tokens)
+    core.close()
 
 
 def test_an_entry_evicted_from_memory_comes_back_from_disk(tiny_model_path, folder,

@@ -8,7 +8,8 @@ what the cache serves it now (``cached_now``), its lookup (``lookup``) and
 whether it waits for a read from disk (``waits_for_disk``); it hands it a
 sequence's KV at a segment end (``segment_end``), at its finish
 (``finished``) and when it is aborted mid-prompt (``aborted``), and lets it
-take the disk's finished reads at each step (``disk_step``).
+take the disk's finished reads at each step (``disk_step``); as the engine
+stops, it writes the entries memory holds to disk (``spill``).
 
 Receives ``SequenceRecord``s, ``Submit``s and KV caches (MLX arrays, on the
 engine thread); emits the entries' events through the ledger and the aborted
@@ -17,6 +18,8 @@ prefills it keeps through the engine's counters.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +28,10 @@ from runtime.engine.disk_tier import DiskTier
 from runtime.engine.sequences import SequenceRecord, back_off_one_token
 from runtime.messages import Submit
 from runtime.prompt_cache_store import CacheEntries
+
+log = logging.getLogger(__name__)
+
+SPILL_SECONDS = 4.0  # how long a stopping engine writes its prompt cache's entries to disk
 
 
 class CacheHandoffs:
@@ -109,6 +116,26 @@ class CacheHandoffs:
         self.entries.insert(seq.cache_key, list(tokens), cache, cache_type=cache_type,
                             request_id=seq.request_id)
         self._counters.kept_aborted_prefill(done)
+
+    def spill(self, seconds: float) -> int:
+        """As the engine stops: write the entries memory holds to disk, the newest first,
+        for at most ``seconds``, so that the sessions they hold outlive the restart.
+        Returns how many were written."""
+        if self.disk is None:
+            return 0
+        deadline = time.monotonic() + seconds
+        written = 0
+        for _, (model, tokens) in sorted(self.entries.held().items(), reverse=True):
+            if time.monotonic() >= deadline:
+                log.info("prompt cache: %.0f s passed; the older entries stay in memory", seconds)
+                break
+            stored = self.store.stored_entry(model, list(tokens))  # passed over: None
+            try:
+                written += stored is not None and self.disk.write_now(model, tokens, *stored)
+            except Exception:  # the engine may be stopping because MLX failed
+                log.warning("prompt cache: could not write entries to disk", exc_info=True)
+                break
+        return written
 
     def disk_step(self, submit: Callable[[Submit], None]) -> None:
         """The disk tier's part of a step: the entries noted for writing go to its

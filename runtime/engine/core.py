@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from runtime.engine.admission import AdmissionWindow
-from runtime.engine.cache_handoffs import CacheHandoffs
+from runtime.engine.cache_handoffs import SPILL_SECONDS, CacheHandoffs
 from runtime.engine.choices import (
     PendingChoices,
     abort_waiting,
@@ -482,5 +482,6 @@ class EngineCore:
         self._fail_all(reason, retryable=True, closing=True)
         outputs = self.step()
         if self._disk is not None:
+            self._cache.spill(SPILL_SECONDS)
             self._disk.close()  # after the step that hands its writer the last entries
         return outputs

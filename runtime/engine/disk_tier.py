@@ -118,6 +118,13 @@ class DiskTier:
             if spans is not None:
                 self.disk.keep(scope, tokens, spans, cache_type=cache_type)
 
+    def write_now(self, cache_key: Any, tokens: tuple[int, ...], layers: list,
+                  cache_type: str) -> bool:
+        """Write a long entry at once (as the engine stops); whether it was written."""
+        spans = entry_spans(layers) if len(tokens) >= self.min_tokens else None
+        return spans is not None and self.disk.write_now(
+            scope_of(cache_key), tokens, spans, cache_type=cache_type)
+
     # --------------------------------------------------------- reading
 
     def hold(self, sub: Submit, cached_now: Callable[[], int]) -> bool:
