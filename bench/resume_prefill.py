@@ -15,7 +15,10 @@ with ``--aborted-prefill-min-tokens 0`` (it is dropped), alternated.
 ``restart``: a session's first request on a server started with
 ``--prompt-cache-dir``; the server is stopped and started again on the same
 folder, and another session's first request (the same system prompt, its own
-user turn) is measured: against the same after a restart without the folder.
+user turn) is measured; then, after another restart, the first session's
+next turn (its first request, the reply and a new user turn). Against the
+same after restarts without the folder (where the next turn is computed
+whole, and is slower than the cold first turn it is compared with).
 
 The cold TTFT of the same shape on the same server is measured in every
 repetition, so each ratio is taken within one server's run.
@@ -64,9 +67,9 @@ def body(messages) -> dict[str, Any]:
 
 
 def timed(url: str, messages) -> dict[str, Any]:
-    """TTFT (s) of a streamed request and the cached tokens it reports."""
+    """TTFT (s) of a streamed request, the cached tokens it reports, and its reply."""
     began = time.perf_counter()
-    ttft, cached = None, None
+    ttft, cached, reply = None, None, []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body(messages),
                       timeout=600) as r:
         r.raise_for_status()
@@ -76,9 +79,11 @@ def timed(url: str, messages) -> dict[str, Any]:
             if ttft is None:
                 ttft = time.perf_counter() - began
             chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                reply.append(choice["delta"].get("content") or "")
             if chunk.get("usage"):
                 cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return {"ttft_s": ttft, "cached_tokens": cached}
+    return {"ttft_s": ttft, "cached_tokens": cached, "reply": "".join(reply)}
 
 
 def leave_midway(url: str, messages, leave_at: float) -> int:
@@ -131,25 +136,39 @@ def retry_scene(ns, builder, rep: int, kept: bool, log_dir: Path) -> dict[str, A
 
 
 def restart_scene(ns, builder, rep: int, folder: bool, log_dir: Path) -> dict[str, Any]:
+    """Session 1's first turn on one server; after a restart, session 2's first turn
+    (the same system prompt); after another, session 1's second turn (its conversation
+    so far, then a new user turn)."""
     disk = Path(tempfile.mkdtemp(prefix="resume-kv-"))
     extra = ["--prompt-cache-dir", str(disk)] if folder else []
     system_seed = f"restart-{rep}-{folder}"
+    first_turn = prompt(builder, ns, f"{system_seed}-s1", system_seed)
 
-    def session(run: str) -> dict[str, Any]:
-        """A server's life: a warm-up request, then session ``run``'s first request."""
+    def server_life(run: str, requests: list) -> list[dict[str, Any]]:
+        """A server started, warmed up with a request of its own, sent ``requests``
+        (each a function of the results so far giving messages), stopped."""
         server = started(ns, free_port(), extra, log_dir / f"restart-{rep}-{folder}-{run}.log")
         try:
             timed(server.url, prompt(builder, ns, f"warm-{run}-{system_seed}", f"warm-{run}"))
-            return timed(server.url, prompt(builder, ns, f"{system_seed}-{run}", system_seed))
+            results: list[dict[str, Any]] = []
+            for messages_of in requests:
+                results.append(timed(server.url, messages_of(results)))
+            return results
         finally:
             server.stop()
 
+    def second_turn(_results) -> list:
+        user = builder.words(ns.user_tokens, random.Random(f"{system_seed}-s1-t2"), lead="Next:")
+        return [*first_turn, {"role": "assistant", "content": cold["reply"]},
+                {"role": "user", "content": user}]
+
     try:
-        first = session("s1")
-        after = session("s2")  # the same system prompt, after a restart
+        (cold,) = server_life("a", [lambda _: first_turn])
+        (after,) = server_life("b", [lambda _: prompt(builder, ns, f"{system_seed}-s2", system_seed)])
+        (resumed,) = server_life("c", [second_turn])
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    return {"folder": folder, "cold": first, "after_restart": after}
+    return {"folder": folder, "cold": cold, "after_restart": after, "second_turn": resumed}
 
 
 def median(values) -> float | None:
@@ -184,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"scene": "restart", "rep": rep,
                              **restart_scene(ns, builder, rep, on, log_dir)})
     rows = []
-    for scene, flag, measured in (("retry", "kept", "retry"), ("restart", "folder", "after_restart")):
+    for scene, flag, measured in (("retry", "kept", "retry"), ("restart", "folder", "after_restart"),
+                                  ("restart", "folder", "second_turn")):
         for on in (True, False):
             mine = [r for r in runs if r["scene"] == scene and r[flag] == on]
             if not mine:
@@ -192,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             cold = median(r["cold"]["ttft_s"] for r in mine)
             then = median(r[measured]["ttft_s"] for r in mine)
             rows.append({
-                "scene": scene, "on": on, "runs": len(mine),
+                "scene": scene if measured != "second_turn" else "restart, a session's next turn",
+                "on": on, "runs": len(mine),
                 "cold_ttft_ms": round(1000 * cold, 1), "ttft_ms": round(1000 * then, 1),
                 "ratio": round(then / cold, 3),
                 "cached_tokens": median(r[measured]["cached_tokens"] for r in mine),
