@@ -334,3 +334,40 @@ def test_anthropic_accepts_what_it_serves():
         MessagesRequest,
     )
     assert chat_tool_choice(req.tool_choice) == {"type": "function", "function": {"name": "f"}}
+
+
+def _sse_events(frames: bytes) -> list[tuple[str, dict]]:
+    import json
+
+    events = []
+    for block in frames.decode().split("\n\n"):
+        lines = block.splitlines()
+        names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+        data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        if names and data:
+            events.append((names[0], json.loads(data[0])))
+    return events
+
+
+def test_a_long_prompt_gets_in_progress_events_besides_its_keepalive_comments(monkeypatch):
+    from api.agents import responses_render
+    from runtime.messages import Progress
+
+    req = structure_or_400({"model": "m", "input": "hi", "stream": True}, ResponsesRequest)
+    renderer = responses_render.ResponsesRenderer(
+        req=req, prepared=prepare_request(req, ServerConfig()), store=None, owner="o")
+    progress = [Progress(done=done, total=300) for done in (64, 128, 192)]
+    # Right after the opening events: comments only.
+    frames = renderer.stream_frames(progress[:1])
+    assert [name for name, _ in _sse_events(frames)] == ["response.created", "response.in_progress"]
+    assert frames.count(b": keepalive 64/300") == 1
+    # Once the interval has passed since the last event: an event per interval.
+    monkeypatch.setattr(responses_render, "IN_PROGRESS_EVERY_SECONDS", 0.0)
+    frames = renderer.stream_frames(progress[1:])
+    events = _sse_events(frames)
+    assert [name for name, _ in events] == ["response.in_progress"] * 2
+    assert [e["sequence_number"] for _, e in events] == [2, 3]
+    for _, event in events:
+        assert event["response"]["id"] == renderer.id
+        assert event["response"]["status"] == "in_progress" and event["response"]["output"] == []
+    assert b": keepalive 128/300" in frames and b": keepalive 192/300" in frames

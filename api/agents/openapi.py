@@ -175,7 +175,8 @@ _RESPONSE_EVENTS = _events(
     ],
     "One event: `event: <type>` and `data: <JSON with type and sequence_number>`; last "
     "response.completed, response.incomplete or response.failed (with the response). "
-    "`: keepalive` comments while a long prompt is processed.",
+    "`: keepalive` comments while a long prompt is processed, and response.in_progress "
+    "again every 10 s.",
 )
 
 _MESSAGE_EVENTS = _events(

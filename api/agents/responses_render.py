@@ -9,7 +9,9 @@ Receives what a Session sends (``Delta``, ``Progress``, then ``Finished`` or
 / ``.done``, ``response.output_text.delta`` / ``.done``,
 ``response.reasoning_text.delta`` / ``.done``,
 ``response.function_call_arguments.delta`` / ``.done``, then
-``response.completed``, ``response.incomplete`` or ``response.failed``).
+``response.completed``, ``response.incomplete`` or ``response.failed``; while
+a long prompt is processed, ``: keepalive`` comments and, every
+``IN_PROGRESS_EVERY_SECONDS``, ``response.in_progress`` again).
 A finished response is put in the ``ResponseStore`` with its conversation,
 under the owner the route gives (the request's API key, hashed).
 """
@@ -35,6 +37,12 @@ from runtime.messages import Failed, Finished, Progress
 
 log = logging.getLogger(__name__)
 
+# While a long prompt is processed, a stream gets a ``: keepalive`` comment every
+# step and a ``response.in_progress`` event at most this often: an event, because
+# some clients' idle timers count events and not comments (Codex's stream idle
+# timeout, 300 s by default, reads events through an SSE parser that drops comments).
+IN_PROGRESS_EVERY_SECONDS = 10.0
+
 
 class ResponsesRenderer(AgentRenderer):
     """Session events -> a ``response`` object or its event stream; stores it when done."""
@@ -57,6 +65,7 @@ class ResponsesRenderer(AgentRenderer):
         self.owner = owner
         self._item_ids: dict[int, str] = {}
         self._sequence = 0
+        self._last_event = time.monotonic()  # of the stream's last event (not a comment)
 
     # ---- items
 
@@ -176,6 +185,7 @@ class ResponsesRenderer(AgentRenderer):
     def _event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
+        self._last_event = time.monotonic()
         return sse_event(kind, payload)
 
     def opening_frames(self) -> list[bytes]:
@@ -186,7 +196,10 @@ class ResponsesRenderer(AgentRenderer):
         ]
 
     def progress_frames(self, progress: Progress) -> list[bytes]:
-        return [keepalive(progress)]
+        frames = [keepalive(progress)]
+        if time.monotonic() - self._last_event >= IN_PROGRESS_EVERY_SECONDS:
+            frames.append(self._event("response.in_progress", response=self.response()))
+        return frames
 
     def block_frames(self, event: BlockEvent) -> list[bytes]:
         block = event.block
