@@ -35,7 +35,9 @@ the prompt-cache policy's decisions hold as before, now with memory to spare.
 stored entry an id, reports ``CacheEntryStored`` and ``CacheEntryRemoved``
 (what mlx-lm's ``insert_cache`` drops by itself: an entry replaced by the same
 tokens, or prefixes a longer trimmable entry covers), and removes entries by
-id (``evict``). Ids are assigned in insertion order, so in a distributed
+id (``evict``). With a disk tier (``CacheEntries.disk``, ``--prompt-cache-dir``)
+it tells it of every entry stored and of every entry it evicts, before the
+arrays go. Ids are assigned in insertion order, so in a distributed
 group, where every rank inserts the same entries in the same steps, every
 rank gives the same ids and an ``EvictCache`` names the same entries on all.
 
