@@ -255,7 +255,7 @@ class DiskPromptCache:
     def _write(self, name: str, meta: dict, views: list[memoryview]) -> None:
         kv, tmp = self.folder / f"{name}.kv", self.folder / f".{name}.{os.getpid()}.kv.tmp"
         try:
-            with open(tmp, "wb") as out:
+            with _private(tmp) as out:
                 for view in views:
                     out.write(view)
             os.replace(tmp, kv)
@@ -403,7 +403,13 @@ def _entry(name: str, meta: dict, last_used: float) -> DiskEntry:
 def _write_json(path: Path, meta: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(json.dumps(meta, separators=(",", ":")))
+        with _private(tmp) as out:
+            out.write(json.dumps(meta, separators=(",", ":")).encode())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _private(path: Path):
+    """``path`` opened for writing, readable by its owner only: it holds prompts."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")

@@ -62,6 +62,7 @@ def test_an_entry_comes_back_bit_for_bit_by_its_longest_prefix_and_after_a_resta
     assert not disk.keep("", tokens, [first, second])  # being written or kept: once
     written(disk, 1)
     assert disk.entries == 1 and disk.nbytes == 2 * 2 * (5 + 3) * 2 * 4 * 2
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o600}  # it holds prompts
     entry, shared = disk.longest("", tokens[:6] + [1, 2, 3])
     assert shared == 6
     assert disk.longest("", [7] + tokens) is None  # shares no leading token
