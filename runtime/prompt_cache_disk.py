@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 WRITE_QUEUE = 4  # entries waiting for the writer; more are not written
+# Entries are indexed by their first this many tokens: a lookup compares only those
+# that share them with the prompt (and the shorter ones), not the whole folder.
+HEAD_TOKENS = 32
 CLOSE_WAIT_SECONDS = 4.0  # how long closing waits for the entries queued to be written
 # Files whose names say they are a model's weights, configuration or tokenizer.
 MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".gguf", ".model", ".bin", ".tiktoken")
@@ -111,6 +114,7 @@ class DiskPromptCache:
         self.fingerprint = fingerprint
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
+        self._by_head: dict[tuple, set[str]] = {}  # (digest, first HEAD_TOKENS) -> names
         self._bytes = 0  # of the entries indexed
         self._writing: set[str] = set()
         self.writes = 0  # entries written
@@ -148,11 +152,14 @@ class DiskPromptCache:
     def longest(self, scope: str, tokens: Sequence[int]) -> tuple[DiskEntry, int] | None:
         """The entry of this model and scope that shares the most leading tokens with
         ``tokens`` (of those, the shortest: the least to read), and how many it shares;
-        None if none shares any."""
+        None if none shares any. Only entries that share their first ``HEAD_TOKENS``
+        with ``tokens`` (or are shorter) are compared."""
         digest = self.digest(scope)
         prompt = np.asarray(tokens, dtype=np.int32)
         with self._lock:
-            candidates = [e for e in self._entries.values() if e.digest == digest]
+            names = self._by_head.get(_head(digest, prompt), set()) | self._by_head.get(
+                (digest, None), set())
+            candidates = [self._entries[name] for name in names]
         best: tuple[DiskEntry, int] | None = None
         for entry in candidates:
             m = min(entry.n_tokens, len(prompt))
@@ -267,8 +274,7 @@ class DiskPromptCache:
         views.clear()  # the arrays may go
         entry = _entry(name, meta, time.time())
         with self._lock:
-            self._entries[name] = entry
-            self._bytes += entry.nbytes
+            self._add(entry)
         self.writes += 1
         self._trim()
 
@@ -281,8 +287,7 @@ class DiskPromptCache:
                     if self._bytes <= self.max_bytes:
                         break
                     victims.append(entry)
-                    self._bytes -= entry.nbytes
-                    del self._entries[entry.name]
+                    self._drop(entry)
         for entry in victims:
             self._remove_files(entry.name)
             self.removed += 1
@@ -338,9 +343,25 @@ class DiskPromptCache:
     def forget(self, entry: DiskEntry) -> None:
         """Remove an entry that could not be read."""
         with self._lock:
-            if self._entries.pop(entry.name, None) is not None:
-                self._bytes -= entry.nbytes
+            if entry.name in self._entries:
+                self._drop(entry)
         self._remove_files(entry.name)
+
+    def _add(self, entry: DiskEntry) -> None:
+        """Index ``entry`` (the lock held)."""
+        self._entries[entry.name] = entry
+        self._by_head.setdefault(_head(entry.digest, entry.tokens), set()).add(entry.name)
+        self._bytes += entry.nbytes
+
+    def _drop(self, entry: DiskEntry) -> None:
+        """Forget ``entry`` (the lock held)."""
+        del self._entries[entry.name]
+        head = _head(entry.digest, entry.tokens)
+        names = self._by_head[head]
+        names.discard(entry.name)
+        if not names:
+            del self._by_head[head]
+        self._bytes -= entry.nbytes
 
     # ------------------------------------------------------------ the rest
 
@@ -354,8 +375,7 @@ class DiskPromptCache:
                 kv_size = (self.folder / f"{name}.kv").stat().st_size
                 if meta.get("format") != FORMAT or kv_size != meta["nbytes"]:
                     raise ValueError("another format, or an incomplete file")
-                self._entries[name] = _entry(name, meta, path.stat().st_mtime)
-                self._bytes += self._entries[name].nbytes
+                self._add(_entry(name, meta, path.stat().st_mtime))
                 indexed.add(name)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.info("removing prompt-cache entry %s from %s: %s", name, self.folder, exc)
@@ -385,6 +405,13 @@ class DiskPromptCache:
             log.warning("the prompt cache's disk writer did not finish in %.0f s",
                         CLOSE_WAIT_SECONDS)
         self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+def _head(digest: str, tokens: np.ndarray) -> tuple:
+    """The index key of tokens: their first ``HEAD_TOKENS`` (None for fewer)."""
+    if len(tokens) < HEAD_TOKENS:
+        return digest, None
+    return digest, tokens[:HEAD_TOKENS].tobytes()
 
 
 def _entry(name: str, meta: dict, last_used: float) -> DiskEntry:

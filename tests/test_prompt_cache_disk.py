@@ -85,6 +85,23 @@ def test_an_entry_comes_back_bit_for_bit_by_its_longest_prefix_and_after_a_resta
     other.close()
 
 
+def test_a_lookup_compares_only_the_entries_that_open_as_the_prompt_does(folder):
+    from runtime.prompt_cache_disk import HEAD_TOKENS
+
+    disk = DiskPromptCache(folder, 10**9, "w")
+    n = 2 * HEAD_TOKENS
+    base = list(range(1000, 1000 + n))
+    late = base[:HEAD_TOKENS] + [7] * HEAD_TOKENS  # parts from base after its head
+    early = base[:5] + [7] * (n - 5)  # parts within the head
+    for i, tokens in enumerate((late, early)):
+        disk.keep("", tokens, [layers_of(n, seed=i)])
+        written(disk, i + 1)
+    assert disk.longest("", base) == (disk.longest("", late)[0], HEAD_TOKENS)
+    assert disk.longest("", base[:5] + [9] * 40) is None  # early opens otherwise: not compared
+    assert disk.longest("", early)[1] == n
+    disk.close()
+
+
 def test_the_byte_limit_removes_the_least_recently_used(folder):
     one = 2 * 2 * 4 * 2 * 4 * 2  # an entry of 4 tokens: 2 layers x (keys, values)
     disk = DiskPromptCache(folder, 2 * one, "w")
