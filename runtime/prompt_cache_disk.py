@@ -2,8 +2,9 @@
 
 Owns one folder (``--prompt-cache-dir``): the index of the entries in it
 (rebuilt from the folder when an engine starts), a writer thread and a reader
-thread. Receives, on the engine thread, entries to keep (``keep``) and lookups
-(``longest``); the reader reads a chosen entry's file into host arrays
+thread. Receives, on the engine thread, entries to keep (``keep``; ``write_now``
+as the engine stops) and lookups (``longest``, over entries indexed by their
+first ``HEAD_TOKENS``); the reader reads a chosen entry's file into host arrays
 (``load`` returns a ``Future``), and ``as_cache`` makes those a KV cache again,
 on the engine thread. What goes to disk, and when an entry is worth loading,
 is the engine's decision (``runtime.engine.disk_tier``).
@@ -12,6 +13,7 @@ Files: ``<name>.kv`` (the arrays, raw, one after another) and ``<name>.json``
 (the format, the key digest, the tokens, each array's dtype, shape and size).
 Both are written under a temporary name and renamed into place, the json
 last, so a name with a json is a whole entry; leftovers are removed at start.
+Files are readable by their owner only: they hold prompts.
 The key digest hashes the model's fingerprint (``model_fingerprint``: its
 files' names, sizes and modification times) with the request's prompt-cache
 scope, so an entry made by other weights or in another scope is never served.
