@@ -136,9 +136,9 @@ def retry_scene(ns, builder, rep: int, kept: bool, log_dir: Path) -> dict[str, A
 
 
 def restart_scene(ns, builder, rep: int, folder: bool, log_dir: Path) -> dict[str, Any]:
-    """Session 1's first turn on one server; after a restart, session 2's first turn
-    (the same system prompt); after another, session 1's second turn (its conversation
-    so far, then a new user turn)."""
+    """One agent's first turn on one server; after a restart, another agent's first
+    turn (the same system prompt); after another restart, the first agent's second
+    turn (its conversation so far, then a new user turn)."""
     disk = Path(tempfile.mkdtemp(prefix="resume-kv-"))
     extra = ["--prompt-cache-dir", str(disk)] if folder else []
     system_seed = f"restart-{rep}-{folder}"
