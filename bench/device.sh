@@ -28,6 +28,10 @@
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
+#   lanes=SHAPE:TOKENS[:REPS]      decode lanes: bench/decode_lanes.py (16 short rows and one of
+#                                  TOKENS, in-process) and bench/long_prefill.py with the long
+#                                  prompt decoding 256 tokens, ours against
+#                                  --decode-lane-padding 0, REPS rounds alternated (default 2)
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
@@ -148,6 +152,17 @@ for scenario in "$@"; do
         --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
+      ;;
+    lanes)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 150)" python3 bench/decode_lanes.py --model "$dir" --rows 16 \
+        --long-tokens "$p1" --lane-padding 32768 --reps 3 \
+        --out "$OUT/decode-lanes-$shape-$p1.json" 2>&1 | tail -4
+      MLX_TRIO_ENGINE_PROBE="$OUT/lanes-probe-$SECONDS" \
+        timeout -s INT -k 10 "$(limit 500)" python3 bench/long_prefill.py --model "$dir" \
+        --systems ours,lanes-off --variant "lanes-off=--decode-lane-padding 0" --no-stop \
+        --streams 16 --long-tokens "$p1" --long-max-tokens 256 --stream-tokens 4000 \
+        --rounds "${p2:-2}" --out "$OUT/lanes-$shape-$p1-$SECONDS.json" 2>&1 | tail -8
       ;;
     resume)
       dir=$(model "$shape")

@@ -12,7 +12,14 @@ it held behind the whole long prefill?). Reports, per system:
   token), and the ratio p99 during / median before;
 * the long prompt's time to first token and prompt tokens/s;
 * the short probe's time to first token;
-* the keep-alive comments the long stream received before its first token.
+* the keep-alive comments the long stream received before its first token;
+* with ``--long-max-tokens`` above a few, while the long prompt then decodes:
+  the streams' time between tokens (p50 / p99) and the long stream's own
+  (median). mlx-lm pads every decoding sequence to the longest one, so this is
+  where ``--decode-lane-padding`` shows (``--variant lanes-off=--decode-lane-padding 0``).
+
+``--variant NAME=ARGS`` adds our server with those flags as a system of its own
+(list NAME in ``--systems``); the systems alternate round by round.
 
     .venv/bin/python bench/long_prefill.py --quick              # tiny model, CPU
     python3 bench/long_prefill.py --model DIR --streams 16 --long-tokens 32768 \\
@@ -49,10 +56,10 @@ def free_port() -> int:
 
 
 def server_argv(system: str, model: str, port: int, extra: list[str]) -> list[str]:
-    if system == "ours":
-        return [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
-                "--max-tokens", "4096", *extra]
-    return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+    if system == "mlx_lm":
+        return [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
+    return [sys.executable, "-m", "api.cli", "--model", model, "--port", str(port),
+            "--max-tokens", "4096", *extra]
 
 
 async def stream_one(client, body: dict[str, Any], rec: dict[str, Any]) -> None:
@@ -89,9 +96,19 @@ async def stream_one(client, body: dict[str, Any], rec: dict[str, Any]) -> None:
         rec["ended"] = time.perf_counter()
 
 
-def body_of(text: str, max_tokens: int) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+def body_of(text: str, max_tokens: int, no_stop: dict[str, int] | None = None) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True}
+    if no_stop:
+        body["logit_bias"] = no_stop
+    return body
+
+
+def stop_bias(model: str) -> dict[str, int]:
+    """``logit_bias`` that keeps a model from its end-of-sequence tokens (config.json's)."""
+    eos = json.loads((Path(model) / "config.json").read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    return {str(i): -100 for i in ids}
 
 
 async def run_once(url: str, ns: argparse.Namespace, builder: PromptBuilder,
@@ -109,14 +126,22 @@ async def run_once(url: str, ns: argparse.Namespace, builder: PromptBuilder,
         async with trio.open_nursery() as nursery:
             for i, rec in enumerate(streams):
                 text = builder.words(ns.stream_prompt_tokens, rng, lead=f"Stream {i} r{round_index}:")
-                nursery.start_soon(stream_one, client, body_of(text, ns.stream_tokens), rec)
+                nursery.start_soon(stream_one, client, body_of(text, ns.stream_tokens, ns.no_stop), rec)
             # Until every stream decodes, then a little more: the "before" window.
+            # A stream that ended (a stop token) counts, and so, 2 s after the first
+            # stream decodes, does one whose tokens have brought no text yet (a random
+            # model's bytes that are no UTF-8).
             with trio.fail_after(300):
-                while not all(len(r.get("chunks", ())) >= 2 for r in streams):  # noqa: ASYNC110
+                while not any(len(r.get("chunks", ())) >= 2 for r in streams):  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            with trio.move_on_after(2.0):
+                while not all(len(r.get("chunks", ())) >= 2 or "ended" in r  # noqa: ASYNC110
+                              for r in streams):
                     await trio.sleep(0.01)
             await trio.sleep(ns.before_s)
             long_text = builder.words(ns.long_tokens, rng, lead=f"Long r{round_index}:")
-            nursery.start_soon(stream_one, client, body_of(long_text, 8), long_rec)
+            nursery.start_soon(stream_one, client,
+                               body_of(long_text, ns.long_max_tokens, ns.no_stop), long_rec)
             await trio.sleep(ns.probe_after_s)
             probe_text = builder.words(ns.stream_prompt_tokens, rng, lead=f"Probe r{round_index}:")
             nursery.start_soon(stream_one, client, body_of(probe_text, 8), probe_rec)
@@ -144,6 +169,11 @@ def summarize(streams, long_rec, probe_rec, ns) -> dict[str, Any]:
     p99_during = percentile(during, 99) if during else None
     ttft_long = (first - sent) if (first is not None and sent is not None) else None
     probe_first = probe_rec["chunks"][0] if probe_rec.get("chunks") else None
+    # While the long prompt decodes: from its first token to its last.
+    long_chunks = long_rec.get("chunks") or []
+    after = [g for rec in streams for g in gaps(rec.get("chunks", []), long_chunks[0],
+                                                 long_chunks[-1])] if len(long_chunks) > 1 else []
+    long_gaps = gaps(long_chunks, long_chunks[0], long_chunks[-1]) if long_chunks else []
     return {
         "streams": len(streams),
         "long_tokens": ns.long_tokens,
@@ -158,6 +188,11 @@ def summarize(streams, long_rec, probe_rec, ns) -> dict[str, Any]:
         "long_prompt_tok_s": (ns.long_tokens / ttft_long) if ttft_long else None,
         "long_keepalives": long_rec.get("keepalives"),
         "probe_ttft_s": (probe_first - probe_rec["sent"]) if probe_first else None,
+        "itl_long_decoding_p50_ms": _ms(statistics.median(after) if after else None),
+        "itl_long_decoding_p99_ms": _ms(percentile(after, 99) if after else None),
+        "gaps_long_decoding": len(after),
+        "long_itl_p50_ms": _ms(statistics.median(long_gaps) if long_gaps else None),
+        "long_tokens_out": len(long_chunks),
         "errors": [r["error"] for r in [*streams, long_rec, probe_rec] if r.get("error")],
     }
 
@@ -178,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-after-s", type=float, default=0.3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-max-tokens", type=int, default=8,
+                   help="max_tokens of the long prompt (raise it to measure its decoding)")
+    p.add_argument("--no-stop", action="store_true",
+                   help="bias the model's end-of-sequence tokens out (logit_bias), so that every "
+                   "stream decodes all its tokens (random-weight models stop anywhere)")
     p.add_argument("--server-args", default="", help="extra flags for ours")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="our server with ARGS as system NAME (list it in --systems)")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--quick", action="store_true",
                    help="tiny model: 4 streams, a 1,500-token long prompt")
@@ -192,13 +234,16 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(build_tiny_model(Path("/tmp/long-prefill-model"), seed=0))
     builder = PromptBuilder(model)
+    ns.no_stop = stop_bias(model) if ns.no_stop else None
     import trio
 
+    variants = dict(v.split("=", 1) for v in ns.variant)
     results = []
     for round_index in range(ns.rounds):
         for system in ns.systems.split(","):
             port = free_port()
-            server = ServerProcess(system, server_argv(system, model, port, ns.server_args.split()),
+            extra = variants.get(system, ns.server_args).split()
+            server = ServerProcess(system, server_argv(system, model, port, extra),
                                    f"http://127.0.0.1:{port}",
                                    Path("/tmp") / f"long-prefill-{system}-{port}.log")
             server.start(cwd=Path(__file__).resolve().parent.parent)
@@ -214,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(json.dumps(result), flush=True)
     print(f"{'system':8} {'rnd':>3} {'before p50':>10} {'during p50':>10} {'p99':>8} "
-          f"{'max':>8} {'p99/p50':>7} {'long ttft':>9} {'tok/s':>8} {'probe':>7} {'keep':>5}")
+          f"{'max':>8} {'p99/p50':>7} {'long ttft':>9} {'tok/s':>8} {'probe':>7} {'keep':>5} "
+          f"{'decoding p50':>12} {'p99':>7} {'long itl':>8}")
     for r in results:
         def f(v, fmt):
             return format(v, fmt) if v is not None else "-"
@@ -222,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(r['itl_during_p50_ms'], '10.1f')} {f(r['itl_during_p99_ms'], '8.1f')} "
               f"{f(r['itl_during_max_ms'], '8.1f')} {f(r['p99_during_over_p50_before'], '7.2f')} "
               f"{f(r['long_ttft_s'], '9.2f')} {f(r['long_prompt_tok_s'], '8.0f')} "
-              f"{f(r['probe_ttft_s'], '7.2f')} {f(r['long_keepalives'], '5d')}")
+              f"{f(r['probe_ttft_s'], '7.2f')} {f(r['long_keepalives'], '5d')} "
+              f"{f(r['itl_long_decoding_p50_ms'], '12.1f')} "
+              f"{f(r['itl_long_decoding_p99_ms'], '7.1f')} {f(r['long_itl_p50_ms'], '8.1f')}")
     if ns.out:
         Path(ns.out).write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
     return 0

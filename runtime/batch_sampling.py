@@ -63,6 +63,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
+from runtime.decode_lanes import install_decode_lanes
 from runtime.messages import SamplingParams
 from runtime.mixed_step import install_mixed_steps
 from runtime.mlx_lm_batches import install_row_hooks, queue_prefill_chunks
@@ -473,7 +474,7 @@ def _sampling_kernel(top_p: bool, min_p: bool, top_k: bool):
 
 
 def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "separate",
-                         queue_chunks: bool = False, **kwargs):
+                         queue_chunks: bool = False, lane_padding: int = 0, **kwargs):
     """A ``BatchGenerator`` whose rows all sample through ``sampler``, one call per step.
 
     ``kwargs`` go to ``BatchGenerator`` (``completion_batch_size``, ``stream``,
@@ -483,12 +484,14 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     (``runtime.mixed_step``); "separate": two, as mlx-lm runs them. ``queue_chunks``:
     where passes are shared, a prefill chunk is queued without waiting for the device
     while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
+    ``lane_padding``: ``runtime.decode_lanes``' padding limit (0: one decode batch).
     """
     from mlx_lm.generate import BatchGenerator
 
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
     generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    install_decode_lanes(generator, lane_padding)
     if chunk_pass == "shared" and install_mixed_steps(generator) and queue_chunks:
         # Measured on an H200 beside shared passes only: with two passes a step, queued
         # chunks made the streams' steps longer (docs/performance.md).

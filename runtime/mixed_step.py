@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from runtime.decode_lanes import decoding_batch
 from runtime.mlx_environment import chunk_attention
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class MixedStepModel:
         return self._pending is not None
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
-        generation = self._generator._generation_batch
+        generation = decoding_batch(self._generator)
         if self._pending is not None and cache is generation.prompt_cache:
             tokens, logits = self._pending
             if generation._current_tokens is not tokens:
@@ -119,7 +120,7 @@ class MixedStepModel:
     def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
         """``batch`` kept ``keep`` of its rows (``filter``), its next inputs now
         ``next_tokens``: where it is the generation batch, the pending logits follow."""
-        if self._pending is None or batch is not self._generator._generation_batch:
+        if self._pending is None or batch is not decoding_batch(self._generator):
             return
         if not keep:
             self._pending = None
@@ -132,7 +133,7 @@ class MixedStepModel:
         """A row's cache extracted from ``batch`` (``extract_cache``) as of its tokens:
         from the generation batch, without the token a pending decode step has
         already written."""
-        if self._pending is not None and batch is self._generator._generation_batch:
+        if self._pending is not None and batch is decoding_batch(self._generator):
             import mlx.core as mx
 
             for layer in caches:  # KVCache: every layer of a mixing batch is a BatchKVCache

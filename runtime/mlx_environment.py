@@ -94,6 +94,18 @@ def default_prefill_step_size(mx) -> int:
     return PREFILL_STEP_SIZES["gpu" if mx.default_device().type == mx.gpu else "cpu"]
 
 
+# runtime.decode_lanes' padding limit by device: about the padded key positions whose
+# attention costs a decode pass. An H200 step of 16 short rows took 8 ms and rose to
+# 80 with one 30k-token row padding them (0.16 us a position); the CPU's passes are
+# cheaper beside its attention (the tiny model: 0.3 us a position, 3 ms a pass).
+DECODE_LANE_PADDING = {"gpu": 32768, "cpu": 8192}
+
+
+def default_decode_lane_padding(mx) -> int:
+    """The decode lanes' padding limit for MLX's default device (``DECODE_LANE_PADDING``)."""
+    return DECODE_LANE_PADDING["gpu" if mx.default_device().type == mx.gpu else "cpu"]
+
+
 SERVER_DEFAULTS = {
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
     "MLX_CUDA_SDPA_CACHE_SIZE": "1024",

@@ -12,6 +12,13 @@ whitespace, non-ASCII text, a chat rendering): a tokenizer whose Python layer
 changes the result keeps the slow path. The verdict (about 20 ms of probes)
 is kept per tokenizer object (weakly); the ModelLoader asks for it when a
 model is ready, so no request's event loop pays for it.
+
+A long text (``LONG_TEXT_CHARS`` or more: a coding agent's prompt) goes through
+the backend's batch call with one text, which lets go of the GIL while Rust
+encodes; its single-text ``encode`` holds it throughout. Long prompts are
+prepared in worker threads, and a 30,000-token prompt held the GIL for about
+20 ms at a stretch on a 2-core CPU: the event loop, and with it every other
+client's stream, stood still that long (``bench/event_loop_lag.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 Encoder = Callable[[str, bool], list[int]]
+
+# From this many characters, the backend's batch call (which releases the GIL);
+# below it, its single-text call, which costs less per call.
+LONG_TEXT_CHARS = 4096
 
 _PROBES = (
     "",
@@ -73,7 +84,11 @@ def _choose(tokenizer: Any) -> Encoder:
     if getattr(hf, "split_special_tokens", False):
         return slow  # transformers splits special tokens itself then
 
+    batch_call = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+
     def encode_fast(text: str, add_special_tokens: bool) -> list[int]:
+        if batch_call is not None and len(text) >= LONG_TEXT_CHARS:
+            return batch_call([text], add_special_tokens=add_special_tokens)[0].ids
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     try:
@@ -89,6 +104,7 @@ def _choose(tokenizer: Any) -> Encoder:
 
 def _probe_texts(tokenizer: Any, hf: Any) -> list[str]:
     texts = list(_PROBES)
+    texts.append("\n".join(_PROBES) * (LONG_TEXT_CHARS // len("\n".join(_PROBES)) + 1))
     specials = [t for t in getattr(hf, "all_special_tokens", ()) or () if isinstance(t, str)]
     if specials:
         texts.append("x" + " ".join(specials[:16]) + "y")

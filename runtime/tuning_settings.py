@@ -99,6 +99,23 @@ class TuningSettings:
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,
     )
+    decode_lane_padding: int | None = setting(
+        None,
+        help="a sequence that starts decoding joins the decode batch it pads least; when that "
+        "adds more than this many key positions of padding (rows times tokens), it decodes in "
+        "a batch of its own, beside it in every step (0: one batch, as mlx-lm)",
+        minimum=0,
+        default_text="32768 on a GPU, 8192 on the CPU",
+        ours=True,
+        notes="mlx-lm pads every decoding sequence to the longest one's length, and a decode "
+        "step attends over that padding too: one 8,000-token sequence among 16 short ones "
+        "made each step of all 17 take 56 ms on the CPU, against 15 ms as two batches. A "
+        "batch of its own costs a forward pass per step (at most four batches), about what "
+        "attending over this much padding costs. Lower it when long and short requests "
+        "share the server and each decode step's pass is cheap; 0 to rule it out "
+        "([performance.md](performance.md#decode-lanes)).",
+        group=TUNING,
+    )
     stream_interval_ms: float = setting(
         0.0,
         help="send a streaming response's chunks at most this often, merging the tokens "

@@ -42,6 +42,7 @@ from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mlx_environment import (
     bound_buffer_cache,
+    default_decode_lane_padding,
     default_prefill_step_size,
     device_memory,
     install_prefill_attention,
@@ -239,6 +240,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if config.prefill_step_size is None:
         config = attrs.evolve(config, prefill_step_size=default_prefill_step_size(mx))
         log.debug("prefill step size: %d tokens", config.prefill_step_size)
+    if config.decode_lane_padding is None:
+        config = attrs.evolve(config, decode_lane_padding=default_decode_lane_padding(mx))
     if config.prefill_attention == "unfused" and install_prefill_attention(
             mx, full_chunk=config.prefill_step_size):
         log.debug("prefill attention: MLX's unfused path")
@@ -302,6 +305,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 stream=stream,
                 chunk_pass=chunk_pass,
                 queue_chunks=not config.wait_for_chunks,
+                lane_padding=config.decode_lane_padding,
             )
 
     return EngineCore(
