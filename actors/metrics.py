@@ -337,6 +337,12 @@ class RuntimeCollector(Collector):
             "Prompt tokens those aborted prefills had computed, kept for a retry",
             s.aborted_prefill_tokens_kept,
         )
+        yield gauge("decode_lanes",
+                    "Decode batches stepping rows now: more than one when a long sequence "
+                    "decodes apart from short ones (--decode-lane-padding)", s.decode_lanes)
+        yield counter("decode_lanes_opened",
+                      "Decode lanes opened beside the first since the engine's batch generator "
+                      "was made", s.decode_lanes_opened)
         yield gauge("engine_abort_wait_ms_max", "The longest abort wait (ms)", s.abort_wait_ms_max)
         yield gauge(
             "engine_abort_wait_steps_max",

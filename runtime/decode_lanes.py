@@ -184,6 +184,16 @@ def decoding_batch(generator: Any) -> Any:
     return batch.primary if isinstance(batch, DecodeLanes) else batch
 
 
+def lane_stats(generator: Any) -> dict[str, int]:
+    """``EngineStats``' lane fields for ``generator``: the lanes decoding rows now, and the
+    lanes opened beside the first since it was made (zeros without lanes)."""
+    batch = getattr(generator, "_generation_batch", None)
+    if not isinstance(batch, DecodeLanes):
+        return {"decode_lanes": 0, "decode_lanes_opened": 0}
+    return {"decode_lanes": sum(1 for lane in batch.lanes if len(lane)),
+            "decode_lanes_opened": batch.opened}
+
+
 def install_decode_lanes(generator: Any, padding_limit: int) -> bool:
     """Put ``DecodeLanes`` in place of a new, empty generator's generation batch (row
     hooks installed); ``padding_limit`` 0 leaves the one batch. Returns whether it did."""

@@ -321,6 +321,10 @@ class EngineStats:
     prompt_cache_disk_writes: int = 0
     prompt_cache_disk_reads: int = 0
     prompt_cache_disk_read_tokens: int = 0
+    # Decode batches stepping rows now (runtime.decode_lanes), and lanes opened beside the
+    # first since the batch generator was made
+    decode_lanes: int = 0
+    decode_lanes_opened: int = 0
     # Tokens: of the prompts admitted (cached ones included), and generated.
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)

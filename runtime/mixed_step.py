@@ -76,8 +76,9 @@ class MixedStepModel:
     """The model as a ``BatchGenerator``'s batches call it, with a step's decode and
     its prefill chunk run as one pass where it can (see the module's docstring).
 
-    ``generator``: the ``BatchGenerator`` whose ``_prompt_batch`` and
-    ``_generation_batch`` call this. Every other attribute is the model's."""
+    ``generator``: the ``BatchGenerator`` whose ``_prompt_batch`` and generation batch
+    (each of its decode lanes, ``runtime.decode_lanes``) call this; a chunk shares its
+    pass with the first lane. Every other attribute is the model's."""
 
     def __init__(self, model: Any, generator: Any):
         self.model = model

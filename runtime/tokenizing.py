@@ -16,9 +16,9 @@ model is ready, so no request's event loop pays for it.
 A long text (``LONG_TEXT_CHARS`` or more: a coding agent's prompt) goes through
 the backend's batch call with one text, which lets go of the GIL while Rust
 encodes; its single-text ``encode`` holds it throughout. Long prompts are
-prepared in worker threads, and a 30,000-token prompt held the GIL for about
-20 ms at a stretch on a 2-core CPU: the event loop, and with it every other
-client's stream, stood still that long (``bench/event_loop_lag.py``).
+prepared in worker threads, and preparing a 30,000-token prompt that way stopped
+the event loop, and with it every other client's stream, for 15 ms at a stretch
+on a 2-core CPU (4 ms through the batch call; ``bench/event_loop_lag.py``).
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def test_the_engine_serves_sampled_constrained_and_aborted_rows_across_lanes(tin
     ]
     lanes_at_abort = []
     seen = drive(core, {0: shorts, 3: longs}, abort_after={5: 5},
-                 on_abort=lambda core: lanes_at_abort.append(len(lanes.lanes)))
+                 on_abort=lambda core: lanes_at_abort.append(core.stats().decode_lanes))
     assert lanes_at_abort[0] > 1  # the aborted row decoded in a lane of its own
     assert lanes.opened >= 1  # the long prompts decoded beside the short rows
     assert seen[4]["tokens"] == alone[1]["tokens"]
@@ -360,3 +360,5 @@ def test_the_engine_serves_sampled_constrained_and_aborted_rows_across_lanes(tin
     assert all(r["failed"] is None for i, r in seen.items() if i != 5)
     assert 5 <= len(seen[5]["tokens"]) < 200
     assert len(lanes) == 0 and core.batch_sampler.registered == 0
+    stats = core.stats()  # what /metrics reports
+    assert stats.decode_lanes == 0 and stats.decode_lanes_opened == lanes.opened

@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from runtime.decode_lanes import lane_stats
 from runtime.engine.admission import AdmissionWindow
 from runtime.engine.cache_handoffs import SPILL_SECONDS, CacheHandoffs
 from runtime.engine.choices import (
@@ -475,6 +476,7 @@ class EngineCore:
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
         )
+        stats = attrs.evolve(stats, **lane_stats(self._batch))
         return stats if self._disk is None else attrs.evolve(stats, **self._disk.stats())
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
