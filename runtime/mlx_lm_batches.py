@@ -109,13 +109,16 @@ def filter_layers(caches: list, keep: list[int]) -> None:
             c.filter(keep)
     if not plain:
         return
-    rows = mx.array(keep)
-    for c in plain:
-        if c.keys is not None:
-            c.keys = c.keys[rows]
-            c.values = c.values[rows]
-        c.offset = c.offset[rows]
-        c.left_padding = c.left_padding[rows]
+    # Every row kept (a lone prompt's split as it starts decoding): nothing to select,
+    # and no copy of the layers (a 30k-token prompt's is GBs on a GPU).
+    if keep != list(range(plain[0].offset.shape[0])):
+        rows = mx.array(keep)
+        for c in plain:
+            if c.keys is not None:
+                c.keys = c.keys[rows]
+                c.values = c.values[rows]
+            c.offset = c.offset[rows]
+            c.left_padding = c.left_padding[rows]
     mx.eval([c.left_padding for c in plain])
     for c in plain:
         shared = min(c.left_padding.tolist())

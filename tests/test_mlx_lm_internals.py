@@ -275,6 +275,7 @@ def _layer_state(layer) -> tuple:
     ([3, 0, 5, 2], [1, 2]),  # a row without padding stays: nothing trimmed
     ([4, 4, 6], [2]),  # one row left
     ([1, 2], [0, 1]),  # every row stays, padding shared by all trimmed
+    ([5], [0]),  # a lone prompt's split: nothing selected, its padding trimmed
 ])
 def test_layers_filter_as_mlx_lms_own_filter_does(paddings, keep):
     ours = _batch_layers(7, paddings, 10, rotating=True)
