@@ -12,8 +12,8 @@ layer, each row left-padded to the longest, and a decode step attends over
 the padding too. A 30,000-token sequence that joined 16 short streams on an
 H200 made each of their steps 80 ms instead of 8, for as long as it decoded
 (the padding also held 16 x 30,000 positions of KV memory); on the CPU, one
-8,000-token sequence beside 16 short ones made a step 56 ms, against 12 and
-3.5 ms for the two decoding apart. Coding agents' sessions sit at every depth
+8,000-token sequence beside 16 short ones made a step 57 ms, against 11.5 and
+3.9 ms for the two decoding apart and 15.6 as two lanes (``bench/decode_lanes.py``). Coding agents' sessions sit at every depth
 from a fresh system prompt to a long conversation, beside short chat requests.
 
 How: the rows decode in up to ``MAX_LANES`` batches ("lanes"), each an

@@ -109,7 +109,7 @@ class TuningSettings:
         ours=True,
         notes="mlx-lm pads every decoding sequence to the longest one's length, and a decode "
         "step attends over that padding too: one 8,000-token sequence among 16 short ones "
-        "made each step of all 17 take 56 ms on the CPU, against 15 ms as two batches. A "
+        "made each step of all 17 take 57 ms on the CPU, against 16 ms as two batches. A "
         "batch of its own costs a forward pass per step (at most four batches), about what "
         "attending over this much padding costs. Lower it when long and short requests "
         "share the server and each decode step's pass is cheap; 0 to rule it out "
