@@ -97,7 +97,9 @@ def default_prefill_step_size(mx) -> int:
 # runtime.decode_lanes' padding limit by device: about the padded key positions whose
 # attention costs a decode pass. An H200 step of 16 short rows took 8 ms and rose to
 # 80 with one 30k-token row padding them (0.16 us a position); the CPU's passes are
-# cheaper beside its attention (the tiny model: 0.3 us a position, 3 ms a pass).
+# cheaper beside its attention (the test model: 0.3 us a position, about 1 ms a pass,
+# bench/decode_lanes.py: even 8,000 positions cost 3.5 ms); a larger model's pass
+# costs more beside its attention, hence the margin.
 DECODE_LANE_PADDING = {"gpu": 32768, "cpu": 8192}
 
 
