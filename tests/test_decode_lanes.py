@@ -300,7 +300,8 @@ def drive(core, arrivals: dict[int, list], *, abort_after: dict[int, int] | None
     aborts = dict(abort_after or {})
     for step in range(2000):
         for s in arrivals.pop(step, ()):
-            seen[s.request_id] = {"tokens": [], "failed": None, "ended": 0}
+            for request_id in (s.request_id, *s.choice_ids):
+                seen[request_id] = {"tokens": [], "failed": None, "ended": 0}
             core.handle_command(s)
         for request_id, count in list(aborts.items()):
             if len(seen.get(request_id, {}).get("tokens", ())) >= count:
@@ -323,9 +324,11 @@ def drive(core, arrivals: dict[int, list], *, abort_after: dict[int, int] | None
 def test_the_engine_serves_sampled_constrained_and_aborted_rows_across_lanes(tiny_model_path):
     """The engine as the server builds it, lanes opening at 32 positions of padding: long
     prompts join short rows sampled every way; a constrained row validates, a seeded row
-    repeats its tokens, an aborted lane row ends once and the others go on."""
+    repeats its tokens, three choices of one prompt decode, an aborted lane row ends
+    once and the others go on."""
     import json
 
+    import attrs
     import jsonschema
 
     from runtime.messages import SamplingParams
@@ -346,6 +349,9 @@ def test_the_engine_serves_sampled_constrained_and_aborted_rows_across_lanes(tin
                constraint=schema_spec(tokenizer, CORPUS["string_enum"])),
         submit(core, 4, "pick a word", sampling=seeded, max_tokens=24),
         submit(core, 5, long_text + " again", max_tokens=200),
+        attrs.evolve(submit(core, 6, long_text + " twice", max_tokens=20,
+                            sampling=SamplingParams(temperature=0.9, seed=5)),
+                     choice_ids=(7, 8)),  # n = 3: one prefill, three rows
     ]
     lanes_at_abort = []
     seen = drive(core, {0: shorts, 3: longs}, abort_after={5: 5},
@@ -359,6 +365,7 @@ def test_the_engine_serves_sampled_constrained_and_aborted_rows_across_lanes(tin
     assert all(r["ended"] == 1 for r in seen.values())
     assert all(r["failed"] is None for i, r in seen.items() if i != 5)
     assert 5 <= len(seen[5]["tokens"]) < 200
+    assert all(len(seen[i]["tokens"]) == 20 or seen[i]["tokens"][-1] in eos for i in (6, 7, 8))
     assert len(lanes) == 0 and core.batch_sampler.registered == 0
     stats = core.stats()  # what /metrics reports
     assert stats.decode_lanes == 0 and stats.decode_lanes_opened == lanes.opened
