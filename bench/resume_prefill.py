@@ -15,8 +15,9 @@ with ``--aborted-prefill-min-tokens 0`` (it is dropped), alternated.
 ``restart``: a session's first request on a server started with
 ``--prompt-cache-dir``; the server is stopped and started again on the same
 folder, and another session's first request (the same system prompt, its own
-user turn) is measured; then, after another restart, the first session's
-next turn (its first request, the reply and a new user turn). Against the
+user turn) is measured; then, after another restart, the next turn of the
+conversation that opened the scene (its first request, the reply and a new
+user turn). Against the
 same after restarts without the folder (where the next turn is computed
 whole, and is slower than the cold first turn it is compared with).
 
