@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
-from runtime.engine.pacing import MIN_CHUNK, PacedSteps, PrefillCostFit, PrefillPacer
+from runtime.engine.pacing import FIT_STEPS, MIN_CHUNK, PacedSteps, PrefillCostFit, PrefillPacer
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_prefill import coming_prefill
 
@@ -128,16 +128,28 @@ def test_steps_of_one_size_learn_the_line_from_a_step_of_half_that_size():
 
 
 def test_steps_of_one_size_at_the_floor_learn_the_line_from_one_of_twice_it():
-    pacer = PrefillPacer(1.5, 2048)
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
     pacer.observe(0.0065, decoding=16, prefill_tokens=0)
-    pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=64)
+    pacer.observe(0.0065 + 0.0095, decoding=16, prefill_tokens=64)
     # One size seen: the line is a proportion, which alone would keep the floor for good.
+    # The floor's step fits the 9.75 ms budget, so a larger one might: twice it.
     assert pacer.fixed_seconds == 0.0
     assert pacer.chunk(decoding=16, prompts=1) == 128
-    pacer.observe(0.0065 + 0.0305, decoding=16, prefill_tokens=128)
-    # Two sizes: nearly all of it is fixed, more than the budget: the floor.
-    assert pacer.fixed_seconds == pytest.approx(0.0295, rel=0.05)
-    assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
+    pacer.observe(0.0065 + 0.010, decoding=16, prefill_tokens=128)
+    # Two sizes: nearly all of it is fixed.
+    assert pacer.fixed_seconds == pytest.approx(0.009, rel=0.05)
+
+
+def test_floor_steps_longer_than_the_budget_are_not_probed_with_larger_ones():
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.0065, decoding=16, prefill_tokens=0)
+    for _ in range(40):  # a long context: the floor alone takes 30 ms of a 9.75 ms budget
+        pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=MIN_CHUNK)
+        assert pacer.chunk(decoding=16, prompts=1) == MIN_CHUNK
+    # A new, short prompt: its floor steps fit again, and a step of twice it probes.
+    for _ in range(FIT_STEPS):
+        pacer.observe(0.0065 + 0.009, decoding=16, prefill_tokens=MIN_CHUNK)
+    assert pacer.chunk(decoding=16, prompts=1) == 2 * MIN_CHUNK
 
 
 def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():

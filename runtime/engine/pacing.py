@@ -27,7 +27,8 @@ rows) chunks stay at the floor, the shortest stall there is; a larger ``factor``
 buys a faster prefill with longer gaps. While the steps seen so far all had one
 size (the line cannot be told from a proportion), the next chunk takes half that
 size, which gives the fit its second point without a longer stall (twice the
-floor at the floor, where most of a step's cost is its fixed part). With
+floor at the floor, where most of a step's cost is its fixed part, unless the
+floor's steps alone outgrow the budget: then no larger chunk fits). With
 ``ladder``, a paced chunk is the floor times a power of two (64, 128, 256, ...):
 where a step's decode and its chunk share one compiled pass
 (``runtime.mixed_step``), each new length is a new trace, and a short prompt
@@ -80,6 +81,10 @@ class PrefillCostFit:
 
     def add(self, tokens: int, seconds: float) -> None:
         self._points.append((tokens, seconds))
+
+    def median_seconds(self) -> float:
+        """The median prefill seconds of the steps the line goes through (0: none)."""
+        return statistics.median(seconds for _, seconds in self._points) if self._points else 0.0
 
     def largest(self) -> int:
         """The most prompt tokens among the steps the line goes through (0: none)."""
@@ -173,10 +178,17 @@ class PrefillPacer:
             # Only this size seen: a step of half of it gives the line its second point.
             # Not twice it: that step would be the longest stall of the prefill (on an
             # H200 a 512-token probe among 256-token steps took 41-96 ms against 20-35).
-            # At the floor, twice it: there the fixed part is most of a step, so twice
-            # the tokens cost little more, and without a second point (all of a step's
-            # cost put on its tokens) the chunk would stay at the floor for good.
-            paced = paced // 2 if paced // 2 >= self.min_chunk else 2 * paced
+            # At the floor, twice it, if the floor's steps fit the budget: there the
+            # fixed part is most of a step, so twice the tokens may cost little more, and
+            # without a second point (all of a step's cost put on its tokens) the chunk
+            # would stay at the floor for good. Where the floor alone outgrows the budget
+            # (a long context), no larger chunk fits, and such a probe was the slowest
+            # step every FIT_STEPS steps (a 2-layer model at 6k of context on a CPU:
+            # 41-50 ms against the floor's 25-33).
+            if paced // 2 >= self.min_chunk:
+                paced //= 2
+            elif self._fit.median_seconds() <= budget:
+                paced *= 2
         if short and self.ladder:
             # A short prompt beside a long one: the long one's chunk stays a multiple of
             # the floor (its keys a multiple of 64 long), the short one's padded to it.
