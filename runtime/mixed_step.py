@@ -58,6 +58,28 @@ def on_ladder(length: int, floor: int = LADDER_FLOOR) -> bool:
     return steps & (steps - 1) == 0
 
 
+def tail_padding(inputs: Any, cache: list) -> int:
+    """Tokens that pad a lone prompt's chunk off the ladder (its segment's last, odd-sized
+    one) up to the ladder's next length, so that it shares a pass too; 0 where the chunk is
+    on the ladder, of several prompts, or its cache has no room for the padding's keys
+    without growing (``runtime.mlx_lm_batches`` reserves a lone prompt's room; a grow
+    would copy the whole cache). The padding's keys are written past the cache's end and
+    taken back after the pass (``_idx``, ``offset``); the chunk's own queries never see
+    them (causal), and the next tokens overwrite them."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    if inputs.ndim != 2 or inputs.shape[0] != 1 or on_ladder(inputs.shape[1]):
+        return 0
+    length = LADDER_FLOOR
+    while length < inputs.shape[1]:
+        length *= 2
+    for layer in cache:
+        if (type(layer) is not BatchKVCache or layer.keys is None
+                or layer._idx + length > layer.keys.shape[2]):
+            return 0
+    return length - inputs.shape[1]
+
+
 def _mixable_model(model: Any) -> bool:
     from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
 
@@ -111,11 +133,20 @@ class MixedStepModel:
             and not kwargs
             and self._pending is None
             and cache is self._generator._prompt_batch.prompt_cache
-            and self._mixable(inputs, generation)
         ):
-            self._pending = (generation._next_tokens, self._forward(generation, inputs, cache))
-            self.mixed_passes += 1
-            return None  # a prompt chunk's output is not used
+            padding = tail_padding(inputs, cache)
+            if self._mixable(inputs, generation, padding):
+                chunk = inputs
+                if padding:
+                    import mlx.core as mx
+
+                    chunk = mx.concatenate([inputs, mx.zeros((1, padding), inputs.dtype)], axis=1)
+                self._pending = (generation._next_tokens, self._forward(generation, chunk, cache))
+                for layer in cache if padding else ():  # the padding's keys: past _idx, unread
+                    layer._idx -= padding
+                    layer.offset = layer.offset - padding
+                self.mixed_passes += 1
+                return None  # a prompt chunk's output is not used
         return self.model(inputs, cache=cache, **kwargs)
 
     def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
@@ -145,10 +176,10 @@ class MixedStepModel:
 
     # ------------------------------------------------------------------ the pass
 
-    def _mixable(self, inputs: Any, generation: Any) -> bool:
+    def _mixable(self, inputs: Any, generation: Any, padding: int = 0) -> bool:
         from mlx_lm.models.cache import BatchKVCache
 
-        if inputs.ndim != 2 or not on_ladder(inputs.shape[1]):
+        if inputs.ndim != 2 or not on_ladder(inputs.shape[1] + padding):
             return False
         if not generation.uids or generation._next_tokens is None:
             return False
@@ -158,7 +189,7 @@ class MixedStepModel:
         layers = self.model.model.layers
         if any(layer._compiled_decode.broken for layer in layers):
             return False
-        return self._trace(len(generation.uids), inputs.shape)
+        return self._trace(len(generation.uids), (inputs.shape[0], inputs.shape[1] + padding))
 
     def _trace(self, rows: int, chunk_shape: tuple) -> bool:
         """Trace the layers' mixed pair for this shape before any cache is touched;

@@ -5,8 +5,9 @@ own generator (``make_batch_generator``): sequences decode while two long prompt
 are prefilled in 64-token chunks, and the shared pass must give the very tokens
 of mlx-lm's two passes, also when a decoding sequence is removed (its extracted
 cache as of its tokens) or a row finishes between a shared pass and the step
-that reads it. Chunks off the ladder, models without the compiled layers and a
-trace that fails run as two passes.
+that reads it. A lone prompt's chunks off the ladder are padded onto it; a prompt
+group's, models without the compiled layers and a trace that fails run as two
+passes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mlx_lm import load
 from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode
 from runtime.engine.pacing import PrefillPacer
-from runtime.mixed_step import MixedStepModel, on_ladder
+from runtime.mixed_step import MixedStepModel, on_ladder, tail_padding
 from runtime.tiny_model import ARCHS, build_tiny_model
 
 LONG = [10 + (i * 7) % 300 for i in range(700)]
@@ -114,11 +115,45 @@ def test_a_row_removed_between_a_shared_pass_and_its_step_keeps_the_others_right
     assert mixer_of(shared).mixed_passes > 0
 
 
-def test_chunks_off_the_ladder_and_models_without_compiled_layers_take_two_passes(model_path):
+def test_a_lone_prompt_s_chunks_off_the_ladder_are_padded_onto_it(model_path):
+    """Chunks of 100 tokens: the two long prompts' chunks together take two passes; once
+    the shorter one is done, the other's chunks share the decode's pass, padded to 128."""
     expected, _ = run(generator(model_path, "separate", step=100))
     off_ladder = generator(model_path, "shared", step=100)
+    padded = []
+    mixer = mixer_of(off_ladder)
+    forward = mixer._forward
+    mixer._forward = lambda generation, chunk, cache: (
+        padded.append((chunk.shape, cache[0]._idx)), forward(generation, chunk, cache))[1]
     assert run(off_ladder)[0] == expected
-    assert mixer_of(off_ladder).mixed_passes == 0
+    # LONG alone after LONG[:300]: chunks at 300, 400, 500 and 600 (99 tokens, the last
+    # held back for its first sample). At 400 its cache (grown by mlx-lm to 512 while
+    # the two prompts prefilled together) had no room for 128: that chunk grew it in a
+    # pass of its own.
+    assert padded == [((1, 128), 300), ((1, 128), 500), ((1, 128), 600)]
+    assert mixer.mixed_passes == len(padded)
+
+
+def test_tail_padding_only_for_a_lone_prompt_whose_cache_has_room():
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    def layer(room: int, held: int = 300):
+        c = BatchKVCache(left_padding=[0])
+        c.update_and_fetch(mx.zeros((1, 2, held, 8)), mx.zeros((1, 2, held, 8)))
+        c.keys = mx.zeros((1, 2, held + room, 8))
+        c.values = mx.zeros((1, 2, held + room, 8))
+        return c
+
+    odd = mx.zeros((1, 61), mx.int32)
+    assert tail_padding(odd, [layer(64), layer(100)]) == 3
+    assert tail_padding(mx.zeros((1, 100), mx.int32), [layer(128)]) == 28
+    assert tail_padding(odd, [layer(64), layer(63)]) == 0  # a grow would copy the cache
+    assert tail_padding(mx.zeros((2, 61), mx.int32), [layer(64)]) == 0  # a prompt group
+    assert tail_padding(mx.zeros((1, 128), mx.int32), [layer(256)]) == 0  # on the ladder
+    assert tail_padding(odd, [KVCache()]) == 0
+
+
+def test_models_without_compiled_layers_take_two_passes(model_path):
     uncompiled = generator(model_path, "shared", compiled=False)
     assert not mixer_of(uncompiled).enabled
     assert run(uncompiled)[0] == run(generator(model_path, "separate", compiled=False))[0]
@@ -185,11 +220,13 @@ def test_shared_passes_queued_while_sequences_decode_give_the_same_tokens(
         assert queued_evals == waited_evals
 
 
+@pytest.mark.parametrize("step", [64, 100])
 def test_a_shared_pass_reads_its_chunk_s_keys_in_place_under_the_grouped_attention(
-        model_path, monkeypatch):
+        model_path, monkeypatch, step):
     """In half precision with the server's prefill attention installed (as on CUDA), a
     shared pass's chunk attends over its cache's buffer with one mask for all layers
-    (``ChunkAttention``): the same tokens as the installed attention's own path."""
+    (``ChunkAttention``): the same tokens as the installed attention's own path, also
+    for a lone prompt's chunks padded onto the ladder (``step`` 100)."""
     import runtime.mixed_step as mixed_step
     from runtime.mlx_environment import ChunkAttention, install_prefill_attention
 
@@ -200,11 +237,11 @@ def test_a_shared_pass_reads_its_chunk_s_keys_in_place_under_the_grouped_attenti
     real_call = ChunkAttention.__call__
     monkeypatch.setattr(ChunkAttention, "__call__",
                         lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
-    in_place = generator(model_path, "shared", dtype=mx.bfloat16)
+    in_place = generator(model_path, "shared", dtype=mx.bfloat16, step=step)
     tokens, _ = run(in_place)
     assert mixer_of(in_place).mixed_passes > 0 and len(calls) >= mixer_of(in_place).mixed_passes
     monkeypatch.setattr(mixed_step, "chunk_attention", lambda *a, **k: None)
     calls.clear()
-    installed = generator(model_path, "shared", dtype=mx.bfloat16)
+    installed = generator(model_path, "shared", dtype=mx.bfloat16, step=step)
     assert run(installed)[0] == tokens
     assert not calls and mixer_of(installed).mixed_passes > 0
