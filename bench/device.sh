@@ -28,10 +28,14 @@
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
-#   lanes=SHAPE:TOKENS[:REPS]      decode lanes: bench/decode_lanes.py (16 short rows and one of
-#                                  TOKENS, in-process) and bench/long_prefill.py with the long
-#                                  prompt decoding 256 tokens, ours against
-#                                  --decode-lane-padding 0, REPS rounds alternated (default 2)
+#   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short
+#                                  rows and one of TOKENS, in-process; up to 16k tokens) and
+#                                  bench/long_prefill.py with the long prompt decoding 256 tokens,
+#                                  ours against --decode-lane-padding 0 (SYSTEMS, default
+#                                  ours,lanes-off), REPS rounds alternated (default 2); ARGS: more
+#                                  of its options (e.g. '--tree before=DIR' for SYSTEMS
+#                                  ours,before: another build's checkout, made here); with
+#                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
@@ -155,14 +159,20 @@ for scenario in "$@"; do
       ;;
     lanes)
       dir=$(model "$shape")
-      timeout -s INT -k 10 "$(limit 150)" python3 bench/decode_lanes.py --model "$dir" --rows 16 \
-        --long-tokens "$p1" --lane-padding 32768 --reps 3 \
-        --out "$OUT/decode-lanes-$shape-$p1.json" 2>&1 | tail -4
+      if [ "$p1" -le 16000 ]; then  # one batch of 17 rows at 30k runs an H200 out of memory
+        timeout -s INT -k 10 "$(limit 150)" python3 bench/decode_lanes.py --model "$dir" --rows 16 \
+          --long-tokens "$p1" --lane-padding 32768 --reps 3 \
+          --out "$OUT/decode-lanes-$shape-$p1.json" 2>&1 | tail -4
+      fi
       MLX_TRIO_ENGINE_PROBE="$OUT/lanes-probe-$SECONDS" \
         timeout -s INT -k 10 "$(limit 500)" python3 bench/long_prefill.py --model "$dir" \
-        --systems ours,lanes-off --variant "lanes-off=--decode-lane-padding 0" --no-stop \
+        --systems "${p3:-ours,lanes-off}" --variant "lanes-off=--decode-lane-padding 0" --no-stop \
         --streams 16 --long-tokens "$p1" --long-max-tokens 256 --stream-tokens 4000 \
-        --rounds "${p2:-2}" --out "$OUT/lanes-$shape-$p1-$SECONDS.json" 2>&1 | tail -8
+        --rounds "${p2:-2}" ${p4:+$p4} --out "$OUT/lanes-$shape-$p1-$SECONDS.json" 2>&1 | tail -8
+      for slow in "$OUT"/lanes-probe-*-slow-*; do  # MLX_TRIO_ENGINE_SLOW_STEP_MS
+        [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
+pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | grep -v "^$" | tail -16
+      done
       ;;
     resume)
       dir=$(model "$shape")

@@ -19,7 +19,8 @@ it held behind the whole long prefill?). Reports, per system:
   where ``--decode-lane-padding`` shows (``--variant lanes-off=--decode-lane-padding 0``).
 
 ``--variant NAME=ARGS`` adds our server with those flags as a system of its own
-(list NAME in ``--systems``); the systems alternate round by round.
+(list NAME in ``--systems``), ``--tree NAME=DIR`` our server from another checkout;
+the systems alternate round by round.
 
     .venv/bin/python bench/long_prefill.py --quick              # tiny model, CPU
     python3 bench/long_prefill.py --model DIR --streams 16 --long-tokens 32768 \\
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", default="", help="extra flags for ours")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="our server with ARGS as system NAME (list it in --systems)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                   help="system NAME is our server run from DIR, a checkout of another build "
+                   "(e.g. a git worktree), with --server-args or its --variant flags")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--quick", action="store_true",
                    help="tiny model: 4 streams, a 1,500-token long prompt")
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     import trio
 
     variants = dict(v.split("=", 1) for v in ns.variant)
+    trees = {name: Path(tree).resolve() for name, tree in (t.split("=", 1) for t in ns.tree)}
     results = []
     for round_index in range(ns.rounds):
         for system in ns.systems.split(","):
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             server = ServerProcess(system, server_argv(system, model, port, extra),
                                    f"http://127.0.0.1:{port}",
                                    Path("/tmp") / f"long-prefill-{system}-{port}.log")
-            server.start(cwd=Path(__file__).resolve().parent.parent)
+            server.start(cwd=trees.get(system, Path(__file__).resolve().parent.parent))
             try:
                 server.wait_healthy()
                 # Warm-up: one short and one long request, unmeasured (kernels, shapes).

@@ -13,7 +13,10 @@ finished prompts started next_ms progress`` per step (``prompts``: prompts it
 prefilled; ``next_ms``: of the step, the time inside the batch generator's
 ``next``; ``progress``: ``id:done/total`` of each prompt it prefilled, comma
 separated, or ``-``) and
-``C epoch kind request_id`` per command. Emits nothing else.
+``C epoch kind request_id`` per command. With ``SLOW_STEP_ENV`` set to a number of
+milliseconds too, every step runs under ``cProfile`` and a step that took longer
+leaves its profile in ``PATH-slow-EPOCH.PID`` (its ``S`` line's start). Emits
+nothing else.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import time
 
 PROBE_ENV = "MLX_TRIO_ENGINE_PROBE"  # benchmarks: a path; the engine process appends to PATH.PID
+SLOW_STEP_ENV = "MLX_TRIO_ENGINE_SLOW_STEP_MS"  # benchmarks: profile steps slower than this
 PROBE_ITERATIONS = 400  # about 16-30 us of pure Python on a server core
 FLUSH_SECONDS = 0.5  # the engine ticks while idle too (every 50 ms), so the tail goes out
 
@@ -72,13 +76,18 @@ class ProbeLog:
             timed_next.timed = True
             return timed_next
 
+        slow_ms = float(os.environ.get(SLOW_STEP_ENV) or 0)
+
         def traced_step():
             batch = core._batch  # a new one after a failed step: wrap that too
             if not getattr(batch.next, "timed", False):
                 batch.next = timed(batch.next)
             inside[0] = 0.0
             began = time.time()
-            outputs = step()
+            if slow_ms:
+                outputs = self._profiled(step, began, slow_ms)
+            else:
+                outputs = step()
             finished = sum(1 for e in outputs.tokens if e.finish_reason is not None)
             prompts = len({p.request_id for p in outputs.progress})
             progress = ",".join(f"{p.request_id}:{p.done}/{p.total}" for p in outputs.progress)
@@ -95,6 +104,18 @@ class ProbeLog:
 
         core.step, core.handle_command = traced_step, traced_command
         return core
+
+    def _profiled(self, step, began: float, slow_ms: float):
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            return step()
+        finally:
+            profile.disable()
+            if 1000 * (time.time() - began) > slow_ms:
+                profile.dump_stats(probe_path(f"-slow-{began:.4f}"))
 
     def tick(self) -> None:
         self._lines.append(f"{time.time():.3f} {cpu_probe_us():.1f}\n")
