@@ -61,11 +61,13 @@ def on_ladder(length: int, floor: int = LADDER_FLOOR) -> bool:
 def tail_padding(inputs: Any, cache: list) -> int:
     """Tokens that pad a lone prompt's chunk off the ladder (its segment's last, odd-sized
     one) up to the ladder's next length, so that it shares a pass too; 0 where the chunk is
-    on the ladder, of several prompts, or its cache has no room for the padding's keys
-    without growing (``runtime.mlx_lm_batches`` reserves a lone prompt's room; a grow
-    would copy the whole cache). The padding's keys are written past the cache's end and
-    taken back after the pass (``_idx``, ``offset``); the chunk's own queries never see
-    them (causal), and the next tokens overwrite them."""
+    on the ladder, of several prompts, would take ``LADDER_FLOOR`` tokens of padding or
+    more (computing them would cost more than the second pass saved: a 700-token agent
+    turn would take 324), or its cache has no room for the padding's keys without growing
+    (``runtime.mlx_lm_batches`` reserves a lone prompt's room; a grow would copy the
+    whole cache). The padding's keys are written past the cache's end and taken back
+    after the pass (``_idx``, ``offset``); the chunk's own queries never see them
+    (causal), and the next tokens overwrite them."""
     from mlx_lm.models.cache import BatchKVCache
 
     if inputs.ndim != 2 or inputs.shape[0] != 1 or on_ladder(inputs.shape[1]):
@@ -73,6 +75,8 @@ def tail_padding(inputs: Any, cache: list) -> int:
     length = LADDER_FLOOR
     while length < inputs.shape[1]:
         length *= 2
+    if length - inputs.shape[1] >= LADDER_FLOOR:
+        return 0
     for layer in cache:
         if (type(layer) is not BatchKVCache or layer.keys is None
                 or layer._idx + length > layer.keys.shape[2]):

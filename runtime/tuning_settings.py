@@ -216,8 +216,8 @@ class TuningSettings:
         "their whole decode step. `shared` runs each decoder layer's norm, projections and MLP "
         "once over both (the KV caches and the attention stay apart), for llama / qwen2 / "
         "qwen3 / qwen3_moe models on the compiled decode path, and for chunks of 64 times a "
-        "power of two (the pacer keeps paced chunks to those lengths); anything else runs "
-        "as two passes. `separate`: mlx-lm's two passes everywhere "
+        "power of two (the pacer keeps paced chunks to those lengths, and a lone prompt's "
+        "odd-sized last chunk is padded up to one); anything else runs as two passes. `separate`: mlx-lm's two passes everywhere "
         "([performance.md](performance.md)).",
         group=TUNING,
     )

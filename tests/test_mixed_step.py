@@ -150,6 +150,7 @@ def test_tail_padding_only_for_a_lone_prompt_whose_cache_has_room():
     assert tail_padding(odd, [layer(64), layer(63)]) == 0  # a grow would copy the cache
     assert tail_padding(mx.zeros((2, 61), mx.int32), [layer(64)]) == 0  # a prompt group
     assert tail_padding(mx.zeros((1, 128), mx.int32), [layer(256)]) == 0  # on the ladder
+    assert tail_padding(mx.zeros((1, 700), mx.int32), [layer(1024)]) == 0  # 324 to pad
     assert tail_padding(odd, [KVCache()]) == 0
 
 
