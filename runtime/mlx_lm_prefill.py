@@ -142,6 +142,7 @@ class ComingPrefill(NamedTuple):
     prompts: int  # prompts it prefills
     tokens: int  # their prefill tokens, padded to the longest chunk as mlx-lm pads them
     short: int  # the longest next segment of a prompt with at most ``short`` tokens in all
+    depth: int = 0  # the keys the prompt batch holds (its longest row's, padding included)
 
 
 def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
@@ -170,8 +171,10 @@ def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
         # A short prompt (its last token is the generator's, not a prefill's).
         if total - 1 <= short:
             longest_short = max(longest_short, len(segs[0]))
+    layers = generator._prompt_batch.prompt_cache
+    depth = int(getattr(layers[0], "_idx", 0) or 0) if layers else 0
     return ComingPrefill(decoding, len(chunks), len(chunks) * max(chunks, default=0),
-                         longest_short)
+                         longest_short, depth)
 
 
 def tokens_to_come(generator: BatchGenerator) -> Callable[[], int]:

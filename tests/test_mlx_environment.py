@@ -15,6 +15,7 @@ from runtime.mlx_environment import (
     SERVER_DEFAULTS,
     chunk_attention,
     default_prefill_step_size,
+    in_place_chunk_limit,
     install_prefill_attention,
     server_defaults,
     unfused_prefill_attention,
@@ -537,3 +538,29 @@ def test_a_lone_prompt_s_last_chunk_reaches_cudnn_padded_to_a_full_chunk():
     attention.full_chunk = None
     attention(q[:, :, :6], k_buffer[:, :, :22], v_buffer[:, :, :22], scale=0.25, mask="causal")
     assert seen == []
+
+
+@pytest.mark.parametrize("rows,heads,prefix", [(1, 16, 0), (1, 16, 16_000), (1, 16, 30_000),
+                                               (4, 32, 12_000), (1, 64, 120_000)])
+def test_the_in_place_limit_is_the_longest_chunk_read_in_place(monkeypatch, rows, heads, prefix):
+    """``in_place_chunk_limit`` gives the longest chunk that ``chunk_attention`` takes in
+    place after ``prefix`` keys; none without the grouped attention installed."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    original = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", original)  # restored after
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert in_place_chunk_limit(mx, heads=heads, rows=rows, prefix=prefix) is None
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+    limit = in_place_chunk_limit(mx, heads=heads, rows=rows, prefix=prefix)
+    cache = SimpleNamespace(_idx=prefix, left_padding=mx.zeros((rows,), dtype=mx.int32))
+
+    def in_place(length):
+        return chunk_attention(mx, cache, length=length, heads=heads, dtype=mx.bfloat16)
+
+    assert in_place(limit) is not None and in_place(limit + 1) is None
+    if prefix >= 16_000 and heads == 16 and rows == 1:  # a 30k prompt's paced chunks
+        assert 256 <= limit < 512

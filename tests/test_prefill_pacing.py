@@ -206,7 +206,9 @@ def test_coming_prefill_predicts_what_next_prefills(model):
     gen.insert(prompts)
     seen: dict[int, int] = {}
     for _ in range(12):
-        decoding, n, padded, short = coming_prefill(gen, 100)
+        decoding, n, padded, short, depth = coming_prefill(gen, 100)
+        # The prompt batch's keys: its longest member's prefilled tokens.
+        assert depth == max((seen.get(uid, 0) for uid in gen._prompt_batch.uids), default=0)
         # The 20- and 50-token prompts are short: their next segments, whole.
         lefts = [len(m[0][0]) for m in gen._currently_processing
                  if m[2] - 1 <= 100 and not (len(m[0]) == 1 and len(m[0][0]) == 1)]
@@ -298,3 +300,32 @@ def test_pacing_that_cannot_read_the_generator_turns_itself_off():
     paced.before(generator, grouped.append)  # off: the group's sizing alone
     paced.after(0.01)
     assert grouped == [generator]
+
+
+def test_a_paced_chunk_keeps_within_its_bound_and_never_below_the_floor():
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    for tokens in (64, 128, 256, 512, 1024):  # cheap: 1 ms fixed, 2 us a token
+        pacer.observe(0.010 + 0.001 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)
+    assert pacer.chunk(decoding=16, prompts=1) == 2048
+    assert pacer.chunk(decoding=16, prompts=1, most=400) == 256  # on the ladder below it
+    assert pacer.chunk(decoding=16, prompts=1, most=10) == MIN_CHUNK
+
+
+def test_paced_steps_ask_the_bound_for_the_coming_prompts_and_their_depth():
+    from types import SimpleNamespace
+
+    from runtime.mlx_lm_prefill import ComingPrefill
+
+    asked = []
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    for tokens in (256, 512):
+        pacer.observe(0.010 + 0.001 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)
+    coming = ComingPrefill(decoding=16, prompts=1, tokens=1024, short=0, depth=20_000)
+    paced = PacedSteps(pacer, lambda generator, short: coming,
+                       chunk_limit=lambda rows, prefix: asked.append((rows, prefix)) or 300)
+    generator = SimpleNamespace(prefill_step_size=2048)
+    paced.before(generator)
+    assert generator.prefill_step_size == 256
+    assert asked and set(asked) == {(1, 20_000)}

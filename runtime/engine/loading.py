@@ -45,6 +45,7 @@ from runtime.mlx_environment import (
     default_decode_lane_padding,
     default_prefill_step_size,
     device_memory,
+    in_place_chunk_limit,
     install_prefill_attention,
     prefill_score_budget,
     server_defaults,
@@ -337,6 +338,10 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             PrefillPacer(config.decode_stall_factor, config.prefill_step_size,
                          ladder=config.chunk_pass == "shared"),
             coming_prefill,
+            # A shared pass reads its chunk's attention in place up to a bound.
+            chunk_limit=functools.partial(in_place_chunk_limit, mx,
+                                          heads=_attention_heads(handle.model))
+            if config.chunk_pass == "shared" else None,
         ),
         prefill_group=None
         if serial

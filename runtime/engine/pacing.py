@@ -151,11 +151,13 @@ class PrefillPacer:
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
         self._lone_size = None if self._spread else prefill_tokens
 
-    def chunk(self, *, decoding: int, prompts: int, short: int = 0) -> int:
+    def chunk(self, *, decoding: int, prompts: int, short: int = 0,
+              most: int | None = None) -> int:
         """Prompt tokens per prompt in the coming step, with ``decoding`` sequences
         generating and ``prompts`` prompts prefilling; ``short``: the longest next
         segment of the prompts whose whole prefill is at most ``SHORT_PROMPT``
-        tokens (0: none), which the chunk then covers."""
+        tokens (0: none), which the chunk then covers; ``most``: a paced chunk's
+        bound beyond the budget (None: none), kept to the floor at least."""
         if (
             not self.factor
             or not prompts
@@ -171,6 +173,8 @@ class PrefillPacer:
         # (its slope near zero), it would allow any chunk: grow by doubling instead, so
         # that a longer chunk's real cost enters the line before a far longer one runs.
         paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
+        if most is not None:
+            paced = min(paced, max(self.min_chunk, most))
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
         lone = self._lone_size
@@ -214,11 +218,16 @@ class PacedSteps:
     """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
     before it (``before``, with the prefill group's sizing in between) and times it
     (``after``). ``coming`` reads what the step will do:
-    ``runtime.mlx_lm_prefill.coming_prefill``."""
+    ``runtime.mlx_lm_prefill.coming_prefill``. ``chunk_limit(rows=, prefix=)``: the
+    most tokens a paced chunk of that many prompts after that many keys should have
+    (``runtime.mlx_environment.in_place_chunk_limit``; None from it or unset: no
+    bound), since its cost jumps past it and the pacer's line, fitted on shorter
+    chunks, would not foresee that."""
 
-    def __init__(self, pacer: PrefillPacer, coming) -> None:
+    def __init__(self, pacer: PrefillPacer, coming, chunk_limit=None) -> None:
         self.pacer = pacer
         self._coming = coming
+        self._chunk_limit = chunk_limit
         self._decoding = 0
         self._tokens = 0
 
@@ -253,8 +262,11 @@ class PacedSteps:
         self._decoding, self._tokens = coming.decoding, tokens
 
     def _chunk(self, coming) -> int:
+        limit = self._chunk_limit
+        most = None if limit is None or not coming.prompts else limit(
+            rows=coming.prompts, prefix=coming.depth)
         return self.pacer.chunk(decoding=coming.decoding, prompts=coming.prompts,
-                                short=coming.short)
+                                short=coming.short, most=most)
 
     def after(self, seconds: float) -> None:
         self.pacer.observe(seconds, decoding=self._decoding, prefill_tokens=self._tokens)
