@@ -393,7 +393,7 @@ def in_place_chunk_limit(mx, *, heads: int, rows: int, prefix: int) -> int | Non
     ``UNFUSED_BLOCK_LIMIT``); None where the grouped attention is not installed (no
     such bound). A longer chunk takes the installed attention in blocks of queries,
     each padding and copying the prefix's keys: on an H200 (Qwen3-0.6B shape, 16
-    query heads), 512-token paced chunks beyond 16k tokens of context took 69-117 ms
+    query heads), 512-token paced chunks beyond 16k tokens of context took 67-117 ms
     beside 16 streams, against 30-45 for 256-token ones."""
     if not getattr(mx.fast.scaled_dot_product_attention, "grouped", False):
         return None
