@@ -31,7 +31,10 @@ Taken only where the pieces are known: mlx-lm's llama (no sliding-window layers)
 / qwen2 / qwen3 / qwen3_moe models in one process, every layer on the compiled
 decode path, every cache layer a plain ``BatchKVCache``, and a chunk whose length
 is on the pacer's ladder (``on_ladder``: 64 times a power of two, so that the
-compiled functions meet few shapes). Anything else runs as mlx-lm runs it. A
+compiled functions meet few shapes), or a lone prompt's chunk that fewer than 64
+tokens pad onto it (``tail_padding``: its segment's odd-sized last chunk, which as
+a second pass was the slowest step of a long prefill). Anything else runs as mlx-lm
+runs it. A
 mixed trace that fails turns mixing off for good, with a warning, before any
 cache is touched.
 """
@@ -140,18 +143,25 @@ class MixedStepModel:
         ):
             padding = tail_padding(inputs, cache)
             if self._mixable(inputs, generation, padding):
-                chunk = inputs
-                if padding:
-                    import mlx.core as mx
-
-                    chunk = mx.concatenate([inputs, mx.zeros((1, padding), inputs.dtype)], axis=1)
-                self._pending = (generation._next_tokens, self._forward(generation, chunk, cache))
-                for layer in cache if padding else ():  # the padding's keys: past _idx, unread
-                    layer._idx -= padding
-                    layer.offset = layer.offset - padding
-                self.mixed_passes += 1
+                self._share_pass(generation, inputs, cache, padding)
                 return None  # a prompt chunk's output is not used
         return self.model(inputs, cache=cache, **kwargs)
+
+    def _share_pass(self, generation: Any, inputs: Any, cache: list, padding: int) -> None:
+        """Prefill ``inputs`` into the prompt batch's ``cache`` in one pass with the
+        generation batch's next decode step, whose logits wait in ``_pending``;
+        ``padding`` tokens (``tail_padding``) pad the chunk for the pass and are taken
+        back from the cache after it."""
+        chunk = inputs
+        if padding:
+            import mlx.core as mx
+
+            chunk = mx.concatenate([inputs, mx.zeros((1, padding), inputs.dtype)], axis=1)
+        self._pending = (generation._next_tokens, self._forward(generation, chunk, cache))
+        for layer in cache if padding else ():  # the padding's keys: past _idx, unread
+            layer._idx -= padding
+            layer.offset = layer.offset - padding
+        self.mixed_passes += 1
 
     def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
         """``batch`` kept ``keep`` of its rows (``filter``), its next inputs now
