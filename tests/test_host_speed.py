@@ -104,3 +104,30 @@ def test_the_step_trace_logs_each_step_and_command(monkeypatch, tmp_path):
     assert 10 <= float(next_ms) <= 1000 * (float(end) - float(start)) + 1
     assert (tokens, finished, prompts, started) == ("3", "1", "2", "1")
     assert progress.split(",") == [f"{p.request_id}:{p.done}/{p.total}" for p in outputs.progress]
+
+
+def test_steps_slower_than_the_bound_leave_their_profile(monkeypatch, tmp_path):
+    import pstats
+
+    from runtime.engine.host_speed import SLOW_STEP_ENV
+    from runtime.messages import StepOutputs
+
+    class _Sleeps(_FakeGenerator):
+        def __init__(self):
+            self.seconds = [0.0, 0.06, 0.0]
+
+        def next(self):
+            time.sleep(self.seconds.pop(0))
+            return [], []
+
+    monkeypatch.setenv(PROBE_ENV, str(tmp_path / "probe"))
+    monkeypatch.setenv(SLOW_STEP_ENV, "40")
+    core = _FakeCore(StepOutputs())
+    core._batch = _Sleeps()
+    traced = ProbeLog.from_environment().trace_steps(core)
+    for _ in range(3):
+        traced.step()
+    profiles = sorted(tmp_path.glob("probe-slow-*"))
+    assert len(profiles) == 1  # the 60 ms step only
+    names = {name for _, _, name in pstats.Stats(str(profiles[0])).stats}
+    assert "next" in names  # the generator's call, where its time went
