@@ -413,12 +413,11 @@ def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttent
     grouped one (``install_prefill_attention``), the queries are in half precision and
     the scores stay within ``UNFUSED_BLOCK_LIMIT``; None where the chunk's attention
     should take the installed path as it is."""
-    installed = mx.fast.scaled_dot_product_attention
-    if not getattr(installed, "grouped", False) or dtype not in (mx.bfloat16, mx.float16):
+    if dtype not in (mx.bfloat16, mx.float16) or length < 2:
         return None
     prefix = cache._idx
-    scores = len(cache.left_padding) * heads * length * (prefix + length + KEY_ALIGNMENT)
-    if length < 2 or scores > UNFUSED_BLOCK_LIMIT:
+    limit = in_place_chunk_limit(mx, heads=heads, rows=len(cache.left_padding), prefix=prefix)
+    if limit is None or length > limit:
         return None
     return ChunkAttention(mx, prefix=prefix, length=length, left_padding=cache.left_padding)
 
