@@ -360,7 +360,9 @@ class ChunkAttention:
     """A prefill chunk's attention read from its batch KV cache's buffer, for the
     layers of one forward pass (``runtime.mixed_step``): the keys and values up to the
     cache's length rounded up to ``KEY_ALIGNMENT``, sliced from the buffer with no copy
-    (mlx-lm allocates it zeroed, in blocks of 256 tokens or more), and one boolean mask
+    (mlx-lm allocates it zeroed, in blocks of 256 tokens or more; past the cache's end it
+    may also hold a padded chunk's keys, ``runtime.mixed_step.tail_padding``: finite,
+    and masked like the zeros), and one boolean mask
     for every layer that hides the keys past the chunk's end as it hides later keys.
     The same attention as ``grouped_attention`` over the cache's keys, without
     padding and masking the whole prefix anew in every layer."""
