@@ -35,7 +35,8 @@
 #                                  ours,lanes-off), REPS rounds alternated (default 2); ARGS: more
 #                                  of its options (e.g. '--tree before=DIR' for SYSTEMS
 #                                  ours,before: another build's checkout, made here); with
-#                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile
+#                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile;
+#                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
@@ -164,6 +165,7 @@ for scenario in "$@"; do
           --long-tokens "$p1" --lane-padding 32768 --reps 3 \
           --out "$OUT/decode-lanes-$shape-$p1.json" 2>&1 | tail -4
       fi
+      began=$(date +%s)
       MLX_TRIO_ENGINE_PROBE="$OUT/lanes-probe-$SECONDS" \
         timeout -s INT -k 10 "$(limit 500)" python3 bench/long_prefill.py --model "$dir" \
         --systems "${p3:-ours,lanes-off}" --variant "lanes-off=--decode-lane-padding 0" --no-stop \
@@ -173,6 +175,12 @@ for scenario in "$@"; do
         [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
 pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | grep -v "^$" | tail -16
       done
+      # MLX writes each CUDA kernel it builds (NVRTC) to its PTX cache when built: their
+      # times beside the slow steps' (S lines, profiles) tell a first-use build from a
+      # wait for the device, both of which a step's profile shows as its eval.
+      find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$began" \
+        -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$OUT/lanes-ptx-built-$SECONDS.txt"
+      echo "kernels built during the run: $(wc -l < "$OUT/lanes-ptx-built-$SECONDS.txt")"
       ;;
     resume)
       dir=$(model "$shape")

@@ -486,11 +486,11 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     ``lane_padding``: ``runtime.decode_lanes``' padding limit (0: one decode batch).
     """
-    from mlx_lm.generate import BatchGenerator
+    from runtime.short_prompts_first import ShortFirstGenerator
 
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
-    generator = install_row_hooks(BatchGenerator(model, sampler=sampler, **kwargs))
+    generator = install_row_hooks(ShortFirstGenerator(model, sampler=sampler, **kwargs))
     install_decode_lanes(generator, lane_padding)
     if chunk_pass == "shared" and install_mixed_steps(generator) and queue_chunks:
         # Measured on an H200 beside shared passes only: with two passes a step, queued

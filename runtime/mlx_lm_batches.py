@@ -58,7 +58,9 @@ from runtime.plain_masks import plain_masks
 #
 # - ``BatchGenerator`` instance attributes ``_prompt_batch``, ``_generation_batch``
 #   (created once in ``__init__`` and afterwards only ``extend``-ed, ``split``
-#   and ``filter``-ed, never replaced), ``_unprocessed_sequences``, ``model``,
+#   and ``filter``-ed; mlx-lm never replaces them, and the prompt batch is swapped
+#   between steps only by ``runtime.short_prompts_first``, with a shallow copy of
+#   itself that keeps these hooks), ``_unprocessed_sequences``, ``model``,
 #   ``sampler`` (the fallback sampler every ``None`` row sampler becomes),
 #   ``prefill_step_size``.
 # - ``PromptProcessingBatch.empty(model, fallback_sampler, prefill_step_size)``,

@@ -221,6 +221,20 @@ class TuningSettings:
         "([performance.md](performance.md)).",
         group=TUNING,
     )
+    short_prompts_join: bool = setting(
+        False,
+        help="let a short prompt (at most 1,024 tokens to prefill) that arrives during a long "
+        "prompt's prefill join that prompt's batch, as mlx-lm does, instead of being "
+        "prefilled on its own while the long prompt's batch waits aside",
+        ours=True,
+        notes="mlx-lm prefills a prompt batch in lockstep: a prompt that joins is padded to "
+        "the depth of those already in it (a chat message beside a 30k-token prompt "
+        "attends over 30k keys) and the long prompt's KV is copied as the short one joins "
+        "and leaves. Set aside instead, the long prompt's batch is untouched and loses two "
+        "steps to each short prompt (at most two of every three while short ones keep "
+        "coming). Set it to measure the difference ([performance.md](performance.md)).",
+        group=TUNING,
+    )
     wait_for_chunks: bool = setting(
         False,
         help="wait for the device to finish each prefill chunk before the next step, as "

@@ -100,6 +100,7 @@ class EngineCore:
         shared_prefill_min_tokens: int = 0,
         aborted_prefill_min_tokens: int = 0,
         paced_steps: Any = None,
+        short_prompts_first: Any = None,
         disk: Any = None,
     ):
         """``batch_generator_factory()`` makes the generator (again after a failed step).
@@ -124,7 +125,8 @@ class EngineCore:
         ``prefill_group(generator)`` sizes each step's prefill group (None:
         mlx-lm's ``prefill_batch_size``; ``mlx_lm_prefill.size_prefill_group``);
         ``paced_steps`` (``runtime.engine.pacing.PacedSteps``; None: full chunks)
-        sizes its chunk while sequences decode and times each ``next()``.
+        sizes its chunk while sequences decode and times each ``next()``;
+        ``short_prompts_first`` (None: off) sets a long prefill aside for short prompts.
         ``shared_prefill_min_tokens`` (0: off): a request that repeats that many
         uncached tokens of a prompt being prefilled waits for that prefix's
         prompt-cache copy (``runtime.engine.shared_prefill``).
@@ -159,7 +161,10 @@ class EngineCore:
             limit=admission_limit,
         )
         self._prefill_group = prefill_group
+        self._size_group = prefill_group if short_prompts_first is None \
+            else short_prompts_first.sizing(prefill_group)
         self._paced = paced_steps
+        self._short_first = short_prompts_first
         self._awaiting_first: set[int] = set()  # uids past their prompt, without a token
         self._clones = PendingChoices()  # choices waiting for their first choice's prompt
         self._shared = SharedPrefills(shared_prefill_min_tokens)  # waiting for a prefix
@@ -368,10 +373,12 @@ class EngineCore:
 
     def _run_step(self, progress: list[PromptProgress], tokens: list[TokenEvent]) -> None:
         paced = self._paced
+        if self._short_first is not None:
+            self._short_first.before(self._batch)
         if paced is not None:
-            paced.before(self._batch, self._prefill_group)
-        elif self._prefill_group is not None:
-            self._prefill_group(self._batch)
+            paced.before(self._batch, self._size_group)
+        elif self._size_group is not None:
+            self._size_group(self._batch)
         began = time.perf_counter()
         prompt_responses, generation_responses = self._batch.next()
         if paced is not None:

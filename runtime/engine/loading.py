@@ -32,7 +32,7 @@ from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.disk_tier import DiskTier
-from runtime.engine.pacing import PacedSteps, PrefillPacer
+from runtime.engine.pacing import SHORT_PROMPT, PacedSteps, PrefillPacer
 from runtime.engine.serial import SerialGenerator
 from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
@@ -58,6 +58,7 @@ from runtime.mlx_lm_prefill import coming_prefill, size_prefill_group
 from runtime.prompt_cache_disk import DiskPromptCache, model_fingerprint
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
+from runtime.short_prompts_first import ShortPromptsFirst
 from runtime.vision import vision_family
 
 log = logging.getLogger(__name__)
@@ -343,6 +344,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                                           heads=_attention_heads(handle.model))
             if config.chunk_pass == "shared" else None,
         ),
+        short_prompts_first=None if serial or config.short_prompts_join
+        else ShortPromptsFirst(SHORT_PROMPT),
         prefill_group=None
         if serial
         else functools.partial(
