@@ -21,9 +21,7 @@ from collections.abc import Sequence
 
 import attrs
 
-
-def tokens_array(tokens: Sequence[int]) -> array:
-    return tokens if isinstance(tokens, array) else array("i", tokens)
+from runtime.token_runs import common_run, tokens_array
 
 
 class _Node:
@@ -47,21 +45,6 @@ class Walk:
     prefix: int  # the longest entry (at least 2 tokens) that is a strict prefix of them
     beyond: bool | None  # entries extend past the shared part: whether all can be trimmed
     nearest: int | None  # an entry id at or below the end of the shared part, or on the way
-
-
-def _common(label: array, tokens: array, start: int) -> int:
-    """How many leading tokens of ``label`` equal ``tokens[start:]``'s."""
-    segment = tokens[start : start + len(label)]
-    if segment == label:
-        return len(label)
-    lo, hi = 0, min(len(segment), len(label))
-    while lo < hi:  # the longest common prefix, by slice comparisons done in C
-        mid = (lo + hi + 1) // 2
-        if label[:mid] == segment[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 class TokenTrie:
@@ -92,7 +75,7 @@ class TokenTrie:
                 node.edges[tokens[depth]] = leaf
                 node, depth = leaf, n
                 break
-            m = _common(child.label, tokens, depth)
+            m = common_run(child.label, tokens, depth)
             if m < len(child.label):  # split the edge where the tokens leave it
                 mid = _Node(node, child.label[:m])
                 mid.count, mid.untrimmable = child.count, child.untrimmable
@@ -178,7 +161,7 @@ class TokenTrie:
                 # mlx-lm's "longer" search starts here, this node's own entry included.
                 beyond_node = node if depth else None
                 break
-            m = _common(child.label, tokens, depth)
+            m = common_run(child.label, tokens, depth)
             if m < len(child.label):
                 depth += m
                 beyond_node = child if depth else None

@@ -7,7 +7,12 @@ piece with the reason and what it relies on; ``tests/test_mlx_lm_internals.py``
 checks every one of them against the installed mlx-lm and fails naming the
 attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 
-* ``shared_prefix_length``: walks ``LRUPromptCache._trie._trie`` (the prompt
+* ``use_prompt_trie``: puts another trie in place of ``LRUPromptCache._trie``
+  (mlx-lm's ``PromptTrie``, which its ``insert_cache``, ``fetch_nearest_cache``
+  and ``trim_to`` go through: ``add``, ``get``, ``pop``, ``pop_prefixes``,
+  ``search``); the engine's store takes ``runtime.prompt_trie``'s radix trie.
+* ``shared_prefix_length``: the longest prefix an entry shares, from that
+  trie's ``shared_prefix``, or walking mlx-lm's ``PromptTrie._trie`` (the prompt
   cache's reuse floor, ``runtime.prompt_cache_store``).
 * ``prompt_cache_has_entry``, ``prompt_cache_entry`` and
   ``remove_prompt_cache_entry``: one named entry of an ``LRUPromptCache``
@@ -57,13 +62,31 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------ the prompt cache
 
 
+def use_prompt_trie(cache: Any, trie: Any) -> None:
+    """Index an empty ``LRUPromptCache``'s entries with ``trie`` instead of mlx-lm's
+    ``PromptTrie``: ``trie`` answers ``add``, ``get``, ``pop``, ``pop_prefixes`` and
+    ``search`` as it does, and ``shared_prefix(model, tokens)`` and ``value(model,
+    tokens)`` (the value for exactly those tokens, or None) for the lookups below.
+
+    Relies on ``LRUPromptCache._trie`` being the one index its methods go through
+    (``tests/test_mlx_lm_internals.py``)."""
+    from mlx_lm.models.cache import PromptTrie
+
+    if not isinstance(getattr(cache, "_trie", None), PromptTrie) or len(cache):
+        raise ValueError("use_prompt_trie needs an empty LRUPromptCache with mlx-lm's trie")
+    cache._trie = trie
+
+
 def shared_prefix_length(cache: Any, model: Any, tokens: Sequence[int]) -> int | None:
     """How many leading ``tokens`` some entry of an ``LRUPromptCache`` shares with them.
 
     ``None`` when the cache is not laid out as this was written for (then the
-    caller must not take the shortcut). Relies on ``cache._trie._trie``: a dict
-    from model key to nested dicts keyed by token id (mlx-lm's ``PromptTrie``).
+    caller must not take the shortcut). With mlx-lm's trie, relies on
+    ``cache._trie._trie``: a dict from model key to nested dicts keyed by token id.
     """
+    shared_prefix = getattr(getattr(cache, "_trie", None), "shared_prefix", None)
+    if shared_prefix is not None:
+        return shared_prefix(model, tokens)
     try:
         node = cache._trie._trie.get(model)
     except AttributeError:
@@ -87,13 +110,21 @@ def _trie_node(cache: Any, model: Any, tokens: Sequence[int]) -> dict | None:
     return node
 
 
-def prompt_cache_has_entry(cache: Any, model: Any, tokens: Sequence[int]) -> bool:
-    """Whether an ``LRUPromptCache`` holds an entry for exactly ``tokens``.
+def _entry(cache: Any, model: Any, tokens: Sequence[int]) -> Any:
+    """The trie's value (an ``LRUPromptCache.CacheEntry``) for exactly ``tokens``, or None.
 
-    Relies on ``cache._trie._trie``: nested dicts keyed by token id, an entry
-    stored under the key ``"__value__"`` of its last token's node."""
+    With mlx-lm's trie, relies on ``cache._trie._trie``: nested dicts keyed by token
+    id, an entry stored under the key ``"__value__"`` of its last token's node."""
+    value = getattr(cache._trie, "value", None)
+    if value is not None:
+        return value(model, tokens)
     node = _trie_node(cache, model, tokens)
-    return node is not None and "__value__" in node
+    return None if node is None else node.get("__value__")
+
+
+def prompt_cache_has_entry(cache: Any, model: Any, tokens: Sequence[int]) -> bool:
+    """Whether an ``LRUPromptCache`` holds an entry for exactly ``tokens``."""
+    return _entry(cache, model, tokens) is not None
 
 
 def prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> tuple[list, str] | None:
@@ -102,8 +133,7 @@ def prompt_cache_entry(cache: Any, model: Any, tokens: Sequence[int]) -> tuple[l
 
     Relies on the ``"__value__"`` of the entry's node being mlx-lm's
     ``LRUPromptCache.CacheEntry`` (its ``prompt_cache`` and ``cache_type``)."""
-    node = _trie_node(cache, model, tokens)
-    entry = None if node is None else node.get("__value__")
+    entry = _entry(cache, model, tokens)
     if entry is None:
         return None
     return entry.prompt_cache, entry.cache_type

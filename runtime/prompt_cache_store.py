@@ -71,7 +71,9 @@ from runtime.mlx_lm_internals import (
     prompt_cache_has_entry,
     remove_prompt_cache_entry,
     shared_prefix_length,
+    use_prompt_trie,
 )
+from runtime.prompt_trie import RadixPromptTrie
 
 NO_LIMIT = sys.maxsize
 # Segment ends at least this long are remembered for other entries to share.
@@ -145,6 +147,7 @@ class PromptCacheStore(LRUPromptCache):
         self, max_size: int = NO_LIMIT, max_bytes: int = NO_LIMIT, *, min_reuse_tokens: int = 0
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
+        use_prompt_trie(self, RadixPromptTrie())  # a few objects an entry, not one a token
         self.min_reuse_tokens = min_reuse_tokens
         # model -> end -> tokens[:end] -> the span ending there (alive while an entry uses it)
         self._shared_ends: dict[Any, dict[int, dict[tuple[int, ...], weakref.ref]]] = {}

@@ -23,7 +23,9 @@ from runtime.mlx_lm_internals import (
     prompt_cache_has_entry,
     remove_prompt_cache_entry,
     shared_prefix_length,
+    use_prompt_trie,
 )
+from runtime.prompt_trie import RadixPromptTrie
 
 UPGRADE = "mlx-lm changed: see docs/upgrading-mlx-lm.md"
 
@@ -61,8 +63,21 @@ def _layer(tokens: int) -> KVCache:
     return layer
 
 
-def test_one_named_entry_can_be_found_and_removed_with_its_bytes():
+def test_another_trie_takes_the_place_of_mlx_lms_only_in_an_empty_cache():
+    cache = LRUPromptCache(max_size=4)
+    use_prompt_trie(cache, RadixPromptTrie())
+    assert isinstance(cache._trie, RadixPromptTrie)
+    cache.insert_cache("m", [5, 6, 7], [KVCache()])
+    assert shared_prefix_length(cache, "m", [5, 6, 8]) == 2
+    with pytest.raises(ValueError):
+        use_prompt_trie(cache, RadixPromptTrie())  # it holds an entry (and not mlx-lm's trie)
+
+
+@pytest.mark.parametrize("radix", [False, True], ids=["mlx-lm's trie", "radix trie"])
+def test_one_named_entry_can_be_found_and_removed_with_its_bytes(radix):
     cache = LRUPromptCache(max_size=10)
+    if radix:
+        use_prompt_trie(cache, RadixPromptTrie())
     cache.insert_cache("m", [1, 2, 3], [_layer(3)], cache_type="user")
     cache.insert_cache("m", [1, 5], [_layer(2)], cache_type="system")
     kept = cache.nbytes
