@@ -9,15 +9,15 @@ shortcuts (``shared_prefix``, ``value``). Receives token sequences and the
 store's entries; emits nothing.
 
 Why: mlx-lm's trie holds one dict per token. Storing a 30k-token prompt made
-30,000 of them, 8 ms of the engine thread on an H200's host (the profile of
-the step that kept a segment) and 2.5 ms on this repository's CPU with the
-garbage collector off; and each is an object that every full collection of
-the cyclic garbage collector walks: with six such entries held, one took 150
-ms on that CPU, a stall of every stream, and a 30k-token insert set one off
-now and then. Here an edge holds a run of tokens (``array('i')``), so an
-entry costs a few objects however long it is, and a lookup compares runs in
-C. The nodes hold no reference to their parents: the trie has no cycles, and
-what it drops goes by reference counting alone.
+30,000 of them (8 ms of the engine thread on an H200's host, in the profile
+of the step that kept a segment), and each is an object that every full
+collection of the cyclic garbage collector walks, in whichever step sets it
+off: sixteen agent sessions over a 24k-token system prompt made 120,000, and
+one full collection about 10 ms on this repository's CPU
+(``bench/prompt_trie_cost.py``). Here an edge holds a run of tokens
+(``array('i')``), so an entry costs a few objects however long it is, and a
+lookup compares runs in C. The nodes hold no reference to their parents: the
+trie has no cycles, and what it drops goes by reference counting alone.
 """
 
 from __future__ import annotations
