@@ -13,8 +13,9 @@ attention, 30k long beside a 30k prompt), its KV merged into a batch of two
 (a copy of the long prompt's whole cache, and another when it leaves), and
 the long prompt, no longer alone, loses the paths a lone prompt takes (the
 causal mask, its reserved room, its padded tail: ``runtime.mlx_lm_batches``,
-``runtime.mixed_step``). On an H200 the step where a short request joined a
-30k prefill took 34-98 ms beside 16 streams whose steps took 10-20.
+``runtime.mixed_step``). On an H200, beside 16 streams, a short request that
+joined a 30k prefill took three steps of 38-103 ms and left the long prompt two
+or three more of 47-85 ms, among paced steps of 16-36 (docs/performance.md).
 
 How: when a short prompt (at most ``short`` tokens to prefill: a chat message,
 an agent's next turn after its cached history) waits while the prompt batch
