@@ -131,20 +131,21 @@ class ShortPromptsFirst:
         self._just_back = False  # the batch came back before this step: it runs it
         self.stepped_aside = 0  # how many times a batch stepped aside (tests, the log)
 
-    def before(self, generator: Any) -> None:
+    def before(self, generator: Any) -> bool:
         """Before a step (and its group sizing): bring the batch set aside back once
-        the short prompts have left, or set it aside for the short ones waiting."""
+        the short prompts have left, or set it aside for the short ones waiting.
+        Returns whether the step runs with a batch aside (the short prompts' step)."""
         if not isinstance(generator, ShortFirstGenerator):
-            return
+            return False
         if generator.stepped_aside:
             self._first_aside_step = False
             if not generator._prompt_batch.uids:
                 generator.step_back()
                 self._just_back = True
-            return
+            return generator.stepped_aside
         self._just_back = False  # the step it came back in was its own
         if not self._short_ones_wait(generator):
-            return
+            return False
         waiting = generator._unprocessed_sequences
         shorts = [s for s in waiting if _to_prefill(s[1]) <= self.short]
         generator._unprocessed_sequences = deque(
@@ -152,6 +153,7 @@ class ShortPromptsFirst:
         generator.step_aside()
         self._first_aside_step = True
         self.stepped_aside += 1
+        return True
 
     def admit(self, generator: Any) -> None:
         """After the step's group is sized: while a batch is aside, only short prompts

@@ -127,6 +127,20 @@ def test_a_short_prompt_is_prefilled_alone_while_the_long_one_waits_aside(cores)
     assert core._short_first.stepped_aside >= 1
 
 
+def test_the_pacer_learns_from_the_long_prompts_steps_only(cores, monkeypatch):
+    """The steps with the long prompt's batch aside prefill another prompt at another
+    depth: the pacer's line of a step's cost against its tokens leaves them out."""
+    core = cores["aside"]
+    empty_cache(core)
+    timed: list[bool] = []
+    after = core._paced.after
+    monkeypatch.setattr(core._paced, "after", lambda seconds: (
+        timed.append(core._batch.stepped_aside), after(seconds)))
+    trace = drive(core, {0: [submit(1, tokens(LONG, 12))], 3: [submit(2, tokens(40, 13))]})
+    assert [aside for _, aside in trace.steps[:6]] == [False, False, False, True, True, False]
+    assert len(timed) == len(trace.steps) - 2 and not any(timed)
+
+
 def test_with_short_prompts_join_it_joins_the_long_prompts_batch(cores):
     core = cores["join"]
     long_prompt, short_prompt = tokens(LONG, 1), tokens(40, 2)

@@ -373,15 +373,14 @@ class EngineCore:
 
     def _run_step(self, progress: list[PromptProgress], tokens: list[TokenEvent]) -> None:
         paced = self._paced
-        if self._short_first is not None:
-            self._short_first.before(self._batch)
+        aside = self._short_first is not None and self._short_first.before(self._batch)
         if paced is not None:
             paced.before(self._batch, self._size_group)
         elif self._size_group is not None:
             self._size_group(self._batch)
         began = time.perf_counter()
         prompt_responses, generation_responses = self._batch.next()
-        if paced is not None:
+        if paced is not None and not aside:  # its line is of the long prompts' steps
             paced.after(time.perf_counter() - began)
         save = []
         share = []  # first choices whose prompt is processed up to its last token
