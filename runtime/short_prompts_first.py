@@ -19,8 +19,9 @@ or three more of 47-85 ms, among paced steps of 16-36 (docs/performance.md).
 
 How: when a short prompt (at most ``short`` tokens to prefill: a chat message,
 an agent's next turn after its cached history) waits while the prompt batch
-holds only longer prompts, none of them done, the batch and its members'
-progress are put aside (``step_aside``: a swap of two attributes, no copy of
+holds only longer prompts, none of them done, and either they have more than
+``short`` tokens left or the short prompt would be padded by more than that to
+their depth, the batch and its members' progress are put aside (``step_aside``: a swap of two attributes, no copy of
 any KV) and an empty batch like it takes their place. The short prompts, moved
 to the head of the waiting queue, are prefilled alone, as any lone prompt
 would be; only they join it, and only in its first step. Once they have left
@@ -121,6 +122,12 @@ def _to_prefill(segments) -> int:
     return sum(len(s) for s in segments) - 1
 
 
+def _cached(sequence) -> int:
+    """A waiting sequence's cached prefix (its caches' offset)."""
+    caches = sequence[3]
+    return int(getattr(caches[0], "offset", 0)) if caches else 0
+
+
 class ShortPromptsFirst:
     """When a ``ShortFirstGenerator``'s prompt batch steps aside and comes back
     (``short``: the most tokens to prefill that make a prompt short)."""
@@ -196,4 +203,13 @@ class ShortPromptsFirst:
         # group; a done member leaves for decoding in this step.
         if any(m[2] - 1 <= self.short or _to_prefill(m[0]) <= 0 for m in members):
             return False
-        return any(_to_prefill(s[1]) <= self.short for s in generator._unprocessed_sequences)
+        shorts = [s for s in generator._unprocessed_sequences if _to_prefill(s[1]) <= self.short]
+        if not shorts:
+            return False
+        # Members about to finish, and short prompts that would join them at about their
+        # depth (followers of a system prompt their leader just stored): joining pads
+        # nothing much, and setting the batch aside would only hold its first token back.
+        layers = generator._prompt_batch.prompt_cache
+        depth = int(getattr(layers[0], "_idx", 0) or 0) if layers else 0
+        return any(_to_prefill(m[0]) > self.short for m in members) or any(
+            depth - _cached(s) > self.short for s in shorts)

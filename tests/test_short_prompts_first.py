@@ -173,7 +173,7 @@ def test_short_prompts_go_ahead_of_a_waiting_long_one_which_does_not_overtake(co
 def test_under_a_stream_of_short_prompts_the_long_one_keeps_going(cores):
     core = cores["aside"]
     empty_cache(core)
-    long_prompt = tokens(LONG, 6)
+    long_prompt = tokens(2 * SHORT_PROMPT + 400, 6)  # the short ones would be padded far
     arrivals = {0: [submit(1, long_prompt, max_tokens=2)]}
     for k in range(2, 40):  # one short prompt before every step
         arrivals[k] = [submit(100 + k, tokens(20, 100 + k), max_tokens=2)]
@@ -187,6 +187,19 @@ def test_under_a_stream_of_short_prompts_the_long_one_keeps_going(cores):
     assert all(b - a <= 3 for a, b in zip(long_steps, long_steps[1:], strict=False))
     assert trace.ended[1] == "length"
     assert all(trace.ended[100 + k] == "length" for k in range(2, 40))
+
+
+def test_a_short_prompt_joins_a_long_one_about_to_finish_at_about_its_depth(cores):
+    """Like followers of a system prompt their leader has just stored: the long prompt
+    has at most ``SHORT_PROMPT`` tokens left and the short one would be padded by no
+    more than that, so it joins, and the long one's first token is not held back."""
+    core = cores["aside"]
+    empty_cache(core)
+    long_prompt, short_prompt = tokens(SHORT_PROMPT + 76, 14), tokens(40, 15)  # 1,099 to go
+    trace = drive(core, {0: [submit(1, long_prompt)], 2: [submit(2, short_prompt)]})
+    assert trace.steps[2][0] == {1: 192, 2: 39}  # 1,100 - 128 left, 128 deep: it joins
+    assert not any(aside for _, aside in trace.steps)
+    assert trace.tokens == {1: alone(core, long_prompt), 2: alone(core, short_prompt)}
 
 
 def test_an_abort_reaches_a_prompt_set_aside_and_keeps_its_prefill(cores):
