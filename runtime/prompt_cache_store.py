@@ -74,12 +74,28 @@ from runtime.mlx_lm_internals import (
     use_prompt_trie,
 )
 from runtime.prompt_trie import RadixPromptTrie
+from runtime.token_runs import tokens_array
 
 NO_LIMIT = sys.maxsize
 # Segment ends at least this long are remembered for other entries to share.
 MIN_SHARED_TOKENS = 256
 # The segment types whose ends other entries may share (a system prompt; a conversation).
 SHARED_TYPES = ("system", "user")
+
+
+def _end_forgetter(ends: RadixPromptTrie, model: Any, tokens: list[int]):
+    """A weak reference's callback that takes the end registered for ``tokens`` out of
+    ``ends`` when its span goes (the entries that used it went): a session that ended
+    leaves nothing behind. Only that registration: the same tokens may have ended a
+    newer span since."""
+    lasting, key = weakref.ref(ends), tokens_array(tokens)
+
+    def forget(ref: weakref.ref) -> None:
+        trie = lasting()
+        if trie is not None and trie.value(model, key) is ref:
+            trie.pop(model, key)
+
+    return forget
 
 
 class SharedSpan:
@@ -149,8 +165,10 @@ class PromptCacheStore(LRUPromptCache):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         use_prompt_trie(self, RadixPromptTrie())  # a few objects an entry, not one a token
         self.min_reuse_tokens = min_reuse_tokens
-        # model -> end -> tokens[:end] -> the span ending there (alive while an entry uses it)
-        self._shared_ends: dict[Any, dict[int, dict[tuple[int, ...], weakref.ref]]] = {}
+        # tokens[:end] -> the span ending there (a weak reference: alive while an entry
+        # uses it); a radix trie, so that finding the longest that a new entry repeats
+        # is one walk along it, however many sessions left their segments' ends.
+        self._shared_ends = RadixPromptTrie()
 
     def insert_cache(
         self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"
@@ -167,20 +185,13 @@ class PromptCacheStore(LRUPromptCache):
             for layer in cache
         ):
             return cache
-        ends = self._shared_ends.setdefault(model, {})
+        ends = self._shared_ends
         before = None
-        for end in sorted(ends, reverse=True):
-            if end > n:
-                continue
-            spans = ends[end]
-            for key in [k for k, ref in spans.items() if ref() is None]:
-                del spans[key]  # no entry uses it any more
-            ref = spans.get(tuple(tokens[:end]))
-            before = ref() if ref is not None else None
+        for end, ref in reversed(ends.prefix_values(model, tokens)):
+            before = ref()
             if before is not None:
                 break
-        for end in [e for e, spans in ends.items() if not spans]:
-            del ends[end]
+            ends.pop(model, tokens[:end])  # no entry uses it any more
         start = before.end if before is not None else 0
         if start == n:
             last = before
@@ -191,7 +202,7 @@ class PromptCacheStore(LRUPromptCache):
                 start, n, before,
             )
         if cache_type in SHARED_TYPES and n >= MIN_SHARED_TOKENS:
-            ends.setdefault(n, {})[tuple(tokens)] = weakref.ref(last)
+            ends.add(model, tokens, weakref.ref(last, _end_forgetter(ends, model, tokens)))
         return [SharedKVLayer(last, i, layer.nbytes) for i, layer in enumerate(cache)]
 
     def shared_prefix(self, model: Any, tokens: list[int]) -> int:

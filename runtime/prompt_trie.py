@@ -4,8 +4,8 @@ Owns ``RadixPromptTrie``, which takes the place of ``LRUPromptCache``'s
 ``PromptTrie`` in the engine's store (``runtime.prompt_cache_store``, through
 ``runtime.mlx_lm_internals.use_prompt_trie``): the same methods (``add``,
 ``get``, ``pop``, ``pop_prefixes``, ``search``) with the same results, the
-nearest longer entry included, and two lookups of its own for the store's
-shortcuts (``shared_prefix``, ``value``). Receives token sequences and the
+nearest longer entry included, and lookups of its own for the store's
+shortcuts (``shared_prefix``, ``value``) and its shared spans (``prefix_values``). Receives token sequences and the
 store's entries; emits nothing.
 
 Why: mlx-lm's trie holds one dict per token. Storing a 30k-token prompt made
@@ -154,6 +154,16 @@ class RadixPromptTrie:
             else:  # a bare link now: its one child, on the path, takes its edge
                 parent.edges[step.label[0]] = kept
         return popped
+
+    def prefix_values(self, model: Any, tokens: Sequence[int]) -> list[tuple[int, Any]]:
+        """``(length, value)`` of every stored prefix of ``tokens`` (``tokens`` itself
+        included), shortest first."""
+        found, depth = [], 0
+        for node in self._path(model, tokens_array(tokens))[0]:
+            depth += len(node.label)
+            if node.value is not _NO_VALUE:
+                found.append((depth, node.value))
+        return found
 
     def shared_prefix(self, model: Any, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` some stored sequence shares with them."""

@@ -384,3 +384,31 @@ def test_short_segments_and_other_caches_are_stored_as_they_are():
 
     odd = [OtherLayer()]
     assert store.insert_cache(MODEL, [9, 9], odd) is odd
+
+
+def test_a_segment_end_is_forgotten_when_its_span_goes():
+    """Sessions that ended leave no end behind: once no entry uses a span, the end
+    registered for it goes (a weak reference's callback), but not an end the same
+    tokens registered since for a newer span."""
+    import gc
+    import weakref
+
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS, _end_forgetter
+
+    store = PromptCacheStore()
+    system = list(range(MIN_SHARED_TOKENS + 10))
+    s = len(system)
+    session = system + [7] * 40
+    store.insert_cache(MODEL, system, entry(sequence_kv(s, seed=5)), cache_type="system")
+    store.insert_cache(MODEL, session, entry(sequence_kv(s + 40, seed=6)), cache_type="user")
+    assert [end for end, _ in store._shared_ends.prefix_values(MODEL, session)] == [s, s + 40]
+    store.remove_entry(MODEL, session)  # the system entry went when the session's covered it
+    gc.collect()
+    assert store._shared_ends.prefix_values(MODEL, session) == []
+    # Registered again, the end stays while its entry does, and a callback of another
+    # registration of the same tokens (a span gone since) leaves it alone.
+    stored = store.insert_cache(MODEL, system, entry(sequence_kv(s, seed=7)), cache_type="system")
+    registered = store._shared_ends.value(MODEL, system)
+    assert registered() is stored[0].span
+    _end_forgetter(store._shared_ends, MODEL, system)(weakref.ref(stored[0].span))
+    assert store._shared_ends.value(MODEL, system) is registered

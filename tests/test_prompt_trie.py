@@ -103,6 +103,11 @@ def test_the_stores_lookups():
     assert trie.value("m", [5, 6, 9]) == "b"
     assert trie.value("m", [5, 6]) is None
     assert trie.value("m", [5, 6, 7, 8, 1]) is None
+    trie.add("m", [5], "c")
+    assert trie.prefix_values("m", [5, 6, 7, 8, 9]) == [(1, "c"), (4, "a")]
+    assert trie.prefix_values("m", [5, 6, 9]) == [(1, "c"), (3, "b")]
+    assert trie.prefix_values("m", [5, 6]) == [(1, "c")]
+    assert trie.prefix_values("other", [5]) == []
 
 
 def test_common_run():
