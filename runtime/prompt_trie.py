@@ -5,8 +5,9 @@ Owns ``RadixPromptTrie``, which takes the place of ``LRUPromptCache``'s
 ``runtime.mlx_lm_internals.use_prompt_trie``): the same methods (``add``,
 ``get``, ``pop``, ``pop_prefixes``, ``search``) with the same results, the
 nearest longer entry included, and lookups of its own for the store's
-shortcuts (``shared_prefix``, ``value``) and its shared spans (``prefix_values``). Receives token sequences and the
-store's entries; emits nothing.
+shortcuts (``shared_prefix``, ``value``) and its shared spans
+(``prefix_values``). Receives token sequences and the store's entries; emits
+nothing.
 
 Why: mlx-lm's trie holds one dict per token. Storing a 30k-token prompt made
 30,000 of them (8 ms of the engine thread on an H200's host, in the profile
