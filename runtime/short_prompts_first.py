@@ -20,9 +20,10 @@ or three more of 47-85 ms, among paced steps of 16-36 (docs/performance.md).
 How: when a short prompt (at most ``short`` tokens to prefill: a chat message,
 an agent's next turn after its cached history) waits while the prompt batch
 holds only longer prompts, none of them done, and either they have more than
-``short`` tokens left or the short prompt would be padded by more than that to
-their depth, the batch and its members' progress are put aside (``step_aside``: a swap of two attributes, no copy of
-any KV) and an empty batch like it takes their place. The short prompts, moved
+``short`` tokens left or joining would pad the short prompt or them by more
+than that (their depths apart), the batch and its members' progress are put
+aside (``step_aside``: a swap of two attributes, no copy of any KV) and an
+empty batch like it takes their place. The short prompts, moved
 to the head of the waiting queue, are prefilled alone, as any lone prompt
 would be; only they join it, and only in its first step. Once they have left
 for decoding, the long batch comes back (``step_back``) as it was, and runs at
@@ -208,8 +209,9 @@ class ShortPromptsFirst:
             return False
         # Members about to finish, and short prompts that would join them at about their
         # depth (followers of a system prompt their leader just stored): joining pads
-        # nothing much, and setting the batch aside would only hold its first token back.
+        # nothing much (mlx-lm pads the shallower rows, either side, to the deepest),
+        # and setting the batch aside would only hold its first token back.
         layers = generator._prompt_batch.prompt_cache
         depth = int(getattr(layers[0], "_idx", 0) or 0) if layers else 0
         return any(_to_prefill(m[0]) > self.short for m in members) or any(
-            depth - _cached(s) > self.short for s in shorts)
+            abs(depth - _cached(s)) > self.short for s in shorts)

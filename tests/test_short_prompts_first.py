@@ -202,6 +202,20 @@ def test_a_short_prompt_joins_a_long_one_about_to_finish_at_about_its_depth(core
     assert trace.tokens == {1: alone(core, long_prompt), 2: alone(core, short_prompt)}
 
 
+def test_a_short_prompt_far_deeper_than_a_long_one_about_to_finish_goes_ahead(cores):
+    """Joining pads the shallower rows to the deepest, either side: a short turn after a
+    2,000-token cached history would pad a long prompt 128 tokens deep by 1,900."""
+    core = cores["aside"]
+    empty_cache(core)
+    history = tokens(2000, 16)
+    drive(core, {0: [submit(1, history, max_tokens=2)]})  # leaves its KV in the cache
+    long_prompt, turn = tokens(SHORT_PROMPT + 76, 17), history + tokens(40, 18)
+    trace = drive(core, {0: [submit(2, long_prompt)], 2: [submit(3, turn)]})
+    assert trace.steps[2] == ({3: 39}, True)  # its 40 new tokens but the last, alone
+    assert trace.tokens[2] == alone(core, long_prompt)
+    assert trace.tokens[3] == alone(core, turn)
+
+
 def test_an_abort_reaches_a_prompt_set_aside_and_keeps_its_prefill(cores):
     core = cores["aside"]
     long_prompt, short_prompt = tokens(LONG, 7), tokens(40, 8)
