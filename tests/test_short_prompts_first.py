@@ -5,7 +5,9 @@ tokens to prefill) is being prefilled, a short one that arrives is prefilled on
 its own while the long prompt's batch waits aside, untouched, and comes back
 once the short one decodes. The engine's greedy tokens are those of each
 request run alone; the long prompt loses two steps to each short one and keeps
-going under a stream of them; an abort reaches a prompt set aside (its prefill
+going under a stream of them; a short prompt still joins long ones about to
+finish at about its depth (followers of a system prompt just stored), but not
+ones far from it; an abort reaches a prompt set aside (its prefill
 kept in the prompt cache like any other's); the generator's byte count sees
 the batch set aside; with ``--short-prompts-join`` the short prompt joins the
 long one's batch as mlx-lm has it.
