@@ -232,7 +232,9 @@ class TuningSettings:
         "attends over 30k keys) and the long prompt's KV is copied as the short one joins "
         "and leaves. Set aside instead, the long prompt's batch is untouched and loses two "
         "steps to each short prompt (at most two of every three while short ones keep "
-        "coming). Set it to measure the difference ([performance.md](performance.md)).",
+        "coming). Either way a short prompt joins long ones that are about to finish at "
+        "about its depth (sessions released onto the system prompt their leader has just "
+        "stored). Set it to measure the difference ([performance.md](performance.md)).",
         group=TUNING,
     )
     wait_for_chunks: bool = setting(
