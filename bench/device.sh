@@ -60,6 +60,9 @@
 #                                  constrained step's time goes (default 64 rows, 16 constrained)
 #   first-step=SHAPE               bench/first_step.py: a prompt group's first decode step
 #                                  (GenerationBatch.__init__), timed by phase, in waves of 64
+#   prefill-first-step=SHAPE[:TOKENS[:ROUNDS]]  bench/prefill_first_step.py: 16 streams and a
+#                                  prompt of TOKENS (30000), in-process, its chunk first against
+#                                  mlx-lm's order, ROUNDS (3) of each
 #   constraints=SHAPE[:profile[:ROUNDS]]  64 clients, a quarter of the requests json_schema-constrained,
 #                                  against none (bench/constraints.py); profile: the engine's cProfile too
 #   many-clients=SHAPE:MODE:LEVELS the engine ceiling against the server, two alternated rounds
@@ -221,6 +224,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     first-step)
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 200)" python3 bench/first_step.py --model "$dir" --waves 4 2>&1 | tail -8
+      ;;
+    prefill-first-step)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 240)" python3 bench/prefill_first_step.py --model "$dir" \
+        --long-tokens "${p1:-30000}" --rounds "${p2:-3}" \
+        --json-out "$OUT/prefill-first-step-$shape.json" 2>&1 | tail -8
       ;;
     constraints)
       dir=$(model "$shape")

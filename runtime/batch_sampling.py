@@ -64,6 +64,7 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, apply_xtc
 
 from runtime.decode_lanes import install_decode_lanes
+from runtime.engine_generator import EngineBatchGenerator
 from runtime.messages import SamplingParams
 from runtime.mixed_step import install_mixed_steps
 from runtime.mlx_lm_batches import install_row_hooks, queue_prefill_chunks
@@ -486,11 +487,9 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     ``lane_padding``: ``runtime.decode_lanes``' padding limit (0: one decode batch).
     """
-    from runtime.short_prompts_first import ShortFirstGenerator
-
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
-    generator = install_row_hooks(ShortFirstGenerator(model, sampler=sampler, **kwargs))
+    generator = install_row_hooks(EngineBatchGenerator(model, sampler=sampler, **kwargs))
     install_decode_lanes(generator, lane_padding)
     if chunk_pass == "shared" and install_mixed_steps(generator) and queue_chunks:
         # Measured on an H200 beside shared passes only: with two passes a step, queued

@@ -357,6 +357,16 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         < next_source.find("self._prompt_batch.prompt("),
         "BatchGenerator._next extends the generation batch before it prefills the step's chunk",
     )
+    # runtime.mixed_step.ChunkGoesFirst: a step's decode is its generation batch's one
+    # next() call, made before anything else, with mlx-lm's counters of it.
+    expect(
+        next_source.find("self._generation_batch.next()") > -1
+        and next_source.find("self._generation_batch.next()")
+        < next_source.find("self._make_batch(")
+        and "self._counters.decode_time" in next_source,
+        "BatchGenerator._next decodes first, with one self._generation_batch.next() call "
+        "counted in self._counters",
+    )
     expect(
         "self.model(inputs[:, None], cache=self.prompt_cache)" in step,
         "GenerationBatch._step calls self.model(inputs[:, None], cache=self.prompt_cache)",

@@ -11,6 +11,8 @@ steps, through its private attributes ``_currently_processing``,
   (``runtime.engine.core``).
 * ``coming_prefill``: what the coming step decodes and prefills, for the chunk
   size set between steps (``runtime.engine.pacing``).
+* ``joiners``, ``coming_split``: the waiting sequences the coming step takes in,
+  and whether it moves a prompt into decoding (``runtime.mixed_step``).
 * ``tokens_to_come``: a reader of how many prompt tokens the prompt batch has
   still to prefill (``runtime.mlx_lm_batches``' room reservation).
 
@@ -145,6 +147,30 @@ class ComingPrefill(NamedTuple):
     depth: int = 0  # the keys the prompt batch holds (its longest row's, padding included)
 
 
+def joiners(generator: BatchGenerator) -> list:
+    """The waiting sequences the coming ``generator.next()`` moves into its prompt batch
+    (none where its decoding rows fill it: mlx-lm prefills nothing in such a step)."""
+    decoding = len(generator._generation_batch)
+    if decoding >= generator.completion_batch_size:
+        return []
+    joining = min(
+        generator.prefill_batch_size - len(generator._prompt_batch),
+        generator.completion_batch_size - decoding,
+        len(generator._unprocessed_sequences),
+    )
+    return list(generator._unprocessed_sequences)[: max(0, joining)]
+
+
+def coming_split(generator: BatchGenerator) -> bool:
+    """Whether the coming ``generator.next()`` moves a prompt into decoding: a member of
+    its prompt batch, or a sequence that joins it in that step, with only its last
+    token left."""
+    if len(generator._generation_batch) >= generator.completion_batch_size:
+        return False
+    return any(map(_is_done, generator._currently_processing)) or any(
+        _is_done((sequence[1],)) for sequence in joiners(generator))
+
+
 def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
     """What the coming ``generator.next()`` will do, with the generator's sizes as set
     (``ComingPrefill``; ``short``: the most tokens to prefill in all that make a prompt
@@ -155,12 +181,7 @@ def coming_prefill(generator: BatchGenerator, short: int = 0) -> ComingPrefill:
     step_size = generator.prefill_step_size
     # (segments left, the prompt's tokens to prefill in all: ``[segments, done, total]``)
     prompts = [(m[0], m[2]) for m in generator._currently_processing if not _is_done(m)]
-    joining = min(
-        generator.prefill_batch_size - len(generator._prompt_batch),
-        generator.completion_batch_size - decoding,
-        len(generator._unprocessed_sequences),
-    )
-    for sequence in list(generator._unprocessed_sequences)[: max(0, joining)]:
+    for sequence in joiners(generator):
         prompts.append((sequence[1], sum(len(s) for s in sequence[1])))
     chunks, longest_short = [], 0
     for segs, total in prompts:

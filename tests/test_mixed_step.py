@@ -48,10 +48,11 @@ def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: 
     )
 
 
-def run(gen, *, remove_at: int | None = None, extract: bool = False):
+def run(gen, *, remove_at: int | None = None, extract: bool = False, seen: dict | None = None):
     """Three sequences decode for six steps, then two long prompts arrive; every
     sequence's tokens, and (``remove_at``) the second sequence removed that many steps
-    after the long prompts arrived, with its extracted cache (``extract``)."""
+    after the long prompts arrived, with its extracted cache (``extract``); ``seen``
+    gets whether a shared pass had decoded ahead for the removed row."""
     uids = gen.insert(SHORT, max_tokens=[60, 50, 7])
     out: dict[int, list[int]] = {u: [] for u in uids}
     for _ in range(6):
@@ -62,6 +63,8 @@ def run(gen, *, remove_at: int | None = None, extract: bool = False):
     left, steps, removed = set(uids), 0, None
     while left:
         if steps == remove_at:
+            if seen is not None:
+                seen["pending"] = mixer_of(gen) is not None and mixer_of(gen).pending
             removed = gen.remove([uids[1]], return_prompt_caches=extract).get(uids[1])
             left.discard(uids[1])
         for r in gen.next()[1]:
@@ -90,14 +93,18 @@ def test_a_shared_pass_gives_the_tokens_of_two(model_path):
     assert mixer_of(shared).mixed_passes >= 700 // 64 - 1
 
 
-@pytest.mark.parametrize("steps_in", [2, 5])
+# Removed at 2 steps in, between steps whose chunks went first (nothing decoded
+# ahead); at 7, after the shorter prompt left for decoding: from that step on a
+# chunk shares its pass with the next step's decode.
+@pytest.mark.parametrize(("steps_in", "ahead"), [(2, False), (7, True)])
 def test_a_sequence_removed_after_a_shared_pass_leaves_its_cache_as_of_its_tokens(
-        model_path, steps_in):
+        model_path, steps_in, ahead):
     expected, (want_cache, want_tokens) = run(
         generator(model_path, "separate"), remove_at=steps_in, extract=True)
-    shared = generator(model_path, "shared")
-    tokens, (cache, cache_tokens) = run(shared, remove_at=steps_in, extract=True)
+    shared, seen = generator(model_path, "shared"), {}
+    tokens, (cache, cache_tokens) = run(shared, remove_at=steps_in, extract=True, seen=seen)
     assert mixer_of(shared).mixed_passes > 0
+    assert seen["pending"] is ahead
     assert tokens == expected
     assert list(cache_tokens) == list(want_tokens)
     for ours, theirs in zip(cache, want_cache, strict=True):
@@ -108,11 +115,52 @@ def test_a_sequence_removed_after_a_shared_pass_leaves_its_cache_as_of_its_token
 
 
 def test_a_row_removed_between_a_shared_pass_and_its_step_keeps_the_others_right(model_path):
-    expected, _ = run(generator(model_path, "separate"), remove_at=3)
-    shared = generator(model_path, "shared")
-    tokens, _ = run(shared, remove_at=3)
+    expected, _ = run(generator(model_path, "separate"), remove_at=8)
+    shared, seen = generator(model_path, "shared"), {}
+    tokens, _ = run(shared, remove_at=8, seen=seen)
     assert tokens == expected
     assert mixer_of(shared).mixed_passes > 0
+    assert seen["pending"]
+
+
+def test_a_prefill_beside_decoding_rows_runs_one_pass_a_step_its_chunk_first(
+        model_path, monkeypatch):
+    """A long prompt arrives while rows decode: every step of its prefill runs one
+    forward pass, the first included (mlx-lm's order ran that step's decode as a pass
+    of its own, then the chunk with the next step's decode), and the tokens are those
+    of two passes a step."""
+    def tokens_and_passes(chunk_pass: str):
+        gen = generator(model_path, chunk_pass)
+        mixer = mixer_of(gen)
+        inner = gen.model
+        calls = []
+        real = type(inner).__call__
+        monkeypatch.setattr(type(inner), "__call__",
+                            lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+        uids = gen.insert(SHORT, max_tokens=[40, 40, 40])
+        out = {u: [] for u in uids}
+        for _ in range(3):
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+        gen.insert([LONG], max_tokens=[3])
+        passes, prefilling = [], True
+        while prefilling:
+            before = len(calls) + (mixer.mixed_passes if mixer else 0)
+            prompt_responses, generated = gen.next()
+            passes.append(len(calls) + (mixer.mixed_passes if mixer else 0) - before)
+            prefilling = not any(r.end_of_prompt for r in prompt_responses)
+            for r in generated:
+                out.setdefault(r.uid, []).append(r.token)
+        monkeypatch.undo()
+        return out, passes
+
+    expected, separate = tokens_and_passes("separate")
+    tokens, shared = tokens_and_passes("shared")
+    assert separate[:-1] == [2] * (len(separate) - 1)  # a decode pass and a chunk's
+    # 699 tokens (the last is the first decode step's input): eleven chunks of 64, the
+    # last (59 tokens) padded onto the ladder, each in the step's one pass.
+    assert shared[:-1] == [1] * 11
+    assert {u: t[: len(expected[u])] for u, t in tokens.items()} == expected
 
 
 def test_a_lone_prompt_s_chunks_off_the_ladder_are_padded_onto_it(model_path):
