@@ -299,12 +299,12 @@ class ChunkGoesFirst:
     mlx-lm's step decodes, then prefills a chunk, which shares its pass with the next
     step's decode (``MixedStepModel``). So a prompt's first chunk came in a step that
     also ran a decode pass of its own, and the step after its last chunk ran none:
-    the first step of every prefill beside streams was the longest (on the CPU 38-40
-    ms against 21-25 for the steps after it, sixteen rows beside a 6k prompt), and
-    its excess was a whole decode pass. Taken first, the chunk's pass is the step's
-    only one; every step until the prompt leaves for decoding then begins with
-    nothing ahead and takes its chunk first, and the step after the last chunk runs
-    its decode as any decode step does.
+    the first step of every prefill beside streams was its longest (on the CPU, with
+    sixteen rows beside a 6k prompt, 1.3-1.9x the steps after it), and its excess
+    was a whole decode pass. Taken first, the chunk's pass is the step's only one;
+    every step until the prompt leaves for decoding then begins with nothing ahead
+    and takes its chunk first, and the step after the last chunk runs its decode as
+    any decode step does (beside the new row's first, as before).
 
     Only in a step that moves no prompt into decoding (``coming_split``): a row that
     joined the generation batch before its decode would change the inputs the

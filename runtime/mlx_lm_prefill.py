@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from mlx_lm.generate import BatchGenerator
+# No MLX at import: the settings import runtime.mixed_step, which imports this, and
+# a server loads its settings before MLX (OpenBLAS must come first: runtime.cpu_blas).
+if TYPE_CHECKING:
+    from mlx_lm.generate import BatchGenerator
+
 
 # mlx-lm's ``BatchGenerator._next`` moves ``prefill_batch_size - len(_prompt_batch)``
 # sequences from ``_unprocessed_sequences`` (entries ``(uid, segments, max_tokens,
