@@ -51,7 +51,7 @@ from typing import Any
 
 from runtime.decode_lanes import decoding_batch
 from runtime.mlx_environment import chunk_attention
-from runtime.mlx_lm_prefill import coming_split, joiners
+from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,25 @@ def tail_padding(inputs: Any, cache: list) -> int:
     whole cache). The padding's keys are written past the cache's end and taken back
     after the pass (``_idx``, ``offset``); the chunk's own queries never see them
     (causal), and the next tokens overwrite them."""
+    return 0 if inputs.ndim != 2 else chunk_tail_padding(*inputs.shape, cache)
+
+
+def chunk_tail_padding(rows: int, tokens: int, cache: list) -> int:
+    """``tail_padding`` of a chunk of ``rows`` prompts of ``tokens`` each."""
     from mlx_lm.models.cache import BatchKVCache
 
-    if inputs.ndim != 2 or inputs.shape[0] != 1 or on_ladder(inputs.shape[1]):
+    if rows != 1 or on_ladder(tokens):
         return 0
     length = LADDER_FLOOR
-    while length < inputs.shape[1]:
+    while length < tokens:
         length *= 2
-    if length - inputs.shape[1] >= LADDER_FLOOR:
+    if length - tokens >= LADDER_FLOOR:
         return 0
     for layer in cache:
         if (type(layer) is not BatchKVCache or layer.keys is None
                 or layer._idx + length > layer.keys.shape[2]):
             return 0
-    return length - inputs.shape[1]
+    return length - tokens
 
 
 def _mixable_model(model: Any) -> bool:
@@ -308,7 +313,10 @@ class ChunkGoesFirst:
 
     Only in a step that moves no prompt into decoding (``coming_split``): a row that
     joined the generation batch before its decode would change the inputs the
-    chunk's pass decoded for."""
+    chunk's pass decoded for; and only for a chunk that will share its pass (on the
+    ladder, or padded onto it). A chunk of its own pass keeps mlx-lm's order, its
+    decode first: taken first, such chunks (agents' later turns) left four agent
+    sessions on the CPU 0.87x the tokens/s of mlx-lm's order."""
 
     def _next(self):
         if not self._chunk_goes_first():
@@ -334,9 +342,18 @@ class ChunkGoesFirst:
             return False
         if len(self._generation_batch) >= self.completion_batch_size:
             return False  # mlx-lm prefills nothing in such a step
-        if not self._currently_processing and not joiners(self):
+        if coming_split(self):
             return False
-        return not coming_split(self)
+        coming = coming_prefill(self)
+        if not coming.prompts:
+            return False
+        tokens = coming.tokens // coming.prompts  # mlx-lm pads a chunk's rows to its longest
+        if on_ladder(tokens):
+            return True
+        # A lone member's odd-sized chunk, padded where its cache has room (not a prompt
+        # that joins in this step: its cache is made in the step).
+        return not joiners(self) and chunk_tail_padding(
+            coming.prompts, tokens, self._prompt_batch.prompt_cache) > 0
 
 
 def _layouts(layers: list) -> list:

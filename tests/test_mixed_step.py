@@ -163,6 +163,30 @@ def test_a_prefill_beside_decoding_rows_runs_one_pass_a_step_its_chunk_first(
     assert {u: t[: len(expected[u])] for u, t in tokens.items()} == expected
 
 
+def test_a_chunk_of_a_pass_of_its_own_keeps_mlx_lm_s_order(model_path, monkeypatch):
+    """Chunks of 100 tokens of two prompts together share no pass: each such step
+    decodes first and then prefills, as mlx-lm does (taken first, the chunk would hold
+    the decoding rows' tokens back behind it); the lone prompt's later chunks, padded
+    onto the ladder, share the decode's pass."""
+    expected, _ = run(generator(model_path, "separate", step=100))
+    gen = generator(model_path, "shared", step=100)
+    inner, calls = gen.model, []
+    real = type(inner).__call__
+
+    def record(self, inputs, cache=None, **kwargs):
+        calls.append("chunk" if cache is gen._prompt_batch.prompt_cache else "decode")
+        return real(self, inputs, cache=cache, **kwargs)
+
+    monkeypatch.setattr(type(inner), "__call__", record)
+    assert run(gen)[0] == expected
+    # Six steps (the three short prompts' prefill, their first decode, four more), then
+    # three steps of the two prompts together (100, 100 and the shorter one's last 99,
+    # padded by mlx-lm to 100): each the decode, then the chunk.
+    assert calls[:6] == ["chunk"] + ["decode"] * 5
+    assert calls[6:12] == ["decode", "chunk"] * 3
+    assert mixer_of(gen).mixed_passes > 0  # the lone prompt's padded chunks
+
+
 def test_a_lone_prompt_s_chunks_off_the_ladder_are_padded_onto_it(model_path):
     """Chunks of 100 tokens: the two long prompts' chunks together take two passes; once
     the shorter one is done, the other's chunks share the decode's pass, padded to 128."""
