@@ -51,7 +51,7 @@ from typing import Any
 
 from runtime.decode_lanes import decoding_batch
 from runtime.mlx_environment import chunk_attention
-from runtime.mlx_lm_prefill import cached_prefix, coming_prefill, coming_split, joiners
+from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ def tail_padding(inputs: Any, cache: list) -> int:
     more (computing them would cost more than the second pass saved: a 700-token agent
     turn would take 324), or its cache has no room for the padding's keys without growing
     (``runtime.mlx_lm_batches`` reserves a lone prompt's room; a grow would copy the
-    whole cache). An empty cache (a fresh prompt's first chunk: a chat message) has
-    room: its first update allocates whole blocks, and nothing is copied. The padding's keys are written past the cache's end and taken back
+    whole cache). The padding's keys are written past the cache's end and taken back
     after the pass (``_idx``, ``offset``); the chunk's own queries never see them
     (causal), and the next tokens overwrite them."""
     return 0 if inputs.ndim != 2 else chunk_tail_padding(*inputs.shape, cache)
@@ -93,9 +92,8 @@ def chunk_tail_padding(rows: int, tokens: int, cache: list) -> int:
     if length - tokens >= LADDER_FLOOR:
         return 0
     for layer in cache:
-        if type(layer) is not BatchKVCache:
-            return 0
-        if layer.keys is not None and layer._idx + length > layer.keys.shape[2]:
+        if (type(layer) is not BatchKVCache or layer.keys is None
+                or layer._idx + length > layer.keys.shape[2]):
             return 0
     return length - tokens
 
@@ -352,18 +350,10 @@ class ChunkGoesFirst:
         tokens = coming.tokens // coming.prompts  # mlx-lm pads a chunk's rows to its longest
         if on_ladder(tokens):
             return True
-        # A lone prompt's odd-sized chunk, padded where its cache has room: a member's
-        # cache as it is; one that joins in this step has its cache made in the step,
-        # empty where it has nothing cached (a fresh prompt), else holding just that.
-        joining = joiners(self)
-        if not joining:
-            cache = self._prompt_batch.prompt_cache
-        elif len(joining) == 1 and not self._currently_processing \
-                and not cached_prefix(joining[0]):
-            cache = []
-        else:
-            return False
-        return chunk_tail_padding(coming.prompts, tokens, cache) > 0
+        # A lone member's odd-sized chunk, padded where its cache has room (not a prompt
+        # that joins in this step: its cache is made in the step).
+        return not joiners(self) and chunk_tail_padding(
+            coming.prompts, tokens, self._prompt_batch.prompt_cache) > 0
 
 
 def _layouts(layers: list) -> list:

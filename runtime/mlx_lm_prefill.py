@@ -11,9 +11,8 @@ steps, through its private attributes ``_currently_processing``,
   (``runtime.engine.core``).
 * ``coming_prefill``: what the coming step decodes and prefills, for the chunk
   size set between steps (``runtime.engine.pacing``).
-* ``joiners``, ``coming_split``, ``cached_prefix``: the waiting sequences the
-  coming step takes in, whether it moves a prompt into decoding, and what a
-  sequence has cached already (``runtime.mixed_step``).
+* ``joiners``, ``coming_split``: the waiting sequences the coming step takes in,
+  and whether it moves a prompt into decoding (``runtime.mixed_step``).
 * ``tokens_to_come``: a reader of how many prompt tokens the prompt batch has
   still to prefill (``runtime.mlx_lm_batches``' room reservation).
 
@@ -62,15 +61,11 @@ def _is_done(member: Sequence[Any]) -> bool:
     return len(segments) == 1 and len(segments[0]) == 1
 
 
-def cached_prefix(sequence: Sequence[Any]) -> int:
-    """The tokens a waiting sequence's caches hold already (0: a fresh prompt)."""
-    caches = sequence[3]
-    return int(getattr(caches[0], "offset", 0) if caches else 0)
-
-
 def _depth(sequence: Sequence[Any]) -> int:
     """A waiting sequence's keys once prefilled: its cached prefix and its prompt."""
-    return cached_prefix(sequence) + sum(len(s) for s in sequence[1])
+    caches = sequence[3]
+    cached = getattr(caches[0], "offset", 0) if caches else 0
+    return int(cached) + sum(len(s) for s in sequence[1])
 
 
 def group_scores(rows: int, queries: int, keys: int) -> int:

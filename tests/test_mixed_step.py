@@ -123,62 +123,43 @@ def test_a_row_removed_between_a_shared_pass_and_its_step_keeps_the_others_right
     assert seen["pending"]
 
 
-def tokens_and_passes(model_path: str, chunk_pass: str, prompt: list[int], monkeypatch,
-                      step: int = 64):
-    """Three rows decode for three steps, then ``prompt`` arrives alone: every row's
-    tokens until its prefill ends, and the forward passes of each step from its arrival
-    to the step that ends it."""
-    gen = generator(model_path, chunk_pass, step=step)
-    mixer = mixer_of(gen)
-    inner = gen.model
-    calls = []
-    real = type(inner).__call__
-    monkeypatch.setattr(type(inner), "__call__",
-                        lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
-    uids = gen.insert(SHORT, max_tokens=[40, 40, 40])
-    out = {u: [] for u in uids}
-    for _ in range(3):
-        for r in gen.next()[1]:
-            out[r.uid].append(r.token)
-    gen.insert([prompt], max_tokens=[3])
-    passes, prefilling = [], True
-    while prefilling:
-        before = len(calls) + (mixer.mixed_passes if mixer else 0)
-        prompt_responses, generated = gen.next()
-        passes.append(len(calls) + (mixer.mixed_passes if mixer else 0) - before)
-        prefilling = not any(r.end_of_prompt for r in prompt_responses)
-        for r in generated:
-            out.setdefault(r.uid, []).append(r.token)
-    monkeypatch.undo()
-    return out, passes
-
-
 def test_a_prefill_beside_decoding_rows_runs_one_pass_a_step_its_chunk_first(
         model_path, monkeypatch):
     """A long prompt arrives while rows decode: every step of its prefill runs one
     forward pass, the first included (mlx-lm's order ran that step's decode as a pass
     of its own, then the chunk with the next step's decode), and the tokens are those
     of two passes a step."""
-    expected, separate = tokens_and_passes(model_path, "separate", LONG, monkeypatch)
-    tokens, shared = tokens_and_passes(model_path, "shared", LONG, monkeypatch)
+    def tokens_and_passes(chunk_pass: str):
+        gen = generator(model_path, chunk_pass)
+        mixer = mixer_of(gen)
+        inner = gen.model
+        calls = []
+        real = type(inner).__call__
+        monkeypatch.setattr(type(inner), "__call__",
+                            lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1])
+        uids = gen.insert(SHORT, max_tokens=[40, 40, 40])
+        out = {u: [] for u in uids}
+        for _ in range(3):
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+        gen.insert([LONG], max_tokens=[3])
+        passes, prefilling = [], True
+        while prefilling:
+            before = len(calls) + (mixer.mixed_passes if mixer else 0)
+            prompt_responses, generated = gen.next()
+            passes.append(len(calls) + (mixer.mixed_passes if mixer else 0) - before)
+            prefilling = not any(r.end_of_prompt for r in prompt_responses)
+            for r in generated:
+                out.setdefault(r.uid, []).append(r.token)
+        monkeypatch.undo()
+        return out, passes
+
+    expected, separate = tokens_and_passes("separate")
+    tokens, shared = tokens_and_passes("shared")
     assert separate[:-1] == [2] * (len(separate) - 1)  # a decode pass and a chunk's
     # 699 tokens (the last is the first decode step's input): eleven chunks of 64, the
     # last (59 tokens) padded onto the ladder, each in the step's one pass.
     assert shared[:-1] == [1] * 11
-    assert {u: t[: len(expected[u])] for u, t in tokens.items()} == expected
-
-
-@pytest.mark.parametrize("length", [41, 71, 250])
-def test_a_fresh_short_prompt_shares_the_decoding_rows_pass(model_path, monkeypatch, length):
-    """A chat message (nothing of it cached) that arrives alone while rows decode is
-    prefilled in one step: its chunk, padded onto the ladder (40 tokens to 64, 70 to
-    128, 249 to 256; its cache is empty, so its first update makes the room), shares
-    that step's decode pass, with the tokens of two passes."""
-    prompt = LONG[:length]
-    expected, separate = tokens_and_passes(model_path, "separate", prompt, monkeypatch, 256)
-    tokens, shared = tokens_and_passes(model_path, "shared", prompt, monkeypatch, 256)
-    assert separate[:-1] == [2]
-    assert shared[:-1] == [1]
     assert {u: t[: len(expected[u])] for u, t in tokens.items()} == expected
 
 
