@@ -5,8 +5,8 @@ against mlx-lm's (decode, then the chunk with the next step's decode).
 Drives the engine core as the server builds it (``make_engine_core``, OpenBLAS on
 a Linux CPU): ``--streams``
 short prompts decode, then a prompt of ``--long-tokens`` arrives, and every step
-until its prefill ends is timed (the last: the step after its last chunk, which
-moves it into decoding). Rounds alternate
+until its prefill ends is timed and its forward passes counted (the last: the step
+after its last chunk, which moves it into decoding). Rounds alternate
 the two orders (``runtime.mixed_step.ChunkGoesFirst``; mlx-lm's by turning it off
 in this process), after one unmeasured round of each. Per round it prints the
 prompt's first step, the median of the next ten, the slowest, and the step after
@@ -55,6 +55,20 @@ def main() -> int:
     rnd = random.Random(0)
     request_ids = iter(range(1, 1 << 30))
     chunk_goes_first = ChunkGoesFirst._chunk_goes_first
+    # Forward passes: the model's own calls, and the passes a decode and a chunk share.
+    model_class = type(core.handle.model)
+    model_call = model_class.__call__
+    calls = [0]
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return model_call(self, *args, **kwargs)
+
+    model_class.__call__ = counted
+    mixer = core._batch._prompt_batch.model
+
+    def passes() -> int:
+        return calls[0] + getattr(mixer, "mixed_passes", 0)
 
     def submit(tokens: int, max_tokens: int) -> int:
         prompt = tuple(rnd.randrange(100, vocab - 100) for _ in range(tokens))
@@ -72,8 +86,10 @@ def main() -> int:
         for _ in range(30):
             core.step()
         long_id = submit(ns.long_tokens, 2)
-        steps, done = [], []  # each step's time and the prompt's progress after it
+        # Each step's time, the prompt's progress after it and the passes it ran.
+        steps, done, step_passes = [], [], []
         while not done or done[-1] < ns.long_tokens:
+            before = passes()
             began = time.perf_counter()
             out = core.step()
             ms = 1000 * (time.perf_counter() - began)
@@ -81,11 +97,12 @@ def main() -> int:
             if progress or done:  # from its first chunk on (an admission window may hold it)
                 steps.append(ms)
                 done.append(progress[-1] if progress else done[-1])
+                step_passes.append(passes() - before)
         for request_id in list(core.active_request_ids):
             core.handle_command(Abort(request_id=request_id))
         while core.has_work:
             core.step()
-        return {"order": order, "steps_ms": steps, "done": done}
+        return {"order": order, "steps_ms": steps, "done": done, "passes": step_passes}
 
     for order in ORDERS:  # warm-up: every chunk size and batch size met once
         one_round(order)
@@ -95,13 +112,14 @@ def main() -> int:
             res = one_round(order)
             steps = res["steps_ms"]
             slowest = max(range(len(steps)), key=steps.__getitem__)
-            print(f"{order:12s} first {steps[0]:6.1f} ms  next ten p50 "
+            print(f"{order:12s} first {steps[0]:6.1f} ms ({res['passes'][0]} passes)  next ten p50 "
                   f"{statistics.median(steps[1:11]):6.1f}  slowest {steps[slowest]:6.1f} "
                   f"(at {res['done'][slowest]} tokens)  "
-                  f"after the last chunk {steps[-1]:6.1f}  "
+                  f"after the last chunk {steps[-1]:6.1f} ({res['passes'][-1]} passes)  "
                   f"({len(steps)} steps)", flush=True)
             results.append(res)
     ChunkGoesFirst._chunk_goes_first = chunk_goes_first
+    model_class.__call__ = model_call
     if ns.json_out:
         Path(ns.json_out).write_text(json.dumps({"args": vars(ns), "rounds": results}, indent=1))
     return 0
