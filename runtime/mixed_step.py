@@ -340,12 +340,10 @@ class ChunkGoesFirst:
         generation = decoding_batch(self)
         if not generation.uids or generation._next_tokens is None:
             return False
-        if len(self._generation_batch) >= self.completion_batch_size:
-            return False  # mlx-lm prefills nothing in such a step
         if coming_split(self):
             return False
         coming = coming_prefill(self)
-        if not coming.prompts:
+        if not coming.prompts:  # none, or the decoding rows fill the batch
             return False
         tokens = coming.tokens // coming.prompts  # mlx-lm pads a chunk's rows to its longest
         if on_ladder(tokens):
