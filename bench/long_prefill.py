@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             result.update(system=system, round=round_index)
             results.append(result)
             print(json.dumps(result), flush=True)
+            if ns.out:  # after every run: a run cut short by a time limit keeps the others
+                Path(ns.out).write_text(json.dumps({"argv": sys.argv, "results": results},
+                                                   indent=1))
     print(f"{'system':8} {'rnd':>3} {'before p50':>10} {'during p50':>10} {'p99':>8} "
           f"{'max':>8} {'p99/p50':>7} {'long ttft':>9} {'tok/s':>8} {'probe':>7} {'keep':>5} "
           f"{'decoding p50':>12} {'p99':>7} {'long itl':>8}")
@@ -276,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{f(r['probe_ttft_s'], '7.2f')} {f(r['long_keepalives'], '5d')} "
               f"{f(r['itl_long_decoding_p50_ms'], '12.1f')} "
               f"{f(r['itl_long_decoding_p99_ms'], '7.1f')} {f(r['long_itl_p50_ms'], '8.1f')}")
-    if ns.out:
-        Path(ns.out).write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
     return 0
 
 
