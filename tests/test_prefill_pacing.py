@@ -16,7 +16,14 @@ from mlx_lm.generate import BatchGenerator
 
 from runtime.config import ServerConfig
 from runtime.engine.loading import make_engine_core
-from runtime.engine.pacing import FIT_STEPS, MIN_CHUNK, PacedSteps, PrefillCostFit, PrefillPacer
+from runtime.engine.pacing import (
+    DECODE_STEPS,
+    FIT_STEPS,
+    MIN_CHUNK,
+    PacedSteps,
+    PrefillCostFit,
+    PrefillPacer,
+)
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_prefill import coming_prefill
 
@@ -47,9 +54,29 @@ def test_the_chunk_takes_about_factor_decode_steps_shared_by_the_prompts():
     # A prompt that is short all in all goes whole, however the others are paced.
     assert pacer.chunk(decoding=8, prompts=2, short=300) == 300
     assert pacer.chunk(decoding=8, prompts=2, short=5000) == 2048
-    # Later observations move the estimates part of the way.
+    # The decode step is the median of the recent ones.
     pacer.observe(0.020, decoding=8, prefill_tokens=0)
-    assert 0.010 < pacer.decode_seconds < 0.020
+    assert pacer.decode_seconds == pytest.approx(0.015)
+    pacer.observe(0.012, decoding=8, prefill_tokens=0)
+    assert pacer.decode_seconds == pytest.approx(0.012)
+
+
+def test_the_budget_follows_the_median_decode_step_not_the_last_few():
+    # A GPU's decode step moves between two speeds: mostly 8 ms, lately 12.
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    for seconds in [0.008] * 24 + [0.012] * 8:
+        pacer.observe(seconds, decoding=16, prefill_tokens=0)
+    assert pacer.decode_seconds == pytest.approx(0.008)
+    # Prefill parts of 60 us a token after the 8 ms decode: a budget of 12 ms fits
+    # 200 tokens, so 128 on the ladder (a mean pulled towards 12 ms would allow 256,
+    # whose steps take 23 ms, 2.9x the decode step).
+    for tokens in (64, 128, 256, 128):
+        pacer.observe(0.008 + 0.00006 * tokens, decoding=16, prefill_tokens=tokens)
+    assert pacer.chunk(decoding=16, prompts=1) == 128
+    # Steps that only decode count as far back as the last DECODE_STEPS of them.
+    for _ in range(DECODE_STEPS):
+        pacer.observe(0.012, decoding=16, prefill_tokens=0)
+    assert pacer.decode_seconds == pytest.approx(0.012)
 
 
 def test_a_step_s_fixed_cost_is_told_from_its_cost_per_token():

@@ -15,8 +15,9 @@ first of a wave of new prompts already past its prefill), chunks are mlx-lm's
 full ``prefill_step_size``: holding many prompts back to smooth few streams
 costs more waiting than it saves.
 
-It learns both times from the steps it sees: the wall time of steps that only
-decode, and a prefill's cost as a fixed part per step plus a part per (padded)
+It learns both times from the steps it sees: the median wall time of the last
+steps that only decode (the streams' gaps are judged against their median), and a
+prefill's cost as a fixed part per step plus a part per (padded)
 prompt token, less the step's decode part (a line through the recent steps,
 fitted by medians: the time per token grows with the context, and single steps
 run several times long). The fixed part matters: a chunk is what the budget
@@ -56,8 +57,11 @@ log = logging.getLogger(__name__)
 
 # Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
 MIN_CHUNK = 64
-# Weight of the newest observation in the running estimates.
-SMOOTHING = 0.3
+# Decode-only steps whose median is a decode step's time: on a GPU the step moves
+# between two speeds (an H200's 16-row step between about 8 and 12 ms), and a running
+# mean that ended on the slower one set the budget 40 % above the median step that
+# the streams' time between tokens is measured against.
+DECODE_STEPS = 32
 # Prefill steps the fitted line goes through (the newest; the time per token
 # grows with the context, so old steps say little).
 FIT_STEPS = 16
@@ -129,6 +133,7 @@ class PrefillPacer:
         self.full_chunk = full_chunk
         self.min_chunk = min(min_chunk, full_chunk)
         self.decode_seconds: float | None = None  # a step that only decodes
+        self._decode_steps: collections.deque[float] = collections.deque(maxlen=DECODE_STEPS)
         self.token_seconds: float | None = None  # one padded prompt token of a prefill
         self.fixed_seconds = 0.0  # a prefill step's cost whatever its size
         self._fit = PrefillCostFit()
@@ -139,7 +144,8 @@ class PrefillPacer:
         """One step took ``seconds`` with ``decoding`` sequences generating and
         ``prefill_tokens`` prompt tokens processed (padding counted)."""
         if decoding and not prefill_tokens:
-            self.decode_seconds = _average(self.decode_seconds, seconds)
+            self._decode_steps.append(seconds)
+            self.decode_seconds = statistics.median(self._decode_steps)
             return
         if not prefill_tokens:
             return
@@ -210,8 +216,6 @@ def _ladder_step(tokens: int, floor: int) -> int:
     return size
 
 
-def _average(current: float | None, new: float) -> float:
-    return new if current is None else current + SMOOTHING * (new - current)
 
 
 class PacedSteps:
