@@ -7,6 +7,9 @@
 # hypercorn, quart, quart-trio, cattrs, llguidance, prometheus-client, httpx and what
 # they need: docs/performance.md, "How we measure"); both folders are git-ignored.
 #
+# A call also carries the tracked files: move bench/results and demo_model out of the
+# working tree for the calls (the 64 MiB a call carries; no scenario reads them).
+#
 #   call 1: bash bench/device.sh stage1
 #           carry .gpu/mlxcuda.part.aa .gpu/stage1.sh
 #   call 2 (within 30 s), and later calls on the warm machine:
