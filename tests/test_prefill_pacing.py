@@ -68,8 +68,9 @@ def test_the_budget_follows_the_median_decode_step_not_the_last_few():
         pacer.observe(seconds, decoding=16, prefill_tokens=0)
     assert pacer.decode_seconds == pytest.approx(0.008)
     # Prefill parts of 60 us a token after the 8 ms decode: a budget of 12 ms fits
-    # 200 tokens, so 128 on the ladder (a mean pulled towards 12 ms would allow 256,
-    # whose steps take 23 ms, 2.9x the decode step).
+    # 200 tokens, so 128 on the ladder. A mean pulled towards 12 ms would allow 512
+    # (steps of 39 ms, 4.8x the decode step): with 12 ms taken as the decode part, a
+    # step's prefill part looks half as long as it is.
     for tokens in (64, 128, 256, 128):
         pacer.observe(0.008 + 0.00006 * tokens, decoding=16, prefill_tokens=tokens)
     assert pacer.chunk(decoding=16, prompts=1) == 128

@@ -216,8 +216,6 @@ def _ladder_step(tokens: int, floor: int) -> int:
     return size
 
 
-
-
 class PacedSteps:
     """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
     before it (``before``, with the prefill group's sizing in between) and times it
