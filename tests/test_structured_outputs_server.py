@@ -127,12 +127,13 @@ def test_a_corpus_of_schemas_in_one_batch_with_free_requests_all_validate(served
         choice = response.json()["choices"][0]
         assert choice["finish_reason"] == "stop", (name, choice)
         validate(CORPUS[name], choice["message"]["content"])
-    # one batch: the engine held constrained and free requests at one time, more of them
-    # than there are constrained ones (a short schema's reply, 15-20 tokens, may end before
-    # the last of 39 HTTP requests arrives on a busy machine, so not always all 39; a server
-    # that ran constrained rows apart from free ones would peak at most at their number) ...
-    assert peak > len(names), peak
-    # ... and free tokens were produced while constrained requests were running
+    # one batch: the engine held more requests at one time than the free ones alone. Not
+    # necessarily more than the constrained ones: a short schema's reply, 15-20 tokens, may
+    # end before the last of 39 HTTP requests arrives on a busy machine (peaks of 25 of 39
+    # were seen) ...
+    assert peak > FREE_REQUESTS, peak
+    # ... and free tokens were produced while constrained requests were running: a server
+    # that held the free requests back until the constrained ones were done would have none
     spans = [(started, ended) for _, _, started, ended in results]
     overlapping = [t for _, times in free_times for t in times
                    if any(a < t < b for a, b in spans)]
