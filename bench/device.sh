@@ -27,7 +27,9 @@
 #                                  (bench/engine_overhead.py); SPREAD: each prompt's length
 #                                  drawn from TOKENS +- SPREAD (default 0: one length);
 #                                  VARIANTS: more servers, 'NAME@TREE:FLAGS' joined by '|'
-#                                  (bench/engine_overhead.py --server-variant)
+#                                  (bench/engine_overhead.py --server-variant); COLD_ARGS: more
+#                                  of its options (e.g. '--prompt-concurrency 2': mlx-lm's
+#                                  BatchGenerator prefills eight 16k prompts at once out of memory)
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
@@ -152,7 +154,7 @@ for scenario in "$@"; do
       timeout -s INT -k 10 "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels "${p2:-1,8}" --requests 8 --prompt-tokens "$p1" --prompt-tokens-spread "${p3:-0}" \
         --max-tokens 2 --rounds 1 --no-pickle --trace "$OUT/cold-trace-$p1-${p3:-0}" \
-        "${variants[@]}" --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
+        "${variants[@]}" ${COLD_ARGS:-} --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
         | tail -12
       ;;
     interleave)
