@@ -99,6 +99,26 @@ class TuningSettings:
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,
     )
+    prefill_floor_slack: float = setting(
+        0.0,
+        help="where a paced step at the 64-token floor alone takes longer than "
+        "--decode-stall-factor allows, a paced chunk may take up to this many times the "
+        "floor's step (0: off, chunks stay at the floor)",
+        minimum=0,
+        maximum=10,
+        ours=True,
+        notes="At a long context on a GPU a paced step's cost hardly grows from 64 to 256 "
+        "tokens (an H200, Qwen3-0.6B shape, 8k-30k of context: 64-token steps 24-31 ms, "
+        "128-token steps 21-26), so holding the chunk at the floor lengthens the prefill "
+        "beside streaming sequences without shortening their gaps. With a slack such as "
+        "1.15, the engine times each chunk size on the ladder as it runs them and takes the "
+        "longest whose steps cost at most that many times the floor's, trying a longer one "
+        "now and then. On a CPU a 128-token step costs 1.3-1.6 times a 64-token one and "
+        "the tries lengthened the slowest steps, so it is off by default "
+        "([performance.md](performance.md#h200-the-median-decode-step-and-chunk-first-against-the-build-before)). "
+        "Needs the shared chunk pass.",
+        group=TUNING,
+    )
     decode_lane_padding: int | None = setting(
         None,
         help="a sequence that starts decoding joins the decode batch it pads least; when that "

@@ -20,12 +20,15 @@ from runtime.engine.pacing import (
     DECODE_STEPS,
     FIT_STEPS,
     MIN_CHUNK,
+    PROBE_PAUSE,
     PacedSteps,
     PrefillCostFit,
     PrefillPacer,
 )
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_prefill import coming_prefill
+
+SLACK = 1.15  # a floor slack, as --prefill-floor-slack might set it
 
 
 def test_without_both_estimates_or_anything_decoding_the_chunk_is_full():
@@ -119,7 +122,7 @@ def test_on_the_ladder_a_short_prompt_pads_to_a_multiple_of_the_floor():
     pacer = PrefillPacer(1.5, 2048, ladder=True)
     pacer.observe(0.010, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 64, 128):
-        pacer.observe(0.010 + 0.014 + 1e-5 * tokens, decoding=16, prefill_tokens=tokens)
+        pacer.observe(0.010 + 0.0135 + 1e-5 * tokens, decoding=16, prefill_tokens=tokens)
     assert pacer.chunk(decoding=16, prompts=2) == 64
     assert pacer.chunk(decoding=16, prompts=2, short=79) == 128
     assert pacer.chunk(decoding=16, prompts=2, short=64) == 64
@@ -127,7 +130,7 @@ def test_on_the_ladder_a_short_prompt_pads_to_a_multiple_of_the_floor():
     off_ladder = PrefillPacer(1.5, 2048)
     off_ladder.observe(0.010, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 64, 128):
-        off_ladder.observe(0.024 + 1e-5 * tokens, decoding=16, prefill_tokens=tokens)
+        off_ladder.observe(0.0235 + 1e-5 * tokens, decoding=16, prefill_tokens=tokens)
     assert off_ladder.chunk(decoding=16, prompts=2, short=79) == 79
 
 
@@ -180,6 +183,63 @@ def test_floor_steps_longer_than_the_budget_are_not_probed_with_larger_ones():
     assert pacer.chunk(decoding=16, prompts=1) == 2 * MIN_CHUNK
 
 
+def test_with_a_floor_slack_floor_steps_longer_than_the_budget_are_probed_once_a_pause():
+    # A long context on a CPU: the floor alone takes 30 ms of a 9.75 ms budget, and twice
+    # the tokens twice the time, so a longer chunk never pays.
+    pacer = PrefillPacer(1.5, 2048, ladder=True, floor_slack=SLACK)
+    pacer.observe(0.0065, decoding=16, prefill_tokens=0)
+    pacer.observe(0.0065 + 0.030, decoding=16, prefill_tokens=MIN_CHUNK)
+    chunks = []
+    for _ in range(3 * PROBE_PAUSE):
+        # Asked twice a step, as the engine's hook asks (before and after sizing a group).
+        chunk = min(pacer.chunk(decoding=16, prompts=1), pacer.chunk(decoding=16, prompts=1))
+        chunks.append(chunk)
+        pacer.observe(0.0065 + 0.030 * chunk / MIN_CHUNK, decoding=16, prefill_tokens=chunk)
+    probes = [i for i, chunk in enumerate(chunks) if chunk != MIN_CHUNK]
+    assert all(chunks[i] == 2 * MIN_CHUNK for i in probes)
+    assert probes[0] == 0 and len(probes) == 3
+    assert all(b - a >= PROBE_PAUSE for a, b in zip(probes, probes[1:], strict=False))
+    # A new, short prompt: its floor steps fit again, and a step of twice it probes at once.
+    for _ in range(FIT_STEPS):
+        pacer.observe(0.0065 + 0.009, decoding=16, prefill_tokens=MIN_CHUNK)
+    assert pacer.chunk(decoding=16, prompts=1) == 2 * MIN_CHUNK
+
+
+def test_with_a_floor_slack_the_chunk_grows_where_a_longer_one_costs_little_more():
+    # A long context on a GPU beside a 10 ms decode step: 64 tokens take 18 ms more, 128
+    # take 16, 256 take 17 and 512 take 40 (a longer chunk's attention leaves its fast
+    # path). The floor cannot meet the 15 ms budget, so the chunk grows while a step
+    # stays within the slack of the floor's (1.15 x 18 = 20.7 ms).
+    extra = {64: 0.018, 128: 0.016, 256: 0.017, 512: 0.040}
+    pacer = PrefillPacer(1.5, 2048, ladder=True, floor_slack=SLACK)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    pacer.observe(0.010 + extra[64], decoding=16, prefill_tokens=64)
+    chunks = []
+    for _ in range(4 * PROBE_PAUSE):
+        chunk = min(pacer.chunk(decoding=16, prompts=1), pacer.chunk(decoding=16, prompts=1))
+        chunks.append(chunk)
+        pacer.observe(0.010 + extra[chunk], decoding=16, prefill_tokens=chunk)
+    assert chunks[:4] == [128, 256, 512, 256]
+    assert chunks.count(256) > 0.9 * len(chunks)
+    # 512 cost more than the slack: probed again only after a pause; nothing beyond it.
+    assert chunks.count(512) <= len(chunks) // PROBE_PAUSE + 1 and max(chunks) == 512
+
+
+def test_with_a_floor_slack_no_probe_where_each_doubling_costs_more():
+    # 64 tokens 18 ms, 128 tokens 20 (within the slack of 20.7 ms): a step's cost grows
+    # with its tokens, and 256 would cost about 22.2, so it is not tried.
+    extra = {64: 0.018, 128: 0.020, 256: 0.030}
+    pacer = PrefillPacer(1.5, 2048, ladder=True, floor_slack=SLACK)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    pacer.observe(0.010 + extra[64], decoding=16, prefill_tokens=64)
+    chunks = []
+    for _ in range(PROBE_PAUSE):
+        chunk = pacer.chunk(decoding=16, prompts=1)
+        chunks.append(chunk)
+        pacer.observe(0.010 + extra[chunk], decoding=16, prefill_tokens=chunk)
+    assert 256 not in chunks and chunks.count(128) > 0.9 * len(chunks)
+
+
 def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
     fit = PrefillCostFit()
     assert fit.line() is None
@@ -189,12 +249,13 @@ def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
     assert (fixed, spread) == (0.0, False) and per_token == pytest.approx(0.0001)
 
 
-def paced_chunks(fixed: float, per_token: float, steps: int = 80) -> list[int]:
+def paced_chunks(fixed: float, per_token: float, steps: int = 80,
+                 floor_slack: float = 0.0) -> list[int]:
     """The chunks a pacer picks, step after step, against a prefill that costs ``fixed``
     plus ``per_token`` a token beside an 8 ms decode step; each step's time off by up
     to 20 %, and every seventh step five times long (a new attention shape)."""
     rng = random.Random(0)
-    pacer = PrefillPacer(1.5, 2048)
+    pacer = PrefillPacer(1.5, 2048, ladder=bool(floor_slack), floor_slack=floor_slack)
     for _ in range(5):
         pacer.observe(0.008, decoding=16, prefill_tokens=0)
     chunks = []
@@ -218,6 +279,15 @@ def test_the_pacer_keeps_to_the_floor_when_the_fixed_part_outgrows_the_budget():
     chunks = paced_chunks(0.020, 0.00002)[-30:]
     assert sorted(chunks)[len(chunks) // 2] == MIN_CHUNK
     assert max(chunks) <= 2 * MIN_CHUNK
+
+
+def test_with_a_floor_slack_the_chunk_grows_while_a_step_costs_little_more_than_the_floor():
+    # The same steps on the ladder with a floor slack of 1.25: the floor's take 21.3 ms,
+    # 128 tokens 22.6 and 256 tokens 25.1 (within the slack of the floor's, though a
+    # step's noise may put 256 past it), 512 tokens 30.2 (not).
+    chunks = paced_chunks(0.020, 0.00002, steps=260, floor_slack=1.25)[-150:]
+    assert 128 <= sorted(chunks)[len(chunks) // 2] <= 256
+    assert max(chunks) <= 512
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +381,16 @@ def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_mo
     assert sum(paced_chunks) == sum(plain_chunks)
     assert paced_tokens == plain_tokens
     assert cores[1.5]._batch._generation_batch.model.mixed_passes > 0
+
+
+def test_the_floor_slack_reaches_the_pacer_where_chunks_are_on_the_ladder(tiny_model_path):
+    for chunk_pass, slack in (("shared", 1.15), ("separate", 0.0)):
+        config = ServerConfig(model=tiny_model_path, prefill_floor_slack=1.15,
+                              chunk_pass=chunk_pass, admission_window_ms=0)
+        pacer = make_engine_core(config, tiny_model_path)._paced.pacer
+        assert (pacer.ladder, pacer.floor_slack) == (chunk_pass == "shared", slack)
+    default = ServerConfig(model=tiny_model_path, admission_window_ms=0)
+    assert make_engine_core(default, tiny_model_path)._paced.pacer.floor_slack == 0
 
 
 def test_pacing_that_cannot_read_the_generator_turns_itself_off():

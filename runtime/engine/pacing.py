@@ -45,6 +45,13 @@ A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
 first token matters more than the one longer gap it costs the others, and it
 is not held behind a long prompt's paced chunks.
+
+With ``floor_slack`` (``--prefill-floor-slack``), where the floor's steps alone
+outgrow the budget, the chunk is chosen by what each size on the ladder has
+cost lately instead: the longest whose steps took at most that many times the
+floor's. At 8k-30k of context on an H200 a 64-token step cost what a 128-token
+one did, so keeping to the floor lengthened the prefill for no shorter gaps;
+on a CPU a 128-token step costs 1.3-1.6 times a 64-token one.
 """
 
 from __future__ import annotations
@@ -67,6 +74,17 @@ DECODE_STEPS = 32
 FIT_STEPS = 16
 # Two steps' sizes must differ by this share of the larger for their slope to count.
 FIT_SPREAD = 0.2
+# Prefill steps between a probe of a longer chunk that cost more than the slack allows
+# and the next probe: where a longer chunk costs nearly twice (a CPU: a 2-layer model at
+# 6k of context, 41-50 ms against the floor's 25-33) each probe is the slowest step of
+# its stretch.
+PROBE_PAUSE = 8 * FIT_STEPS
+# Prefill steps after which a size's recent cost is forgotten: the context has grown
+# meanwhile (a CPU's step at 128 tokens went from 31 to 49 ms over 2k tokens of a 6k
+# prompt), or a new prompt started.
+SIZE_MEMORY = 2 * FIT_STEPS
+# Steps of one size whose median is its recent cost (``RecentSizeCosts``).
+SIZE_STEPS = 4
 # A prompt with at most this many tokens to prefill in all is prefilled in one step:
 # a coding agent's next turn (its last reply and a user turn or tool result, 300-800
 # tokens) costs the others one longer gap instead of a dozen floor-sized steps.
@@ -124,12 +142,15 @@ class PrefillPacer:
     ``factor``: a step's prefill may take this many decode steps' time (0: off,
     every chunk is ``full_chunk``). ``full_chunk``: the configured
     ``--prefill-step-size``. ``ladder``: paced chunks only of ``min_chunk`` times a
-    power of two."""
+    power of two. ``floor_slack`` (on the ladder; 0: off): where the floor's steps
+    alone outgrow the budget, every paced step is a long gap whatever its chunk, and
+    a chunk may cost up to this many times the floor's step (``_slack_chunk``)."""
 
     def __init__(self, factor: float, full_chunk: int, min_chunk: int = MIN_CHUNK,
-                 ladder: bool = False):
+                 ladder: bool = False, floor_slack: float = 0.0):
         self.factor = factor
         self.ladder = ladder
+        self.floor_slack = floor_slack if ladder else 0.0
         self.full_chunk = full_chunk
         self.min_chunk = min(min_chunk, full_chunk)
         self.decode_seconds: float | None = None  # a step that only decodes
@@ -139,6 +160,10 @@ class PrefillPacer:
         self._fit = PrefillCostFit()
         self._spread = False  # whether the fit has seen steps of different sizes
         self._lone_size: int | None = None  # the one size seen, while there is only one
+        self._sizes = RecentSizeCosts()
+        self._probe_pause = 0  # prefill steps before a chunk of _too_long may be probed again
+        self._probe: tuple[int, float] | None = None  # its prompt tokens, the slack's seconds
+        self._too_long = 0  # prompt tokens of the probe that cost more, while paused
 
     def observe(self, seconds: float, *, decoding: int, prefill_tokens: int) -> None:
         """One step took ``seconds`` with ``decoding`` sequences generating and
@@ -154,6 +179,13 @@ class PrefillPacer:
             return
         prefill = seconds - decode_part
         self._fit.add(prefill_tokens, prefill)
+        self._probe_pause = max(0, self._probe_pause - 1)
+        if self._probe is not None and self._probe[0] == prefill_tokens:
+            if prefill > self._probe[1]:  # a longer chunk costs more than the slack
+                self._probe_pause = PROBE_PAUSE
+                self._too_long = prefill_tokens
+            self._probe = None
+        self._sizes.add(prefill_tokens, prefill)
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
         self._lone_size = None if self._spread else prefill_tokens
 
@@ -173,17 +205,23 @@ class PrefillPacer:
         ):
             return self.full_chunk
         budget = self.factor * self.decode_seconds
-        tokens = (budget - self.fixed_seconds) / self.token_seconds
-        paced = min(self.full_chunk, max(self.min_chunk, int(tokens / prompts)))
-        # Where the line has seen only steps whose fixed part hides their tokens' cost
-        # (its slope near zero), it would allow any chunk: grow by doubling instead, so
-        # that a longer chunk's real cost enters the line before a far longer one runs.
-        paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
+        floor = self._sizes.seconds(self.min_chunk * prompts) if self.floor_slack else None
+        slack = floor is not None and floor > budget
+        if slack:  # every step is a long gap: the sizes' recent costs, not the line
+            paced = self._slack_chunk(floor, prompts)
+        else:
+            tokens = (budget - self.fixed_seconds) / self.token_seconds
+            paced = min(self.full_chunk, max(self.min_chunk, int(tokens / prompts)))
+            # Where the line has seen only steps whose fixed part hides their tokens'
+            # cost (its slope near zero), it would allow any chunk: grow by doubling
+            # instead, so that a longer chunk's real cost enters the line before a far
+            # longer one runs.
+            paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
         if most is not None:
             paced = min(paced, max(self.min_chunk, most))
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
-        lone = self._lone_size
+        lone = None if slack else self._lone_size
         if lone is not None and abs(paced * prompts - lone) < FIT_SPREAD * max(lone, 1):
             # Only this size seen: a step of half of it gives the line its second point.
             # Not twice it: that step would be the longest stall of the prefill (on an
@@ -194,7 +232,8 @@ class PrefillPacer:
             # would stay at the floor for good. Where the floor alone outgrows the budget
             # (a long context), no larger chunk fits, and such a probe was the slowest
             # step every FIT_STEPS steps (a 2-layer model at 6k of context on a CPU:
-            # 41-50 ms against the floor's 25-33).
+            # 41-50 ms against the floor's 25-33); with ``floor_slack`` the sizes'
+            # recent costs choose there instead.
             if paced // 2 >= self.min_chunk:
                 paced //= 2
             elif self._fit.median_seconds() <= budget:
@@ -204,6 +243,52 @@ class PrefillPacer:
             # the floor (its keys a multiple of 64 long), the short one's padded to it.
             short = -(-short // self.min_chunk) * self.min_chunk
         return min(self.full_chunk, max(paced, short))
+
+    def _slack_chunk(self, floor: float, prompts: int) -> int:
+        """The chunk per prompt where the floor's recent steps (``floor`` seconds) alone
+        outgrow the budget: the longest on the ladder whose recent steps took at most
+        ``floor_slack`` times the floor's, or the next one up not seen lately (a probe)
+        unless the last doubling's growth, repeated, would cost more than that. For
+        PROBE_PAUSE steps after a probe that cost more, nothing as long as it."""
+        size, seconds, shorter = self.min_chunk, floor, floor
+        while 2 * size <= self.full_chunk:
+            if self._probe_pause and 2 * size * prompts >= self._too_long:
+                break
+            longer = self._sizes.seconds(2 * size * prompts)
+            if longer is None:  # not seen lately: a probe, unless its cost grows on
+                if seconds * seconds / shorter <= self.floor_slack * floor:
+                    size *= 2
+                    self._probe = (size * prompts, self.floor_slack * floor)
+                break
+            if longer > self.floor_slack * floor:
+                break
+            size, seconds, shorter = 2 * size, longer, seconds
+        return size
+
+
+class RecentSizeCosts:
+    """Each prefill size's recent cost: the median of its steps among the last
+    ``SIZE_MEMORY`` prefill steps (at most ``SIZE_STEPS`` of them), since a size's cost
+    grows with the context."""
+
+    def __init__(self, sizes: int = 32):
+        self._steps = 0
+        self._sizes = sizes
+        self._by_size: dict[int, collections.deque[tuple[int, float]]] = {}
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._steps += 1
+        times = self._by_size.pop(tokens, None) or collections.deque(maxlen=SIZE_STEPS)
+        times.append((self._steps, seconds))
+        self._by_size[tokens] = times  # the newest last
+        if len(self._by_size) > self._sizes:
+            del self._by_size[next(iter(self._by_size))]
+
+    def seconds(self, tokens: int) -> float | None:
+        """The recent median for steps of ``tokens`` prompt tokens (None: none lately)."""
+        recent = [seconds for step, seconds in self._by_size.get(tokens, ())
+                  if self._steps - step < SIZE_MEMORY]
+        return statistics.median(recent) if recent else None
 
 
 def _ladder_step(tokens: int, floor: int) -> int:
