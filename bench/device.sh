@@ -27,9 +27,9 @@
 #                                  (bench/engine_overhead.py); SPREAD: each prompt's length
 #                                  drawn from TOKENS +- SPREAD (default 0: one length);
 #                                  VARIANTS: more servers, 'NAME@TREE:FLAGS' joined by '|'
-#                                  (bench/engine_overhead.py --server-variant); COLD_ARGS: more
-#                                  of its options (e.g. '--prompt-concurrency 2': mlx-lm's
-#                                  BatchGenerator prefills eight 16k prompts at once out of memory)
+#                                  (bench/engine_overhead.py --server-variant); the bare engine's
+#                                  prompt batch holds at most 64k tokens (eight 16k prompts at
+#                                  once ran out of memory); COLD_ARGS: more of its options
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
@@ -151,10 +151,14 @@ for scenario in "$@"; do
       variants=()
       IFS='|' read -ra specs <<< "${p4:-}"
       for spec in "${specs[@]}"; do variants+=(--server-variant "$spec"); done
+      # mlx-lm prefills a prompt batch under one array mask: eight 16k prompts in one
+      # ran an H200 out of memory. The bare engine's batch holds at most 64k prompt
+      # tokens here (four of 16k, two of 32k: the server's prompt groups on Qwen3-0.6B).
+      concurrency=$(( p1 >= 16000 ? 65536 / p1 : 8 ))
       timeout -s INT -k 10 "$(limit 400)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels "${p2:-1,8}" --requests 8 --prompt-tokens "$p1" --prompt-tokens-spread "${p3:-0}" \
         --max-tokens 2 --rounds 1 --no-pickle --trace "$OUT/cold-trace-$p1-${p3:-0}" \
-        "${variants[@]}" ${COLD_ARGS:-} --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
+        --prompt-concurrency "$concurrency" "${variants[@]}" ${COLD_ARGS:-} --json-out "$OUT/cold-$shape-$p1-${p3:-0}.json" 2>&1 \
         | tail -12
       ;;
     interleave)
