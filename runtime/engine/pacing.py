@@ -179,13 +179,8 @@ class PrefillPacer:
             return
         prefill = seconds - decode_part
         self._fit.add(prefill_tokens, prefill)
-        self._probe_pause = max(0, self._probe_pause - 1)
-        if self._probe is not None and self._probe[0] == prefill_tokens:
-            if prefill > self._probe[1]:  # a longer chunk costs more than the slack
-                self._probe_pause = PROBE_PAUSE
-                self._too_long = prefill_tokens
-            self._probe = None
-        self._sizes.add(prefill_tokens, prefill)
+        if self.floor_slack:
+            self._observe_size(prefill_tokens, prefill)
         self.fixed_seconds, self.token_seconds, self._spread = self._fit.line()
         self._lone_size = None if self._spread else prefill_tokens
 
@@ -243,6 +238,17 @@ class PrefillPacer:
             # the floor (its keys a multiple of 64 long), the short one's padded to it.
             short = -(-short // self.min_chunk) * self.min_chunk
         return min(self.full_chunk, max(paced, short))
+
+    def _observe_size(self, tokens: int, prefill: float) -> None:
+        """A prefill step's time for its size, and whether a probe of it cost more than
+        the slack allowed."""
+        self._probe_pause = max(0, self._probe_pause - 1)
+        if self._probe is not None and self._probe[0] == tokens:
+            if prefill > self._probe[1]:  # a longer chunk costs more than the slack
+                self._probe_pause = PROBE_PAUSE
+                self._too_long = tokens
+            self._probe = None
+        self._sizes.add(tokens, prefill)
 
     def _slack_chunk(self, floor: float, prompts: int) -> int:
         """The chunk per prompt where the floor's recent steps (``floor`` seconds) alone
