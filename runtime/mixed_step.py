@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.decode_lanes import decoding_batch
 from runtime.mlx_environment import chunk_attention
@@ -98,6 +98,17 @@ def chunk_tail_padding(rows: int, tokens: int, cache: list) -> int:
     return length - tokens
 
 
+class ChunkInFlight(NamedTuple):
+    """A prefill chunk whose first layers have run and whose others wait for the
+    next step's pass: its tokens (prompts, length), the prompt batch's cache layers,
+    its hidden state (tokens, width) and the first layer still to run."""
+
+    tokens: Any
+    cache: list
+    hidden: Any
+    layer: int
+
+
 def _mixable_model(model: Any) -> bool:
     from mlx_lm.models import llama, qwen2, qwen3, qwen3_moe
 
@@ -120,13 +131,18 @@ class MixedStepModel:
     (each of its decode lanes, ``runtime.decode_lanes``) call this; a chunk shares its
     pass with the first lane. Every other attribute is the model's."""
 
-    def __init__(self, model: Any, generator: Any):
+    def __init__(self, model: Any, generator: Any, chunk_parts: int = 1):
         self.model = model
         self._generator = generator
         self.enabled = _mixable_model(model)
         self._pending: tuple[Any, Any] | None = None  # (the decode inputs, their logits)
         self._traced: set[tuple] = set()
         self.mixed_passes = 0  # how many steps shared one pass (for tests and the log)
+        # A chunk's layers spread over this many steps (``ChunkInFlight``); set by
+        # ``ChunkGoesFirst`` for the one call that may start such a chunk.
+        self.chunk_parts = max(1, chunk_parts)
+        self.may_split = False
+        self._in_flight: ChunkInFlight | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name == "model":  # not set yet (copying, unpickling)
@@ -138,6 +154,11 @@ class MixedStepModel:
         """Whether the generation batch's next decode step has run already."""
         return self._pending is not None
 
+    @property
+    def chunk_in_flight(self) -> int:
+        """Prompt tokens of a chunk whose later layers are still to run (0: none)."""
+        return 0 if self._in_flight is None else self._in_flight.tokens.size
+
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
         generation = decoding_batch(self._generator)
         if self._pending is not None and cache is generation.prompt_cache:
@@ -146,6 +167,9 @@ class MixedStepModel:
                 raise RuntimeError("a mixed step's decode inputs changed before its step")
             self._pending = None
             return logits
+        if self._in_flight is not None and cache is generation.prompt_cache and not kwargs:
+            return self._next_part(generation)
+        self.settle()  # any other call reads caches that a chunk in flight must have filled
         if (
             self.enabled
             and not kwargs
@@ -168,11 +192,67 @@ class MixedStepModel:
             import mlx.core as mx
 
             chunk = mx.concatenate([inputs, mx.zeros((1, padding), inputs.dtype)], axis=1)
-        self._pending = (generation._next_tokens, self._forward(generation, chunk, cache))
+        stop = self._first_part_end(chunk, cache, padding)
+        logits, hidden = self._forward(generation, cache, chunk, stop=stop)
+        if hidden is not None:
+            self._in_flight = ChunkInFlight(chunk, cache, hidden, stop)
+        self._pending = (generation._next_tokens, logits)
         for layer in cache if padding else ():  # the padding's keys: past _idx, unread
             layer._idx -= padding
             layer.offset = layer.offset - padding
         self.mixed_passes += 1
+
+    def _first_part_end(self, chunk: Any, cache: list, padding: int) -> int | None:
+        """The layer a chunk's first part stops before, where its layers are spread over
+        steps (None: all in this pass): a lone prompt's unpadded chunk, in a step that
+        ``ChunkGoesFirst`` allowed it (its segment goes on after it), whose every layer
+        has room for its keys (a layer that grew outside the prompt batch's call would
+        grow by mlx-lm's step, copying the whole cache)."""
+        layers = len(cache)
+        part = -(-layers // self.chunk_parts)
+        if (self.chunk_parts < 2 or not self.may_split or padding or chunk.shape[0] != 1
+                or part >= layers):
+            return None
+        length = chunk.shape[1]
+        for layer in cache:
+            if layer.keys is None or layer._idx + length > layer.keys.shape[2]:
+                return None
+        return part
+
+    def _next_part(self, generation: Any) -> Any:
+        """The generation batch's decode step, in one pass with the next part of the
+        chunk in flight; its logits."""
+        flight = self._in_flight
+        layers = len(flight.cache)
+        stop = min(layers, flight.layer + -(-layers // self.chunk_parts))
+        logits, hidden = self._forward(generation, flight.cache, flight.tokens,
+                                       start=flight.layer, stop=stop, hidden=flight.hidden)
+        import mlx.core as mx
+
+        # The part's keys and values, as mlx-lm's ``prompt`` evaluates a chunk's.
+        mx.async_eval([c.state for c in flight.cache[flight.layer:stop]])
+        self._in_flight = None if hidden is None else ChunkInFlight(
+            flight.tokens, flight.cache, hidden, stop)
+        self.mixed_passes += 1
+        return logits
+
+    def settle(self) -> None:
+        """Run the rest of a chunk in flight on its own, so that every layer of the
+        prompt batch holds it: before anything reads or changes that batch's caches
+        between steps (an abort, an extraction), or where no decode step comes to carry
+        it."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        import mlx.core as mx
+        from mlx_lm.models.base import create_attention_mask
+
+        x = flight.hidden.reshape(*flight.tokens.shape, -1)
+        mask = create_attention_mask(x, flight.cache[flight.layer])
+        for layer, cache in zip(self.model.model.layers[flight.layer:],
+                                flight.cache[flight.layer:], strict=True):
+            x = layer(x, mask, cache=cache)
+        mx.eval([c.state for c in flight.cache])
 
     def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
         """``batch`` kept ``keep`` of its rows (``filter``), its next inputs now
@@ -242,29 +322,50 @@ class MixedStepModel:
         self._traced.add(key)
         return True
 
-    def _forward(self, generation: Any, chunk_tokens: Any, chunk_cache: list) -> Any:
+    def _forward(self, generation: Any, chunk_cache: list, chunk_tokens: Any, *,
+                 start: int = 0, stop: int | None = None, hidden: Any = None
+                 ) -> tuple[Any, Any]:
         """The decoding rows' logits (rows, 1, vocabulary) for ``generation``'s next
-        inputs, with ``chunk_tokens`` prefilled into ``chunk_cache`` in the same pass."""
+        inputs, with the prefill chunk ``chunk_tokens`` run through its layers
+        ``start`` to ``stop`` (all: None) into ``chunk_cache`` in the same pass; from a
+        later layer than the first, its ``hidden`` state is the previous part's output.
+        Returns the logits and the chunk's hidden state after ``stop`` (None once its
+        last layer has run)."""
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
         model = self.model
         inner = model.model
+        layers = inner.layers
+        stop = len(layers) if stop is None else stop
         decode_cache = generation.prompt_cache
         rows = len(generation.uids)
         # Every token of the pass in one array (the decoding rows', then the chunk's):
         # the layers' shared pieces take and give it so, with no copy between layers.
-        x = inner.embed_tokens(mx.concatenate([generation._next_tokens,
-                                               chunk_tokens.reshape(-1)]))
-        decode_mask = create_attention_mask(x[:rows, None], decode_cache[0])
-        chunk_mask = create_attention_mask(chunk_tokens[..., None], chunk_cache[0])
-        # On CUDA, the chunk's keys read in place from its cache and one mask for all
-        # layers (runtime.mlx_environment.ChunkAttention); else the installed attention.
-        aligned = chunk_attention(mx, chunk_cache[0], length=chunk_tokens.shape[1],
-                                  heads=inner.layers[0].self_attn.n_heads, dtype=x.dtype)
-        last = len(inner.layers) - 1
+        # Outside the chunk's layers the decoding rows run alone, as a decode step does.
+        if start == 0:
+            x = inner.embed_tokens(mx.concatenate([generation._next_tokens,
+                                                   chunk_tokens.reshape(-1)]))
+        else:
+            x = inner.embed_tokens(generation._next_tokens)[:, None]
+        decode_mask = create_attention_mask(x[:rows, None] if start == 0 else x,
+                                            decode_cache[0])
+        last = len(layers) - 1
+        rest = None  # the chunk's state after this part, where layers are left
         for i, (layer, ours, theirs) in enumerate(
-                zip(inner.layers, decode_cache, chunk_cache, strict=True)):
+                zip(layers, decode_cache, chunk_cache, strict=True)):
+            if not start <= i < stop:
+                x = layer(x, decode_mask, cache=ours)
+                continue
+            if i == start:
+                if start:
+                    x = mx.concatenate([x.reshape(rows, -1), hidden])
+                chunk_mask = create_attention_mask(chunk_tokens[..., None], theirs)
+                # On CUDA, the chunk's keys read in place from its cache and one mask
+                # for its layers (runtime.mlx_environment.ChunkAttention); else the
+                # installed attention.
+                aligned = chunk_attention(mx, theirs, length=chunk_tokens.shape[1],
+                                          heads=layer.self_attn.n_heads, dtype=x.dtype)
             pair, weights = layer._compiled_decode, layer._compiled_weights
             scale = layer.self_attn.scale
             dq, dk, dv, cq, ck, cv = pair.mixed_before_cache(
@@ -276,9 +377,8 @@ class MixedStepModel:
             )
             ck, cv = theirs.update_and_fetch(ck, cv)
             if i == last:  # the chunk's keys and values are all its pass is for
-                decoding = pair.after_attention(
-                    x[:rows].reshape(rows, 1, -1), decode_attended, *weights
-                )
+                x = pair.after_attention(x[:rows].reshape(rows, 1, -1), decode_attended,
+                                         *weights)
                 break
             chunk_attended = aligned(cq, theirs, scale=scale) if aligned else None
             if chunk_attended is None:
@@ -286,14 +386,16 @@ class MixedStepModel:
                     cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
                 )
             x = pair.mixed_after_attention(x, decode_attended, chunk_attended, *weights)
-        out = inner.norm(decoding)
+            if i == stop - 1:  # the chunk's part ends: its state waits for the next one
+                rest, x = x[rows:], x[:rows].reshape(rows, 1, -1)
+        out = inner.norm(x)
         logits = (inner.embed_tokens.as_linear(out) if model.args.tie_word_embeddings
                   else model.lm_head(out))
         # Computed with the chunk (``prompt`` waits for its caches next): left lazy,
         # it would hold the last layer's cache buffers until the next step, and the
         # next chunk's cache update would copy them instead of writing in place.
-        mx.async_eval(logits)
-        return logits
+        mx.async_eval(logits, *(() if rest is None else (rest,)))
+        return logits, rest
 
 
 class ChunkGoesFirst:
@@ -319,19 +421,57 @@ class ChunkGoesFirst:
     sessions on the CPU 0.87x the tokens/s of mlx-lm's order."""
 
     def _next(self):
+        mixer = self._prompt_batch.model
+        if isinstance(mixer, MixedStepModel) and mixer.chunk_in_flight:
+            return [], self._decode_carrying(mixer)
         if not self._chunk_goes_first():
             return super()._next()
         generation = self._generation_batch
         generation.next = list  # mlx-lm's step runs its prompt part only
+        mixer.may_split = self._chunk_may_split()
         try:
             prompt_responses, _ = super()._next()
         finally:
             del generation.next
+            mixer.may_split = False
+        return prompt_responses, self._decode()  # reads the logits of the chunk's pass
+
+    def chunk_in_flight(self) -> int:
+        """Prompt tokens of a chunk whose later layers the next step runs (0: none):
+        that step only decodes, its pass carrying them."""
+        mixer = self._prompt_batch.model
+        return mixer.chunk_in_flight if isinstance(mixer, MixedStepModel) else 0
+
+    def _decode(self) -> list:
         began = time.perf_counter()
-        generation_responses = generation.next()  # reads the logits of the chunk's pass
+        generation_responses = self._generation_batch.next()
         self._counters.decode_time += time.perf_counter() - began
         self._counters.generation_tokens += len(generation_responses)
-        return prompt_responses, generation_responses
+        return generation_responses
+
+    def _decode_carrying(self, mixer: MixedStepModel) -> list:
+        """A step that decodes only, its pass carrying the next part of the chunk in
+        flight; with nothing left to decode, the chunk's rest runs on its own."""
+        generation = decoding_batch(self)
+        if not generation.uids or generation._next_tokens is None:
+            mixer.settle()
+            return self._decode() if len(self._generation_batch) else []
+        carried = mixer.chunk_in_flight
+        responses = self._decode()
+        if mixer.chunk_in_flight == carried and carried:  # no pass took it (a lane's rows)
+            mixer.settle()
+        return responses
+
+    def _chunk_may_split(self) -> bool:
+        """Whether this step's chunk may spread its layers over steps: a lone prompt's,
+        none joining, its batch in place, and its segment going on after it (a
+        segment's last chunk is stored or decoded from right after its step)."""
+        if getattr(self, "stepped_aside", False) or joiners(self):
+            return False
+        members = self._currently_processing
+        if len(members) != 1 or not members[0][0]:
+            return False
+        return len(members[0][0][0]) > self.prefill_step_size
 
     def _chunk_goes_first(self) -> bool:
         mixer = self._prompt_batch.model
@@ -362,10 +502,11 @@ def _layouts(layers: list) -> list:
     return list(seen.values())
 
 
-def install_mixed_steps(generator: Any) -> bool:
+def install_mixed_steps(generator: Any, chunk_parts: int = 1) -> bool:
     """Put a ``MixedStepModel`` in ``generator``'s prompt and generation batches (a new,
-    empty generator, its row hooks installed). Returns whether its model can mix."""
-    mixer = MixedStepModel(generator.model, generator)
+    empty generator, its row hooks installed), a paced chunk's layers spread over
+    ``chunk_parts`` steps where it may. Returns whether its model can mix."""
+    mixer = MixedStepModel(generator.model, generator, chunk_parts)
     generator._prompt_batch.model = mixer
     generator._generation_batch.model = mixer
     return mixer.enabled

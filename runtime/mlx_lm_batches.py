@@ -178,10 +178,20 @@ class RowAwarePromptBatch(PromptProcessingBatch):
                 return super().prompt(tokens)
 
     def filter(self, keep):
+        _chunk_settled(self)
         with _layers_filtered(self, keep):
             super().filter(keep)
 
+    def extract_cache(self, idx):
+        _chunk_settled(self)
+        return super().extract_cache(idx)
+
+    def split(self, indices):
+        _chunk_settled(self)
+        return super().split(indices)
+
     def extend(self, batch):
+        _chunk_settled(self)
         # A reserved room stays with its one prompt: a prompt that joins would be padded
         # to it (copied, rolled and filtered with it), and would take it along when it
         # leaves into the generation batch, which pads every row to its longest layer.
@@ -198,6 +208,14 @@ class RowAwarePromptBatch(PromptProcessingBatch):
             # in its __init__; their inputs are the last prompt tokens (not samples).
             with hook(list(self.uids), None):
                 return super().generate(tokens)
+
+
+def _chunk_settled(batch: PromptProcessingBatch) -> None:
+    """A chunk whose later layers wait for the next step (``runtime.mixed_step``'s
+    ``ChunkInFlight``) run to its end, before the batch's caches are read or changed."""
+    settle = getattr(batch.model, "settle", None)
+    if settle is not None:
+        settle()
 
 
 @contextlib.contextmanager

@@ -145,6 +145,9 @@ class ShortPromptsFirst:
         Returns whether the step runs with a batch aside (the short prompts' step)."""
         if not isinstance(generator, ShortFirstGenerator):
             return False
+        in_flight = getattr(generator, "chunk_in_flight", None)  # runtime.mixed_step
+        if not generator.stepped_aside and in_flight is not None and in_flight():
+            return False  # the step carries a chunk's later layers; the short ones next
         if generator.stepped_aside:
             self._first_aside_step = False
             if not generator._prompt_batch.uids:

@@ -119,6 +119,25 @@ class TuningSettings:
         "Needs the shared chunk pass.",
         group=TUNING,
     )
+    prefill_chunk_parts: int = setting(
+        1,
+        help="while a lone prompt is prefilled in paced chunks beside decoding sequences, a "
+        "chunk's layers are spread over this many steps, each step's decode pass carrying "
+        "one part (1: a chunk's layers all in one step)",
+        minimum=1,
+        maximum=16,
+        ours=True,
+        notes="On a GPU at a long context, a paced step's prefill part costs about the same "
+        "whatever its chunk's length (its RoPE, cache updates and attention in every layer "
+        "are kernels the host launches one by one), so a shorter chunk shortens no gap. "
+        "Spread over steps, each step launches a part of those kernels: the streams' gaps "
+        "shrink toward their decode step, and the prompt takes that many times the steps "
+        "per chunk. Applies to a lone prompt's chunks that its segment goes on after (not "
+        "its last one), with the shared chunk pass. Raise it where the streams' time "
+        "between tokens matters more than how soon the long prompt starts answering "
+        "([performance.md](performance.md)).",
+        group=TUNING,
+    )
     decode_lane_padding: int | None = setting(
         None,
         help="a sequence that starts decoding joins the decode batch it pads least; when that "

@@ -36,7 +36,7 @@ def model_path(request, tmp_path_factory) -> str:
 
 
 def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: int = 64,
-              dtype=None):
+              dtype=None, chunk_parts: int = 1):
     model, _ = load(model_path)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -44,7 +44,7 @@ def generator(model_path: str, chunk_pass: str, *, compiled: bool = True, step: 
         install_compiled_decode(model)
     return make_batch_generator(
         model, sampler=BatchSampler(), chunk_pass=chunk_pass, completion_batch_size=8,
-        prefill_batch_size=8, prefill_step_size=step,
+        prefill_batch_size=8, prefill_step_size=step, chunk_parts=chunk_parts,
     )
 
 
@@ -195,8 +195,9 @@ def test_a_lone_prompt_s_chunks_off_the_ladder_are_padded_onto_it(model_path):
     padded = []
     mixer = mixer_of(off_ladder)
     forward = mixer._forward
-    mixer._forward = lambda generation, chunk, cache: (
-        padded.append((chunk.shape, cache[0]._idx)), forward(generation, chunk, cache))[1]
+    mixer._forward = lambda generation, cache, chunk, **parts: (
+        padded.append((chunk.shape, cache[0]._idx)),
+        forward(generation, cache, chunk, **parts))[1]
     assert run(off_ladder)[0] == expected
     # LONG alone after LONG[:300]: chunks at 300, 400, 500 and 600 (99 tokens, the last
     # held back for its first sample). At 400 its cache (grown by mlx-lm to 512 while
@@ -318,3 +319,62 @@ def test_a_shared_pass_reads_its_chunk_s_keys_in_place_under_the_grouped_attenti
     installed = generator(model_path, "shared", dtype=mx.bfloat16, step=step)
     assert run(installed)[0] == tokens
     assert not calls and mixer_of(installed).mixed_passes > 0
+
+
+def lone_prompt_beside_rows(gen, *, remove_long_at: int | None = None):
+    """Three rows decode, then LONG arrives alone: every sequence's tokens, the steps
+    of its prefill that carried a chunk's later layers, and (``remove_long_at``: that
+    many steps after it arrived) LONG removed with its cache extracted."""
+    uids = gen.insert(SHORT, max_tokens=[40, 40, 40])
+    out = {u: [] for u in uids}
+    for _ in range(3):
+        for r in gen.next()[1]:
+            out[r.uid].append(r.token)
+    (long_uid,) = gen.insert([LONG], max_tokens=[3])
+    out[long_uid] = []
+    carried, steps, removed, left = 0, 0, None, set(out)
+    while left:
+        if steps == remove_long_at:
+            removed = gen.remove([long_uid], return_prompt_caches=True)[long_uid]
+            left.discard(long_uid)
+        carried += bool(gen.chunk_in_flight())
+        for r in gen.next()[1]:
+            if r.uid in left:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+        steps += 1
+    return [out[u] for u in [*uids, long_uid]], carried, removed
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_chunk_s_layers_spread_over_steps_give_the_tokens_of_one_pass(model_path, parts):
+    expected, carried, _ = lone_prompt_beside_rows(generator(model_path, "separate"))
+    assert carried == 0
+    gen = generator(model_path, "shared", chunk_parts=parts)
+    tokens, carried, _ = lone_prompt_beside_rows(gen)
+    assert tokens == expected
+    layers = len(gen.model.model.layers)
+    # LONG's eleven chunks: the first grows the cache (no room to fill outside its
+    # call yet), the last ends the segment; each of the nine between spreads over as
+    # many steps as its parts (two layers: at most two).
+    assert carried == 9 * (min(parts, layers) - 1)
+
+
+def test_a_prompt_removed_while_its_chunk_is_in_flight_leaves_its_cache_whole(model_path):
+    gen = generator(model_path, "shared", chunk_parts=2)
+    _, carried, (cache, tokens) = lone_prompt_beside_rows(gen, remove_long_at=3)
+    assert carried >= 1 and not gen.chunk_in_flight()
+    model, _ = load(model_path)
+    install_compiled_decode(model)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    fresh = make_prompt_cache(model)
+    model(mx.array([list(tokens)]), cache=fresh)
+    assert len(tokens) % 64 == 0
+    for ours, theirs in zip(cache, fresh, strict=True):
+        assert ours.offset == theirs.offset == len(tokens)
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            np.testing.assert_allclose(np.array(a[..., : len(tokens), :].astype(mx.float32)),
+                                       np.array(b[..., : len(tokens), :].astype(mx.float32)),
+                                       atol=1e-4)

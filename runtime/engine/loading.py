@@ -308,6 +308,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 chunk_pass=chunk_pass,
                 queue_chunks=not config.wait_for_chunks,
                 lane_padding=config.decode_lane_padding,
+                chunk_parts=config.prefill_chunk_parts,
             )
 
     return EngineCore(

@@ -342,6 +342,12 @@ class PacedSteps:
             self._decoding = self._tokens = 0
 
     def _size(self, generator, size_group) -> None:
+        in_flight = getattr(generator, "chunk_in_flight", None)  # runtime.mixed_step
+        if in_flight is not None and in_flight():
+            # The step decodes, carrying the later layers of the last step's chunk: a
+            # step of that chunk, as the pacer's line counts it.
+            self._decoding, self._tokens = len(generator._generation_batch), in_flight()
+            return
         coming = self._coming(generator, SHORT_PROMPT)
         generator.prefill_step_size = self._chunk(coming)
         if size_group is not None:
