@@ -100,13 +100,35 @@ def chunk_tail_padding(rows: int, tokens: int, cache: list) -> int:
 
 class ChunkInFlight(NamedTuple):
     """A prefill chunk whose first layers have run and whose others wait for the
-    next step's pass: its tokens (prompts, length), the prompt batch's cache layers,
-    its hidden state (tokens, width) and the first layer still to run."""
+    next step's pass: its tokens (prompts, length, padding included), the prompt
+    batch's cache layers, its hidden state (tokens, width), the first layer still to
+    run, the padding tokens each layer takes back after its part (``tail_padding``)
+    and the size a layer that has no room yet grows by (the lone prompt's whole room,
+    ``runtime.mlx_lm_batches``' ``_room_reserved``; None: every layer has room)."""
 
     tokens: Any
     cache: list
     hidden: Any
     layer: int
+    padding: int = 0
+    room: int | None = None
+
+    def run_part(self, stop: int, run: Any) -> Any:
+        """``run()`` for the layers from ``layer`` to ``stop``: those without room grow by
+        the prompt's room, and take the padding's keys back after it."""
+        part = self.cache[self.layer:stop]
+        if self.room is not None:
+            for c in part:
+                c.step = self.room
+        try:
+            return run()
+        finally:
+            for c in part:
+                if self.room is not None:
+                    del c.step
+                if self.padding:  # the padding's keys: past _idx, unread
+                    c._idx -= self.padding
+                    c.offset = c.offset - self.padding
 
 
 def _mixable_model(model: Any) -> bool:
@@ -155,6 +177,10 @@ class MixedStepModel:
         return self._pending is not None
 
     @property
+    def in_flight(self) -> ChunkInFlight | None:
+        return self._in_flight
+
+    @property
     def chunk_in_flight(self) -> int:
         """Prompt tokens of a chunk whose later layers are still to run (0: none)."""
         return 0 if self._in_flight is None else self._in_flight.tokens.size
@@ -186,53 +212,55 @@ class MixedStepModel:
         """Prefill ``inputs`` into the prompt batch's ``cache`` in one pass with the
         generation batch's next decode step, whose logits wait in ``_pending``;
         ``padding`` tokens (``tail_padding``) pad the chunk for the pass and are taken
-        back from the cache after it."""
+        back from the cache after it. Where the chunk may spread over steps, the pass
+        runs its first part of the layers and leaves the rest in flight."""
         chunk = inputs
         if padding:
             import mlx.core as mx
 
             chunk = mx.concatenate([inputs, mx.zeros((1, padding), inputs.dtype)], axis=1)
-        stop = self._first_part_end(chunk, cache, padding)
-        logits, hidden = self._forward(generation, cache, chunk, stop=stop)
+        flight = ChunkInFlight(chunk, cache, None, 0, padding, cache[0].__dict__.get("step"))
+        stop = self._first_part_end(flight)
+        # Inside the prompt batch's call the room is reserved already.
+        logits, hidden = flight._replace(room=None).run_part(
+            stop or len(cache), lambda: self._forward(generation, cache, chunk, stop=stop))
         if hidden is not None:
-            self._in_flight = ChunkInFlight(chunk, cache, hidden, stop)
+            self._in_flight = flight._replace(hidden=hidden, layer=stop)
         self._pending = (generation._next_tokens, logits)
-        for layer in cache if padding else ():  # the padding's keys: past _idx, unread
-            layer._idx -= padding
-            layer.offset = layer.offset - padding
         self.mixed_passes += 1
 
-    def _first_part_end(self, chunk: Any, cache: list, padding: int) -> int | None:
+    def _first_part_end(self, flight: ChunkInFlight) -> int | None:
         """The layer a chunk's first part stops before, where its layers are spread over
-        steps (None: all in this pass): a lone prompt's unpadded chunk, in a step that
-        ``ChunkGoesFirst`` allowed it (its segment goes on after it), whose every layer
-        has room for its keys (a layer that grew outside the prompt batch's call would
-        grow by mlx-lm's step, copying the whole cache)."""
-        layers = len(cache)
+        steps (None: all in this pass): a lone prompt's chunk, in a step that
+        ``ChunkGoesFirst`` allowed it, whose every layer has room for its keys or grows
+        by the prompt's whole room (a layer that grew by mlx-lm's step outside the
+        prompt batch's call would copy the whole cache every few chunks)."""
+        layers = len(flight.cache)
         part = -(-layers // self.chunk_parts)
-        if (self.chunk_parts < 2 or not self.may_split or padding or chunk.shape[0] != 1
-                or part >= layers):
+        if self.chunk_parts < 2 or not self.may_split or flight.tokens.shape[0] != 1 \
+                or part >= layers:
             return None
-        length = chunk.shape[1]
-        for layer in cache:
-            if layer.keys is None or layer._idx + length > layer.keys.shape[2]:
-                return None
+        if flight.room is None:
+            length = flight.tokens.shape[1]
+            for layer in flight.cache:
+                if layer.keys is None or layer._idx + length > layer.keys.shape[2]:
+                    return None
         return part
 
     def _next_part(self, generation: Any) -> Any:
         """The generation batch's decode step, in one pass with the next part of the
         chunk in flight; its logits."""
+        import mlx.core as mx
+
         flight = self._in_flight
         layers = len(flight.cache)
         stop = min(layers, flight.layer + -(-layers // self.chunk_parts))
-        logits, hidden = self._forward(generation, flight.cache, flight.tokens,
-                                       start=flight.layer, stop=stop, hidden=flight.hidden)
-        import mlx.core as mx
-
+        logits, hidden = flight.run_part(stop, lambda: self._forward(
+            generation, flight.cache, flight.tokens, start=flight.layer, stop=stop,
+            hidden=flight.hidden))
         # The part's keys and values, as mlx-lm's ``prompt`` evaluates a chunk's.
         mx.async_eval([c.state for c in flight.cache[flight.layer:stop]])
-        self._in_flight = None if hidden is None else ChunkInFlight(
-            flight.tokens, flight.cache, hidden, stop)
+        self._in_flight = None if hidden is None else flight._replace(hidden=hidden, layer=stop)
         self.mixed_passes += 1
         return logits
 
@@ -247,11 +275,14 @@ class MixedStepModel:
         import mlx.core as mx
         from mlx_lm.models.base import create_attention_mask
 
-        x = flight.hidden.reshape(*flight.tokens.shape, -1)
-        mask = create_attention_mask(x, flight.cache[flight.layer])
-        for layer, cache in zip(self.model.model.layers[flight.layer:],
-                                flight.cache[flight.layer:], strict=True):
-            x = layer(x, mask, cache=cache)
+        def rest():
+            x = flight.hidden.reshape(*flight.tokens.shape, -1)
+            mask = create_attention_mask(x, flight.cache[flight.layer])
+            for layer, cache in zip(self.model.model.layers[flight.layer:],
+                                    flight.cache[flight.layer:], strict=True):
+                x = layer(x, mask, cache=cache)
+
+        flight.run_part(len(flight.cache), rest)
         mx.eval([c.state for c in flight.cache])
 
     def rows_kept(self, batch: Any, keep: list[int], next_tokens: Any) -> None:
@@ -456,22 +487,19 @@ class ChunkGoesFirst:
         if not generation.uids or generation._next_tokens is None:
             mixer.settle()
             return self._decode() if len(self._generation_batch) else []
-        carried = mixer.chunk_in_flight
+        carried = mixer.in_flight
         responses = self._decode()
-        if mixer.chunk_in_flight == carried and carried:  # no pass took it (a lane's rows)
+        if mixer.in_flight is carried:  # no pass took it (the first lane had no rows)
             mixer.settle()
         return responses
 
     def _chunk_may_split(self) -> bool:
         """Whether this step's chunk may spread its layers over steps: a lone prompt's,
-        none joining, its batch in place, and its segment going on after it (a
-        segment's last chunk is stored or decoded from right after its step)."""
+        none joining, its batch in place. (A segment's end stored right after its step
+        runs the chunk's rest on its own first: ``MixedStepModel.settle``.)"""
         if getattr(self, "stepped_aside", False) or joiners(self):
             return False
-        members = self._currently_processing
-        if len(members) != 1 or not members[0][0]:
-            return False
-        return len(members[0][0][0]) > self.prefill_step_size
+        return len(self._currently_processing) == 1
 
     def _chunk_goes_first(self) -> bool:
         mixer = self._prompt_batch.model

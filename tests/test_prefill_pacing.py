@@ -437,3 +437,27 @@ def test_paced_steps_ask_the_bound_for_the_coming_prompts_and_their_depth():
     paced.before(generator)
     assert generator.prefill_step_size == 256
     assert asked and set(asked) == {(1, 20_000)}
+
+
+def test_a_chunk_spread_over_steps_is_observed_once_at_its_slowest_step():
+    """A chunk whose layers go on in the next steps (``--prefill-chunk-parts``): the
+    steps that carry them prefill no new tokens, and the pacer sees the chunk as one
+    step of its tokens that took as long as its slowest part."""
+    from types import SimpleNamespace
+
+    from runtime.mlx_lm_prefill import ComingPrefill
+
+    observed = []
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe = lambda seconds, **step: observed.append((seconds, step))
+    coming = ComingPrefill(decoding=16, prompts=1, tokens=128, short=0, depth=8_000)
+    in_flight = []  # the tokens of a chunk in flight after each step
+    generator = SimpleNamespace(prefill_step_size=2048, _generation_batch=[0] * 16,
+                                chunk_in_flight=lambda: in_flight[0] if in_flight else 0)
+    paced = PacedSteps(pacer, lambda generator, short: coming)
+    for seconds, after in ((0.018, 128), (0.025, 128), (0.016, 0), (0.020, 0)):
+        paced.before(generator)
+        in_flight[:] = [after]
+        paced.after(seconds)
+    assert observed == [(0.025, {"decoding": 16, "prefill_tokens": 128}),
+                        (0.020, {"decoding": 16, "prefill_tokens": 128})]

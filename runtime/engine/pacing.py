@@ -323,6 +323,8 @@ class PacedSteps:
         self._chunk_limit = chunk_limit
         self._decoding = 0
         self._tokens = 0
+        self._in_flight = None  # the generator's reader of a chunk whose layers go on
+        self._part_seconds = 0.0  # the slowest step so far of such a chunk
 
     def before(self, generator, size_group=None) -> None:
         """Size the coming step's prefill chunk (``size_group(generator)``: the group's
@@ -342,8 +344,8 @@ class PacedSteps:
             self._decoding = self._tokens = 0
 
     def _size(self, generator, size_group) -> None:
-        in_flight = getattr(generator, "chunk_in_flight", None)  # runtime.mixed_step
-        if in_flight is not None and in_flight():
+        self._in_flight = in_flight = getattr(generator, "chunk_in_flight", None)
+        if in_flight is not None and in_flight():  # runtime.mixed_step
             # The step decodes, carrying the later layers of the last step's chunk: a
             # step of that chunk, as the pacer's line counts it.
             self._decoding, self._tokens = len(generator._generation_batch), in_flight()
@@ -368,4 +370,10 @@ class PacedSteps:
                                 short=coming.short, most=most)
 
     def after(self, seconds: float) -> None:
+        if self._in_flight is not None and self._in_flight():
+            # The chunk's layers go on in the next step: the pacer sees the chunk once,
+            # as its slowest step, since that is the longest gap it makes.
+            self._part_seconds = max(self._part_seconds, seconds)
+            return
+        seconds, self._part_seconds = max(seconds, self._part_seconds), 0.0
         self.pacer.observe(seconds, decoding=self._decoding, prefill_tokens=self._tokens)
