@@ -183,8 +183,10 @@ for scenario in "$@"; do
         --systems "${p3:-ours,lanes-off}" --variant "lanes-off=--decode-lane-padding 0" --no-stop \
         --streams 16 --long-tokens "$p1" --long-max-tokens 256 --stream-tokens 4000 \
         --rounds "${p2:-2}" ${p4:+$p4} --out "$OUT/lanes-$shape-$p1-$SECONDS.json" 2>&1 | tail -8
+      slow_steps=$(find "$OUT" -name 'lanes-probe-*-slow-*' | wc -l)
+      echo "slow steps profiled: $slow_steps"
       for slow in "$OUT"/lanes-probe-*-slow-*; do  # MLX_TRIO_ENGINE_SLOW_STEP_MS
-        [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
+        [ "$slow_steps" -le 20 ] && [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
 pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | grep -v "^$" | tail -16
       done
       # MLX writes each CUDA kernel it builds (NVRTC) to its PTX cache when built: their
