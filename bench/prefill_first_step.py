@@ -7,7 +7,7 @@ a Linux CPU): ``--streams``
 short prompts decode, then a prompt of ``--long-tokens`` arrives, and every step
 until its prefill ends is timed and its forward passes counted (the last: the step
 after its last chunk, which moves it into decoding). Rounds alternate
-the two orders (``runtime.mixed_step.ChunkGoesFirst``; mlx-lm's by turning it off
+the two orders (``runtime.engine_generator.ChunkGoesFirst``; mlx-lm's by turning it off
 in this process), after one unmeasured round of each. Per round it prints the
 prompt's first step, the median of the next ten, the slowest, and the step after
 its last chunk; ``--json-out`` keeps every step and the prompt's progress.
@@ -47,8 +47,8 @@ def main() -> int:
 
     from runtime.config import ServerConfig
     from runtime.engine.loading import make_engine_core
+    from runtime.engine_generator import ChunkGoesFirst
     from runtime.messages import Abort, SamplingParams, Submit
-    from runtime.mixed_step import ChunkGoesFirst
 
     core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64), ns.model)
     vocab = core.handle.info.vocab_size

@@ -375,7 +375,7 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         < next_source.find("self._prompt_batch.prompt("),
         "BatchGenerator._next extends the generation batch before it prefills the step's chunk",
     )
-    # runtime.mixed_step.ChunkGoesFirst: a step's decode is its generation batch's one
+    # runtime.engine_generator.ChunkGoesFirst: a step's decode is its generation batch's one
     # next() call, made before anything else, with mlx-lm's counters of it.
     expect(
         next_source.find("self._generation_batch.next()") > -1

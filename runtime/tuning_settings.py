@@ -132,10 +132,12 @@ class TuningSettings:
         "are kernels the host launches one by one), so a shorter chunk shortens no gap. "
         "Spread over steps, each step launches a part of those kernels: the streams' gaps "
         "shrink toward their decode step, and the prompt takes that many times the steps "
-        "per chunk. Applies to a lone prompt's chunks that its segment goes on after (not "
-        "its last one), with the shared chunk pass. Raise it where the streams' time "
-        "between tokens matters more than how soon the long prompt starts answering "
-        "([performance.md](performance.md)).",
+        "per chunk. Applies to a lone prompt's chunks (not the one of the step it arrives in), "
+        "with the shared chunk pass. On an H200 it lowered the streams' time between tokens "
+        "during a 30k-token prefill but not to the interleave target, and the prompt took up "
+        "to four times as long, so it is off by default; raise it where the streams' "
+        "smoothness matters more than how soon the long prompt starts answering "
+        "([performance.md](performance.md#h200-a-chunks-layers-spread-over-steps)).",
         group=TUNING,
     )
     decode_lane_padding: int | None = setting(
