@@ -40,7 +40,8 @@
 #                                  ours,lanes-off), REPS rounds alternated (default 2); ARGS: more
 #                                  of its options (e.g. '--tree before=DIR' for SYSTEMS
 #                                  ours,before: another build's checkout, made here); with
-#                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile;
+#                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile
+#                                  (more than 20: bench/step_profiles.py's summary of them instead);
 #                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
@@ -185,6 +186,12 @@ for scenario in "$@"; do
         --rounds "${p2:-2}" ${p4:+$p4} --out "$OUT/lanes-$shape-$p1-$SECONDS.json" 2>&1 | tail -8
       slow_steps=$(find "$OUT" -name 'lanes-probe-*-slow-*' | wc -l)
       echo "slow steps profiled: $slow_steps"
+      if [ "$slow_steps" -gt 20 ]; then  # too many to bring back: their summary instead
+        python3 bench/step_profiles.py "$OUT" --min-total "$((p1 * 9 / 10))" \
+          > "$OUT/step-profiles-$SECONDS.txt" 2>&1
+        grep "steps profiled" "$OUT/step-profiles-$SECONDS.txt"
+        find "$OUT" -name 'lanes-probe-*-slow-*' -delete
+      fi
       for slow in "$OUT"/lanes-probe-*-slow-*; do  # MLX_TRIO_ENGINE_SLOW_STEP_MS
         [ "$slow_steps" -le 20 ] && [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
 pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | grep -v "^$" | tail -16
