@@ -452,11 +452,17 @@ CACHE_SHARE = 1 / 16
 MIN_CACHE_BYTES = 2 << 30
 
 
+# The key under which MLX's ``device_info`` gives the device's memory: Metal's, then
+# CUDA's (an H200: ``total_memory`` 150,754,820,096 and no ``memory_size``).
+MEMORY_KEYS = ("memory_size", "total_memory")
+
+
 def device_memory(mx) -> int:
     """The bytes of memory MLX reports for its device; 0 where it reports none (its CPU
     backend)."""
     try:
-        return int(mx.device_info().get("memory_size", 0))
+        info = mx.device_info()
+        return next((int(info[key]) for key in MEMORY_KEYS if info.get(key)), 0)
     except Exception:
         return 0
 

@@ -409,6 +409,9 @@ def test_the_free_buffer_cache_is_bounded_by_a_share_of_the_memory_never_raised(
     operator = _CacheLimits(memory=144 << 30, limit=1 << 30)  # already lower: kept
     assert bound_buffer_cache(operator) == 1 << 30 == operator.limit
     assert bound_buffer_cache(_CacheLimits(memory=0, limit=5)) is None
+    cuda = _CacheLimits(memory=0, limit=141 << 30)  # CUDA's device_info: total_memory
+    cuda.device_info = lambda: {"total_memory": 141 << 30, "free_memory": 100 << 30}
+    assert bound_buffer_cache(cuda) == int((141 << 30) * CACHE_SHARE) == cuda.limit
 
 
 def test_a_chunk_after_a_cached_prefix_goes_unfused_in_blocks():

@@ -223,6 +223,11 @@ def test_the_score_budget_is_a_share_of_the_device_s_memory():
     assert group_scores(2, 2048, 32768) <= budget < group_scores(3, 2048, 32768)
     assert group_scores(4, 2048, 16384) <= budget < group_scores(5, 2048, 16384)
     assert prefill_score_budget(Device({}), heads=16) is None  # MLX's CPU backend
+    # MLX's CUDA backend names the memory differently (an H200's device_info).
+    cuda = Device({"total_memory": 150_754_820_096, "free_memory": 132_534_894_592,
+                   "architecture": "sm_90", "device_name": "NVIDIA H200"})
+    assert prefill_score_budget(cuda, heads=16) == \
+        int(150_754_820_096 * PREFILL_SCORES_SHARE) // (4 * 16)
 
 
 def test_the_decode_batch_caps_the_group(model):
