@@ -39,7 +39,12 @@ class ChunkGoesFirst:
     chunk's pass decoded for; and only for a chunk that will share its pass (on the
     ladder, or padded onto it). A chunk of its own pass keeps mlx-lm's order, its
     decode first: taken first, such chunks (agents' later turns) left four agent
-    sessions on the CPU 0.87x the tokens/s of mlx-lm's order."""
+    sessions on the CPU 0.87x the tokens/s of mlx-lm's order.
+
+    A lone prompt's chunk taken first may spread its layers over steps
+    (``runtime.mixed_step.ChunkInFlight``, ``--prefill-chunk-parts``): the steps
+    after it only decode, their pass carrying its next parts (``_decode_carrying``),
+    and nothing joins, leaves or prefills meanwhile."""
 
     def _next(self):
         mixer = self._prompt_batch.model

@@ -10,7 +10,9 @@ finish at about its depth (followers of a system prompt just stored), but not
 ones far from it; an abort reaches a prompt set aside (its prefill
 kept in the prompt cache like any other's); the generator's byte count sees
 the batch set aside; with ``--short-prompts-join`` the short prompt joins the
-long one's batch as mlx-lm has it.
+long one's batch as mlx-lm has it. With a chunk's layers spread over steps
+(``--prefill-chunk-parts``), a short prompt waits for the chunk in flight to be
+whole before the long one steps aside, and every request keeps its tokens.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def new_core(model_path: str, **settings_):
 @pytest.fixture(scope="module")
 def cores(tiny_model_path):
     return {"aside": new_core(tiny_model_path),
-            "join": new_core(tiny_model_path, short_prompts_join=True)}
+            "join": new_core(tiny_model_path, short_prompts_join=True),
+            "parts": new_core(tiny_model_path, prefill_chunk_parts=2)}
 
 
 class Trace:
@@ -283,11 +286,12 @@ def test_the_byte_count_sees_the_batch_set_aside(tiny_model_path):
                                 st.integers(0, 3)), min_size=1, max_size=5),
     aborts=st.lists(st.tuples(st.integers(0, 14), st.integers(0, 4)), max_size=2),
 )
-def test_any_schedule_ends_every_request_once_with_its_own_tokens(cores, arrivals, aborts):
+@pytest.mark.parametrize("kind", ["aside", "parts"])
+def test_any_schedule_ends_every_request_once_with_its_own_tokens(cores, kind, arrivals, aborts):
     """Prompts of a small fixed set arrive at random steps, some aborted at random:
     each request ends once, a finished one with the tokens it has alone, and nothing
-    is left aside or held afterwards."""
-    core = cores["aside"]
+    is left aside or held afterwards (also with chunks spread over steps)."""
+    core = cores[kind]
     empty_cache(core)
     prompts = {("long", i): tokens(LONG + 64 * i, 20 + i) for i in range(4)}
     prompts |= {("short", i): tokens(30 + 50 * i, 30 + i) for i in range(4)}
@@ -304,7 +308,36 @@ def test_any_schedule_ends_every_request_once_with_its_own_tokens(cores, arrival
         if trace.ended[n + 1] != "aborted":
             assert trace.ended[n + 1] == "length"
             core_tokens = trace.tokens[n + 1]
-            assert core_tokens == alone(core, prompts[kind, which], max_tokens=3)
+            assert core_tokens == alone(cores["aside"], prompts[kind, which], max_tokens=3)
     assert not core._batch.stepped_aside
     assert core._batch.prompt_cache_nbytes == 0
 
+
+
+def test_a_chunk_spread_over_steps_is_whole_before_a_short_prompt_goes_ahead(cores):
+    """Three streams decode while a long prompt is prefilled with its chunks spread over
+    two steps each; a short prompt arrives: it steps ahead only once the chunk in
+    flight is whole, and every request gets the tokens it has alone."""
+    core = cores["parts"]
+    empty_cache(core)
+    streams = [submit(10 + i, tokens(30, 40 + i), max_tokens=60) for i in range(3)]
+    long_prompt, short_prompt = tokens(LONG, 1), tokens(40, 2)
+    carried = []
+    real = core._batch.chunk_in_flight
+    trace = Trace()
+    arrivals = {0: streams, 3: [submit(1, long_prompt)], 9: [submit(2, short_prompt)]}
+    for k in range(400):
+        for sub in arrivals.get(k, ()):
+            core.handle_command(sub)
+        if k > 9 and not core.has_work:
+            break
+        carried.append(real())
+        trace.step(core)
+    aside = [a for _, a in trace.steps]
+    assert any(carried), "no chunk was spread over steps"
+    # The batch never steps aside in a step that carries a chunk's later layers.
+    assert not any(c and a for c, a in zip(carried, aside, strict=True))
+    assert any(aside)
+    for sub in [*streams, submit(1, long_prompt), submit(2, short_prompt)]:
+        assert trace.tokens[sub.request_id] == alone(cores["aside"], sub.prompt,
+                                                     max_tokens=sub.max_tokens)
