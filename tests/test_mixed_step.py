@@ -67,13 +67,18 @@ def run(gen, *, remove_at: int | None = None, extract: bool = False, seen: dict 
                 seen["pending"] = mixer_of(gen) is not None and mixer_of(gen).pending
             removed = gen.remove([uids[1]], return_prompt_caches=extract).get(uids[1])
             left.discard(uids[1])
-        for r in gen.next()[1]:
-            if r.uid in left:
-                out[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                left.discard(r.uid)
+        step_tokens(gen, out, left)
         steps += 1
     return [out[u] for u in uids], removed
+
+
+def step_tokens(gen, out: dict, left: set) -> None:
+    """One step: each token of a sequence in ``left``; a sequence that finished leaves."""
+    for r in gen.next()[1]:
+        if r.uid in left:
+            out[r.uid].append(r.token)
+        if r.finish_reason is not None:
+            left.discard(r.uid)
 
 
 def mixer_of(gen) -> MixedStepModel | None:
@@ -338,11 +343,7 @@ def lone_prompt_beside_rows(gen, *, remove_long_at: int | None = None):
             removed = gen.remove([long_uid], return_prompt_caches=True)[long_uid]
             left.discard(long_uid)
         carried += bool(gen.chunk_in_flight())
-        for r in gen.next()[1]:
-            if r.uid in left:
-                out[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                left.discard(r.uid)
+        step_tokens(gen, out, left)
         steps += 1
     return [out[u] for u in [*uids, long_uid]], carried, removed
 
