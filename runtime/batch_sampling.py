@@ -487,8 +487,7 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     where passes are shared, a prefill chunk is queued without waiting for the device
     while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     ``lane_padding``: ``runtime.decode_lanes``' padding limit (0: one decode batch).
-    ``chunk_parts``: where passes are shared, a lone prompt's paced chunk may spread
-    its layers over that many steps (``runtime.mixed_step.ChunkInFlight``).
+    ``chunk_parts``: steps a shared chunk's layers may spread over (``ChunkInFlight``).
     """
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")

@@ -452,8 +452,7 @@ CACHE_SHARE = 1 / 16
 MIN_CACHE_BYTES = 2 << 30
 
 
-# The key under which MLX's ``device_info`` gives the device's memory: Metal's, then
-# CUDA's (an H200: ``total_memory`` 150,754,820,096 and no ``memory_size``).
+# MLX's ``device_info`` keys for the device's memory: Metal's, CUDA's (an H200's).
 MEMORY_KEYS = ("memory_size", "total_memory")
 
 
