@@ -128,11 +128,11 @@ class TuningSettings:
         maximum=16,
         ours=True,
         notes="On a GPU at a long context, a paced step's prefill part costs about the same "
-        "whatever its chunk's length (its RoPE, cache updates and attention in every layer "
-        "are kernels the host launches one by one), so a shorter chunk shortens no gap. "
-        "Spread over steps, each step launches a part of those kernels: the streams' gaps "
-        "shrink toward their decode step, and the prompt takes that many times the steps "
-        "per chunk. Applies to a lone prompt's chunks (not the one of the step it arrives in), "
+        "whatever its chunk's length, so a shorter chunk shortens no gap. Spread over "
+        "steps, each step runs a part of the chunk's layers; but most of what a chunk adds "
+        "to a step is paid per step, not per layer (on an H200 a step carrying a quarter of "
+        "the layers cost 80 % of a whole chunk's step beside 16 streams), so the gaps shrink "
+        "less than the parts suggest, and the prompt takes more steps per chunk. Applies to a lone prompt's chunks (not the one of the step it arrives in), "
         "with the shared chunk pass. On an H200 it lowered the streams' time between tokens "
         "during a 30k-token prefill but not to the interleave target, and the prompt took up "
         "to four times as long, so it is off by default; raise it where the streams' "
