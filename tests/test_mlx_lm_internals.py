@@ -348,6 +348,35 @@ def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):
     assert cleared == [True]
 
 
+def test_an_engine_on_cuda_bounds_the_buffer_cache_and_keeps_prefill_s_freed_buffers(
+        monkeypatch, tiny_model_path):
+    """MLX's CUDA backend gives the device's memory as ``total_memory`` (Metal:
+    ``memory_size``): an engine built there bounds the free-buffer cache to its share
+    and makes mlx-lm's clear_cache after every prefill chunk a no-op."""
+    import importlib
+
+    from runtime.config import ServerConfig
+    from runtime.engine.loading import make_engine_core
+    from runtime.mlx_environment import CACHE_SHARE
+
+    generate = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(generate, "mx", mx)  # undone after the test
+    memory = 64 << 30
+    monkeypatch.setattr(mx, "device_info", lambda: {
+        "total_memory": memory, "free_memory": memory // 2, "device_name": "NVIDIA H200"})
+    limits = []
+    monkeypatch.setattr(mx, "set_cache_limit", lambda limit: limits.append(limit) or memory)
+    cleared = []
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(True))
+    make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
+    assert limits[0] == int(memory * CACHE_SHARE)
+    cleared.clear()  # the load's own
+    generate.mx.clear_cache()
+    assert cleared == []
+    mx.clear_cache()
+    assert cleared == [True]
+
+
 def test_freed_buffers_are_cleared_as_mlx_lm_does_where_its_module_changed(monkeypatch, caplog):
     import importlib
 
