@@ -89,12 +89,14 @@ class ChunkGoesFirst:
         return responses
 
     def _chunk_may_split(self) -> bool:
-        """Whether this step's chunk may spread its layers over steps: a lone prompt's,
-        none joining, its batch in place. (A segment's end stored right after its step
-        runs the chunk's rest on its own first: ``MixedStepModel.settle``.)"""
-        if getattr(self, "stepped_aside", False) or joiners(self):
+        """Whether this step's chunk may spread its layers over steps: a lone prompt's
+        (one already in the batch, or one joining an empty one: its first chunk then
+        spreads the allocation of its room too), its batch in place. (A segment's end
+        stored right after its step runs the chunk's rest on its own first:
+        ``MixedStepModel.settle``.)"""
+        if getattr(self, "stepped_aside", False):
             return False
-        return len(self._currently_processing) == 1
+        return len(self._currently_processing) + len(joiners(self)) == 1
 
     def _chunk_goes_first(self) -> bool:
         mixer = self._prompt_batch.model

@@ -356,10 +356,10 @@ def test_a_chunk_s_layers_spread_over_steps_give_the_tokens_of_one_pass(model_pa
     tokens, carried, _ = lone_prompt_beside_rows(gen)
     assert tokens == expected
     layers = len(gen.model.model.layers)
-    # LONG's eleven chunks: the first comes in the step the prompt joins its batch;
-    # each of the ten after it (the last padded onto the ladder) spreads over as many
-    # steps as its parts (two layers: at most two).
-    assert carried == 10 * (min(parts, layers) - 1)
+    # Each of LONG's eleven chunks (the first in the step it joins its batch, the last
+    # padded onto the ladder) spreads over as many steps as its parts (two layers: at
+    # most two).
+    assert carried == 11 * (min(parts, layers) - 1)
 
 
 def test_a_prompt_removed_while_its_chunk_is_in_flight_leaves_its_cache_whole(model_path):
