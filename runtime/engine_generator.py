@@ -77,14 +77,11 @@ class ChunkGoesFirst:
 
     def _decode_carrying(self, mixer: MixedStepModel) -> list:
         """A step that decodes only, its pass carrying the next part of the chunk in
-        flight; with nothing left to decode, the chunk's rest runs on its own."""
-        generation = decoding_batch(self)
-        if not generation.uids or generation._next_tokens is None:
-            mixer.settle()
-            return self._decode() if len(self._generation_batch) else []
+        flight; where no pass took it (nothing left to decode in the first lane), the
+        chunk's rest runs on its own."""
         carried = mixer.in_flight
-        responses = self._decode()
-        if mixer.in_flight is carried:  # no pass took it (the first lane had no rows)
+        responses = self._decode() if len(self._generation_batch) else []
+        if mixer.in_flight is carried:
             mixer.settle()
         return responses
 
