@@ -7,15 +7,12 @@ or process). It receives the environment and sets, where the operator has not,
 the variables MLX's CUDA backend reads when it builds its caches (each cache
 reads its variable once, when first used). Emits the names it set.
 
-* ``MLX_ENABLE_CACHE_THRASHING_CHECK=0``. MLX's CUDA caches (CUDA graph
-  executables, cuDNN attention graphs, convolution plans) count their misses
-  over the process's whole life and never reset the count: once a cache has
-  missed twice its capacity (800 for the graph cache, 512 for attention), every
-  further miss raises "Cache thrashing is happening", however high the hit
-  rate. A server meets new shapes for as long as it runs (each prefill group's
-  batch size and prompt length is one), so from then on every step with a new
-  shape would fail its requests. The check is a diagnostic for benchmarks;
-  MLX's own test suite turns it off too.
+* ``MLX_ENABLE_CACHE_THRASHING_CHECK=0``. MLX's CUDA caches (CUDA graphs, cuDNN
+  attention graphs, convolution plans) count their misses over the process's
+  life: past twice a cache's capacity (800 for graphs, 512 for attention) every
+  miss raises "Cache thrashing is happening", however high the hit rate. A
+  server meets new shapes as long as it runs (prefill groups' sizes and prompt
+  lengths), so every later step with a new shape would fail its requests.
 * ``MLX_CUDA_SDPA_CACHE_SIZE=1024``. Every prefill shape not in the cuDNN
   attention cache builds and finalizes a cuDNN graph (runtime compilation
   included) on the engine's thread: 4 % of the engine's samples in a native
@@ -68,9 +65,9 @@ unfused attention:
   once, and with it built cuDNN outruns the grouped products at depth. Every
   prefill call that reaches cuDNN gets contiguous keys, so that its graph
   follows the call's shapes and not the length of the buffer it was read from.
-* A lone prompt's last, odd-sized chunk (under the causal mask, more than
-  ``PADDED_TAIL_SHARE``'s share of a full chunk) goes to cuDNN padded to a full
-  chunk, whose graph it then shares.
+* A lone prompt's odd-sized chunk (under the causal mask, more than
+  ``PADDED_TAIL_SHARE``'s share of a full chunk) that starts or ends at a whole
+  number of chunks goes to cuDNN padded to a full chunk, whose graph it shares.
 """
 
 from __future__ import annotations
@@ -125,10 +122,9 @@ def server_defaults(environ: MutableMapping[str, str] | None = None) -> list[str
 
 
 # Scores of at most this many elements (batch x query heads x query x keys) go
-# through the unfused path: one 1024-token prompt with 32 heads, a group of eight
-# 360-token prompts. Measured on an H200 past it (float32 scores, the path before
-# grouped_attention), a 4096-token prompt took 155 ms unfused against 80-90 through
-# cuDNN with its graph cached (134 the first time) on the Qwen3-0.6B shape.
+# unfused: one 1024-token prompt with 32 heads, a group of eight 360-token prompts.
+# On an H200 past it (float32 scores, before grouped_attention), a 4096-token prompt
+# took 155 ms unfused against 80-90 through cuDNN's cached graph (134 uncached).
 UNFUSED_SCORES_LIMIT = 1 << 25
 
 # A chunk of at most this many queries after a cached prefix goes unfused in blocks
@@ -151,13 +147,14 @@ UNFUSED_BLOCK_LIMIT = 1 << 27
 # products, and a lone prompt's, under the causal mask (runtime.mlx_lm_batches), 17-40.
 RECURRING_CHUNK_QUERIES = 1024
 
-# A lone prompt's last, odd-sized chunk of more than a quarter of a full chunk (or a
-# lone fresh prompt of that length, under one chunk) goes to cuDNN as a full chunk:
-# its queries and keys padded at the end to the full chunk's length (the padding's
-# queries see only padding past the real keys, under the causal mask aligned to the
-# last key, and their outputs are dropped). Its shape is then a full chunk's at the
-# same prefix, whose graph is built once; as it is, every prompt length would build
-# its own. On an H200 (Qwen3-0.6B shape) a cold 32k prompt's last chunk of about
+# A lone prompt's odd-sized chunk of more than a quarter of a full chunk goes to cuDNN
+# as a full chunk where its prefix is a whole number of chunks (its last chunk, or a
+# fresh prompt under one chunk: queries and keys padded at the end, the padding's
+# queries seeing only padding past the real keys under the causal mask aligned to the
+# last key) or where its end is (a chunk that brings a prompt's prefix back to whole
+# chunks, runtime.engine.pacing: its queries padded at the front, seeing the prefix's
+# real keys). The padding's outputs are dropped; the shape is a full chunk's, whose
+# graph is built once, where every prompt length would otherwise build its own. On an H200 (Qwen3-0.6B shape) a cold 32k prompt's last chunk of about
 # 1,295 queries took 171-202 ms through the grouped products and 45-51 padded; at a
 # quarter of a chunk the grouped products cost about what a full chunk does through
 # cuDNN at 24k-30k of context (bench/chunk_attention.py). A paced chunk of 1,024
@@ -214,12 +211,15 @@ def unfused_prefill_attention(
                                    values[:, :, :seen], mask=block_mask, **kwargs))
         return mx.concatenate(outputs, axis=2)
 
-    def padded_tail(queries, keys, values, full, **kwargs):
-        """A lone prompt's last chunk through ``fused`` as a full chunk (above
-        ``PADDED_TAIL_SHARE``): queries and keys padded at the end, the real queries'
-        outputs kept."""
-        n_queries = queries.shape[2]
-        widths = [(0, 0), (0, 0), (0, full - n_queries), (0, 0)]
+    def padded_to_full(queries, keys, values, full, **kwargs):
+        """A lone prompt's chunk through ``fused`` as a full chunk (``PADDED_TAIL_SHARE``):
+        at a prefix of whole chunks, queries and keys padded at the end; else (its end
+        at whole chunks) its queries at the front. The real queries' outputs kept."""
+        n_queries, pad = queries.shape[2], full - queries.shape[2]
+        if (keys.shape[2] - n_queries) % full:
+            queries = mx.pad(queries, [(0, 0), (0, 0), (pad, 0), (0, 0)])
+            return fused(queries, mx.contiguous(keys), mx.contiguous(values), **kwargs)[:, :, pad:]
+        widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
         out = fused(mx.pad(queries, widths), mx.pad(keys, widths), mx.pad(values, widths),
                     **kwargs)
         return out[:, :, :n_queries]
@@ -234,8 +234,8 @@ def unfused_prefill_attention(
             if (full is not None and isinstance(mask, str) and mask == "causal"
                     and kwargs.get("sinks") is None
                     and full // PADDED_TAIL_SHARE < n_queries < full
-                    and (n_keys - n_queries) % full == 0):
-                return padded_tail(queries, keys, values, full, **kwargs)
+                    and ((n_keys - n_queries) % full == 0 or n_keys % full == 0)):
+                return padded_to_full(queries, keys, values, full, **kwargs)
             recurring = n_queries > recurring_queries and (n_keys - n_queries) % n_queries == 0
             if n_queries < n_keys and n_queries <= block_queries and not recurring:
                 return in_blocks(queries, keys, values, **kwargs)  # a paced chunk

@@ -15,6 +15,8 @@ steps, through its private attributes ``_currently_processing``,
   and whether it moves a prompt into decoding (``runtime.mixed_step``).
 * ``tokens_to_come``: a reader of how many prompt tokens the prompt batch has
   still to prefill (``runtime.mlx_lm_batches``' room reservation).
+* ``lone_prompt``: where the coming step prefills one prompt, its keys before the
+  step and what is left of its segment (``runtime.engine.pacing``'s grid).
 
 Receives and emits nothing.
 """
@@ -217,3 +219,35 @@ def tokens_to_come(generator: BatchGenerator) -> Callable[[], int]:
         )
 
     return read
+
+
+class LonePrompt(NamedTuple):
+    """The one prompt the coming ``generator.next()`` prefills (``lone_prompt``)."""
+
+    prefix: int  # the keys its cache holds before the step's chunk
+    segment: int  # the tokens left of its current segment (a chunk stops at its end)
+
+
+def lone_prompt(generator: BatchGenerator) -> LonePrompt | None:
+    """The prompt the coming ``generator.next()`` prefills, with the generator's sizes as
+    set, where it prefills exactly one; else None. A member's keys are the prompt batch's
+    less its row's left padding (members whose prompt is done leave in that step, and
+    the padding they shared goes with them); a joiner's, its cached prefix."""
+    if len(generator._generation_batch) >= generator.completion_batch_size:
+        return None
+    members = generator._currently_processing
+    prefilling = [i for i, m in enumerate(members) if not _is_done(m)]
+    joining = joiners(generator)
+    if len(prefilling) + len(joining) != 1:
+        return None
+    if joining:
+        segments, caches = joining[0][1], joining[0][3]
+        prefix = int(getattr(caches[0], "offset", 0) or 0) if caches else 0
+    else:
+        row = prefilling[0]
+        segments = members[row][0]
+        layer = generator._prompt_batch.prompt_cache[0]
+        prefix = int(getattr(layer, "_idx", 0) or 0)
+        if len(members) > 1 and getattr(layer, "left_padding", None) is not None:
+            prefix -= int(layer.left_padding[row].item())
+    return LonePrompt(prefix, len(segments[0]) if segments else 0)

@@ -503,13 +503,15 @@ def test_a_fresh_prompt_s_full_chunks_reach_cudnn_with_contiguous_keys():
     assert seen[-1] == (1, 24) and counted.shapes == []
 
 
-def test_a_lone_prompt_s_last_chunk_reaches_cudnn_padded_to_a_full_chunk():
+def test_a_lone_prompt_s_odd_chunk_on_the_grid_reaches_cudnn_padded_to_a_full_chunk():
     """Under the causal mask, a chunk of more than a quarter of ``full_chunk`` queries
     after a whole number of full chunks (a lone prompt's last, odd-sized chunk, or a
-    fresh prompt shorter than one chunk) reaches the fused attention padded to a full
-    chunk, the shape a full chunk has at that prefix; the real queries' outputs are
-    MLX's attention of the unpadded chunk. Shorter tails, array masks and prefixes off
-    the chunk grid keep their paths, and without ``full_chunk`` nothing is padded."""
+    fresh prompt shorter than one chunk: padded at the end) or ending at one (a chunk
+    that brings the prefix back to the grid: padded at the front) reaches the fused
+    attention as a full chunk, the shape a full chunk has there; the real queries'
+    outputs are MLX's attention of the unpadded chunk. Shorter chunks, array masks and
+    chunks off the grid at both ends keep their paths, and without ``full_chunk``
+    nothing is padded."""
     import mlx.core as mx
 
     seen = []
@@ -521,10 +523,11 @@ def test_a_lone_prompt_s_last_chunk_reaches_cudnn_padded_to_a_full_chunk():
     attention = unfused_prefill_attention(fused, mx, limit=2 * 4 * 7, recurring_queries=4,
                                           full_chunk=8)
     q, k_buffer, v_buffer = _qkv(mx, 2, 8, 40, mx.bfloat16)
-    for prefix, length in ((16, 6), (0, 7), (8, 3)):
+    for prefix, length in ((16, 6), (0, 7), (8, 3), (11, 5), (19, 5)):
         k, v = k_buffer[:, :, :prefix + length], v_buffer[:, :, :prefix + length]
         got = attention(q[:, :, :length], k, v, scale=0.25, mask="causal")
-        assert seen.pop() == (8, prefix + 8)
+        # At the end (keys padded too) where the prefix is on the grid, else at the front.
+        assert seen.pop() == (8, prefix + 8 if prefix % 8 == 0 else prefix + length)
         expected = mx.fast.scaled_dot_product_attention(q[:, :, :length], k, v, scale=0.25,
                                                         mask="causal")
         assert got.shape == expected.shape

@@ -24,6 +24,7 @@ from runtime.engine.pacing import (
     PacedSteps,
     PrefillCostFit,
     PrefillPacer,
+    aligned_chunk,
 )
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_prefill import coming_prefill
@@ -461,3 +462,155 @@ def test_a_chunk_spread_over_steps_is_observed_once_at_its_slowest_step():
         paced.after(seconds)
     assert observed == [(0.025, {"decoding": 16, "prefill_tokens": 128}),
                         (0.020, {"decoding": 16, "prefill_tokens": 128})]
+
+
+@pytest.mark.parametrize("chunk,prefix,segment,expected", [
+    (2048, 2176, 28_000, 1920),  # after a paced start: back to the grid, then full chunks
+    (2048, 12_000, 20_000, 288),  # after a cached prefix of 12,000 tokens
+    (2048, 4096, 28_000, 2048),  # on the grid already
+    (2048, 12_000, 2048, 2048),  # a segment of one chunk goes in one step either way
+    (256, 12_000, 20_000, 256),  # a paced chunk is the pacer's
+])
+def test_a_lone_prompt_s_full_chunk_is_cut_back_to_the_grid(chunk, prefix, segment, expected):
+    assert aligned_chunk(chunk, 2048, prefix=prefix, segment=segment) == expected
+
+
+def test_paced_steps_keep_a_lone_prompt_on_the_grid_with_pacing_on_or_off():
+    """With a ``lone`` reader, a lone prompt off the grid gets the cut in the step its
+    chunk would be full, whether the pacer is on (nothing decoding) or off; the next
+    step's chunk is full again once it is back on the grid."""
+    from types import SimpleNamespace
+
+    from runtime.mlx_lm_prefill import ComingPrefill, LonePrompt
+
+    coming = ComingPrefill(decoding=0, prompts=1, tokens=2048, short=0, depth=2176)
+    lone = [LonePrompt(prefix=2176, segment=27_000)]
+    for factor in (1.5, 0):
+        pacer = PrefillPacer(factor, 2048, ladder=True)
+        lone[0] = LonePrompt(prefix=2176, segment=27_000)
+        paced = PacedSteps(pacer, lambda generator, short: coming, lone=lambda g: lone[0])
+        generator = SimpleNamespace(prefill_step_size=64)  # a paced chunk before
+        paced.before(generator)
+        assert generator.prefill_step_size == 1920
+        lone[0] = LonePrompt(prefix=4096, segment=25_080)
+        paced.before(generator)
+        assert generator.prefill_step_size == 2048
+        lone[0] = None  # several prompts, or none
+        paced.before(generator)
+        assert generator.prefill_step_size == 2048
+    unaligned = PacedSteps(PrefillPacer(1.5, 2048), lambda generator, short: coming)
+    generator = SimpleNamespace(prefill_step_size=2048)
+    unaligned.before(generator)
+    assert generator.prefill_step_size == 2048
+
+
+def _prefix_cache(model, tokens):
+    """A single-sequence KV cache holding ``tokens``, as a prompt-cache entry is."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_lone_prompt_reads_a_member_s_keys_and_a_joiner_s_cached_prefix(model):
+    """``lone_prompt`` against mlx-lm's ``BatchGenerator``: a joiner's cached prefix and
+    segment, then, once it is a member, its keys as they grow; none while two prompts
+    prefill."""
+    from runtime.mlx_lm_batches import install_row_hooks
+    from runtime.mlx_lm_prefill import lone_prompt
+
+    rng = random.Random(5)
+    prefix = [rng.randrange(10, 400) for _ in range(37)]
+    rest = [rng.randrange(10, 400) for _ in range(150)]
+    gen = install_row_hooks(BatchGenerator(model, max_tokens=2, prefill_batch_size=2,
+                                           prefill_step_size=64))
+    gen.insert([rest], caches=[_prefix_cache(model, prefix)])
+    # mlx-lm gives the last token a segment of its own: 149 tokens are the first's.
+    assert tuple(lone_prompt(gen)) == (37, 149)
+    gen.next()
+    assert tuple(lone_prompt(gen)) == (37 + 64, 149 - 64)
+    gen.insert([[rng.randrange(10, 400) for _ in range(100)]])
+    assert lone_prompt(gen) is None  # a second prompt joins
+
+
+def test_a_lone_prompt_after_a_cached_prefix_is_prefilled_on_the_grid_with_the_same_tokens(model):
+    """A prompt after a cached prefix off the grid: with the pacer's ``lone`` reader its
+    first chunk ends on the grid and every later one is full, and the sequence's tokens
+    are the ones it gets with mlx-lm's chunks."""
+    from runtime.mlx_lm_batches import install_row_hooks
+    from runtime.mlx_lm_prefill import lone_prompt
+
+    rng = random.Random(6)
+    prefix = [rng.randrange(10, 400) for _ in range(37)]
+    rest = [rng.randrange(10, 400) for _ in range(300)]
+    runs = {}
+    for name, lone in (("mlx-lm", None), ("grid", lone_prompt)):
+        gen = install_row_hooks(BatchGenerator(model, max_tokens=6, prefill_step_size=64))
+        paced = PacedSteps(PrefillPacer(0, 64), coming_prefill, lone=lone)
+        gen.insert([rest], caches=[_prefix_cache(model, prefix)])
+        chunks, tokens, done = [], [], 0
+        for _ in range(40):
+            paced.before(gen)
+            prompt_responses, generation_responses = gen.next()
+            for r in prompt_responses:
+                if r.progress[0] > done:
+                    chunks.append(r.progress[0] - done)
+                    done = r.progress[0]
+            tokens += [r.token for r in generation_responses]
+            if len(tokens) == 6:
+                break
+        runs[name] = chunks, tokens
+    (plain, plain_tokens), (grid, grid_tokens) = runs["mlx-lm"], runs["grid"]
+    assert plain[:4] == [64, 64, 64, 64]
+    assert grid[0] == 64 - 37 and grid[1:4] == [64, 64, 64]
+    assert all((37 + sum(grid[:i + 1])) % 64 == 0 for i in range(4))
+    assert sum(grid) == sum(plain) == 300
+    assert grid_tokens == plain_tokens and len(grid_tokens) == 6
+
+
+def test_lone_prompt_counts_a_member_s_own_keys_beside_one_that_is_done(model):
+    """A prompt that joined another one step in (padded to its keys): in the step where
+    the first is done (it leaves for decoding), the second is the lone prompt, its keys
+    its own tokens, not the batch's padded length."""
+    from runtime.mlx_lm_batches import install_row_hooks
+    from runtime.mlx_lm_prefill import lone_prompt
+
+    rng = random.Random(7)
+    gen = install_row_hooks(BatchGenerator(model, max_tokens=2, prefill_batch_size=2,
+                                           prefill_step_size=64))
+    first = gen.insert([[rng.randrange(10, 400) for _ in range(200)]])[0]
+    gen.next()
+    second = gen.insert([[rng.randrange(10, 400) for _ in range(300)]])[0]
+    done = {}
+    checked = 0
+    for _ in range(12):
+        members = gen._currently_processing
+        finished = [len(m[0]) == 1 and len(m[0][0]) == 1 for m in members]
+        if any(finished) and not all(finished):
+            lone = lone_prompt(gen)
+            assert lone is not None and lone.prefix == done[second] and first in done
+            checked += 1
+        prompt_responses, _ = gen.next()
+        done.update((r.uid, r.progress[0]) for r in prompt_responses)
+    assert checked
+
+
+def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_installed(
+        tiny_model_path, monkeypatch):
+    """On the CPU (no prefill attention of ours) chunks come as they do; where it is
+    installed (CUDA), the pacer keeps a lone prompt's chunks on the grid, even with
+    pacing off."""
+    import runtime.engine.loading as loading
+    from runtime.mlx_lm_prefill import lone_prompt
+
+    plain = ServerConfig(model=tiny_model_path, admission_window_ms=0)
+    assert make_engine_core(plain, tiny_model_path)._paced._lone is None
+    monkeypatch.setattr(loading, "install_prefill_attention", lambda mx, full_chunk: True)
+    for factor in (1.5, 0):
+        config = ServerConfig(model=tiny_model_path, admission_window_ms=0,
+                              decode_stall_factor=factor)
+        paced = make_engine_core(config, tiny_model_path)._paced
+        assert paced._lone is lone_prompt and paced.pacer.factor == factor

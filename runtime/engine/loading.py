@@ -54,7 +54,7 @@ from runtime.mlx_lm_internals import (
     keep_freed_buffers_in_generate,
     sharded_load_on_the_default_stream,
 )
-from runtime.mlx_lm_prefill import coming_prefill, size_prefill_group
+from runtime.mlx_lm_prefill import coming_prefill, lone_prompt, size_prefill_group
 from runtime.prompt_cache_disk import DiskPromptCache, model_fingerprint
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
@@ -244,8 +244,11 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         log.debug("prefill step size: %d tokens", config.prefill_step_size)
     if config.decode_lane_padding is None:
         config = attrs.evolve(config, decode_lane_padding=default_decode_lane_padding(mx))
-    if config.prefill_attention == "unfused" and install_prefill_attention(
-            mx, full_chunk=config.prefill_step_size):
+    # Where a lone prompt's full chunks go to cuDNN on the grid of whole chunks, the
+    # pacer keeps them on it (runtime.engine.pacing.aligned_chunk).
+    on_grid = config.prefill_attention == "unfused" and install_prefill_attention(
+        mx, full_chunk=config.prefill_step_size)
+    if on_grid:
         log.debug("prefill attention: MLX's unfused path")
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
@@ -335,7 +338,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         shared_prefill_min_tokens=0 if serial else config.shared_prefill_min_tokens,
         aborted_prefill_min_tokens=config.aborted_prefill_min_tokens,
         paced_steps=None
-        if serial or config.decode_stall_factor == 0
+        if serial or (config.decode_stall_factor == 0 and not on_grid)
         else PacedSteps(
             PrefillPacer(config.decode_stall_factor, config.prefill_step_size,
                          ladder=config.chunk_pass == "shared",
@@ -345,6 +348,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             chunk_limit=functools.partial(in_place_chunk_limit, mx,
                                           heads=_attention_heads(handle.model))
             if config.chunk_pass == "shared" else None,
+            lone=lone_prompt if on_grid else None,
         ),
         short_prompts_first=None if serial or config.short_prompts_join
         else ShortPromptsFirst(SHORT_PROMPT),

@@ -46,6 +46,15 @@ cached: a coding agent's next turn, a chat message) goes in one step: its
 first token matters more than the one longer gap it costs the others, and it
 is not held behind a long prompt's paced chunks.
 
+A lone prompt's full chunk is cut to end on the grid of full chunks where its
+prefix is off it (``aligned_chunk``, with ``PacedSteps``' ``lone`` reader): a
+prompt that was paced for a while, or one after a cached prefix or a segment's end,
+would otherwise meet every later full chunk at a new shape. On CUDA a full chunk
+whose prefix is a whole number of chunks goes to cuDNN under the causal mask, its
+graph built once for every prompt (``runtime.mlx_environment``); off the grid it
+goes to the grouped products, which cost 5-7x as much at 20k-30k tokens of context
+(an H100's steps of a cold 32k prompt after a paced start: 240 ms against 37).
+
 With ``floor_slack`` (``--prefill-floor-slack``), where the floor's steps alone
 outgrow the budget, the chunk is chosen by what each size on the ladder has
 cost lately instead: the longest whose steps took at most that many times the
@@ -307,6 +316,17 @@ def _ladder_step(tokens: int, floor: int) -> int:
     return size
 
 
+def aligned_chunk(chunk: int, full: int, *, prefix: int, segment: int) -> int:
+    """A lone prompt's ``chunk`` after ``prefix`` keys with ``segment`` tokens left of its
+    segment: a full chunk cut to end at the next multiple of ``full`` where the prefix is
+    off that grid and more than a full chunk is left (a shorter segment goes in one step
+    either way); any other chunk as it is."""
+    off = prefix % full
+    if chunk != full or not off or segment <= full:
+        return chunk
+    return full - off
+
+
 class PacedSteps:
     """The engine core's hook around each ``BatchGenerator.next()``: sets the chunk
     before it (``before``, with the prefill group's sizing in between) and times it
@@ -315,12 +335,15 @@ class PacedSteps:
     most tokens a paced chunk of that many prompts after that many keys should have
     (``runtime.mlx_environment.in_place_chunk_limit``; None from it or unset: no
     bound), since its cost jumps past it and the pacer's line, fitted on shorter
-    chunks, would not foresee that."""
+    chunks, would not foresee that. ``lone``: the reader of a lone prompt's prefix
+    (``runtime.mlx_lm_prefill.lone_prompt``) whose full chunks are kept on the grid
+    (``aligned_chunk``; None: chunks as they come)."""
 
-    def __init__(self, pacer: PrefillPacer, coming, chunk_limit=None) -> None:
+    def __init__(self, pacer: PrefillPacer, coming, chunk_limit=None, lone=None) -> None:
         self.pacer = pacer
         self._coming = coming
         self._chunk_limit = chunk_limit
+        self._lone = lone
         self._decoding = 0
         self._tokens = 0
         self._in_flight = None  # the generator's reader of a chunk whose layers go on
@@ -332,16 +355,30 @@ class PacedSteps:
         reading the generator fails (an mlx-lm that changed), it turns itself off with
         a log line and the step runs with full chunks."""
         if not self.pacer.factor:
+            generator.prefill_step_size = self.pacer.full_chunk  # a cut to the grid ends
             if size_group is not None:
                 size_group(generator)
+            self._on_grid(generator)
             return
         try:
             self._size(generator, size_group)
         except Exception:
             log.exception("prefill pacing failed; full prefill chunks from now on")
             self.pacer.factor = 0
+            self._lone = None
             generator.prefill_step_size = self.pacer.full_chunk
             self._decoding = self._tokens = 0
+
+    def _on_grid(self, generator) -> bool:
+        """A lone prompt's full chunk cut to the grid (``aligned_chunk``); whether it was."""
+        lone = None if self._lone is None else self._lone(generator)
+        if lone is None:
+            return False
+        chunk = aligned_chunk(generator.prefill_step_size, self.pacer.full_chunk,
+                              prefix=lone.prefix, segment=lone.segment)
+        cut = chunk < generator.prefill_step_size
+        generator.prefill_step_size = chunk
+        return cut
 
     def _size(self, generator, size_group) -> None:
         self._in_flight = in_flight = getattr(generator, "chunk_in_flight", None)
@@ -359,6 +396,8 @@ class PacedSteps:
         narrower = self._chunk(coming)
         if narrower < generator.prefill_step_size:  # more joined than first counted
             generator.prefill_step_size = narrower
+            tokens = self._coming(generator, SHORT_PROMPT).tokens
+        if self._on_grid(generator):
             tokens = self._coming(generator, SHORT_PROMPT).tokens
         self._decoding, self._tokens = coming.decoding, tokens
 
