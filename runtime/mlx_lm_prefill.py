@@ -92,6 +92,7 @@ def size_prefill_group(
     token_budget: int | None,
     score_budget: int | None = None,
     full_chunk: int | None = None,
+    alone_from: int | None = None,
 ) -> int:
     """Before ``generator.next()``: set its ``prefill_batch_size`` so that the step
     moves into the prompt batch the waiting sequences (in their order) that fit:
@@ -106,6 +107,11 @@ def size_prefill_group(
     ``full_chunk`` queries, against its deepest row's keys; a paced chunk is smaller,
     but the group may outlive the pacing) pass ``score_budget``: a wave of long
     prompts is prefilled a few at a time rather than run the device out of memory.
+    And a prompt with more than ``alone_from`` tokens to prefill (None: no such rule)
+    is prefilled alone, joining no other prompt and joined by none: where a lone
+    prompt's chunks attend under the causal mask and a group's under mlx-lm's array
+    mask (CUDA), two 16k-token prompts took 1.9 s together on an H100 against 0.3
+    each alone, a wave of eight 16k prompts 6.6 s to its median first token.
     Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
@@ -123,9 +129,18 @@ def size_prefill_group(
     chunk = full_chunk or step_size
     depth = max((m[2] for m in prefilling), default=0)
     queries = max((sum(len(s) for s in m[0]) for m in prefilling), default=0)
+
+    def alone(tokens: int) -> bool:  # the last token is the first decode step's input
+        return alone_from is not None and tokens - 1 > alone_from
+
+    if any(alone(m[2]) for m in prefilling):
+        free = 0
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
+            break
+        to_prefill = sum(len(s) for s in sequence[1])
+        if alone(to_prefill) and (prefilling or joining):
             break
         depth = max(depth, _depth(sequence))
         queries = max(queries, sum(len(s) for s in sequence[1]))
@@ -139,6 +154,8 @@ def size_prefill_group(
                 break
             room -= tokens
         joining += 1
+        if alone(to_prefill):
+            break
     generator.prefill_batch_size = len(generator._prompt_batch) + joining
     return joining
 

@@ -163,6 +163,38 @@ def test_a_lone_prompt_goes_whatever_its_scores(model):
     assert size_prefill_group(gen, base=8, token_budget=4096, score_budget=1) == 0
 
 
+def test_prompts_past_alone_from_are_prefilled_one_at_a_time(model):
+    """A prompt with more than ``alone_from`` tokens to prefill neither joins others nor
+    is joined, to the end of its prefill; shorter ones group as before, behind it in
+    their order."""
+    gen = generator(model, base=8, step=64)
+    long_uids = gen.insert(prompts(3, 200))
+    short_uids = gen.insert(prompts(2, 20))
+    seen = []
+    for _ in range(14):
+        size_prefill_group(gen, base=8, token_budget=4096, alone_from=128)
+        prompt_responses, _ = gen.next()
+        prefilled = prefilled_uids(prompt_responses)
+        if prefilled:
+            seen.append(prefilled)
+    # Each long prompt alone in its own four steps (64, 64, 64, 7), then the two short
+    # ones together.
+    expected = [{uid} for uid in long_uids for _ in range(4)] + [set(short_uids)]
+    assert seen == expected
+    # Without the rule, the base group takes them all at once.
+    gen = generator(model, base=8, step=64)
+    gen.insert(prompts(3, 200))
+    gen.insert(prompts(2, 20))
+    assert size_prefill_group(gen, base=8, token_budget=4096) == 5  # one group of all
+    # A short prompt that is first goes with the other short ones, and the long one waits.
+    gen = generator(model, base=8, step=64)
+    first_short = gen.insert(prompts(1, 20))
+    gen.insert(prompts(1, 200))
+    assert size_prefill_group(gen, base=8, token_budget=4096, alone_from=128) == 1
+    prompt_responses, _ = gen.next()
+    assert prefilled_uids(prompt_responses) == set(first_short)
+
+
 def test_a_cached_prefix_counts_in_a_prompt_s_depth(model):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache

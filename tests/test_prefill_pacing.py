@@ -600,17 +600,19 @@ def test_lone_prompt_counts_a_member_s_own_keys_beside_one_that_is_done(model):
 
 def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_installed(
         tiny_model_path, monkeypatch):
-    """On the CPU (no prefill attention of ours) chunks come as they do; where it is
-    installed (CUDA), the pacer keeps a lone prompt's chunks on the grid, even with
-    pacing off."""
+    """On the CPU (no prefill attention of ours) chunks and groups come as they do; where
+    it is installed (CUDA), the pacer keeps a lone prompt's chunks on the grid, even with
+    pacing off, and prompts of more than two full chunks are prefilled alone."""
     import runtime.engine.loading as loading
     from runtime.mlx_lm_prefill import lone_prompt
 
-    plain = ServerConfig(model=tiny_model_path, admission_window_ms=0)
-    assert make_engine_core(plain, tiny_model_path)._paced._lone is None
+    plain = ServerConfig(model=tiny_model_path, admission_window_ms=0, prefill_step_size=256)
+    core = make_engine_core(plain, tiny_model_path)
+    assert core._paced._lone is None and core._prefill_group.keywords["alone_from"] is None
     monkeypatch.setattr(loading, "install_prefill_attention", lambda mx, full_chunk: True)
     for factor in (1.5, 0):
         config = ServerConfig(model=tiny_model_path, admission_window_ms=0,
-                              decode_stall_factor=factor)
-        paced = make_engine_core(config, tiny_model_path)._paced
-        assert paced._lone is lone_prompt and paced.pacer.factor == factor
+                              decode_stall_factor=factor, prefill_step_size=256)
+        core = make_engine_core(config, tiny_model_path)
+        assert core._paced._lone is lone_prompt and core._paced.pacer.factor == factor
+        assert core._prefill_group.keywords["alone_from"] == 512

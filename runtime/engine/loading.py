@@ -360,6 +360,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             token_budget=config.prefill_group_tokens or None,
             score_budget=prefill_score_budget(mx, _attention_heads(handle.model)),
             full_chunk=config.prefill_step_size,
+            # Long prompts one at a time where a lone one's chunks take cuDNN's causal mask.
+            alone_from=2 * config.prefill_step_size if on_grid else None,
         ),
         disk=_disk_tier(config, handle, model_path, distributed=group is not None),
     )
