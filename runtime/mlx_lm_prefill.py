@@ -110,8 +110,8 @@ def size_prefill_group(
     And a prompt with more than ``alone_from`` tokens to prefill (None: no such rule)
     is prefilled alone, joining no other prompt and joined by none: where a lone
     prompt's chunks attend under the causal mask and a group's under mlx-lm's array
-    mask (CUDA), two 16k-token prompts took 1.9 s together on an H100 against 0.3
-    each alone, a wave of eight 16k prompts 6.6 s to its median first token.
+    mask (CUDA), two 16k-token prompts took 1.4-2.7 s together on an H100 against
+    0.3 each alone, and a wave of eight took 6.6 s to its median first token.
     Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing

@@ -41,7 +41,9 @@ class TuningSettings:
         "joins in the step its predecessor leaves for decoding; long prompts keep mlx-lm's "
         "groups of `--prompt-concurrency`, and a long prompt waits for the prompts being "
         "prefilled when they need no more steps than it does, rather than join them (it "
-        "would be padded to their length). Fewer groups mean fewer rebuilds of the batch's KV "
+        "would be padded to their length). On CUDA a prompt of more than two "
+        "`--prefill-step-size` chunks is prefilled alone (a lone prompt's attention takes "
+        "cuDNN's causal mask, a group's the slower array mask). Fewer groups mean fewer rebuilds of the batch's KV "
         "cache (more tokens/s under load) but later first tokens for a large burst: set 0 "
         "where every request's first token under heavy load matters more than throughput "
         "([performance.md](performance.md)).",
