@@ -153,14 +153,14 @@ RECURRING_CHUNK_QUERIES = 1024
 # queries seeing only padding past the real keys under the causal mask aligned to the
 # last key) or where its end is (a chunk that brings a prompt's prefix back to whole
 # chunks, runtime.engine.pacing: its queries padded at the front, seeing the prefix's
-# real keys). The padding's outputs are dropped; the shape is a full chunk's, whose
-# graph is built once, where every prompt length would otherwise build its own. On an H200 (Qwen3-0.6B shape) a cold 32k prompt's last chunk of about
-# 1,295 queries took 171-202 ms through the grouped products and 45-51 padded; at a
-# quarter of a chunk the grouped products cost about what a full chunk does through
-# cuDNN at 24k-30k of context (bench/chunk_attention.py). A paced chunk of 1,024
-# tokens that a shared pass's in-place attention declines (a deep prefix) takes this
-# path too where its prefix is a whole number of chunks, and then builds that full
-# chunk's graph once for the server's life, unless a cold prompt built it first.
+# real keys). The padding's outputs are dropped; the shape is a full chunk's, its graph
+# built once, where each prompt length would build its own. On an H200 (Qwen3-0.6B
+# shape) a cold 32k prompt's last chunk of 1,295 queries took 171-202 ms through the
+# grouped products and 45-51 padded; at a quarter of a chunk the grouped products
+# cost about what a full chunk does through cuDNN at 24k-30k of context
+# (bench/chunk_attention.py). A paced chunk of 1,024 tokens that a shared pass's
+# in-place attention declines (a deep prefix) takes this path too on the grid, and
+# builds that full chunk's graph once for the server's life, unless a prompt did.
 PADDED_TAIL_SHARE = 4
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")

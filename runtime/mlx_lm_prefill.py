@@ -107,11 +107,12 @@ def size_prefill_group(
     ``full_chunk`` queries, against its deepest row's keys; a paced chunk is smaller,
     but the group may outlive the pacing) pass ``score_budget``: a wave of long
     prompts is prefilled a few at a time rather than run the device out of memory.
-    And a prompt with more than ``alone_from`` tokens to prefill (None: no such rule)
-    is prefilled alone, joining no other prompt and joined by none: where a lone
-    prompt's chunks attend under the causal mask and a group's under mlx-lm's array
-    mask (CUDA), two 16k-token prompts took 1.4-2.7 s together on an H100 against
-    0.3 each alone, and a wave of eight took 6.6 s to its median first token.
+    And prompts with more than ``alone_from`` tokens to prefill (None: no such rule)
+    are prefilled one at a time, never two in one prompt batch (shorter ones join as
+    above): where a lone prompt's chunks attend under the causal mask and a group's
+    under mlx-lm's array mask (CUDA), two 16k-token prompts took 1.4-2.7 s together
+    on an H100 against 0.3 each alone, and a wave of eight took 6.6 s to its median
+    first token.
     Returns how many join."""
     step_size = generator.prefill_step_size
     members = generator._currently_processing
@@ -133,14 +134,13 @@ def size_prefill_group(
     def alone(tokens: int) -> bool:  # the last token is the first decode step's input
         return alone_from is not None and tokens - 1 > alone_from
 
-    if any(alone(m[2]) for m in prefilling):
-        free = 0
+    long_one = any(alone(m[2]) for m in prefilling)
     joining = 0
     for sequence in generator._unprocessed_sequences:
         if joining >= free:
             break
-        to_prefill = sum(len(s) for s in sequence[1])
-        if alone(to_prefill) and (prefilling or joining):
+        long = alone(sum(len(s) for s in sequence[1]))
+        if long and long_one:
             break
         depth = max(depth, _depth(sequence))
         queries = max(queries, sum(len(s) for s in sequence[1]))
@@ -154,8 +154,7 @@ def size_prefill_group(
                 break
             room -= tokens
         joining += 1
-        if alone(to_prefill):
-            break
+        long_one = long_one or long
     generator.prefill_batch_size = len(generator._prompt_batch) + joining
     return joining
 

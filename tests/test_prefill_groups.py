@@ -164,9 +164,8 @@ def test_a_lone_prompt_goes_whatever_its_scores(model):
 
 
 def test_prompts_past_alone_from_are_prefilled_one_at_a_time(model):
-    """A prompt with more than ``alone_from`` tokens to prefill neither joins others nor
-    is joined, to the end of its prefill; shorter ones group as before, behind it in
-    their order."""
+    """Prompts with more than ``alone_from`` tokens to prefill never share a prompt
+    batch, to the end of their prefill; shorter ones join as before, in their order."""
     gen = generator(model, base=8, step=64)
     long_uids = gen.insert(prompts(3, 200))
     short_uids = gen.insert(prompts(2, 20))
@@ -177,22 +176,26 @@ def test_prompts_past_alone_from_are_prefilled_one_at_a_time(model):
         prefilled = prefilled_uids(prompt_responses)
         if prefilled:
             seen.append(prefilled)
-    # Each long prompt alone in its own four steps (64, 64, 64, 7), then the two short
-    # ones together.
-    expected = [{uid} for uid in long_uids for _ in range(4)] + [set(short_uids)]
+    # Each long prompt in four steps of its own (64, 64, 64, 7); the two short ones, behind
+    # the third, go with its first step.
+    expected = [{uid} for uid in long_uids[:2] for _ in range(4)]
+    expected += [{long_uids[2], *short_uids}] + [{long_uids[2]}] * 3
     assert seen == expected
     # Without the rule, the base group takes them all at once.
     gen = generator(model, base=8, step=64)
     gen.insert(prompts(3, 200))
     gen.insert(prompts(2, 20))
     assert size_prefill_group(gen, base=8, token_budget=4096) == 5  # one group of all
-    # A short prompt that is first goes with the other short ones, and the long one waits.
+    # A short prompt may go with one long prompt, and joins a long one under way.
     gen = generator(model, base=8, step=64)
-    first_short = gen.insert(prompts(1, 20))
-    gen.insert(prompts(1, 200))
-    assert size_prefill_group(gen, base=8, token_budget=4096, alone_from=128) == 1
+    first = gen.insert(prompts(1, 20) + prompts(2, 200))
+    assert size_prefill_group(gen, base=8, token_budget=4096, alone_from=128) == 2
     prompt_responses, _ = gen.next()
-    assert prefilled_uids(prompt_responses) == set(first_short)
+    assert prefilled_uids(prompt_responses) == set(first[:2])
+    (short_uid,) = gen.insert(prompts(1, 20))
+    size_prefill_group(gen, base=8, token_budget=4096, alone_from=128)
+    prompt_responses, _ = gen.next()  # the short one is done; the second long one waits
+    assert first[2] not in prefilled_uids(prompt_responses)
 
 
 def test_a_cached_prefix_counts_in_a_prompt_s_depth(model):
