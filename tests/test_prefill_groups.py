@@ -332,3 +332,40 @@ def test_the_window_lets_go_when_the_batch_cannot_take_more():
         core.handle_command(make_submit(rid, (1, 1), max_tokens=30))
     core.step()
     assert len(factory.current.inserted) == 4
+
+
+def test_on_the_grid_and_one_long_prompt_at_a_time_the_tokens_are_the_same(tiny_model_path,
+                                                                            monkeypatch):
+    """The engine as on CUDA (our prefill attention installed: chunks kept on the grid,
+    long prompts one at a time) against the CPU's: long and short prompts at once, then
+    later turns of more than a chunk after their cached prefixes; every request gets
+    the same greedy tokens, and no step prefills two long prompts."""
+    import runtime.engine.loading as loading
+
+    first = [f"tell a long story number {i} " + "and then more " * (40 + 7 * i) for i in range(3)]
+    first += [f"a short one {i}" for i in range(3)]
+    results = {}
+    for grid in (False, True):
+        if grid:
+            monkeypatch.setattr(loading, "install_prefill_attention", lambda mx, full_chunk: True)
+        core = make_engine_core(ServerConfig(model=tiny_model_path, prefill_step_size=64,
+                                             admission_window_ms=0), tiny_model_path)
+        longs_a_step = []
+
+        def count_longs(core, out, calls, longs_a_step=longs_a_step):
+            # Long prompts that prefilled in the step (one that finished may leave in the
+            # step the next one starts).
+            longs_a_step.append(sum(1 for p in out.progress
+                                    if p.total > 2 * 64 + 1 and p.done < p.total))
+
+        turn1 = run(core, [submit(core, i, t, max_tokens=6) for i, t in enumerate(first)],
+                    on_step=count_longs)
+        # Each after its cached prefix, off the grid, with more than a chunk to prefill.
+        later = [t + " " + core.handle.tokenizer.decode(turn1[i]["tokens"])
+                 + " and now what about this " * 20 for i, t in enumerate(first)]
+        turn2 = run(core, [submit(core, 10 + i, t, max_tokens=6) for i, t in enumerate(later)],
+                    on_step=count_longs)
+        results[grid] = ({i: r["tokens"] for i, r in {**turn1, **turn2}.items()}, longs_a_step)
+    (plain, _), (on_grid, longs_a_step) = results[False], results[True]
+    assert on_grid == plain and all(len(t) == 6 for t in plain.values())
+    assert max(longs_a_step) == 1 and max(results[False][1]) > 1
