@@ -63,11 +63,15 @@ def _is_done(member: Sequence[Any]) -> bool:
     return len(segments) == 1 and len(segments[0]) == 1
 
 
+def _cached(sequence: Sequence[Any]) -> int:
+    """A waiting sequence's cached prefix: the keys its caches hold before its prefill."""
+    caches = sequence[3]
+    return int(getattr(caches[0], "offset", 0) or 0) if caches else 0
+
+
 def _depth(sequence: Sequence[Any]) -> int:
     """A waiting sequence's keys once prefilled: its cached prefix and its prompt."""
-    caches = sequence[3]
-    cached = getattr(caches[0], "offset", 0) if caches else 0
-    return int(cached) + sum(len(s) for s in sequence[1])
+    return _cached(sequence) + sum(len(s) for s in sequence[1])
 
 
 def group_scores(rows: int, queries: int, keys: int) -> int:
@@ -257,8 +261,7 @@ def lone_prompt(generator: BatchGenerator) -> LonePrompt | None:
     if len(prefilling) + len(joining) != 1:
         return None
     if joining:
-        segments, caches = joining[0][1], joining[0][3]
-        prefix = int(getattr(caches[0], "offset", 0) or 0) if caches else 0
+        segments, prefix = joining[0][1], _cached(joining[0])
     else:
         row = prefilling[0]
         segments = members[row][0]
