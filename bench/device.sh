@@ -44,6 +44,10 @@
 #                                  (more than 20: bench/step_profiles.py's summary of them instead);
 #                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
+#   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
+#                                  idle included, 100 Hz): 16 streams' decode-only steps, then
+#                                  their steps beside a prompt of TOKENS (30000), in-process;
+#                                  each phase's ms a step by where it goes
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
 #                                  against cold, a system prompt of S tokens (REPS default 3)
@@ -202,6 +206,16 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$began" \
         -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$OUT/lanes-ptx-built-$SECONDS.txt"
       echo "kernels built during the run: $(wc -l < "$OUT/lanes-ptx-built-$SECONDS.txt")"
+      ;;
+    paced-profile)
+      dir=$(model "$shape")
+      prof=$OUT/paced-profile-$shape-${p1:-30000}-$SECONDS
+      timeout -s INT -k 10 "$(limit 300)" py-spy record --native --idle -r 100 -f raw -o "$prof.raw" -- \
+        python3 bench/paced_step_profile.py --model "$dir" --long-tokens "${p1:-30000}" \
+        --streams "${p2:-16}" --decode-steps 400 --json-out "$prof.json" 2>&1 | grep -v "^py-spy>" | tail -14
+      python3 bench/paced_step_profile.py --summarize "$prof.raw" --steps "$prof.json" --top 30 \
+        > "$prof.txt" 2>&1
+      head -120 "$prof.txt"
       ;;
     resume)
       dir=$(model "$shape")

@@ -1,0 +1,214 @@
+"""Where a paced prefill step's time goes, against a decode-only step's, in-process.
+
+Drives the engine core as the server builds it (``make_engine_core``): ``--streams``
+short prompts decode for ``--decode-steps`` steps (``decode_only_steps``), then a prompt
+of ``--long-tokens`` arrives and every step until its prefill ends is timed
+(``paced_steps``), after one unmeasured round of both. Per step it keeps the wall
+time, the engine thread's CPU time and the prompt tokens the step prefilled; it
+prints both phases' step times by percentile and, for the paced steps, by chunk.
+
+Run under ``py-spy record --native --idle -f raw`` (``bench/device.sh paced-profile``), the
+two phases are told apart by their Python function, and ``--summarize RAW`` prints
+each phase's milliseconds a step by where the samples fell: MLX's CUDA graph work,
+allocation, cuBLASLt, cuDNN, waiting for the device, the rest of MLX, Python; and by
+the innermost Python frame. The difference between the phases is what a step that
+carries a prefill chunk pays beyond a decode step.
+
+    py-spy record --native --idle -r 100 -f raw -o prof.raw -- \\
+        python bench/paced_step_profile.py --model DIR --long-tokens 30000 --json-out steps.json
+    python bench/paced_step_profile.py --summarize prof.raw --steps steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ("decode_only_steps", "paced_steps")
+# The innermost native frame's category, first match wins (substrings of the symbol).
+NATIVE_KINDS = (
+    ("wait for the device", ("cuEventSynchronize", "cuStreamSynchronize", "cuCtxSynchronize",
+                             "EventSynchronize", "StreamSynchronize", "sched_yield",
+                             "condition_variable", "futex", "pthread_cond")),
+    ("CUDA graphs", ("CommandEncoder", "add_graph_node", "add_kernel_node", "cuGraph",
+                     "GraphExec", "GraphAdd", "cuLaunch")),
+    ("allocation", ("cuMemAlloc", "cuMemFree", "malloc", "free", "Allocator", "allocator")),
+    ("cuBLASLt", ("cublas",)),
+    ("cuDNN / NVRTC", ("cudnn", "nvrtc")),
+    ("MLX other", ("mlx::", "mlx_", "nanobind", "nb_func")),
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def run(ns: argparse.Namespace) -> dict:
+    from runtime.config import ServerConfig
+    from runtime.engine.loading import make_engine_core
+    from runtime.messages import Abort, SamplingParams, Submit
+
+    core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64), ns.model)
+    vocab = core.handle.info.vocab_size
+    rnd = random.Random(0)
+    request_ids = iter(range(1, 1 << 30))
+
+    def submit(tokens: int, max_tokens: int) -> int:
+        prompt = tuple(rnd.randrange(100, vocab - 100) for _ in range(tokens))
+        request_id = next(request_ids)
+        core.handle_command(Submit(request_id=request_id, prompt=prompt, segments=(prompt,),
+                                   segment_types=("user",), max_tokens=max_tokens,
+                                   sampling=SamplingParams()))
+        return request_id
+
+    def timed_step() -> tuple[float, float, Any]:
+        began, cpu = time.perf_counter(), time.thread_time()
+        out = core.step()
+        return 1000 * (time.perf_counter() - began), 1000 * (time.thread_time() - cpu), out
+
+    def decode_only_steps(count: int) -> list[list[float]]:
+        return [list(timed_step()[:2]) for _ in range(count)]
+
+    def paced_steps(long_id: int) -> list[list[float]]:
+        steps, done = [], 0
+        while done < ns.long_tokens:
+            wall, cpu, out = timed_step()
+            progress = [pp.done for pp in out.progress if pp.request_id == long_id]
+            if progress or done:
+                new = progress[-1] if progress else done
+                steps.append([wall, cpu, new - done])
+                done = new
+        return steps
+
+    def one_round() -> dict:
+        for i in range(ns.streams):
+            submit(100 + i, 100_000)
+        for _ in range(20):  # the streams' prefill and first steps
+            core.step()
+        decode = decode_only_steps(ns.decode_steps)
+        paced = paced_steps(submit(ns.long_tokens, 2))
+        for request_id in list(core.active_request_ids):
+            core.handle_command(Abort(request_id=request_id))
+        while core.has_work:
+            core.step()
+        return {"decode_only": decode, "paced": paced}
+
+    def warm_up() -> None:  # every shape met once; its samples are left out of the summary
+        one_round()
+
+    warm_up()
+    return one_round()
+
+
+def report(result: dict) -> str:
+    decode, paced = result["decode_only"], result["paced"]
+    out = []
+    for name, steps in (("decode only", decode), ("paced", paced)):
+        walls, cpus = [s[0] for s in steps], [s[1] for s in steps]
+        out.append(f"{name:12s} {len(steps):4d} steps  wall p50 {percentile(walls, .5):6.1f} "
+                   f"p90 {percentile(walls, .9):6.1f} p99 {percentile(walls, .99):6.1f} ms  "
+                   f"thread CPU p50 {percentile(cpus, .5):6.1f}  total {sum(walls) / 1000:.2f} s")
+    by_chunk = collections.defaultdict(list)
+    for wall, _, tokens in paced:
+        by_chunk[tokens].append(wall)
+    for tokens in sorted(by_chunk):
+        walls = by_chunk[tokens]
+        out.append(f"  chunk {tokens:5d}: {len(walls):4d} steps, p50 {statistics.median(walls):6.1f} ms")
+    return "\n".join(out)
+
+
+def native_kind(frame: str) -> str | None:
+    for kind, needles in NATIVE_KINDS:
+        if any(n in frame for n in needles):
+            return kind
+    return None
+
+
+def summarize(raw: str, steps_file: str | None, top: int) -> str:
+    """Each phase's samples by category and by innermost Python frame, as ms a step."""
+    rate = 100.0
+    steps = {"decode_only_steps": 0, "paced_steps": 0}
+    if steps_file:
+        data = json.loads(Path(steps_file).read_text())
+        rate = data.get("rate", rate)
+        steps = {"decode_only_steps": len(data["result"]["decode_only"]),
+                 "paced_steps": len(data["result"]["paced"])}
+    kinds = {p: collections.Counter() for p in PHASES}
+    python = {p: collections.Counter() for p in PHASES}
+    native = {p: collections.Counter() for p in PHASES}
+    for line in open(raw):
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")
+        names = [f.partition(" (")[0].rpartition(".")[2] for f in frames]
+        phase = next((p for p in PHASES if p in names), None)
+        if phase is None or "warm_up" in names:
+            continue
+        n = int(count)
+        innermost_python = next((f for f in reversed(frames) if ".py:" in f), "?")
+        python[phase][innermost_python] += n
+        kind = next((k for f in reversed(frames) if ".py:" not in f
+                     for k in [native_kind(f)] if k), None)
+        # A native frame below the innermost Python one, or Python itself.
+        tail = frames[frames.index(innermost_python) + 1:] if innermost_python in frames else []
+        kinds[phase][kind if tail and kind else "Python"] += n
+        if tail:
+            native[phase][tail[-1]] += n
+    out = [f"{raw}: ms a step, {rate:g} samples a second"]
+    for phase in PHASES:
+        count = max(1, steps[phase])
+        scale = 1000.0 / rate / count
+        out.append(f"{phase} ({steps[phase]} steps, {sum(kinds[phase].values())} samples)")
+        out += [f"  {scale * n:7.2f}  {k}" for k, n in kinds[phase].most_common()]
+        out.append("  by innermost Python frame:")
+        out += [f"  {scale * n:7.2f}  {f}" for f, n in python[phase].most_common(top)]
+        out.append("  by innermost native frame:")
+        out += [f"  {scale * n:7.2f}  {f[:160]}" for f, n in native[phase].most_common(top)]
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--long-tokens", type=int, default=30000)
+    p.add_argument("--decode-steps", type=int, default=300)
+    p.add_argument("--rate", type=float, default=100.0,
+                   help="py-spy's samples a second (kept with --json-out for --summarize)")
+    p.add_argument("--cpu-blas", default="openblas", choices=("openblas", "reference"),
+                   help="on a Linux CPU, MLX's matrix products as the server's engine runs them")
+    p.add_argument("--json-out")
+    p.add_argument("--summarize", metavar="RAW", help="summarize a py-spy raw profile instead")
+    p.add_argument("--steps", metavar="JSON", help="with --summarize: this run's --json-out")
+    p.add_argument("--top", type=int, default=25)
+    ns = p.parse_args()
+    if ns.summarize:
+        print(summarize(ns.summarize, ns.steps, ns.top))
+        return 0
+    if not ns.model:
+        p.error("--model is required")
+
+    from runtime.cpu_blas import load_into_this_process
+
+    load_into_this_process(ns.cpu_blas)  # before MLX is imported
+    result = run(ns)
+    print(report(result), flush=True)
+    if ns.json_out:
+        Path(ns.json_out).write_text(json.dumps({"args": vars(ns), "rate": ns.rate,
+                                                 "result": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
