@@ -45,9 +45,12 @@
 #                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
-#                                  idle included, 100 Hz): 16 streams' decode-only steps, then
-#                                  their steps beside a prompt of TOKENS (30000), in-process;
-#                                  each phase's ms a step by where it goes
+#                                  idle included, 25 Hz): 16 streams' decode-only steps, then
+#                                  their steps beside a prompt of TOKENS (16000), in-process;
+#                                  each phase's ms a step by where it goes. Native sampling
+#                                  pauses the process: at 100 Hz the engine ran about 10x
+#                                  slower (a 30k prompt's two rounds passed 300 s), so the
+#                                  shares say more than the times
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
 #                                  against cold, a system prompt of S tokens (REPS default 3)
@@ -209,12 +212,14 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       ;;
     paced-profile)
       dir=$(model "$shape")
-      prof=$OUT/paced-profile-$shape-${p1:-30000}-$SECONDS
-      timeout -s INT -k 10 "$(limit 300)" py-spy record --native --idle -r 100 -f raw -o "$prof.raw" -- \
-        python3 bench/paced_step_profile.py --model "$dir" --long-tokens "${p1:-30000}" \
-        --streams "${p2:-16}" --decode-steps 400 --json-out "$prof.json" 2>&1 | grep -v "^py-spy>" | tail -14
-      python3 bench/paced_step_profile.py --summarize "$prof.raw" --steps "$prof.json" --top 30 \
-        > "$prof.txt" 2>&1
+      prof=$OUT/paced-profile-$shape-${p1:-16000}-$SECONDS
+      timeout -s INT -k 10 "$(limit 400)" py-spy record --native --idle -r 25 -f raw -o "$prof.raw" -- \
+        python3 bench/paced_step_profile.py --model "$dir" --long-tokens "${p1:-16000}" \
+        --streams "${p2:-16}" --decode-steps 200 --rate 25 --json-out "$prof.json" 2>&1 \
+        | grep -v "^py-spy>" | tail -14
+      # Without the JSON (a run cut short), the warm-up round's shares.
+      python3 bench/paced_step_profile.py --summarize "$prof.raw" --top 30 \
+        $([ -f "$prof.json" ] && echo --steps "$prof.json" || echo --warm-up) > "$prof.txt" 2>&1
       head -120 "$prof.txt"
       ;;
     resume)

@@ -134,11 +134,12 @@ def native_kind(frame: str) -> str | None:
     return None
 
 
-def summarize(raw: str, steps_file: str | None, top: int) -> str:
-    """Each phase's samples by category and by innermost Python frame, as ms a step."""
-    rate = 100.0
-    steps = {"decode_only_steps": 0, "paced_steps": 0}
-    if steps_file:
+def summarize(raw: str, steps_file: str | None, top: int, warm_up: bool = False) -> str:
+    """Each phase's samples by category, by innermost Python frame and by native symbol
+    anywhere below it: as ms a step where ``steps_file`` gives the measured round's step
+    counts, else (or for the warm-up round's samples) as shares of the phase's samples."""
+    rate, steps = 100.0, {}
+    if steps_file and not warm_up:
         data = json.loads(Path(steps_file).read_text())
         rate = data.get("rate", rate)
         steps = {"decode_only_steps": len(data["result"]["decode_only"]),
@@ -153,28 +154,33 @@ def summarize(raw: str, steps_file: str | None, top: int) -> str:
         frames = stack.split(";")
         names = [f.partition(" (")[0].rpartition(".")[2] for f in frames]
         phase = next((p for p in PHASES if p in names), None)
-        if phase is None or "warm_up" in names:
+        if phase is None or ("warm_up" in names) != warm_up:
             continue
         n = int(count)
-        innermost_python = next((f for f in reversed(frames) if ".py:" in f), "?")
-        python[phase][innermost_python] += n
-        kind = next((k for f in reversed(frames) if ".py:" not in f
-                     for k in [native_kind(f)] if k), None)
-        # A native frame below the innermost Python one, or Python itself.
-        tail = frames[frames.index(innermost_python) + 1:] if innermost_python in frames else []
-        kinds[phase][kind if tail and kind else "Python"] += n
-        if tail:
-            native[phase][tail[-1]] += n
-    out = [f"{raw}: ms a step, {rate:g} samples a second"]
+        last_python = max((i for i, f in enumerate(frames) if ".py:" in f), default=-1)
+        python[phase][frames[last_python] if last_python >= 0 else "?"] += n
+        below = frames[last_python + 1:]  # native frames under the innermost Python one
+        kind = next((k for f in reversed(below) for k in [native_kind(f)] if k), None)
+        kinds[phase][kind or ("Python" if not below else "other native")] += n
+        symbols = {f.partition(" (")[0] for f in below if not f.startswith("0x")}
+        for symbol in symbols:
+            native[phase][symbol] += n
+    unit = "ms a step" if steps else "% of the phase's samples"
+    out = [f"{raw}: {'warm-up' if warm_up else 'measured'} round, {unit}"]
     for phase in PHASES:
-        count = max(1, steps[phase])
-        scale = 1000.0 / rate / count
-        out.append(f"{phase} ({steps[phase]} steps, {sum(kinds[phase].values())} samples)")
+        total = sum(kinds[phase].values())
+        if steps:
+            scale = 1000.0 / rate / max(1, steps[phase])
+            head = f"{phase} ({steps[phase]} steps, {total} samples)"
+        else:
+            scale = 100.0 / max(1, total)
+            head = f"{phase} ({total} samples)"
+        out.append(head)
         out += [f"  {scale * n:7.2f}  {k}" for k, n in kinds[phase].most_common()]
         out.append("  by innermost Python frame:")
         out += [f"  {scale * n:7.2f}  {f}" for f, n in python[phase].most_common(top)]
-        out.append("  by innermost native frame:")
-        out += [f"  {scale * n:7.2f}  {f[:160]}" for f, n in native[phase].most_common(top)]
+        out.append("  by native symbol anywhere below it:")
+        out += [f"  {scale * n:7.2f}  {f[:120]}" for f, n in native[phase].most_common(top)]
     return "\n".join(out)
 
 
@@ -191,10 +197,12 @@ def main() -> int:
     p.add_argument("--json-out")
     p.add_argument("--summarize", metavar="RAW", help="summarize a py-spy raw profile instead")
     p.add_argument("--steps", metavar="JSON", help="with --summarize: this run's --json-out")
+    p.add_argument("--warm-up", action="store_true",
+                   help="with --summarize: the warm-up round's samples (shares)")
     p.add_argument("--top", type=int, default=25)
     ns = p.parse_args()
     if ns.summarize:
-        print(summarize(ns.summarize, ns.steps, ns.top))
+        print(summarize(ns.summarize, ns.steps, ns.top, ns.warm_up))
         return 0
     if not ns.model:
         p.error("--model is required")
