@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import random
 import statistics
 import sys
 import time
@@ -54,22 +53,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(ns: argparse.Namespace) -> dict:
+    from in_process import RandomPrompts
+
     from runtime.config import ServerConfig
     from runtime.engine.loading import make_engine_core
-    from runtime.messages import Abort, SamplingParams, Submit
+    from runtime.messages import Abort
 
     core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64), ns.model)
-    vocab = core.handle.info.vocab_size
-    rnd = random.Random(0)
-    request_ids = iter(range(1, 1 << 30))
 
-    def submit(tokens: int, max_tokens: int) -> int:
-        prompt = tuple(rnd.randrange(100, vocab - 100) for _ in range(tokens))
-        request_id = next(request_ids)
-        core.handle_command(Submit(request_id=request_id, prompt=prompt, segments=(prompt,),
-                                   segment_types=("user",), max_tokens=max_tokens,
-                                   sampling=SamplingParams()))
-        return request_id
+    submit = RandomPrompts(core).submit
 
     def timed_step() -> tuple[float, float, Any]:
         began, cpu = time.perf_counter(), time.thread_time()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -45,15 +44,14 @@ def main() -> int:
 
     load_into_this_process(ns.cpu_blas)  # before MLX is imported
 
+    from in_process import RandomPrompts
+
     from runtime.config import ServerConfig
     from runtime.engine.loading import make_engine_core
     from runtime.engine_generator import ChunkGoesFirst
-    from runtime.messages import Abort, SamplingParams, Submit
+    from runtime.messages import Abort
 
     core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64), ns.model)
-    vocab = core.handle.info.vocab_size
-    rnd = random.Random(0)
-    request_ids = iter(range(1, 1 << 30))
     chunk_goes_first = ChunkGoesFirst._chunk_goes_first
     # Forward passes: the model's own calls, and the passes a decode and a chunk share.
     model_class = type(core.handle.model)
@@ -70,13 +68,7 @@ def main() -> int:
     def passes() -> int:
         return calls[0] + getattr(mixer, "mixed_passes", 0)
 
-    def submit(tokens: int, max_tokens: int) -> int:
-        prompt = tuple(rnd.randrange(100, vocab - 100) for _ in range(tokens))
-        request_id = next(request_ids)
-        core.handle_command(Submit(request_id=request_id, prompt=prompt, segments=(prompt,),
-                                   segment_types=("user",), max_tokens=max_tokens,
-                                   sampling=SamplingParams()))
-        return request_id
+    submit = RandomPrompts(core).submit
 
     def one_round(order: str) -> dict:
         ChunkGoesFirst._chunk_goes_first = (
