@@ -268,5 +268,7 @@ def lone_prompt(generator: BatchGenerator) -> LonePrompt | None:
         layer = generator._prompt_batch.prompt_cache[0]
         prefix = int(getattr(layer, "_idx", 0) or 0)
         if len(members) > 1 and getattr(layer, "left_padding", None) is not None:
-            prefix -= int(layer.left_padding[row].item())
+            # Read whole: indexing the array would queue an op behind the step in flight
+            # and wait for the device.
+            prefix -= int(layer.left_padding.tolist()[row])
     return LonePrompt(prefix, len(segments[0]) if segments else 0)
