@@ -51,6 +51,11 @@
 #                                  pauses the process: at 100 Hz the engine ran about 10x
 #                                  slower (a 30k prompt's two rounds passed 300 s), so the
 #                                  shares say more than the times
+#   paced-steps=SHAPE[:TOKENS[:VARIANTS[:ROUNDS]]]  bench/paced_step_profile.py without a
+#                                  profiler: 16 streams' decode-only steps, then their steps
+#                                  beside a prompt of TOKENS (16000), each VARIANT (default
+#                                  default,no-graphs,ops-only; its --variants) in a fresh process,
+#                                  ROUNDS (2) alternated; wall time against thread CPU a step
 #   resume=SHAPE:S[:REPS]          bench/resume_prefill.py: a retry after a client left mid-prefill
 #                                  and a first turn after a restart with --prompt-cache-dir, each
 #                                  against cold, a system prompt of S tokens (REPS default 3)
@@ -221,6 +226,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       python3 bench/paced_step_profile.py --summarize "$prof.raw" --top 30 \
         $([ -f "$prof.json" ] && echo --steps "$prof.json" || echo --warm-up) > "$prof.txt" 2>&1
       head -120 "$prof.txt"
+      ;;
+    paced-steps)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 500)" python3 bench/paced_step_profile.py --model "$dir" \
+        --long-tokens "${p1:-16000}" --decode-steps 200 --variants "${p2:-default,no-graphs,ops-only}" \
+        --rounds "${p3:-2}" --json-out "$OUT/paced-steps-$shape-${p1:-16000}-$SECONDS.json" 2>&1 | tail -60
       ;;
     resume)
       dir=$(model "$shape")

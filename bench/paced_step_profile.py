@@ -17,6 +17,16 @@ carries a prefill chunk pays beyond a decode step.
     py-spy record --native --idle -r 100 -f raw -o prof.raw -- \\
         python bench/paced_step_profile.py --model DIR --long-tokens 30000 --json-out steps.json
     python bench/paced_step_profile.py --summarize prof.raw --steps steps.json
+
+Without a profiler, ``--variants`` runs each named variant in a fresh process (MLX
+reads its environment once), alternated round by round, and prints every run's
+report: the step's wall time against the engine thread's CPU time says whether a
+paced step waits (for the device, for a synchronisation) or builds its graph the
+whole time. Variants (``VARIANTS``): MLX's CUDA graph settings, and the server's
+``--prefill-chunk-parts``.
+
+    python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
+        --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
 """
 
 from __future__ import annotations
@@ -47,6 +57,16 @@ NATIVE_KINDS = (
 )
 
 
+# name: (environment, ServerConfig fields)
+VARIANTS = {
+    "default": ({}, {}),
+    "no-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, {}),  # kernels launched one by one
+    "one-graph": ({"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "100000"}, {}),
+    "ops-only": ({"MLX_MAX_MB_PER_BUFFER": "100000"}, {}),  # a CUDA graph ends by ops, not MB
+    "parts-4": ({}, {"prefill_chunk_parts": 4}),
+}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -59,7 +79,9 @@ def run(ns: argparse.Namespace) -> dict:
     from runtime.engine.loading import make_engine_core
     from runtime.messages import Abort
 
-    core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64), ns.model)
+    settings = json.loads(ns.config or "{}")
+    core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64, **settings),
+                            ns.model)
 
     submit = RandomPrompts(core).submit
 
@@ -109,14 +131,49 @@ def report(result: dict) -> str:
         walls, cpus = [s[0] for s in steps], [s[1] for s in steps]
         out.append(f"{name:12s} {len(steps):4d} steps  wall p50 {percentile(walls, .5):6.1f} "
                    f"p90 {percentile(walls, .9):6.1f} p99 {percentile(walls, .99):6.1f} ms  "
-                   f"thread CPU p50 {percentile(cpus, .5):6.1f}  total {sum(walls) / 1000:.2f} s")
+                   f"thread CPU p50 {percentile(cpus, .5):6.1f} p90 {percentile(cpus, .9):6.1f}"
+                   f"  total {sum(walls) / 1000:.2f} s, CPU {sum(cpus) / 1000:.2f} s")
     by_chunk = collections.defaultdict(list)
-    for wall, _, tokens in paced:
-        by_chunk[tokens].append(wall)
+    for wall, cpu, tokens in paced:
+        by_chunk[tokens].append((wall, cpu))
     for tokens in sorted(by_chunk):
-        walls = by_chunk[tokens]
-        out.append(f"  chunk {tokens:5d}: {len(walls):4d} steps, p50 {statistics.median(walls):6.1f} ms")
+        steps = by_chunk[tokens]
+        out.append(f"  chunk {tokens:5d}: {len(steps):4d} steps, p50 "
+                   f"{statistics.median(s[0] for s in steps):6.1f} ms, thread CPU "
+                   f"{statistics.median(s[1] for s in steps):6.1f}")
     return "\n".join(out)
+
+
+def run_variants(ns: argparse.Namespace) -> dict:
+    """Each of ``ns.variants`` in a fresh process, ``ns.rounds`` times, alternated;
+    {variant: [each round's result]}."""
+    import os
+    import subprocess
+    import tempfile
+
+    names = ns.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    results: dict[str, list] = {name: [] for name in names}
+    for round_ in range(ns.rounds):
+        for name in names:
+            env, settings = VARIANTS[name]
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                command = [sys.executable, __file__, "--model", ns.model,
+                           "--streams", str(ns.streams), "--long-tokens", str(ns.long_tokens),
+                           "--decode-steps", str(ns.decode_steps), "--cpu-blas", ns.cpu_blas,
+                           "--config", json.dumps(settings), "--json-out", out.name]
+                done = subprocess.run(command, env={**os.environ, **env}, text=True,
+                                      capture_output=True)
+                print(f"== round {round_} {name}", flush=True)
+                if done.returncode:
+                    print(done.stderr[-2000:], flush=True)
+                    continue
+                result = json.loads(Path(out.name).read_text())["result"]
+            print(report(result), flush=True)
+            results[name].append(result)
+    return results
 
 
 def native_kind(frame: str) -> str | None:
@@ -192,6 +249,9 @@ def main() -> int:
     p.add_argument("--warm-up", action="store_true",
                    help="with --summarize: the warm-up round's samples (shares)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--config", help="JSON: more ServerConfig fields for the engine core")
+    p.add_argument("--variants", help=f"comma-separated, each in a fresh process: {', '.join(VARIANTS)}")
+    p.add_argument("--rounds", type=int, default=2, help="with --variants: rounds alternated")
     ns = p.parse_args()
     if ns.summarize:
         print(summarize(ns.summarize, ns.steps, ns.top, ns.warm_up))
@@ -201,6 +261,11 @@ def main() -> int:
 
     from runtime.cpu_blas import load_into_this_process
 
+    if ns.variants:
+        results = run_variants(ns)
+        if ns.json_out:
+            Path(ns.json_out).write_text(json.dumps({"args": vars(ns), "variants": results}))
+        return 0
     load_into_this_process(ns.cpu_blas)  # before MLX is imported
     result = run(ns)
     print(report(result), flush=True)
