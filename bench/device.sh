@@ -32,7 +32,8 @@
 #                                  once ran out of memory); COLD_ARGS: more of its options
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
-#                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0')
+#                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0');
+#                                  then its steps over 3x the decode step (trace_summary --slow)
 #   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short
 #                                  rows and one of TOKENS, in-process; up to 16k tokens) and
 #                                  bench/long_prefill.py with the long prompt decoding 256 tokens,
@@ -177,11 +178,16 @@ for scenario in "$@"; do
     interleave)
       dir=$(model "$shape")
       # Our engine process's steps too (S lines: tokens, prompts, time in next()).
-      MLX_TRIO_ENGINE_PROBE="$OUT/interleave-probe-$SECONDS" \
+      probe=$OUT/interleave-probe-$SECONDS
+      MLX_TRIO_ENGINE_PROBE="$probe" \
         timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
         --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
+      # The long prompt's steps over 3x the decode step: wall, CPU, rows, memory.
+      for steps in "$probe"-steps.*; do
+        [ -f "$steps" ] && python3 bench/trace_summary.py "$steps" --slow 3 2>&1 | head -40
+      done
       ;;
     lanes)
       dir=$(model "$shape")

@@ -19,12 +19,20 @@ send time) and as medians and maxima over all: sent to the API (connection, HTTP
 API's own part until the Submit (templating, tokenising, the Scheduler), the engine until
 the first output reached the API, and back to the client.
 
+``--slow FACTOR`` reads a server's engine trace around its longest prompt (the last of
+them: a benchmark's measured round; the window: the steps that prefilled it): the median decode-only step before the window, the
+window's steps by percentile, and each step that took more than FACTOR times that
+median, with its decoding rows, the prompt tokens it prefilled, and, where the trace has
+them, the engine thread's CPU time in it (a step that took much more than its CPU time
+waited: for the device, for memory) and MLX's active and cached memory after it.
+
 ``--pyspy FILE`` instead sums a ``py-spy record -f raw`` profile: the share of samples
 per innermost frame (self) and per frame anywhere on the stack (inclusive).
 
     python bench/trace_summary.py trace/*-c32-r1.txt --by-rows
     python bench/trace_summary.py trace/server-c32-r1.txt --timeline 60
     python bench/trace_summary.py trace/server-c32-r1.txt --requests 40
+    python bench/trace_summary.py interleave-probe-steps.PID --slow 3
     python bench/trace_summary.py --pyspy pyspy-engine.txt
 """
 
@@ -107,6 +115,72 @@ def timeline(path: str, limit: int) -> str:
     return "\n".join(out[:limit])
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def slow_steps(path: str, factor: float) -> str:
+    """The steps that prefilled the trace's longest prompt, against the decode-only
+    steps before them: percentiles, and each step over ``factor`` times their median."""
+    steps = [s for s in read_steps(path) if s[0] == "S" and len(s) > 8]
+
+    def prompts(step) -> dict[str, tuple[int, int]]:
+        out = {}
+        for part in step[8].split(","):
+            if "/" in part:
+                rid, _, counts = part.partition(":")
+                done, _, total = counts.partition("/")
+                out[rid] = (int(done), int(total))
+        return out
+
+    totals = {rid: total for s in steps for rid, (_, total) in prompts(s).items()}
+    if not totals:
+        return f"{path}: no prompt prefilled"
+    # The last of the longest prompts (a benchmark's warm-up round comes first).
+    longest = [rid for rid, total in totals.items() if total >= 0.9 * max(totals.values())][-1]
+    window = [i for i, s in enumerate(steps) if longest in prompts(s)]
+    first, last = window[0], window[-1]
+    rows = statistics.median(int(steps[i][3]) for i in window)
+    before = [s for s in steps[:first] if s[8] == "-" and int(s[3]) >= rows]
+    if not before:
+        return f"{path}: no decode-only step before prompt {longest}"
+
+    def wall(step) -> float:
+        return 1000 * (float(step[2]) - float(step[1]))
+
+    def cpu(step) -> float | None:
+        return float(step[9]) if len(step) > 9 and step[9] != "-" else None
+
+    base = statistics.median(wall(s) for s in before)
+    inside = steps[first:last + 1]
+    walls = [wall(s) for s in inside]
+    cpus = [c for s in inside for c in [cpu(s)] if c is not None]
+    base_cpu = [c for s in before for c in [cpu(s)] if c is not None]
+    out = [f"{path}: prompt {longest} ({totals[longest]} tokens) over {len(inside)} steps; "
+           f"decode-only before it: {len(before)} steps, p50 {base:.1f} ms"
+           + (f" (CPU {statistics.median(base_cpu):.1f})" if base_cpu else ""),
+           f"  its steps: p50 {_percentile(walls, .5):.1f} p90 {_percentile(walls, .9):.1f} "
+           f"p99 {_percentile(walls, .99):.1f} max {max(walls):.1f} ms"
+           + (f"; CPU p50 {_percentile(cpus, .5):.1f} p90 {_percentile(cpus, .9):.1f}"
+              if cpus else ""),
+           f"  over {factor:g}x ({factor * base:.1f} ms): "
+           f"{sum(w > factor * base for w in walls)} steps",
+           f"  {'step':>5} {'ms':>6} {'CPU':>6} {'rows':>4} {'prefilled':>9} "
+           f"{'active MB':>9} {'cache MB':>9}  progress"]
+    done_before = 0
+    for i, step in enumerate(inside):
+        done = prompts(step).get(longest, (done_before, 0))[0]
+        prefilled, done_before = done - done_before, done
+        if wall(step) <= factor * base:
+            continue
+        c = cpu(step)
+        memory = step[10:12] if len(step) > 11 else ("-", "-")
+        out.append(f"  {i:5d} {wall(step):6.1f} {'-' if c is None else f'{c:.1f}':>6} "
+                   f"{step[3]:>4} {prefilled:9d} {memory[0]:>9} {memory[1]:>9}  {step[8]}")
+    return "\n".join(out)
+
+
 REQUEST_PHASES = ("to API", "API to Submit", "engine to 1st out", "back to client", "TTFT")
 
 
@@ -174,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", type=int, default=0, metavar="N", help="the first N steps")
     p.add_argument("--pyspy", default=None, metavar="FILE", help="a raw py-spy profile")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--slow", type=float, default=0, metavar="FACTOR",
+                   help="the longest prompt's steps over FACTOR times the decode-only median")
     p.add_argument(
         "--requests", type=int, default=0, metavar="N", help="time to first token by phase"
     )
@@ -182,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         print(pyspy(ns.pyspy, ns.top))
         return 0
     for path in ns.files:
-        if ns.requests:
+        if ns.slow:
+            print(slow_steps(path, ns.slow))
+        elif ns.requests:
             print(requests(path, ns.requests))
         elif ns.timeline:
             print(timeline(path, ns.timeline))

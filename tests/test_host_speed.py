@@ -98,12 +98,16 @@ def test_the_step_trace_logs_each_step_and_command(monkeypatch, tmp_path):
     lines = [line.split() for line in open(log.steps_path).read().splitlines()]
     assert [line[0] for line in lines] == ["C", "C", "S"]
     assert lines[0][2:] == ["Submit", "7"] and lines[1][2:] == ["Abort", "3"]
-    kind, start, end, tokens, finished, prompts, started, next_ms, progress = lines[2]
+    (kind, start, end, tokens, finished, prompts, started, next_ms, progress, cpu_ms,
+     active_mb, cache_mb) = lines[2]
     assert began - 1 <= float(start) <= float(end) <= time.time() + 1
     # The time inside the generator's next(): its 10 ms sleep, within the step.
     assert 10 <= float(next_ms) <= 1000 * (float(end) - float(start)) + 1
     assert (tokens, finished, prompts, started) == ("3", "1", "2", "1")
     assert progress.split(",") == [f"{p.request_id}:{p.done}/{p.total}" for p in outputs.progress]
+    # The step slept: its thread's CPU time is a small part of its wall time.
+    assert 0 <= float(cpu_ms) < 1000 * (float(end) - float(start))
+    assert int(active_mb) >= 0 and int(cache_mb) >= 0
 
 
 def test_steps_slower_than_the_bound_leave_their_profile(monkeypatch, tmp_path):

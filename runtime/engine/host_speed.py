@@ -9,10 +9,13 @@ engines measures that unless it knows it. ``cpu_probe_us`` times the loop once;
 ``epoch_seconds probe_us`` lines (``PROBE_ENV`` names the file; unset, the
 engine does nothing of this). ``ProbeLog.trace_steps`` also times the engine
 core's steps and commands into ``PATH-steps.PID``: ``S began ended tokens
-finished prompts started next_ms progress`` per step (``prompts``: prompts it
-prefilled; ``next_ms``: of the step, the time inside the batch generator's
-``next``; ``progress``: ``id:done/total`` of each prompt it prefilled, comma
-separated, or ``-``) and
+finished prompts started next_ms progress cpu_ms active_mb cache_mb`` per step
+(``prompts``: prompts it prefilled; ``next_ms``: of the step, the time inside the
+batch generator's ``next``; ``progress``: ``id:done/total`` of each prompt it
+prefilled, comma separated, or ``-``; ``cpu_ms``: the engine thread's CPU time in
+the step, so that a slow step tells building its graph from waiting, for the device
+or for memory; ``active_mb``, ``cache_mb``: MLX's memory in use and its cache of
+freed buffers after the step) and
 ``C epoch kind request_id`` per command. With ``SLOW_STEP_ENV`` set to a number of
 milliseconds too, every step runs under ``cProfile`` and a step that took longer
 leaves its profile in ``PATH-slow-EPOCH.PID`` (its ``S`` line's start). Emits
@@ -34,6 +37,16 @@ def probe_path(suffix: str = "") -> str | None:
     """This process's benchmark log ``PREFIX<suffix>.PID`` (None: ``PROBE_ENV`` unset)."""
     prefix = os.environ.get(PROBE_ENV)
     return f"{prefix}{suffix}.{os.getpid()}" if prefix else None
+
+
+def _memory_mb() -> str:
+    """``active cache``: MLX's memory in use and its cache of freed buffers, in MB."""
+    try:
+        import mlx.core as mx
+
+        return f"{mx.get_active_memory() / 1e6:.0f} {mx.get_cache_memory() / 1e6:.0f}"
+    except Exception:  # an MLX without these counters
+        return "- -"
 
 
 def cpu_probe_us(iterations: int = PROBE_ITERATIONS) -> float:
@@ -83,7 +96,7 @@ class ProbeLog:
             if not getattr(batch.next, "timed", False):
                 batch.next = timed(batch.next)
             inside[0] = 0.0
-            began = time.time()
+            began, cpu = time.time(), time.thread_time()
             if slow_ms:
                 outputs = self._profiled(step, began, slow_ms)
             else:
@@ -91,9 +104,11 @@ class ProbeLog:
             finished = sum(1 for e in outputs.tokens if e.finish_reason is not None)
             prompts = len({p.request_id for p in outputs.progress})
             progress = ",".join(f"{p.request_id}:{p.done}/{p.total}" for p in outputs.progress)
+            cpu_ms = 1000 * (time.thread_time() - cpu)
             self._steps.append(
                 f"S {began:.4f} {time.time():.4f} {len(outputs.tokens)} {finished} "
-                f"{prompts} {len(outputs.started)} {1000 * inside[0]:.2f} {progress or '-'}\n"
+                f"{prompts} {len(outputs.started)} {1000 * inside[0]:.2f} {progress or '-'} "
+                f"{cpu_ms:.2f} {_memory_mb()}\n"
             )
             return outputs
 
