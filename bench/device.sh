@@ -33,7 +33,8 @@
 #   interleave=SHAPE:TOKENS[:SYSTEMS[:ARGS]]  16 streams while a prompt of TOKENS is
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0');
-#                                  then its steps over 3x the decode step (trace_summary --slow)
+#                                  then its steps over 3x the decode step (trace_summary --slow);
+#                                  LONG_PREFILL_ARGS: more of its options (e.g. --warm-streams 16)
 #   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short
 #                                  rows and one of TOKENS, in-process; up to 16k tokens) and
 #                                  bench/long_prefill.py with the long prompt decoding 256 tokens,
@@ -182,7 +183,7 @@ for scenario in "$@"; do
       MLX_TRIO_ENGINE_PROBE="$probe" \
         timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
         --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
-        --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 \
+        --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 ${LONG_PREFILL_ARGS:-} \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
       # The long prompt's steps over 3x the decode step: wall, CPU, rows, memory.
       for steps in "$probe"-steps.*; do

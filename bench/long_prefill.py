@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=32768)
     p.add_argument("--before-s", type=float, default=1.0)
     p.add_argument("--probe-after-s", type=float, default=0.3)
+    p.add_argument("--warm-streams", type=int, default=2,
+                   help="streams in the unmeasured warm-up run beside the long prompt "
+                   "(--streams: the measured round meets no new batch size)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--long-max-tokens", type=int, default=8,
@@ -254,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             server.start(cwd=trees.get(system, Path(__file__).resolve().parent.parent))
             try:
                 server.wait_healthy()
-                # Warm-up: one short and one long request, unmeasured (kernels, shapes).
-                warm = argparse.Namespace(**{**vars(ns), "streams": 2, "before_s": 0.1})
+                # Warm-up, unmeasured: --warm-streams streams and the long prompt (the
+                # kernels and shapes a first meeting builds; as many streams as the
+                # measured round also meets its batch sizes' shapes beside a chunk).
+                warm = argparse.Namespace(**{**vars(ns), "streams": ns.warm_streams,
+                                             "before_s": 0.1})
                 trio.run(run_once, server.url, warm, builder, 1000 + round_index)
                 result = trio.run(run_once, server.url, ns, builder, round_index)
             finally:
