@@ -23,7 +23,7 @@ reads its environment once), alternated round by round, and prints every run's
 report: the step's wall time against the engine thread's CPU time says whether a
 paced step waits (for the device, for a synchronisation) or builds its graph the
 whole time. Variants (``VARIANTS``): MLX's CUDA graph settings, and the server's
-``--prefill-chunk-parts``.
+``--prefill-chunk-parts`` and ``--paced-chunk-attention room``.
 
     python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
         --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
@@ -64,6 +64,7 @@ VARIANTS = {
     "one-graph": ({"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "100000"}, {}),
     "ops-only": ({"MLX_MAX_MB_PER_BUFFER": "100000"}, {}),  # a CUDA graph ends by ops, not MB
     "parts-4": ({}, {"prefill_chunk_parts": 4}),
+    "room": ({}, {"paced_chunk_attention": "room"}),  # fused attention over the prompt's room
 }
 
 
