@@ -22,8 +22,9 @@ Without a profiler, ``--variants`` runs each named variant in a fresh process (M
 reads its environment once), alternated round by round, and prints every run's
 report: the step's wall time against the engine thread's CPU time says whether a
 paced step waits (for the device, for a synchronisation) or builds its graph the
-whole time. Variants (``VARIANTS``): MLX's CUDA graph settings, and the server's
-``--prefill-chunk-parts`` and ``--paced-chunk-attention room``.
+whole time. Variants (``VARIANTS``): MLX's CUDA graph settings, CUDA's memory pool
+keeping what it reserved, and the server's ``--prefill-chunk-parts`` and
+``--paced-chunk-attention room``.
 
     python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
         --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,7 +67,34 @@ VARIANTS = {
     "ops-only": ({"MLX_MAX_MB_PER_BUFFER": "100000"}, {}),  # a CUDA graph ends by ops, not MB
     "parts-4": ({}, {"prefill_chunk_parts": 4}),
     "room": ({}, {"paced_chunk_attention": "room"}),  # fused attention over the prompt's room
+    # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
+    # that an allocation after a synchronisation maps no memory anew.
+    "pool-kept": ({"PACED_PROFILE_POOL_KEPT": "1"}, {}),
 }
+
+
+def keep_cuda_pool() -> bool:
+    """Set the release threshold of every CUDA device's default memory pool (MLX's
+    ``cudaMallocAsync`` allocates from it) to its maximum, through the driver's API;
+    whether it was set."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
+        return False
+    threshold = ctypes.c_uint64(2**64 - 1)
+    release_threshold = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+    for ordinal in range(count.value):
+        device, pool = ctypes.c_int(), ctypes.c_void_p()
+        if (driver.cuDeviceGet(ctypes.byref(device), ordinal)
+                or driver.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)
+                or driver.cuMemPoolSetAttribute(pool, release_threshold, ctypes.byref(threshold))):
+            return False
+    return True
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,6 +109,7 @@ def run(ns: argparse.Namespace) -> dict:
     from runtime.engine.loading import make_engine_core
     from runtime.messages import Abort
 
+    pool_kept = bool(os.environ.get("PACED_PROFILE_POOL_KEPT")) and keep_cuda_pool()
     settings = json.loads(ns.config or "{}")
     core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64, **settings),
                             ns.model)
@@ -116,7 +146,7 @@ def run(ns: argparse.Namespace) -> dict:
             core.handle_command(Abort(request_id=request_id))
         while core.has_work:
             core.step()
-        return {"decode_only": decode, "paced": paced}
+        return {"decode_only": decode, "paced": paced, "pool_kept": pool_kept}
 
     def warm_up() -> None:  # every shape met once; its samples are left out of the summary
         one_round()
@@ -127,7 +157,7 @@ def run(ns: argparse.Namespace) -> dict:
 
 def report(result: dict) -> str:
     decode, paced = result["decode_only"], result["paced"]
-    out = []
+    out = ["CUDA memory pools kept"] if result.get("pool_kept") else []
     for name, steps in (("decode only", decode), ("paced", paced)):
         walls, cpus = [s[0] for s in steps], [s[1] for s in steps]
         out.append(f"{name:12s} {len(steps):4d} steps  wall p50 {percentile(walls, .5):6.1f} "
