@@ -22,9 +22,10 @@ Without a profiler, ``--variants`` runs each named variant in a fresh process (M
 reads its environment once), alternated round by round, and prints every run's
 report: the step's wall time against the engine thread's CPU time says whether a
 paced step waits (for the device, for a synchronisation) or builds its graph the
-whole time. Variants (``VARIANTS``): MLX's CUDA graph settings, CUDA's memory pool
-keeping what it reserved, and the server's ``--prefill-chunk-parts`` and
-``--paced-chunk-attention room``.
+whole time (CUDA spins while it waits unless ``blocking``). Variants (``VARIANTS``):
+MLX's CUDA graph settings, CUDA's waits blocking, and the server's
+``--cuda-memory-pool keep``, ``--prefill-chunk-parts`` and ``--paced-chunk-attention
+room``.
 
     python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
         --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
@@ -69,14 +70,16 @@ VARIANTS = {
     "room": ({}, {"paced_chunk_attention": "room"}),  # fused attention over the prompt's room
     # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
     # that an allocation after a synchronisation maps no memory anew.
-    "pool-kept": ({"PACED_PROFILE_POOL_KEPT": "1"}, {}),
+    "pool-kept": ({}, {"cuda_memory_pool": "keep"}),
+    # CUDA's waits block instead of spinning: a step's CPU time is then its host work.
+    "blocking": ({"PACED_PROFILE_BLOCKING_WAITS": "1"}, {}),
 }
 
 
-def keep_cuda_pool() -> bool:
-    """Set the release threshold of every CUDA device's default memory pool (MLX's
-    ``cudaMallocAsync`` allocates from it) to its maximum, through the driver's API;
-    whether it was set."""
+def blocking_cuda_waits() -> bool:
+    """Make CUDA's waits for the device block the thread rather than spin (the primary
+    contexts' CU_CTX_SCHED_BLOCKING_SYNC, set before MLX starts them), so that a step's
+    thread CPU time leaves its waits out; whether every device took it."""
     import ctypes
 
     try:
@@ -86,13 +89,10 @@ def keep_cuda_pool() -> bool:
     count = ctypes.c_int()
     if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
         return False
-    threshold = ctypes.c_uint64(2**64 - 1)
-    release_threshold = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
     for ordinal in range(count.value):
-        device, pool = ctypes.c_int(), ctypes.c_void_p()
-        if (driver.cuDeviceGet(ctypes.byref(device), ordinal)
-                or driver.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)
-                or driver.cuMemPoolSetAttribute(pool, release_threshold, ctypes.byref(threshold))):
+        device = ctypes.c_int()
+        if driver.cuDeviceGet(ctypes.byref(device), ordinal) or \
+                driver.cuDevicePrimaryCtxSetFlags(device, 4):  # CU_CTX_SCHED_BLOCKING_SYNC
             return False
     return True
 
@@ -103,13 +103,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(ns: argparse.Namespace) -> dict:
+    # Before MLX starts a CUDA context.
+    blocking = bool(os.environ.get("PACED_PROFILE_BLOCKING_WAITS")) and blocking_cuda_waits()
     from in_process import RandomPrompts
 
     from runtime.config import ServerConfig
     from runtime.engine.loading import make_engine_core
     from runtime.messages import Abort
 
-    pool_kept = bool(os.environ.get("PACED_PROFILE_POOL_KEPT")) and keep_cuda_pool()
     settings = json.loads(ns.config or "{}")
     core = make_engine_core(ServerConfig(model=ns.model, decode_concurrency=64, **settings),
                             ns.model)
@@ -146,7 +147,7 @@ def run(ns: argparse.Namespace) -> dict:
             core.handle_command(Abort(request_id=request_id))
         while core.has_work:
             core.step()
-        return {"decode_only": decode, "paced": paced, "pool_kept": pool_kept}
+        return {"decode_only": decode, "paced": paced, "blocking_waits": blocking}
 
     def warm_up() -> None:  # every shape met once; its samples are left out of the summary
         one_round()
@@ -157,7 +158,7 @@ def run(ns: argparse.Namespace) -> dict:
 
 def report(result: dict) -> str:
     decode, paced = result["decode_only"], result["paced"]
-    out = ["CUDA memory pools kept"] if result.get("pool_kept") else []
+    out = ["CUDA's waits block the thread"] if result.get("blocking_waits") else []
     for name, steps in (("decode only", decode), ("paced", paced)):
         walls, cpus = [s[0] for s in steps], [s[1] for s in steps]
         out.append(f"{name:12s} {len(steps):4d} steps  wall p50 {percentile(walls, .5):6.1f} "

@@ -143,6 +143,21 @@ class TuningSettings:
         "([performance.md](performance.md#h200-a-chunks-layers-spread-over-steps)).",
         group=TUNING,
     )
+    cuda_memory_pool: str = setting(
+        "release",
+        help="on CUDA, what the device's memory pool does with the memory of buffers MLX "
+        "frees beyond its cache: gives it back to the system at the next synchronisation "
+        "(release, CUDA's default) or keeps it for the next allocations (keep)",
+        choices=("release", "keep"),
+        ours=True,
+        notes="An engine synchronises at every decode step, so with `release` an allocation "
+        "after a freed one maps memory anew. `keep` holds what the pool has reserved for "
+        "this server (set it where the server has the device to itself). Not yet the "
+        "default: measured in one engine-core round so far "
+        "([performance.md](performance.md#not-measured-yet)). No effect on Apple silicon "
+        "or the CPU.",
+        group=TUNING,
+    )
     paced_chunk_attention: str = setting(
         "grouped",
         help="on CUDA, a lone prompt's paced chunk beside decoding sequences attends as "

@@ -28,6 +28,7 @@ from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
+from runtime.cuda_pool import keep_cuda_pool
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
@@ -236,6 +237,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
+    if config.cuda_memory_pool == "keep" and mx.cuda.is_available():
+        log.info("CUDA memory pool keeps its memory: %s", keep_cuda_pool())
     if cache_limit is not None and config.prefill_buffers == "keep" and keep_freed_buffers_in_generate():
         log.debug("MLX free-buffer cache limited to %.1f GB, kept across prefill chunks",
                   cache_limit / 1e9)
