@@ -24,8 +24,7 @@ report: the step's wall time against the engine thread's CPU time says whether a
 paced step waits (for the device, for a synchronisation) or builds its graph the
 whole time (CUDA spins while it waits unless ``blocking``). Variants (``VARIANTS``):
 MLX's CUDA graph settings, CUDA's waits blocking, and the server's
-``--cuda-memory-pool keep``, ``--prefill-chunk-parts`` and ``--paced-chunk-attention
-room``.
+``--cuda-memory-pool keep`` and ``--prefill-chunk-parts``.
 
     python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
         --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
@@ -67,7 +66,6 @@ VARIANTS = {
     "one-graph": ({"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "100000"}, {}),
     "ops-only": ({"MLX_MAX_MB_PER_BUFFER": "100000"}, {}),  # a CUDA graph ends by ops, not MB
     "parts-4": ({}, {"prefill_chunk_parts": 4}),
-    "room": ({}, {"paced_chunk_attention": "room"}),  # fused attention over the prompt's room
     # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
     # that an allocation after a synchronisation maps no memory anew.
     "pool-kept": ({}, {"cuda_memory_pool": "keep"}),

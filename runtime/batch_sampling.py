@@ -476,7 +476,7 @@ def _sampling_kernel(top_p: bool, min_p: bool, top_k: bool):
 
 def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "separate",
                          queue_chunks: bool = False, lane_padding: int = 0,
-                         chunk_parts: int = 1, room: bool = False, **kwargs):
+                         chunk_parts: int = 1, **kwargs):
     """A ``BatchGenerator`` whose rows all sample through ``sampler``, one call per step.
 
     ``kwargs`` go to ``BatchGenerator`` (``completion_batch_size``, ``stream``,
@@ -487,13 +487,13 @@ def make_batch_generator(model, *, sampler: BatchSampler, chunk_pass: str = "sep
     where passes are shared, a prefill chunk is queued without waiting for the device
     while sequences decode (``runtime.mlx_lm_batches.RowAwarePromptBatch``).
     ``lane_padding``: ``runtime.decode_lanes``' padding limit (0: one decode batch).
-    ``chunk_parts``: steps a shared chunk's layers may spread over (``ChunkInFlight``);
-    ``room``: a lone prompt's shared chunks attend over its room (``runtime.room_attention``)."""
+    ``chunk_parts``: steps a shared chunk's layers may spread over (``ChunkInFlight``).
+    """
     if "sampler" in kwargs:
         raise TypeError("make_batch_generator takes its sampler as a BatchSampler")
     generator = install_row_hooks(EngineBatchGenerator(model, sampler=sampler, **kwargs))
     install_decode_lanes(generator, lane_padding)
-    if chunk_pass == "shared" and install_mixed_steps(generator, chunk_parts, room) and queue_chunks:
+    if chunk_pass == "shared" and install_mixed_steps(generator, chunk_parts) and queue_chunks:
         # Measured on an H200 beside shared passes only: with two passes a step, queued
         # chunks made the streams' steps longer (docs/performance.md).
         queue_prefill_chunks(generator)

@@ -23,8 +23,7 @@ batch's *next* decode step: its inputs (the tokens just sampled) are known by
 then. Each decoder layer's norm, projections and MLP run once over all the
 tokens (``runtime.compiled_decode``'s mixed pair: two compiled functions per
 layer, the decoding rows and the chunk concatenated); RoPE, the KV-cache update
-and the attention run per part on its own cache (with ``room``, a lone prompt's
-chunk attends in one fused call over its whole room: ``runtime.room_attention``). The decoding rows' logits are
+and the attention run per part on its own cache. The decoding rows' logits are
 kept (``pending``) and returned when the generation batch's next ``_step`` calls
 the model for exactly those inputs: the next step's decode costs no pass of its
 own. Where a step begins with no such logits waiting (a prefill's first step, and
@@ -64,7 +63,6 @@ from typing import Any, NamedTuple
 
 from runtime.decode_lanes import decoding_batch
 from runtime.mlx_environment import chunk_attention
-from runtime.room_attention import ROOM_BLOCK, room_attention
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +164,10 @@ class MixedStepModel:
     (each of its decode lanes, ``runtime.decode_lanes``) call this; a chunk shares its
     pass with the first lane. Every other attribute is the model's."""
 
-    def __init__(self, model: Any, generator: Any, chunk_parts: int = 1,
-                 room: bool = False):
+    def __init__(self, model: Any, generator: Any, chunk_parts: int = 1):
         self.model = model
         self._generator = generator
         self.enabled = _mixable_model(model)
-        # A lone prompt's chunk attends over its whole room (``runtime.room_attention``).
-        self.room = room
         self._pending: tuple[Any, Any] | None = None  # (the decode inputs, their logits)
         self._traced: set[tuple] = set()
         self.mixed_passes = 0  # how many steps shared one pass (for tests and the log)
@@ -413,8 +408,6 @@ class MixedStepModel:
                 # installed attention.
                 aligned = chunk_attention(mx, theirs, length=chunk_tokens.shape[1],
                                           heads=layer.self_attn.n_heads, dtype=x.dtype)
-                room = room_attention(mx, theirs, length=chunk_tokens.shape[1],
-                                      dtype=x.dtype) if self.room else None
             pair, weights = layer._compiled_decode, layer._compiled_weights
             scale = layer.self_attn.scale
             dq, dk, dv, cq, ck, cv = pair.mixed_before_cache(
@@ -429,9 +422,7 @@ class MixedStepModel:
                 x = pair.after_attention(x[:rows].reshape(rows, 1, -1), decode_attended,
                                          *weights)
                 break
-            chunk_attended = room(cq, theirs, scale=scale) if room else None
-            if chunk_attended is None and aligned:
-                chunk_attended = aligned(cq, theirs, scale=scale)
+            chunk_attended = aligned(cq, theirs, scale=scale) if aligned else None
             if chunk_attended is None:
                 chunk_attended = scaled_dot_product_attention(
                     cq, ck, cv, cache=theirs, scale=scale, mask=chunk_mask
@@ -457,14 +448,11 @@ def _layouts(layers: list) -> list:
     return list(seen.values())
 
 
-def install_mixed_steps(generator: Any, chunk_parts: int = 1, room: bool = False) -> bool:
+def install_mixed_steps(generator: Any, chunk_parts: int = 1) -> bool:
     """Put a ``MixedStepModel`` in ``generator``'s prompt and generation batches (a new,
     empty generator, its row hooks installed), a paced chunk's layers spread over
-    ``chunk_parts`` steps where it may, and (``room``) a lone prompt's chunks attending
-    over its whole room, reserved in whole blocks. Returns whether its model can mix."""
-    mixer = MixedStepModel(generator.model, generator, chunk_parts, room)
-    if room:
-        generator._prompt_batch.room_block = ROOM_BLOCK
+    ``chunk_parts`` steps where it may. Returns whether its model can mix."""
+    mixer = MixedStepModel(generator.model, generator, chunk_parts)
     generator._prompt_batch.model = mixer
     generator._generation_batch.model = mixer
     return mixer.enabled

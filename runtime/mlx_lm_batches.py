@@ -37,9 +37,9 @@ from mlx_lm.models.cache import BatchKVCache
 from runtime.mlx_lm_internals import evals_queued, queue_evals_in_generate
 from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
-from runtime.room_attention import room_tokens
 
 # ------------------------------------------------- batch generator rows
+#
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
 #
 # Owns the hook that tells a row-aware sampler which rows it is sampling. mlx-lm
@@ -75,6 +75,8 @@ from runtime.room_attention import room_tokens
 # A sampler takes part by having ``sampling_rows(uids, inputs)``, a context
 # manager (see ``runtime.batch_sampling.BatchSampler``); any other sampler is
 # called exactly as mlx-lm calls it.
+
+
 
 
 TESTED_MLX_LM = "0.32."  # the release series these hooks were written against
@@ -165,10 +167,9 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     # On the lasting prompt batch: the prompt tokens its member has still to prefill
     # after the chunk being processed (``install_row_hooks``).
     tokens_to_come = None
-    room_block = None  # a lone prompt's room in whole blocks of this many tokens
 
     def prompt(self, tokens):
-        with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come, self.room_block), \
+        with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
                 plain_masks(self.prompt_cache, len(tokens)):
             decoding = self.decoding
             if decoding is None or not decoding():
@@ -218,8 +219,7 @@ def _chunk_settled(batch: PromptProcessingBatch) -> None:
 
 
 @contextlib.contextmanager
-def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come,
-                   block: int | None = None) -> Iterator[None]:
+def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come) -> Iterator[None]:
     """Around a prompt batch's ``prompt`` of one prompt: a ``BatchKVCache`` layer that
     grows in it grows once to hold the whole rest of the prompt, not by mlx-lm's 256
     tokens. Batches of several prompts grow as mlx-lm grows them.
@@ -229,18 +229,18 @@ def _room_reserved(caches: list, tokens: Sequence[Sequence[int]], tokens_to_come
     cache into a new buffer (an H200 step 15 ms longer, sixteen streams waiting on
     it), and a full-chunk prefill copies it at every chunk. The room is what the
     prompt will hold in the end anyway; the class's ``step`` is set on the layers for
-    the call and taken back after it, so nothing else grows by it. ``block``:
-    ``runtime.room_attention``'s."""
+    the call and taken back after it, so nothing else grows by it."""
+    if tokens_to_come is None or len(tokens) != 1:
+        yield
+        return
+    needed = len(tokens[0]) + tokens_to_come()
     step = BatchKVCache.step
-    lone = tokens_to_come is not None and len(tokens) == 1
-    needed = len(tokens[0]) + tokens_to_come() if lone else 0
     if needed <= step:
         yield
         return
     reserved = [c for c in caches if type(c) is BatchKVCache]
-    for c in reserved:  # with a block, the room's end (its prefix's too) on the blocks
-        c.step = room_tokens(needed, step) if block is None else \
-            room_tokens(c._idx + needed, block) - c._idx
+    for c in reserved:
+        c.step = -(-needed // step) * step
     try:
         yield
     finally:

@@ -17,7 +17,6 @@ from runtime.compiled_decode import DECODE_PATHS
 from runtime.cpu_blas import CPU_BLAS_MODES
 from runtime.mixed_step import CHUNK_PASSES
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES, PREFILL_BUFFER_MODES
-from runtime.room_attention import PACED_CHUNK_ATTENTION_MODES
 from runtime.settings import TUNING, complete_settings, setting
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.server's
@@ -156,25 +155,6 @@ class TuningSettings:
         "default: measured in one engine-core round so far "
         "([performance.md](performance.md#not-measured-yet)). No effect on Apple silicon "
         "or the CPU.",
-        group=TUNING,
-    )
-    paced_chunk_attention: str = setting(
-        "grouped",
-        help="on CUDA, a lone prompt's paced chunk beside decoding sequences attends as "
-        "matrix products over the keys it sees (grouped) or in one fused call over the "
-        "prompt's whole room under a mask (room: rooms in whole blocks of 4,096 tokens)",
-        choices=PACED_CHUNK_ATTENTION_MODES,
-        ours=True,
-        notes="MLX's fused (cuDNN) attention builds a graph for every shape and stride it "
-        "meets, and a paced chunk's keys grow with every step, so by default its attention "
-        "is two matrix products around a softmax, which write and read every score: at "
-        "20k-30k tokens of context on an H100 a 256-token chunk's step took 3-4.5x a decode "
-        "step of 16 rows. `room` reads the prompt's whole reserved buffer with a mask, so "
-        "one graph serves every chunk of a length in every room of a size (tried once on "
-        "zeros when first met; a size that fails keeps the products), at the cost of a "
-        "room of up to 4,095 tokens more per long prompt. Not yet measured on a GPU, so off "
-        "by default. Needs the shared chunk pass; no effect on Apple silicon or the CPU "
-        "([performance.md](performance.md#not-measured-yet)).",
         group=TUNING,
     )
     decode_lane_padding: int | None = setting(

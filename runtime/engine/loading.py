@@ -315,7 +315,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 queue_chunks=not config.wait_for_chunks,
                 lane_padding=config.decode_lane_padding,
                 chunk_parts=config.prefill_chunk_parts,
-                room=config.paced_chunk_attention == "room" and mx.cuda.is_available(),
             )
 
     return EngineCore(
