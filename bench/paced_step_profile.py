@@ -71,6 +71,10 @@ VARIANTS = {
     "pool-kept": ({}, {"cuda_memory_pool": "keep"}),
     # CUDA's waits block instead of spinning: a step's CPU time is then its host work.
     "blocking": ({"PACED_PROFILE_BLOCKING_WAITS": "1"}, {}),
+    # The same, every chunk of one size (no pacer): what each size costs at every depth.
+    **{f"blocking-{size}": ({"PACED_PROFILE_BLOCKING_WAITS": "1"},
+                            {"decode_stall_factor": 0, "prefill_step_size": size})
+       for size in (64, 128, 256)},
 }
 
 
