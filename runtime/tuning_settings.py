@@ -96,7 +96,8 @@ class TuningSettings:
         "the steps it runs and sizes the chunk so that the time between the others' tokens "
         "stays within about one plus this factor decode steps; where a prefill step's fixed "
         "cost alone is longer than that (long contexts on a GPU), chunks stay at 64 tokens, "
-        "the shortest stall there is; with nothing decoding, chunks are full. Raise it (or 0) "
+        "the shortest stall there is, and a step takes at most 256 prompt tokens however "
+        "cheap they look; with nothing decoding, chunks are full. Raise it (or 0) "
         "for faster prefills under load at the cost of the others' smoothness "
         "([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,

@@ -20,6 +20,7 @@ from runtime.engine.pacing import (
     DECODE_STEPS,
     FIT_STEPS,
     MIN_CHUNK,
+    PACED_STEP_TOKENS,
     PROBE_PAUSE,
     PacedSteps,
     PrefillCostFit,
@@ -85,8 +86,9 @@ def test_the_budget_follows_the_median_decode_step_not_the_last_few():
 
 
 def test_a_step_s_fixed_cost_is_told_from_its_cost_per_token():
-    # At a long context a prefill step costs 20 ms whatever its size, plus 10 us a token.
-    pacer = PrefillPacer(1.5, 2048)
+    # At a long context a prefill step costs 20 ms whatever its size, plus 10 us a token
+    # (no bound on a paced step's tokens: the fit alone).
+    pacer = PrefillPacer(1.5, 2048, step_tokens=None)
     pacer.observe(0.0065, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 64, 256, 128):
         pacer.observe(0.0065 + 0.020 + 0.00001 * tokens, decoding=16, prefill_tokens=tokens)
@@ -109,12 +111,14 @@ def test_a_step_s_fixed_cost_is_told_from_its_cost_per_token():
 def test_a_line_with_no_slope_does_not_let_the_chunk_jump_to_a_full_one():
     # Steps of 64 to 256 tokens all took the fixed part's time (a shared pass at a long
     # context): the line's slope is near zero and would allow any chunk.
-    pacer = PrefillPacer(1.5, 2048, ladder=True)
-    pacer.observe(0.011, decoding=16, prefill_tokens=0)
-    for tokens in (64, 128, 64, 256, 128, 64):
-        pacer.observe(0.011 + 0.016 + 1e-9 * tokens, decoding=16, prefill_tokens=tokens)
-    assert pacer.chunk(decoding=16, prompts=1) == 512  # twice the longest step seen
-    assert pacer.chunk(decoding=16, prompts=2) == 256
+    for bound, one, two in ((None, 512, 256), (PACED_STEP_TOKENS, 256, 128)):
+        pacer = PrefillPacer(1.5, 2048, ladder=True, step_tokens=bound)
+        pacer.observe(0.011, decoding=16, prefill_tokens=0)
+        for tokens in (64, 128, 64, 256, 128, 64):
+            pacer.observe(0.011 + 0.016 + 1e-9 * tokens, decoding=16, prefill_tokens=tokens)
+        # Twice the longest step seen, and no more than a paced step's tokens.
+        assert pacer.chunk(decoding=16, prompts=1) == one
+        assert pacer.chunk(decoding=16, prompts=2) == two
 
 
 def test_on_the_ladder_a_short_prompt_pads_to_a_multiple_of_the_floor():
@@ -136,7 +140,7 @@ def test_on_the_ladder_a_short_prompt_pads_to_a_multiple_of_the_floor():
 
 
 def test_a_small_fixed_cost_leaves_the_budget_to_the_tokens():
-    pacer = PrefillPacer(1.5, 2048)
+    pacer = PrefillPacer(1.5, 2048, step_tokens=None)
     pacer.observe(0.010, decoding=8, prefill_tokens=0)
     for tokens in (100, 300, 200, 400):
         pacer.observe(0.010 + 0.003 + 0.00002 * tokens, decoding=8, prefill_tokens=tokens)
@@ -212,7 +216,7 @@ def test_with_a_floor_slack_the_chunk_grows_where_a_longer_one_costs_little_more
     # path). The floor cannot meet the 15 ms budget, so the chunk grows while a step
     # stays within the slack of the floor's (1.15 x 18 = 20.7 ms).
     extra = {64: 0.018, 128: 0.016, 256: 0.017, 512: 0.040}
-    pacer = PrefillPacer(1.5, 2048, ladder=True, floor_slack=SLACK)
+    pacer = PrefillPacer(1.5, 2048, ladder=True, floor_slack=SLACK, step_tokens=None)
     pacer.observe(0.010, decoding=16, prefill_tokens=0)
     pacer.observe(0.010 + extra[64], decoding=16, prefill_tokens=64)
     chunks = []
@@ -251,12 +255,14 @@ def test_the_fit_without_spread_puts_all_the_cost_on_the_tokens():
 
 
 def paced_chunks(fixed: float, per_token: float, steps: int = 80,
-                 floor_slack: float = 0.0) -> list[int]:
+                 floor_slack: float = 0.0, step_tokens: int | None = None) -> list[int]:
     """The chunks a pacer picks, step after step, against a prefill that costs ``fixed``
     plus ``per_token`` a token beside an 8 ms decode step; each step's time off by up
-    to 20 %, and every seventh step five times long (a new attention shape)."""
+    to 20 %, and every seventh step five times long (a new attention shape); with no
+    bound on a paced step's tokens unless ``step_tokens``."""
     rng = random.Random(0)
-    pacer = PrefillPacer(1.5, 2048, ladder=bool(floor_slack), floor_slack=floor_slack)
+    pacer = PrefillPacer(1.5, 2048, ladder=bool(floor_slack), floor_slack=floor_slack,
+                         step_tokens=step_tokens)
     for _ in range(5):
         pacer.observe(0.008, decoding=16, prefill_tokens=0)
     chunks = []
@@ -272,6 +278,23 @@ def test_the_pacer_settles_on_the_budget_when_the_fixed_part_fits_in_it():
     # 12 ms of budget, 2 ms fixed, 20 us a token: 500 tokens a step.
     settled = sorted(paced_chunks(0.002, 0.00002)[-30:])
     assert 350 <= settled[len(settled) // 2] <= 700
+
+
+def test_a_paced_step_takes_no_more_than_its_tokens_however_cheap_the_line_says_they_are():
+    # The budget would allow 500 tokens; a paced step takes PACED_STEP_TOKENS at most,
+    # all its prompts' chunks together, and never less than the floor.
+    chunks = paced_chunks(0.002, 0.00002, step_tokens=PACED_STEP_TOKENS)[-30:]
+    assert max(chunks) == PACED_STEP_TOKENS
+    assert sorted(chunks)[len(chunks) // 2] == PACED_STEP_TOKENS
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    for tokens in (64, 128, 256, 512, 1024):  # cheap: 1 ms fixed, 2 us a token
+        pacer.observe(0.010 + 0.001 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)
+    assert pacer.chunk(decoding=16, prompts=1) == PACED_STEP_TOKENS
+    assert pacer.chunk(decoding=16, prompts=2) == PACED_STEP_TOKENS // 2
+    assert pacer.chunk(decoding=16, prompts=8) == MIN_CHUNK
+    # Nothing decoding: a prompt's full chunk, as mlx-lm takes it.
+    assert pacer.chunk(decoding=0, prompts=1) == 2048
 
 
 def test_the_pacer_keeps_to_the_floor_when_the_fixed_part_outgrows_the_budget():
@@ -412,7 +435,7 @@ def test_pacing_that_cannot_read_the_generator_turns_itself_off():
 
 
 def test_a_paced_chunk_keeps_within_its_bound_and_never_below_the_floor():
-    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer = PrefillPacer(1.5, 2048, ladder=True, step_tokens=None)
     pacer.observe(0.010, decoding=16, prefill_tokens=0)
     for tokens in (64, 128, 256, 512, 1024):  # cheap: 1 ms fixed, 2 us a token
         pacer.observe(0.010 + 0.001 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)

@@ -41,6 +41,12 @@ at such lengths made an H200's paced steps at 10k-20k tokens of context 2-2.5x
 as long. Sans-IO: ``observe`` after each step, ``chunk`` before the next; the
 generator is read and set through ``runtime.mlx_lm_prefill``.
 
+However cheap the line says tokens are, a paced step takes at most
+``PACED_STEP_TOKENS`` prompt tokens, its prompts' chunks together (Sarathi-Serve's
+token budget): on a GPU a small model's paced step costs about the same from 64 to 256
+tokens, the line sees no slope, and each doubling past that met a cost the line did
+not foresee (a new shape, attention off its fast path), the streams' longest gaps.
+
 A prompt whose whole prefill is short (at most ``SHORT_PROMPT`` tokens not
 cached: a coding agent's next turn, a chat message) goes in one step: its
 first token matters more than the one longer gap it costs the others, and it
@@ -94,6 +100,14 @@ PROBE_PAUSE = 8 * FIT_STEPS
 SIZE_MEMORY = 2 * FIT_STEPS
 # Steps of one size whose median is its recent cost (``RecentSizeCosts``).
 SIZE_STEPS = 4
+# The most prompt tokens a paced step takes, all its prompts' chunks together (Sarathi-
+# Serve's token budget). Past it a chunk's cost leaves the fitted line: on an H100 beside
+# 16 streams (Qwen3-0.6B shape) paced steps of 64-256 tokens took 15-19 ms at every
+# depth to 30k tokens, of 512 tokens 33 ms and of 1,024 tokens 57; on an H200, 512-token
+# steps past 16k of context took 59-117 ms against 17-45 for 256. A line that has seen
+# only flat costs allows any chunk, and each doubling past this was the slowest step of
+# its stretch, the streams' longest gaps.
+PACED_STEP_TOKENS = 256
 # A prompt with at most this many tokens to prefill in all is prefilled in one step:
 # a coding agent's next turn (its last reply and a user turn or tool result, 300-800
 # tokens) costs the others one longer gap instead of a dozen floor-sized steps.
@@ -153,11 +167,15 @@ class PrefillPacer:
     ``--prefill-step-size``. ``ladder``: paced chunks only of ``min_chunk`` times a
     power of two. ``floor_slack`` (on the ladder; 0: off): where the floor's steps
     alone outgrow the budget, every paced step is a long gap whatever its chunk, and
-    a chunk may cost up to this many times the floor's step (``_slack_chunk``)."""
+    a chunk may cost up to this many times the floor's step (``_slack_chunk``).
+    ``step_tokens``: the most prompt tokens of a paced step (None: as the budget
+    allows)."""
 
     def __init__(self, factor: float, full_chunk: int, min_chunk: int = MIN_CHUNK,
-                 ladder: bool = False, floor_slack: float = 0.0):
+                 ladder: bool = False, floor_slack: float = 0.0,
+                 step_tokens: int | None = PACED_STEP_TOKENS):
         self.factor = factor
+        self.step_tokens = step_tokens
         self.ladder = ladder
         self.floor_slack = floor_slack if ladder else 0.0
         self.full_chunk = full_chunk
@@ -223,6 +241,8 @@ class PrefillPacer:
             paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
         if most is not None:
             paced = min(paced, max(self.min_chunk, most))
+        if self.step_tokens is not None:
+            paced = min(paced, max(self.min_chunk, self.step_tokens // prompts))
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
         lone = None if slack else self._lone_size
