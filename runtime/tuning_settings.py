@@ -96,10 +96,27 @@ class TuningSettings:
         "the steps it runs and sizes the chunk so that the time between the others' tokens "
         "stays within about one plus this factor decode steps; where a prefill step's fixed "
         "cost alone is longer than that (long contexts on a GPU), chunks stay at 64 tokens, "
-        "the shortest stall there is, and a step takes at most 256 prompt tokens however "
+        "the shortest stall there is, and a step takes at most --paced-step-tokens however "
         "cheap they look; with nothing decoding, chunks are full. Raise it (or 0) "
         "for faster prefills under load at the cost of the others' smoothness "
         "([performance.md](performance.md#coding-agents-sessions)).",
+        group=TUNING,
+    )
+    paced_step_tokens: int = setting(
+        256,
+        help="while sequences decode, a step prefills at most this many prompt tokens, its "
+        "prompts' chunks together, however little the engine expects them to cost (0: as "
+        "--decode-stall-factor allows)",
+        minimum=0,
+        maximum=1 << 20,
+        ours=True,
+        notes="On a GPU a small model's paced step costs about the same from 64 to 256 "
+        "tokens, so the engine's cost line sees no slope and would allow any chunk; "
+        "longer ones met costs it did not foresee (an H100 beside 16 streams: 33 ms for "
+        "512 tokens and 57 for 1,024 against 15-19 for 64-256; an H200's 512-token steps "
+        "past 16k of context 59-117 ms), the streams' longest gaps. Raise it (or 0) for "
+        "faster prefills beside streaming sequences on a large GPU, at the price of some "
+        "longer gaps ([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,
     )
     prefill_floor_slack: float = setting(

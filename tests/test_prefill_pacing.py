@@ -639,3 +639,14 @@ def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_install
         core = make_engine_core(config, tiny_model_path)
         assert core._paced._lone is lone_prompt and core._paced.pacer.factor == factor
         assert core._prefill_group.keywords["alone_from"] == 512
+
+
+@pytest.mark.parametrize(("setting", "bound"), [(256, 256), (1024, 1024), (0, None)])
+def test_the_engine_s_pacer_takes_its_step_tokens_from_the_settings(tiny_model_path, setting,
+                                                                    bound):
+    from runtime.config import ServerConfig
+    from runtime.engine.loading import make_engine_core
+
+    core = make_engine_core(ServerConfig(model=tiny_model_path, paced_step_tokens=setting),
+                            tiny_model_path)
+    assert core._paced.pacer.step_tokens == bound

@@ -345,7 +345,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         else PacedSteps(
             PrefillPacer(config.decode_stall_factor, config.prefill_step_size,
                          ladder=config.chunk_pass == "shared",
-                         floor_slack=config.prefill_floor_slack),
+                         floor_slack=config.prefill_floor_slack,
+                         step_tokens=config.paced_step_tokens or None),
             coming_prefill,
             # A shared pass reads its chunk's attention in place up to a bound.
             chunk_limit=functools.partial(in_place_chunk_limit, mx,
