@@ -3,17 +3,12 @@ against the decode-only steps before it, and each one over the factor listed."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "trace_summary.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("trace_summary", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import trace_summary  # noqa: E402
 
 
 def step(began: float, ms: float, rows: int, progress: str, cpu: float | None = None,
@@ -47,7 +42,7 @@ def write_trace(tmp_path: Path, with_cpu: bool) -> Path:
 
 
 def test_the_window_is_the_last_longest_prompt_and_slow_steps_are_listed(tmp_path):
-    text = load_bench().slow_steps(str(write_trace(tmp_path, with_cpu=True)), 3.0)
+    text = trace_summary.slow_steps(str(write_trace(tmp_path, with_cpu=True)), 3.0)
     head, percentiles, over, _columns, *rows = text.splitlines()
     assert "prompt 7 (4100 tokens) over 4 steps" in head
     assert "9 steps, p50 10.0 ms (CPU 9.5)" in head
@@ -61,7 +56,7 @@ def test_the_window_is_the_last_longest_prompt_and_slow_steps_are_listed(tmp_pat
 
 
 def test_a_trace_without_cpu_times_still_lists_its_slow_steps(tmp_path):
-    text = load_bench().slow_steps(str(write_trace(tmp_path, with_cpu=False)), 3.0)
+    text = trace_summary.slow_steps(str(write_trace(tmp_path, with_cpu=False)), 3.0)
     rows = text.splitlines()[4:]
     assert [r.split()[:5] for r in rows] == [["0", "50.0", "-", "16", "256"],
                                              ["2", "45.0", "-", "17", "64"]]
