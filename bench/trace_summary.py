@@ -20,11 +20,13 @@ API's own part until the Submit (templating, tokenising, the Scheduler), the eng
 the first output reached the API, and back to the client.
 
 ``--slow FACTOR`` reads a server's engine trace around its longest prompt (the last of
-them: a benchmark's measured round; the window: the steps that prefilled it): the median decode-only step before the window, the
-window's steps by percentile, and each step that took more than FACTOR times that
-median, with its decoding rows, the prompt tokens it prefilled, and, where the trace has
-them, the engine thread's CPU time in it (a step that took much more than its CPU time
-waited: for the device, for memory) and MLX's active and cached memory after it.
+them: a benchmark's measured round; the window: the steps that prefilled it): the
+median decode-only step before the window, the window's steps by percentile, and each
+step that took more than FACTOR times that median, with its decoding rows, the prompt
+tokens it prefilled, and, where the trace has them, the engine thread's CPU time in it
+(a step that took much more than its CPU time waited without spinning; CUDA spins
+while it waits for the device unless told to block) and MLX's active and cached
+memory after it.
 
 ``--pyspy FILE`` instead sums a ``py-spy record -f raw`` profile: the share of samples
 per innermost frame (self) and per frame anywhere on the stack (inclusive).
