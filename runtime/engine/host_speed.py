@@ -13,9 +13,9 @@ finished prompts started next_ms progress cpu_ms active_mb cache_mb`` per step
 (``prompts``: prompts it prefilled; ``next_ms``: of the step, the time inside the
 batch generator's ``next``; ``progress``: ``id:done/total`` of each prompt it
 prefilled, comma separated, or ``-``; ``cpu_ms``: the engine thread's CPU time in
-the step, so that a slow step tells building its graph from waiting, for the device
-or for memory; ``active_mb``, ``cache_mb``: MLX's memory in use and its cache of
-freed buffers after the step) and
+the step, which leaves out the waits that block (CUDA's waits for the device spin,
+and count, unless its contexts are set to block); ``active_mb``, ``cache_mb``: MLX's
+memory in use and its cache of freed buffers after the step) and
 ``C epoch kind request_id`` per command. With ``SLOW_STEP_ENV`` set to a number of
 milliseconds too, every step runs under ``cProfile`` and a step that took longer
 leaves its profile in ``PATH-slow-EPOCH.PID`` (its ``S`` line's start). Emits
