@@ -91,10 +91,13 @@ def blocking_cuda_waits() -> bool:
     count = ctypes.c_int()
     if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
         return False
+    # The header's name for it since CUDA 11 (the first version refuses an active context).
+    set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or \
+        driver.cuDevicePrimaryCtxSetFlags
     for ordinal in range(count.value):
         device = ctypes.c_int()
         if driver.cuDeviceGet(ctypes.byref(device), ordinal) or \
-                driver.cuDevicePrimaryCtxSetFlags(device, 4):  # CU_CTX_SCHED_BLOCKING_SYNC
+                set_flags(device, 4):  # CU_CTX_SCHED_BLOCKING_SYNC
             return False
     return True
 
