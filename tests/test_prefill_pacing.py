@@ -650,3 +650,16 @@ def test_the_engine_s_pacer_takes_its_step_tokens_from_the_settings(tiny_model_p
     core = make_engine_core(ServerConfig(model=tiny_model_path, paced_step_tokens=setting),
                             tiny_model_path)
     assert core._paced.pacer.step_tokens == bound
+
+
+def test_a_bound_below_the_floor_s_double_keeps_the_second_point_within_it():
+    # Only floor-sized steps seen, all within the budget: the pacer would try twice the
+    # floor for the line's second point, but a bound of 100 tokens allows the floor only
+    # (on the ladder); off the ladder, the bound itself.
+    for ladder, expected in ((True, MIN_CHUNK), (False, 100)):
+        pacer = PrefillPacer(1.5, 2048, ladder=ladder, step_tokens=100)
+        pacer.observe(0.010, decoding=16, prefill_tokens=0)
+        for _ in range(3):
+            pacer.observe(0.010 + 0.002, decoding=16, prefill_tokens=MIN_CHUNK)
+        assert pacer.chunk(decoding=16, prompts=1) == expected
+        assert PrefillPacer(1.5, 2048, ladder=ladder, step_tokens=None)._step_bound(1) == 2048

@@ -241,8 +241,8 @@ class PrefillPacer:
             paced = min(paced, max(self.min_chunk, 2 * self._fit.largest() // prompts))
         if most is not None:
             paced = min(paced, max(self.min_chunk, most))
-        if self.step_tokens is not None:
-            paced = min(paced, max(self.min_chunk, self.step_tokens // prompts))
+        bound = self._step_bound(prompts)
+        paced = min(paced, bound)
         if self.ladder:
             paced = _ladder_step(paced, self.min_chunk)
         lone = None if slack else self._lone_size
@@ -261,12 +261,20 @@ class PrefillPacer:
             if paced // 2 >= self.min_chunk:
                 paced //= 2
             elif self._fit.median_seconds() <= budget:
-                paced *= 2
+                paced = min(2 * paced, bound)
         if short and self.ladder:
             # A short prompt beside a long one: the long one's chunk stays a multiple of
             # the floor (its keys a multiple of 64 long), the short one's padded to it.
             short = -(-short // self.min_chunk) * self.min_chunk
         return min(self.full_chunk, max(paced, short))
+
+    def _step_bound(self, prompts: int) -> int:
+        """The longest paced chunk per prompt that ``step_tokens`` allows (on the ladder,
+        where chunks are; the floor at least)."""
+        if self.step_tokens is None:
+            return self.full_chunk
+        bound = max(self.min_chunk, self.step_tokens // prompts)
+        return _ladder_step(bound, self.min_chunk) if self.ladder else bound
 
     def _observe_size(self, tokens: int, prefill: float) -> None:
         """A prefill step's time for its size, and whether a probe of it cost more than
