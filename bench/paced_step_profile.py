@@ -82,24 +82,16 @@ def blocking_cuda_waits() -> bool:
     """Make CUDA's waits for the device block the thread rather than spin (the primary
     contexts' CU_CTX_SCHED_BLOCKING_SYNC, set before MLX starts them), so that a step's
     thread CPU time leaves its waits out; whether every device took it."""
-    import ctypes
+    from runtime.cuda_pool import cuda_devices
 
-    try:
-        driver = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    found = cuda_devices()
+    if found is None:
         return False
-    count = ctypes.c_int()
-    if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)):
-        return False
+    driver, devices = found
     # The header's name for it since CUDA 11 (the first version refuses an active context).
     set_flags = getattr(driver, "cuDevicePrimaryCtxSetFlags_v2", None) or \
         driver.cuDevicePrimaryCtxSetFlags
-    for ordinal in range(count.value):
-        device = ctypes.c_int()
-        if driver.cuDeviceGet(ctypes.byref(device), ordinal) or \
-                set_flags(device, 4):  # CU_CTX_SCHED_BLOCKING_SYNC
-            return False
-    return True
+    return not any(set_flags(device, 4) for device in devices)  # CU_CTX_SCHED_BLOCKING_SYNC
 
 
 def percentile(values: list[float], q: float) -> float:

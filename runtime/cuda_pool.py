@@ -1,6 +1,7 @@
 """CUDA's default memory pool, told to keep the memory it has reserved.
 
-Owns ``keep_cuda_pool()``: it receives nothing (it reads the devices through the CUDA
+Owns ``keep_cuda_pool()`` (and ``cuda_devices()``, the driver and its devices, which
+benchmarks that set the driver's other knobs share): it receives nothing (it reads the devices through the CUDA
 driver's API) and sets the release threshold of every device's default memory pool,
 the pool MLX's ``cudaMallocAsync`` allocates from, to its maximum. Emits nothing; it
 returns whether every pool took it.
@@ -25,24 +26,39 @@ log = logging.getLogger(__name__)
 RELEASE_THRESHOLD = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
 
 
-def keep_cuda_pool() -> bool:
-    """Set every CUDA device's default memory pool's release threshold to its maximum;
-    whether every one took it (False without a CUDA driver)."""
+def cuda_devices() -> tuple[ctypes.CDLL, list[ctypes.c_int]] | None:
+    """The CUDA driver's library, initialised, and its devices' handles; None without a
+    driver, or where it has no device or refuses."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False
+        return None
     count = ctypes.c_int()
     if driver.cuInit(0) or driver.cuDeviceGetCount(ctypes.byref(count)) or not count.value:
-        return False
-    threshold = ctypes.c_uint64(2**64 - 1)
+        return None
+    devices = []
     for ordinal in range(count.value):
-        device, pool = ctypes.c_int(), ctypes.c_void_p()
-        failed = (driver.cuDeviceGet(ctypes.byref(device), ordinal)
-                  or driver.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)
+        device = ctypes.c_int()
+        if driver.cuDeviceGet(ctypes.byref(device), ordinal):
+            return None
+        devices.append(device)
+    return driver, devices
+
+
+def keep_cuda_pool() -> bool:
+    """Set every CUDA device's default memory pool's release threshold to its maximum;
+    whether every one took it (False without a CUDA driver)."""
+    found = cuda_devices()
+    if found is None:
+        return False
+    driver, devices = found
+    threshold = ctypes.c_uint64(2**64 - 1)
+    for device in devices:
+        pool = ctypes.c_void_p()
+        failed = (driver.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device)
                   or driver.cuMemPoolSetAttribute(pool, RELEASE_THRESHOLD, ctypes.byref(threshold)))
         if failed:
             log.warning("CUDA device %d's memory pool kept its release threshold (error %d)",
-                        ordinal, failed)
+                        device.value, failed)
             return False
     return True

@@ -100,13 +100,8 @@ PROBE_PAUSE = 8 * FIT_STEPS
 SIZE_MEMORY = 2 * FIT_STEPS
 # Steps of one size whose median is its recent cost (``RecentSizeCosts``).
 SIZE_STEPS = 4
-# The most prompt tokens a paced step takes, all its prompts' chunks together (Sarathi-
-# Serve's token budget). Past it a chunk's cost leaves the fitted line: on an H100 beside
-# 16 streams (Qwen3-0.6B shape) paced steps of 64-256 tokens took 15-19 ms at every
-# depth to 30k tokens, of 512 tokens 33 ms and of 1,024 tokens 57; on an H200, 512-token
-# steps past 16k of context took 59-117 ms against 17-45 for 256. A line that has seen
-# only flat costs allows any chunk, and each doubling past this was the slowest step of
-# its stretch, the streams' longest gaps.
+# The most prompt tokens a paced step takes, its prompts' chunks together (the module's
+# docstring says why; the figures are --paced-step-tokens' notes).
 PACED_STEP_TOKENS = 256
 # A prompt with at most this many tokens to prefill in all is prefilled in one step:
 # a coding agent's next turn (its last reply and a user turn or tool result, 300-800
