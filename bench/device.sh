@@ -34,7 +34,9 @@
 #                                  prefilled (bench/long_prefill.py), ours and mlx_lm.server;
 #                                  ARGS: extra flags for ours (e.g. '--decode-stall-factor 0');
 #                                  then its steps over 3x the decode step (trace_summary --slow);
-#                                  LONG_PREFILL_ARGS: more of its options (e.g. --warm-streams 16)
+#                                  LONG_PREFILL_ARGS: more of its options (e.g. --warm-streams 16);
+#                                  INTERLEAVE_VARIANTS: more servers of ours, 'NAME=FLAGS' joined
+#                                  by '|' (long_prefill.py --variant), named in SYSTEMS
 #   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short
 #                                  rows and one of TOKENS, in-process; up to 16k tokens) and
 #                                  bench/long_prefill.py with the long prompt decoding 256 tokens,
@@ -180,9 +182,12 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       # Our engine process's steps too (S lines: tokens, prompts, time in next()).
       probe=$OUT/interleave-probe-$SECONDS
+      variants=()
+      IFS='|' read -ra specs <<< "${INTERLEAVE_VARIANTS:-}"
+      for spec in "${specs[@]}"; do variants+=(--variant "$spec"); done
       MLX_TRIO_ENGINE_PROBE="$probe" \
         timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
-        --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" \
+        --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" "${variants[@]}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 ${LONG_PREFILL_ARGS:-} \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
       # The long prompt's steps over 3x the decode step: wall, CPU, rows, memory.
