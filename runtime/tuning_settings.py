@@ -15,6 +15,7 @@ import attrs
 
 from runtime.compiled_decode import DECODE_PATHS
 from runtime.cpu_blas import CPU_BLAS_MODES
+from runtime.cuda_graphs import CUDA_GRAPH_MODES
 from runtime.mixed_step import CHUNK_PASSES
 from runtime.mlx_environment import PREFILL_ATTENTION_MODES, PREFILL_BUFFER_MODES
 from runtime.settings import TUNING, complete_settings, setting
@@ -173,6 +174,25 @@ class TuningSettings:
         "default: measured in one engine-core round so far "
         "([performance.md](performance.md#not-measured-yet)). No effect on Apple silicon "
         "or the CPU.",
+        group=TUNING,
+    )
+    cuda_graphs: str = setting(
+        "mlx",
+        help="on CUDA, how MLX groups a step's kernels into CUDA graphs: a graph ends after "
+        "a number of operations or of megabytes of inputs, whichever comes first (mlx, "
+        "MLX's own rule), after a number of operations only (ops), or no graphs, each "
+        "kernel launched on its own (off)",
+        choices=CUDA_GRAPH_MODES,
+        ours=True,
+        notes="The decoding rows' KV caches are inputs of every layer, so under MLX's rule "
+        "a row joining or leaving, or the caches growing, can move where a step's graphs "
+        "end, and a graph of a topology MLX has not cached is instantiated anew on the "
+        "engine's thread. On an H100, beside a 30k-token prefill, the steps after a row "
+        "joined or left took 60-120 ms of the engine thread's own time against 20-25 for "
+        "the others. `ops` keeps the boundaries where the operations put them. Not yet "
+        "measured, so not the default ([performance.md](performance.md#not-measured-yet)). "
+        "An `MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. "
+        "No effect on Apple silicon or the CPU.",
         group=TUNING,
     )
     decode_lane_padding: int | None = setting(

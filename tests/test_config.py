@@ -209,6 +209,7 @@ TEXT_VALUES = {
     "shared_prefill_min_tokens": "64", "decode_stall_factor": "3", "prompt_cache_scope": "shared",
     "prefill_floor_slack": "1.15",
     "prefill_chunk_parts": "2", "cuda_memory_pool": "keep", "paced_step_tokens": "512",
+    "cuda_graphs": "ops",
     "decode_lane_padding": "0",
     "aborted_prefill_min_tokens": "0", "prompt_cache_dir": "/var/cache/mlx-trio/kv",
     "prompt_cache_dir_bytes": "4GB",

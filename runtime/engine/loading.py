@@ -28,6 +28,7 @@ from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
+from runtime.cuda_graphs import cuda_graph_environment
 from runtime.cuda_pool import keep_cuda_pool
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
 from runtime.engine.commands import SharedCommands
@@ -233,7 +234,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     from mlx_lm.generate import make_stop_sequences
 
     # Before MLX builds its caches: no failing steps once they have missed "too often".
-    chosen = server_defaults()
+    chosen = server_defaults() + cuda_graph_environment(config.cuda_graphs)
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
