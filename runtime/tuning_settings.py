@@ -170,10 +170,11 @@ class TuningSettings:
         ours=True,
         notes="An engine synchronises at every decode step, so with `release` an allocation "
         "after a freed one maps memory anew. `keep` holds what the pool has reserved for "
-        "this server (set it where the server has the device to itself). Not yet the "
-        "default: measured in one engine-core round so far "
-        "([performance.md](performance.md#not-measured-yet)). No effect on Apple silicon "
-        "or the CPU.",
+        "this server (set it where the server has the device to itself). On an H100 it "
+        "did not help the streams beside a 30k-token prefill (their ITL p99 7.45x and "
+        "8.02x their median against 9.04x and 7.97x released, alternated), so it is off "
+        "([performance.md](performance.md#h100-the-step-bound-in-the-server-cudas-pool-kept-and-the-slow-steps-profiles)). "
+        "No effect on Apple silicon or the CPU.",
         group=TUNING,
     )
     cuda_graphs: str = setting(
