@@ -21,7 +21,8 @@ instantiated anew on the engine's thread.
   follow the step's operations and not its caches' sizes.
 * ``off``: no graphs; each kernel is launched on its own (``MLX_USE_CUDA_GRAPHS=0``).
 
-A variable the operator set is left as it is.
+A variable the operator set is left as it is. Only on CUDA: MLX's Metal backend reads
+the same variables for its command buffers.
 """
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ class TuningSettings:
         "a row joining or leaving, or the caches growing, can move where a step's graphs "
         "end, and a graph of a topology MLX has not cached is instantiated anew on the "
         "engine's thread. On an H100, beside a 30k-token prefill, the steps after a row "
-        "joined or left took 60-120 ms of the engine thread's own time against 20-25 for "
-        "the others. `ops` keeps the boundaries where the operations put them. Not yet "
+        "joined or left took 55-120 ms of the engine thread's own time against 19-26 for "
+        "the others at their median. `ops` keeps the boundaries where the operations put them. Not yet "
         "measured, so not the default ([performance.md](performance.md#not-measured-yet)). "
         "An `MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. "
         "No effect on Apple silicon or the CPU.",

@@ -46,3 +46,24 @@ def test_the_setting_takes_every_mode_and_defaults_to_mlxs_rule():
     assert parse_config([]).cuda_graphs == "mlx"
     for choice in CUDA_GRAPH_MODES:
         assert parse_config(["--cuda-graphs", choice]).cuda_graphs == choice
+
+
+def test_the_engine_leaves_them_unset_without_cuda(monkeypatch, tiny_model_path):
+    """MLX's Metal backend reads the same variables for its command buffers: the engine
+    sets them only where MLX runs on CUDA (not on this CPU)."""
+    import os
+
+    import mlx.core as mx
+
+    from runtime.config import ServerConfig
+    from runtime.engine.loading import make_engine_core
+
+    assert not mx.cuda.is_available()
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS")}
+    monkeypatch.setattr(os, "environ", environ)  # the test's own copy
+    for choice in ("ops", "off"):
+        make_engine_core(ServerConfig(model=tiny_model_path, cuda_graphs=choice),
+                         tiny_model_path)
+        assert "MLX_MAX_MB_PER_BUFFER" not in environ
+        assert "MLX_USE_CUDA_GRAPHS" not in environ

@@ -234,7 +234,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     from mlx_lm.generate import make_stop_sequences
 
     # Before MLX builds its caches: no failing steps once they have missed "too often".
-    chosen = server_defaults() + cuda_graph_environment(config.cuda_graphs)
+    chosen = server_defaults()
+    if mx.cuda.is_available():  # Metal reads the same variables for its command buffers
+        chosen += cuda_graph_environment(config.cuda_graphs)
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
