@@ -22,9 +22,10 @@ Without a profiler, ``--variants`` runs each named variant in a fresh process (M
 reads its environment once), alternated round by round, and prints every run's
 report: the step's wall time against the engine thread's CPU time says whether a
 paced step waits (for the device, for a synchronisation) or builds its graph the
-whole time (CUDA spins while it waits unless ``blocking``). Variants (``VARIANTS``):
-MLX's CUDA graph settings, CUDA's waits blocking, and the server's
-``--cuda-memory-pool keep`` and ``--prefill-chunk-parts``.
+whole time (MLX's own waits block; ``blocking`` makes CUDA's other waits block too).
+Variants (``VARIANTS``): MLX's CUDA graph settings (the server's ``--cuda-graphs``, and
+one graph a step), CUDA's waits blocking, and the server's ``--cuda-memory-pool keep``
+and ``--prefill-chunk-parts``.
 
     python bench/paced_step_profile.py --model DIR --long-tokens 16000 \
         --variants default,no-graphs,ops-only --rounds 2 --json-out variants.json
@@ -62,9 +63,9 @@ NATIVE_KINDS = (
 # name: (environment, ServerConfig fields)
 VARIANTS = {
     "default": ({}, {}),
-    "no-graphs": ({"MLX_USE_CUDA_GRAPHS": "0"}, {}),  # kernels launched one by one
+    "no-graphs": ({}, {"cuda_graphs": "off"}),  # kernels launched one by one
     "one-graph": ({"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "100000"}, {}),
-    "ops-only": ({"MLX_MAX_MB_PER_BUFFER": "100000"}, {}),  # a CUDA graph ends by ops, not MB
+    "ops-only": ({}, {"cuda_graphs": "ops"}),  # a CUDA graph ends by ops, not MB
     "parts-4": ({}, {"prefill_chunk_parts": 4}),
     # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
     # that an allocation after a synchronisation maps no memory anew.
