@@ -37,6 +37,8 @@
 #                                  LONG_PREFILL_ARGS: more of its options (e.g. --warm-streams 16);
 #                                  INTERLEAVE_VARIANTS: more servers of ours, 'NAME=FLAGS' joined
 #                                  by '|' (long_prefill.py --variant), named in SYSTEMS
+#                                  with MLX_TRIO_ENGINE_SLOW_STEP_MS: the slow steps' profiles
+#                                  summed (bench/step_profiles.py)
 #   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short
 #                                  rows and one of TOKENS, in-process; up to 16k tokens) and
 #                                  bench/long_prefill.py with the long prompt decoding 256 tokens,
@@ -194,6 +196,10 @@ for scenario in "$@"; do
       for steps in "$probe"-steps.*; do
         [ -f "$steps" ] && python3 bench/trace_summary.py "$steps" --slow 3 2>&1 | head -40
       done
+      # With MLX_TRIO_ENGINE_SLOW_STEP_MS set: where the profiled slow steps' host time went.
+      if compgen -G "$probe-slow-*" > /dev/null; then
+        python3 bench/step_profiles.py "$OUT" --min-total "$((p1 * 9 / 10))" --top 8 2>&1 | head -60
+      fi
       ;;
     lanes)
       dir=$(model "$shape")
