@@ -70,7 +70,8 @@ VARIANTS = {
     # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
     # that an allocation after a synchronisation maps no memory anew.
     "pool-kept": ({}, {"cuda_memory_pool": "keep"}),
-    # CUDA's waits block instead of spinning: a step's CPU time is then its host work.
+    # The CUDA driver's own waits block too (MLX's do already): a step's CPU time is then
+    # its host work.
     "blocking": ({"PACED_PROFILE_BLOCKING_WAITS": "1"}, {}),
     # The same, every chunk of one size (no pacer): what each size costs at every depth.
     **{f"blocking-{size}": ({"PACED_PROFILE_BLOCKING_WAITS": "1"},
@@ -80,9 +81,10 @@ VARIANTS = {
 
 
 def blocking_cuda_waits() -> bool:
-    """Make CUDA's waits for the device block the thread rather than spin (the primary
-    contexts' CU_CTX_SCHED_BLOCKING_SYNC, set before MLX starts them), so that a step's
-    thread CPU time leaves its waits out; whether every device took it."""
+    """Make the CUDA driver's waits block the thread rather than spin (the primary
+    contexts' CU_CTX_SCHED_BLOCKING_SYNC, set before MLX starts them; MLX's own waits
+    block already), so that a step's thread CPU time leaves every wait out; whether
+    every device took it."""
     from runtime.cuda_pool import cuda_devices
 
     found = cuda_devices()

@@ -24,8 +24,8 @@ them: a benchmark's measured round; the window: the steps that prefilled it): th
 median decode-only step before the window, the window's steps by percentile, and each
 step that took more than FACTOR times that median, with its decoding rows, the prompt
 tokens it prefilled, and, where the trace has them, the engine thread's CPU time in it
-(a step that took much more than its CPU time waited without spinning; CUDA spins
-while it waits for the device unless told to block) and MLX's active and cached
+(a step that took much more than its CPU time waited: MLX's waits for the device
+block; the CUDA driver's own spin unless told to block) and MLX's active and cached
 memory after it.
 
 ``--pyspy FILE`` instead sums a ``py-spy record -f raw`` profile: the share of samples

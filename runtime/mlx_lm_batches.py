@@ -39,7 +39,6 @@ from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
 
 # ------------------------------------------------- batch generator rows
-#
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
 #
 # Owns the hook that tells a row-aware sampler which rows it is sampling. mlx-lm
@@ -75,8 +74,6 @@ from runtime.plain_masks import plain_masks
 # A sampler takes part by having ``sampling_rows(uids, inputs)``, a context
 # manager (see ``runtime.batch_sampling.BatchSampler``); any other sampler is
 # called exactly as mlx-lm calls it.
-
-
 
 
 TESTED_MLX_LM = "0.32."  # the release series these hooks were written against

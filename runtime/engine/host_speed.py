@@ -13,8 +13,9 @@ finished prompts started next_ms progress cpu_ms active_mb cache_mb`` per step
 (``prompts``: prompts it prefilled; ``next_ms``: of the step, the time inside the
 batch generator's ``next``; ``progress``: ``id:done/total`` of each prompt it
 prefilled, comma separated, or ``-``; ``cpu_ms``: the engine thread's CPU time in
-the step, which leaves out the waits that block (CUDA's waits for the device spin,
-and count, unless its contexts are set to block); ``active_mb``, ``cache_mb``: MLX's
+the step, which leaves out the waits that block (MLX's waits for the device do; the
+CUDA driver's own, such as a launch into a full queue, spin and count unless its
+contexts are set to block); ``active_mb``, ``cache_mb``: MLX's
 memory in use and its cache of freed buffers after the step) and
 ``C epoch kind request_id`` per command. With ``SLOW_STEP_ENV`` set to a number of
 milliseconds too, every step runs under ``cProfile`` and a step that took longer

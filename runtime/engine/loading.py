@@ -234,13 +234,14 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     from mlx_lm.generate import make_stop_sequences
 
     # Before MLX builds its caches: no failing steps once they have missed "too often".
+    on_cuda = mx.cuda.is_available()
     chosen = server_defaults()
-    if mx.cuda.is_available():  # Metal reads the same variables for its command buffers
+    if on_cuda:  # Metal reads the same variables for its command buffers
         chosen += cuda_graph_environment(config.cuda_graphs)
     if chosen:
         log.debug("MLX settings for a server: %s", ", ".join(chosen))
     cache_limit = bound_buffer_cache(mx)
-    if config.cuda_memory_pool == "keep" and mx.cuda.is_available():
+    if config.cuda_memory_pool == "keep" and on_cuda:
         log.info("CUDA memory pool keeps its memory: %s", keep_cuda_pool())
     if cache_limit is not None and config.prefill_buffers == "keep" and keep_freed_buffers_in_generate():
         log.debug("MLX free-buffer cache limited to %.1f GB, kept across prefill chunks",
