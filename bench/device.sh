@@ -184,6 +184,7 @@ for scenario in "$@"; do
       dir=$(model "$shape")
       # Our engine process's steps too (S lines: tokens, prompts, time in next()).
       probe=$OUT/interleave-probe-$SECONDS
+      began=$(date +%s)
       variants=()
       IFS='|' read -ra specs <<< "${INTERLEAVE_VARIANTS:-}"
       for spec in "${specs[@]}"; do variants+=(--variant "$spec"); done
@@ -200,6 +201,11 @@ for scenario in "$@"; do
       if compgen -G "$probe-slow-*" > /dev/null; then
         python3 bench/step_profiles.py "$OUT" --min-total "$((p1 * 9 / 10))" --top 8 2>&1 | head -60
       fi
+      # The CUDA kernels MLX built (NVRTC) during the run, with their times: beside the
+      # steps' wall-clock times (S lines) they tell a first-use build from other host work.
+      find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$began" \
+        -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$OUT/interleave-ptx-built-$SECONDS.txt"
+      echo "kernels built during the run: $(wc -l < "$OUT/interleave-ptx-built-$SECONDS.txt")"
       ;;
     lanes)
       dir=$(model "$shape")
