@@ -36,7 +36,8 @@
 #                                  then its steps over 3x the decode step (trace_summary --slow);
 #                                  LONG_PREFILL_ARGS: more of its options (e.g. --warm-streams 16);
 #                                  INTERLEAVE_VARIANTS: more servers of ours, 'NAME=FLAGS' joined
-#                                  by '|' (long_prefill.py --variant), named in SYSTEMS
+#                                  by '|' (long_prefill.py --variant: FLAGS's leading
+#                                  VARIABLE=VALUE words are its environment), named in SYSTEMS;
 #                                  with MLX_TRIO_ENGINE_SLOW_STEP_MS: the slow steps' profiles
 #                                  summed (bench/step_profiles.py)
 #   lanes=SHAPE:TOKENS[:REPS[:SYSTEMS[:ARGS]]]  decode lanes: bench/decode_lanes.py (16 short

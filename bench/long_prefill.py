@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import random
+import re
 import statistics
 import sys
 import time
@@ -202,6 +203,17 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else 1000 * v
 
 
+def variant_environment(args: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading ``VARIABLE=VALUE`` words (upper-case names: the server's
+    environment) and the flags after them."""
+    words = args.split()
+    environment = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        environment[name] = value
+    return environment, words
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: a tiny model built here)")
@@ -224,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                    "stream decodes all its tokens (random-weight models stop anywhere)")
     p.add_argument("--server-args", default="", help="extra flags for ours")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
-                   help="our server with ARGS as system NAME (list it in --systems)")
+                   help="our server with ARGS as system NAME (list it in --systems); ARGS's "
+                   "leading VARIABLE=VALUE words go to its environment (e.g. "
+                   "'MLX_CUDA_GRAPH_CACHE_SIZE=4000 --paced-step-tokens 128')")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                    help="system NAME is our server run from DIR, a checkout of another build "
                    "(e.g. a git worktree), with --server-args or its --variant flags")
@@ -250,11 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(ns.rounds):
         for system in ns.systems.split(","):
             port = free_port()
-            extra = variants.get(system, ns.server_args).split()
+            environment, extra = variant_environment(variants.get(system, ns.server_args))
             server = ServerProcess(system, server_argv(system, model, port, extra),
                                    f"http://127.0.0.1:{port}",
                                    Path("/tmp") / f"long-prefill-{system}-{port}.log")
-            server.start(cwd=trees.get(system, Path(__file__).resolve().parent.parent))
+            server.start(cwd=trees.get(system, Path(__file__).resolve().parent.parent),
+                         env=environment)
             try:
                 server.wait_healthy()
                 # Warm-up, unmeasured: --warm-streams streams and the long prompt (the
