@@ -190,7 +190,7 @@ for scenario in "$@"; do
       IFS='|' read -ra specs <<< "${INTERLEAVE_VARIANTS:-}"
       for spec in "${specs[@]}"; do variants+=(--variant "$spec"); done
       MLX_TRIO_ENGINE_PROBE="$probe" \
-        timeout -s INT -k 10 "$(limit 400)" python3 bench/long_prefill.py --model "$dir" \
+        timeout -s INT -k 10 "$(limit 560)" python3 bench/long_prefill.py --model "$dir" \
         --systems "${p2:-ours,mlx_lm}" --server-args="${p3:-}" "${variants[@]}" \
         --streams 16 --long-tokens "$p1" --stream-tokens 2048 --rounds 1 ${LONG_PREFILL_ARGS:-} \
         --out "$OUT/interleave-$shape-$p1-$SECONDS.json" 2>&1 | tail -6
