@@ -284,9 +284,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 traces = trace_batch_sizes(handle.model, range(1, config.decode_concurrency + 1))
             log.info("compiled decode step traced for batch sizes 1-%d (%d traces, %.2f s)",
                      config.decode_concurrency, traces, time.perf_counter() - started)
-            # The mixed pass too, so that a row joining the streams beside a paced prefill
-            # meets no shape for the first time mid-stream (on CUDA the steps after such
-            # a join were among the slowest of a long prefill's window).
+            # On CUDA a new shape is also new work for MLX's kernels (their plans and
+            # launch graphs), which a row joining a paced prefill would meet mid-stream.
             if config.chunk_pass == "shared" and on_cuda:
                 started = time.perf_counter()
                 lengths = paced_chunk_lengths(config.paced_step_tokens,
