@@ -78,18 +78,6 @@ def on_ladder(length: int, floor: int = LADDER_FLOOR) -> bool:
     return steps & (steps - 1) == 0
 
 
-def paced_chunk_lengths(paced_step_tokens: int, prefill_step_size: int) -> list[int]:
-    """The ladder's lengths a paced chunk beside decoding rows can take: from the floor up
-    to ``paced_step_tokens`` (0: no bound of its own), and no longer than a full chunk of
-    ``prefill_step_size`` tokens."""
-    bound = min(paced_step_tokens or prefill_step_size, prefill_step_size)
-    lengths, length = [], LADDER_FLOOR
-    while length <= bound:
-        lengths.append(length)
-        length *= 2
-    return lengths
-
-
 def tail_padding(inputs: Any, cache: list) -> int:
     """Tokens that pad a lone prompt's chunk off the ladder (its segment's last, odd-sized
     one) up to the ladder's next length, so that it shares a pass too; 0 where the chunk is

@@ -25,11 +25,7 @@ import time
 import attrs
 
 from runtime.batch_sampling import BatchSampler, make_batch_generator
-from runtime.compiled_decode import (
-    install_compiled_decode,
-    trace_batch_sizes,
-    trace_mixed_shapes,
-)
+from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
 from runtime.cuda_graphs import cuda_graph_environment
@@ -46,7 +42,6 @@ from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
-from runtime.mixed_step import paced_chunk_lengths
 from runtime.mlx_environment import (
     bound_buffer_cache,
     default_decode_lane_padding,
@@ -284,18 +279,6 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 traces = trace_batch_sizes(handle.model, range(1, config.decode_concurrency + 1))
             log.info("compiled decode step traced for batch sizes 1-%d (%d traces, %.2f s)",
                      config.decode_concurrency, traces, time.perf_counter() - started)
-            # On CUDA a new shape is also new work for MLX's kernels (their plans and
-            # launch graphs), which a row joining a paced prefill would meet mid-stream.
-            if config.chunk_pass == "shared" and on_cuda:
-                started = time.perf_counter()
-                lengths = paced_chunk_lengths(config.paced_step_tokens,
-                                              config.prefill_step_size)
-                with mx.stream(stream):
-                    traces = trace_mixed_shapes(
-                        handle.model, range(1, config.decode_concurrency + 1), lengths)
-                log.info("a step's decode and a paced chunk of %s tokens traced for batch "
-                         "sizes 1-%d (%d traces, %.2f s)", "/".join(map(str, lengths)),
-                         config.decode_concurrency, traces, time.perf_counter() - started)
     if group is not None:
         # Collectives on the batch's stream: in order with the model's own
         # (an all_sum on another stream could interleave with an in-flight step's).
