@@ -185,13 +185,17 @@ class TuningSettings:
         "kernel launched on its own (off)",
         choices=CUDA_GRAPH_MODES,
         ours=True,
-        notes="The decoding rows' KV caches are inputs of every layer, so under MLX's rule "
-        "a row joining or leaving, or the caches growing, can move where a step's graphs "
-        "end, and a graph of a topology MLX has not cached is instantiated anew on the "
-        "engine's thread. On an H100, beside a 30k-token prefill, the steps after a row "
-        "joined or left took 55-120 ms of the engine thread's own time against 19-26 for "
-        "the others at their median. `ops` keeps the boundaries where the operations put them. Not yet "
-        "measured, so not the default ([performance.md](performance.md#not-measured-yet)). "
+        notes="Under MLX's rule a graph of a topology MLX has not cached is instantiated "
+        "anew on the engine's thread; the steps after a row joined or left the decoding "
+        "batch, or its KV caches grew, were the slow ones, and without graphs they were "
+        "not. On an H100, 16 streams beside a 30k-token "
+        "prefill: with `off` their ITL p99 was 3.66x and 4.13x their median before it "
+        "against 7.51x and 8.97x under MLX's rule (`ops` 6.41x; a larger graph cache did "
+        "nothing), the steps after a join or a leave no longer slow, and the long prompt "
+        "1.5x faster; one client's decode no slower (0.68-0.78x the bare engine's step). "
+        "But at 64 clients `off` made 0.77x the engine's tokens/s, each kernel launched on "
+        "its own. So: `off` for a few sessions with long prompts (coding agents), MLX's "
+        "rule for many clients ([performance.md](performance.md#h100-mlxs-cuda-graphs-are-the-slow-steps)). "
         "An `MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. "
         "No effect on Apple silicon or the CPU.",
         group=TUNING,
