@@ -130,6 +130,12 @@ step() { echo "== $1 $(date +%T)"; }
 # limit and what is left of BUDGET (seconds, default 560) less time to pack the results.
 deadline=$((SECONDS + ${BUDGET:-560}))
 limit() { local left=$((deadline - SECONDS - 15)); [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
+kernels_built_since() {  # EPOCH FILE: the CUDA kernels MLX built (NVRTC) since EPOCH
+  # MLX writes each kernel it builds to its PTX cache when built: times, sizes, names.
+  find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$1" \
+    -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$2"
+  echo "kernels built during the run: $(wc -l < "$2")"
+}
 model() {  # the shaped model's directory, built once per warm machine
   local dir=/tmp/m/$1
   if [ ! -f "$dir/config.json" ]; then
@@ -204,9 +210,7 @@ for scenario in "$@"; do
       fi
       # The CUDA kernels MLX built (NVRTC) during the run, with their times: beside the
       # steps' wall-clock times (S lines) they tell a first-use build from other host work.
-      find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$began" \
-        -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$OUT/interleave-ptx-built-$SECONDS.txt"
-      echo "kernels built during the run: $(wc -l < "$OUT/interleave-ptx-built-$SECONDS.txt")"
+      kernels_built_since "$began" "$OUT/interleave-ptx-built-$SECONDS.txt"
       ;;
     lanes)
       dir=$(model "$shape")
@@ -233,12 +237,9 @@ for scenario in "$@"; do
         [ "$slow_steps" -le 20 ] && [ -f "$slow" ] && python3 -c 'import pstats, sys; print(sys.argv[1]);
 pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | grep -v "^$" | tail -16
       done
-      # MLX writes each CUDA kernel it builds (NVRTC) to its PTX cache when built: their
-      # times beside the slow steps' (S lines, profiles) tell a first-use build from a
-      # wait for the device, both of which a step's profile shows as its eval.
-      find "${MLX_PTX_CACHE_DIR:-${TMPDIR:-/tmp}/mlx}" -name '*.ptx' -newermt "@$began" \
-        -printf '%T@ %s %f\n' 2>/dev/null | sort -n > "$OUT/lanes-ptx-built-$SECONDS.txt"
-      echo "kernels built during the run: $(wc -l < "$OUT/lanes-ptx-built-$SECONDS.txt")"
+      # The kernels' build times beside the slow steps' (S lines, profiles) tell a
+      # first-use build from a wait for the device, both of which a profile shows as eval.
+      kernels_built_since "$began" "$OUT/lanes-ptx-built-$SECONDS.txt"
       ;;
     paced-profile)
       dir=$(model "$shape")

@@ -10,11 +10,12 @@ MLX records a step's kernels into a CUDA graph and ends the graph (instantiates,
 updates a cached instance of the same topology, and launches it) once it holds a
 number of operations or of megabytes of inputs, whichever comes first: 100
 operations or 1,000 MB on an H100 or H200 (``MLX_MAX_OPS_PER_BUFFER``,
-``MLX_MAX_MB_PER_BUFFER``). A decoding batch's KV caches are inputs of every
-layer, so where a graph ends depends on how long those caches are and how many
-rows they hold: a row that joins or leaves, or caches that grow, can move every
-boundary of the step, and a graph whose topology MLX has not cached is
-instantiated anew on the engine's thread.
+``MLX_MAX_MB_PER_BUFFER``). A graph whose topology MLX has not cached is
+instantiated anew on the engine's thread, and the steps where the decoding batch
+changes (a row joins or leaves, its KV caches grow) met new ones: on an H100,
+beside a long prefill, they were the slowest steps, and without graphs they were
+not (docs/performance.md). A decoding batch's KV caches are inputs of every
+layer, so under MLX's rule their sizes also move where a step's graphs end.
 
 * ``mlx``: MLX's own rule, as above (the default).
 * ``ops``: a graph ends by its number of operations only, so that its boundaries
