@@ -26,6 +26,7 @@ from runtime.engine.pacing import (
     PrefillCostFit,
     PrefillPacer,
     aligned_chunk,
+    ladder_tail,
 )
 from runtime.messages import SamplingParams, Submit
 from runtime.mlx_lm_prefill import coming_prefill
@@ -487,6 +488,77 @@ def test_a_chunk_spread_over_steps_is_observed_once_at_its_slowest_step():
                         (0.020, {"decoding": 16, "prefill_tokens": 128})]
 
 
+@pytest.mark.parametrize("chunk,segment,expected", [
+    (256, 189, 128),  # 189 would pad by 67 onto 256: 128, then 61 padded onto 64
+    (256, 129, 128),
+    (256, 192, 128),
+    (256, 193, 256),  # pads by 63 onto 256: one shared pass
+    (256, 100, 256),  # onto 128
+    (256, 256, 256),
+    (256, 300, 256),  # not the segment's last chunk
+    (256, 61, 256),
+    (128, 189, 128),
+    (512, 320, 256),
+])
+def test_a_lone_prompt_s_last_paced_chunk_leaves_a_rest_that_pads_onto_the_ladder(
+        chunk, segment, expected):
+    assert ladder_tail(chunk, segment) == expected
+
+
+def test_every_step_of_a_segment_s_end_is_a_length_a_shared_pass_takes():
+    """Whatever the paced chunk and the tokens left, each step to the segment's end is on
+    the ladder or fewer than 64 tokens short of its next length."""
+    from runtime.mixed_step import LADDER_FLOOR, on_ladder
+
+    def padded_onto_ladder(tokens: int) -> bool:
+        length = LADDER_FLOOR
+        while length < tokens:
+            length *= 2
+        return on_ladder(tokens) or length - tokens < LADDER_FLOOR
+
+    for chunk in (64, 128, 256):
+        for left in range(1, 700):
+            while left:
+                step = min(ladder_tail(chunk, left), left)
+                assert step == chunk or padded_onto_ladder(step), (chunk, left, step)
+                left -= step
+
+
+def test_paced_steps_cut_a_lone_prompt_s_last_chunk_only_while_pacing_a_long_one():
+    from types import SimpleNamespace
+
+    from runtime.mlx_lm_prefill import ComingPrefill, LonePrompt
+
+    pacer = PrefillPacer(1.5, 2048, ladder=True)
+    pacer.observe(0.010, decoding=16, prefill_tokens=0)
+    for tokens in (128, 256):
+        pacer.observe(0.010 + 0.001 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)
+    lone = [LonePrompt(prefix=29_824, segment=189)]
+    cases = [
+        (ComingPrefill(decoding=16, prompts=1, tokens=256, short=0, depth=29_824), 128),
+        # a short prompt goes in one step; with nothing decoding chunks are full
+        (ComingPrefill(decoding=16, prompts=1, tokens=256, short=189, depth=29_824), 256),
+        (ComingPrefill(decoding=0, prompts=1, tokens=189, short=0, depth=29_824), 2048),
+    ]
+    for coming, expected in cases:
+        paced = PacedSteps(pacer, lambda generator, short, coming=coming: coming,
+                           tail=lambda g: lone[0])
+        generator = SimpleNamespace(prefill_step_size=2048)
+        paced.before(generator)
+        assert generator.prefill_step_size == expected, coming
+    # Several prompts (no lone one), or a pacer off its ladder: as it comes.
+    coming = cases[0][0]
+    for tail, ladder in ((lambda g: None, True), (lambda g: lone[0], False)):
+        paced = PacedSteps(PrefillPacer(1.5, 2048, ladder=ladder),
+                           lambda generator, short: coming, tail=tail)
+        paced.pacer.observe(0.010, decoding=16, prefill_tokens=0)
+        for tokens in (128, 256):
+            paced.pacer.observe(0.011 + 0.000002 * tokens, decoding=16, prefill_tokens=tokens)
+        generator = SimpleNamespace(prefill_step_size=2048)
+        paced.before(generator)
+        assert generator.prefill_step_size == 256
+
+
 @pytest.mark.parametrize("chunk,prefix,segment,expected", [
     (2048, 2176, 28_000, 1920),  # after a paced start: back to the grid, then full chunks
     (2048, 12_000, 20_000, 288),  # after a cached prefix of 12,000 tokens
@@ -632,6 +704,7 @@ def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_install
     plain = ServerConfig(model=tiny_model_path, admission_window_ms=0, prefill_step_size=256)
     core = make_engine_core(plain, tiny_model_path)
     assert core._paced._lone is None and core._prefill_group.keywords["alone_from"] is None
+    assert core._paced._tail is lone_prompt  # a segment's last paced chunk, on any device
     monkeypatch.setattr(loading, "install_prefill_attention", lambda mx, full_chunk: True)
     for factor in (1.5, 0):
         config = ServerConfig(model=tiny_model_path, admission_window_ms=0,

@@ -357,6 +357,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                                           heads=_attention_heads(handle.model))
             if config.chunk_pass == "shared" else None,
             lone=lone_prompt if on_grid else None,
+            tail=lone_prompt,
         ),
         short_prompts_first=None if serial or config.short_prompts_join
         else ShortPromptsFirst(SHORT_PROMPT),
