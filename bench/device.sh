@@ -94,7 +94,9 @@
 #                                  (bench/engine_overhead.py, every engine's main thread on CPU 3),
 #                                  136 +- 64 prompt tokens, 128 new, four requests a client; MODE
 #                                  greedy (the default) or sampled (0.7 / 0.9); LEVELS 8,32,64;
-#                                  then bench/like_for_like.py's pairs at like host speed
+#                                  then bench/like_for_like.py's pairs at like host speed;
+#                                  MANY_VARIANTS: more servers, 'NAME[@TREE]:FLAGS' joined by '|'
+#                                  (bench/engine_overhead.py --server-variant), alternated
 #   distributed=SHAPE              kind nvidia-h200-x2: ours and mlx_lm.server on one GPU, then
 #                                  ours tensor parallel on both (bench/distributed.py)
 # SHAPE: qwen3-0.6b or llama3-8b (random weights, a 32k window: bench/make_shaped_model.py).
@@ -320,9 +322,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       dir=$(model "$shape")
       sampling=""
       [ "${p1:-greedy}" = sampled ] && sampling="--temperature 0.7 --top-p 0.9"
+      variants=()
+      IFS='|' read -ra specs <<< "${MANY_VARIANTS:-}"
+      for spec in "${specs[@]}"; do variants+=(--server-variant "$spec"); done
       timeout -s INT -k 10 "$(limit 540)" python3 bench/engine_overhead.py --model "$dir" --systems ceiling --server \
         --levels "${p2:-8,32,64}" --rounds 2 --prompt-tokens 136 --prompt-tokens-spread 64 \
-        --max-tokens 128 --requests-per-client 4 --engine-cpu 3 $sampling \
+        --max-tokens 128 --requests-per-client 4 --engine-cpu 3 $sampling "${variants[@]}" \
         --json-out "$OUT/many-$shape-${p1:-greedy}.json" 2>&1 | sed -n '/^medians/,$p'
       python3 bench/like_for_like.py "$OUT/many-$shape-${p1:-greedy}.json"
       ;;
