@@ -704,7 +704,7 @@ def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_install
     plain = ServerConfig(model=tiny_model_path, admission_window_ms=0, prefill_step_size=256)
     core = make_engine_core(plain, tiny_model_path)
     assert core._paced._lone is None and core._prefill_group.keywords["alone_from"] is None
-    assert core._paced._tail is lone_prompt  # a segment's last paced chunk, on any device
+    assert core._paced._tail is None  # on a GPU, a segment's last paced chunk (below)
     monkeypatch.setattr(loading, "install_prefill_attention", lambda mx, full_chunk: True)
     for factor in (1.5, 0):
         config = ServerConfig(model=tiny_model_path, admission_window_ms=0,
@@ -712,6 +712,9 @@ def test_chunks_are_kept_on_the_grid_only_where_the_prefill_attention_is_install
         core = make_engine_core(config, tiny_model_path)
         assert core._paced._lone is lone_prompt and core._paced.pacer.factor == factor
         assert core._prefill_group.keywords["alone_from"] == 512
+    monkeypatch.setattr(loading, "passes_cost_steps", lambda mx: True)
+    core = make_engine_core(plain, tiny_model_path)
+    assert core._paced._tail is lone_prompt
 
 
 @pytest.mark.parametrize(("setting", "bound"), [(256, 256), (1024, 1024), (0, None)])

@@ -229,6 +229,12 @@ def _vocab_size(model, tokenizer) -> int:
     return int(size) if size else len(tokenizer)
 
 
+def passes_cost_steps(mx) -> bool:
+    """Whether a step's cost is more its passes' than its tokens' (a GPU's, not the
+    CPU's): the pacer then cuts a segment's last paced chunk so that it shares a pass."""
+    return mx.default_device().type == mx.gpu
+
+
 def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
     from mlx_lm.generate import make_stop_sequences
@@ -357,7 +363,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                                           heads=_attention_heads(handle.model))
             if config.chunk_pass == "shared" else None,
             lone=lone_prompt if on_grid else None,
-            tail=lone_prompt,
+            tail=lone_prompt if passes_cost_steps(mx) else None,
         ),
         short_prompts_first=None if serial or config.short_prompts_join
         else ShortPromptsFirst(SHORT_PROMPT),
