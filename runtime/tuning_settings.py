@@ -84,12 +84,13 @@ class TuningSettings:
         "launch.",
         group=TUNING,
     )
-    decode_stall_factor: float = setting(
-        1.5,
+    decode_stall_factor: float | None = setting(
+        None,
         help="while sequences decode, a step prefills only as many prompt tokens as take about "
         "this many decode steps' time (0: full --prefill-step-size chunks, as mlx-lm)",
         minimum=0,
         maximum=100,
+        default_text="1.0 on CUDA, 1.5 elsewhere",
         ours=True,
         notes="A long prompt arriving while others stream would otherwise hold every one of "
         "their tokens back for a whole chunk (2,048 tokens of prefill per prompt). The engine "
@@ -98,9 +99,13 @@ class TuningSettings:
         "stays within about one plus this factor decode steps; where a prefill step's fixed "
         "cost alone is longer than that (long contexts on a GPU), chunks stay at 64 tokens, "
         "the shortest stall there is, and a step takes at most --paced-step-tokens however "
-        "cheap they look; with nothing decoding, chunks are full. Raise it (or 0) "
-        "for faster prefills under load at the cost of the others' smoothness "
-        "([performance.md](performance.md#coding-agents-sessions)).",
+        "cheap they look; with nothing decoding, chunks are full. On an H100, 16 streams "
+        "beside a 30k-token prompt: at 1.0 their ITL p99 was 3.00-3.39x their median before "
+        "it (three calls) against 3.89x and 4.39x at 1.5, and the prompt's first token came "
+        "after 3.1-3.3 s against 2.5 "
+        "([performance.md](performance.md#h100-without-cuda-graphs-by-default-the-pacers-factor-and-many-clients)). "
+        "Raise it (or 0) for faster prefills under load at the cost of the others' "
+        "smoothness ([performance.md](performance.md#coding-agents-sessions)).",
         group=TUNING,
     )
     paced_step_tokens: int = setting(
@@ -178,26 +183,27 @@ class TuningSettings:
         group=TUNING,
     )
     cuda_graphs: str = setting(
-        "mlx",
-        help="on CUDA, how MLX groups a step's kernels into CUDA graphs: a graph ends after "
-        "a number of operations or of megabytes of inputs, whichever comes first (mlx, "
-        "MLX's own rule), after a number of operations only (ops), or no graphs, each "
-        "kernel launched on its own (off)",
+        "off",
+        help="on CUDA, how MLX groups a step's kernels into CUDA graphs: no graphs, each "
+        "kernel launched on its own (off), a graph ended after a number of operations or of "
+        "megabytes of inputs, whichever comes first (mlx, MLX's own rule), or after a "
+        "number of operations only (ops)",
         choices=CUDA_GRAPH_MODES,
         ours=True,
         notes="Under MLX's rule a graph of a topology MLX has not cached is instantiated "
-        "anew on the engine's thread; the steps after a row joined or left the decoding "
-        "batch, or its KV caches grew, were the slow ones, and without graphs they were "
-        "not. On an H100, 16 streams beside a 30k-token "
-        "prefill: with `off` their ITL p99 was 3.66x and 4.13x their median before it "
-        "against 7.51x and 8.97x under MLX's rule (`ops` 6.41x; a larger graph cache did "
-        "nothing), the steps after a join or a leave no longer slow, and the long prompt "
-        "1.5x faster; one client's decode no slower (0.68-0.78x the bare engine's step). "
-        "But at 64 clients `off` made 0.77x the engine's tokens/s, each kernel launched on "
-        "its own. So: `off` for a few sessions with long prompts (coding agents), MLX's "
-        "rule for many clients ([performance.md](performance.md#h100-mlxs-cuda-graphs-are-the-slow-steps)). "
-        "An `MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. "
-        "No effect on Apple silicon or the CPU.",
+        "anew on the engine's thread, and a server's decoding batch changes all the time "
+        "(rows join and leave, KV caches grow). On an H100, alternated in one call, `off` "
+        "made 1.10x, 1.25x and 1.34x MLX's rule's tokens/s at 16, 32 and 64 clients "
+        "(1.00x, 1.00x and 1.14x the bare engine with graphs), time to first token "
+        "0.55-0.70x; beside a 30k-token prefill 16 streams' ITL p99 was 3.66x and 4.13x "
+        "their median before it against 7.51x and 8.97x under MLX's rule (`ops` 6.41x; a "
+        "larger graph cache did nothing), and the prompt went 1.5x faster; one client's "
+        "decode 0.68-0.78x the bare engine's step "
+        "([performance.md](performance.md#h100-without-cuda-graphs-by-default-the-pacers-factor-and-many-clients)). "
+        "Try `mlx` where a workload keeps one batch for long (an earlier call, not "
+        "alternated, had `off` at 0.77x the bare engine at 64 clients). An "
+        "`MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. No "
+        "effect on Apple silicon or the CPU.",
         group=TUNING,
     )
     decode_lane_padding: int | None = setting(

@@ -40,10 +40,10 @@ def test_an_unknown_choice_is_refused():
         cuda_graph_environment("sometimes", {})
 
 
-def test_the_setting_takes_every_mode_and_defaults_to_mlxs_rule():
+def test_the_setting_takes_every_mode_and_defaults_to_no_graphs():
     from api.cli import parse_config
 
-    assert parse_config([]).cuda_graphs == "mlx"
+    assert parse_config([]).cuda_graphs == "off"
     for choice in CUDA_GRAPH_MODES:
         assert parse_config(["--cuda-graphs", choice]).cuda_graphs == choice
 

@@ -386,6 +386,18 @@ def drive(core, subs) -> tuple[dict[int, list[int]], list[int]]:
     raise AssertionError("the engine did not finish")
 
 
+def test_the_pacer_s_factor_is_the_device_s_default_unless_set(tiny_model_path):
+    """Unset, the factor is the one for the device the engine runs on (the CPU here);
+    a value given wins."""
+    from runtime.engine.pacing import STALL_FACTOR, STALL_FACTOR_CUDA
+
+    assert STALL_FACTOR_CUDA < STALL_FACTOR
+    plain = make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
+    assert plain._paced.pacer.factor == STALL_FACTOR
+    given = ServerConfig(model=tiny_model_path, decode_stall_factor=STALL_FACTOR_CUDA)
+    assert make_engine_core(given, tiny_model_path)._paced.pacer.factor == STALL_FACTOR_CUDA
+
+
 def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_model_path):
     cores = {}
     for factor in (0, 1.5):

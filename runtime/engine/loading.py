@@ -34,7 +34,13 @@ from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all
 from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.disk_tier import DiskTier
-from runtime.engine.pacing import SHORT_PROMPT, PacedSteps, PrefillPacer
+from runtime.engine.pacing import (
+    SHORT_PROMPT,
+    STALL_FACTOR,
+    STALL_FACTOR_CUDA,
+    PacedSteps,
+    PrefillPacer,
+)
 from runtime.engine.serial import SerialGenerator
 from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
@@ -255,6 +261,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if config.prefill_step_size is None:
         config = attrs.evolve(config, prefill_step_size=default_prefill_step_size(mx))
         log.debug("prefill step size: %d tokens", config.prefill_step_size)
+    if config.decode_stall_factor is None:
+        config = attrs.evolve(config, decode_stall_factor=STALL_FACTOR_CUDA if on_cuda
+                              else STALL_FACTOR)
     if config.decode_lane_padding is None:
         config = attrs.evolve(config, decode_lane_padding=default_decode_lane_padding(mx))
     # Where a lone prompt's full chunks go to cuDNN on the grid of whole chunks, the

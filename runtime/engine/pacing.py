@@ -77,6 +77,12 @@ import statistics
 
 log = logging.getLogger(__name__)
 
+# --decode-stall-factor's default, on CUDA and elsewhere (its notes give the figures):
+# on an H100 without CUDA graphs, 1.5 left 16 streams' slowest gaps beside a 30k-token
+# prefill at 3.9-4.4x their usual one, 1.0 at 3.0-3.4x.
+STALL_FACTOR_CUDA = 1.0
+STALL_FACTOR = 1.5
+
 # Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
 MIN_CHUNK = 64
 # Decode-only steps whose median is a decode step's time: on a GPU the step moves
