@@ -296,6 +296,39 @@ def trace_batch_sizes(model: Any, sizes: Any) -> int:
     return traced
 
 
+def trace_mixed_shapes(model: Any, sizes: Any, lengths: Any) -> int:
+    """Trace, and run once, every compiled pair's mixed functions (a step's decode and a
+    prefill chunk in one pass: ``runtime.mixed_step``) for ``sizes`` decoding rows beside
+    one prompt's chunk of each of ``lengths`` tokens.
+
+    As ``trace_batch_sizes`` does for the decode step: a first meeting with a shape costs
+    a trace and, run, whatever MLX builds for it on first use, and a row joining or
+    leaving the streams beside a long prefill meets a new one. Runs on zeros at offset 0
+    on the calling thread's default stream; returns how many (pair, size, length) runs
+    it made. A pair that raises is given up, as in a step.
+    """
+    import mlx.core as mx
+
+    traced = 0
+    for layer in compiled_layouts(model):
+        pair, weights = layer._compiled_decode, layer._compiled_weights
+        norm_weight = layer.input_layernorm.weight
+        try:
+            for rows in sizes:
+                for length in lengths:
+                    x = mx.zeros((rows + length, norm_weight.shape[0]), dtype=norm_weight.dtype)
+                    offsets = (mx.zeros((rows,), dtype=mx.int32),
+                               mx.zeros((1,), dtype=mx.int32))
+                    parts = pair.mixed_before_cache(x, *offsets, *weights)
+                    mx.eval(pair.mixed_after_attention(x, parts[0], parts[3], *weights),
+                            *parts)
+                    traced += 1
+        except Exception as exc:  # the step's own trace (MixedStepModel) then turns mixing off
+            log.warning("the mixed decode-and-chunk pass failed at load (%s: %s)",
+                        type(exc).__name__, exc)
+    return traced
+
+
 def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
     """``base`` with a ``__call__`` that takes the compiled path for a batched decode step."""
 

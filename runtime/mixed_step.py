@@ -78,6 +78,38 @@ def on_ladder(length: int, floor: int = LADDER_FLOOR) -> bool:
     return steps & (steps - 1) == 0
 
 
+def paced_chunk_lengths(paced_step_tokens: int, prefill_step_size: int) -> list[int]:
+    """The ladder's lengths a paced chunk beside decoding rows can take: from the floor up
+    to ``paced_step_tokens`` (0: no bound of its own), and no longer than a full chunk of
+    ``prefill_step_size`` tokens."""
+    bound = min(paced_step_tokens or prefill_step_size, prefill_step_size)
+    lengths, length = [], LADDER_FLOOR
+    while length <= bound:
+        lengths.append(length)
+        length *= 2
+    return lengths
+
+
+def trace_paced_shapes(model: Any, decode_concurrency: int, paced_step_tokens: int,
+                       prefill_step_size: int) -> int:
+    """At load, the mixed pass traced and run once for every batch size up to
+    ``decode_concurrency`` beside each paced chunk length (``paced_chunk_lengths``,
+    ``runtime.compiled_decode.trace_mixed_shapes``): a row joining the streams beside a
+    paced prefill would otherwise meet a new shape mid-stream. Logs and returns the
+    number of runs."""
+    import time
+
+    from runtime.compiled_decode import trace_mixed_shapes
+
+    started = time.perf_counter()
+    lengths = paced_chunk_lengths(paced_step_tokens, prefill_step_size)
+    traces = trace_mixed_shapes(model, range(1, decode_concurrency + 1), lengths)
+    log.info("a step's decode and a paced chunk of %s tokens traced for batch sizes 1-%d "
+             "(%d traces, %.2f s)", "/".join(map(str, lengths)), decode_concurrency, traces,
+             time.perf_counter() - started)
+    return traces
+
+
 def tail_padding(inputs: Any, cache: list) -> int:
     """Tokens that pad a lone prompt's chunk off the ladder (its segment's last, odd-sized
     one) up to the ladder's next length, so that it shares a pass too; 0 where the chunk is

@@ -373,3 +373,43 @@ def test_the_load_check_traces_only_sizes_the_load_traces(tiny_model_path, monke
     assert sorted(traces) == [1, 2]
     assert compiled_decode.trace_batch_sizes(model, [1, 2, 3]) == 3
     assert sorted(traces) == [1, 2, 3]
+
+
+def test_mixed_shapes_traced_at_load_are_not_traced_again(tiny_model_path, monkeypatch, caplog):
+    """``trace_mixed_shapes`` traces and runs the mixed pair (a step's decode and a paced
+    chunk in one pass) once a (rows, chunk length); the pass a step then makes at such a
+    shape adds no trace, one at another shape adds one; a pair that raises is reported
+    and counted out."""
+    import runtime.compiled_decode as compiled_decode
+
+    traces: list[tuple[int, int]] = []
+    mixed_before_cache = compiled_decode._mixed_before_cache
+
+    def counted(layer, x, decoding_offset, chunk_offset):  # runs only while MLX traces
+        traces.append((decoding_offset.shape[0], x.shape[0] - decoding_offset.shape[0]))
+        return mixed_before_cache(layer, x, decoding_offset, chunk_offset)
+
+    monkeypatch.setattr(compiled_decode, "_mixed_before_cache", counted)
+    model, _ = load(tiny_model_path)
+    install_compiled_decode(model)
+    layer = compiled_decode.compiled_layouts(model)[0]
+    assert compiled_decode.trace_mixed_shapes(model, [2, 3], [64, 128]) == 4
+    assert sorted(traces) == [(2, 64), (2, 128), (3, 64), (3, 128)]
+
+    def step_pass(rows: int, length: int) -> None:
+        pair, weights = layer._compiled_decode, layer._compiled_weights
+        x = mx.ones((rows + length, layer.input_layernorm.weight.shape[0]))
+        offsets = mx.array([5] * rows), mx.array([9])
+        mx.eval(*pair.mixed_before_cache(x, *offsets, *weights))
+
+    step_pass(3, 64)
+    assert len(traces) == 4
+    step_pass(4, 64)
+    assert traces[4:] == [(4, 64)]
+
+    def broken(*args):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(layer._compiled_decode, "mixed_before_cache", broken)
+    assert compiled_decode.trace_mixed_shapes(model, [2], [64]) == 0
+    assert "planted" in caplog.text

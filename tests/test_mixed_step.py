@@ -22,7 +22,13 @@ from mlx_lm import load
 from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode
 from runtime.engine.pacing import PrefillPacer
-from runtime.mixed_step import MixedStepModel, on_ladder, tail_padding
+from runtime.mixed_step import (
+    MixedStepModel,
+    on_ladder,
+    paced_chunk_lengths,
+    tail_padding,
+    trace_paced_shapes,
+)
 from runtime.tiny_model import ARCHS, build_tiny_model
 
 LONG = [10 + (i * 7) % 300 for i in range(700)]
@@ -257,8 +263,29 @@ def test_a_mixed_trace_that_fails_turns_mixing_off_before_any_cache_is_touched(
     assert "planted" in caplog.text
 
 
+def test_the_load_runs_the_mixed_pass_for_every_batch_size_beside_each_paced_length(
+        model_path, caplog):
+    """Every compiled layout, every batch size up to the decode concurrency, every ladder
+    length up to the paced step's bound: one run each, logged."""
+    from runtime.compiled_decode import compiled_layouts
+
+    model, _ = load(model_path)
+    install_compiled_decode(model)
+    layouts = len(compiled_layouts(model))
+    with caplog.at_level(logging.INFO, logger="runtime.mixed_step"):
+        assert trace_paced_shapes(model, 3, 128, 2048) == layouts * 3 * 2
+    assert "64/128 tokens traced for batch sizes 1-3" in caplog.text
+    assert trace_paced_shapes(model, 2, 32, 2048) == 0  # no paced length below the floor
+
+
 def test_the_ladder():
     assert [n for n in range(1, 2100) if on_ladder(n)] == [64, 128, 256, 512, 1024, 2048]
+    # The lengths a paced chunk can take, traced at load on CUDA.
+    assert paced_chunk_lengths(256, 2048) == [64, 128, 256]
+    assert paced_chunk_lengths(300, 2048) == [64, 128, 256]
+    assert paced_chunk_lengths(0, 1024) == [64, 128, 256, 512, 1024]
+    assert paced_chunk_lengths(4096, 512) == [64, 128, 256, 512]
+    assert paced_chunk_lengths(32, 2048) == []
     pacer = PrefillPacer(1.5, 2048, ladder=True)
     pacer.observe(0.010, decoding=8, prefill_tokens=0)
     pacer.observe(0.0001 * 500, decoding=0, prefill_tokens=500)

@@ -40,6 +40,7 @@ from runtime.engine.pacing import (
     STALL_FACTOR_CUDA,
     PacedSteps,
     PrefillPacer,
+    passes_cost_steps,
 )
 from runtime.engine.serial import SerialGenerator
 from runtime.engine.vision_generator import VisionGenerator
@@ -48,6 +49,7 @@ from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
+from runtime.mixed_step import trace_paced_shapes
 from runtime.mlx_environment import (
     bound_buffer_cache,
     default_decode_lane_padding,
@@ -235,12 +237,6 @@ def _vocab_size(model, tokenizer) -> int:
     return int(size) if size else len(tokenizer)
 
 
-def passes_cost_steps(mx) -> bool:
-    """Whether a step's cost is more its passes' than its tokens' (a GPU's, not the
-    CPU's): the pacer then cuts a segment's last paced chunk so that it shares a pass."""
-    return mx.default_device().type == mx.gpu
-
-
 def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     import mlx.core as mx
     from mlx_lm.generate import make_stop_sequences
@@ -294,6 +290,12 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 traces = trace_batch_sizes(handle.model, range(1, config.decode_concurrency + 1))
             log.info("compiled decode step traced for batch sizes 1-%d (%d traces, %.2f s)",
                      config.decode_concurrency, traces, time.perf_counter() - started)
+            # The mixed pass too: a row joining the streams beside a paced prefill met a
+            # new shape mid-stream (on an H100 those steps took 21-30 ms, 15-19 traced).
+            if config.chunk_pass == "shared" and on_cuda:
+                with mx.stream(stream):
+                    trace_paced_shapes(handle.model, config.decode_concurrency,
+                                       config.paced_step_tokens, config.prefill_step_size)
     if group is not None:
         # Collectives on the batch's stream: in order with the model's own
         # (an all_sum on another stream could interleave with an in-flight step's).

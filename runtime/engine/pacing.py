@@ -345,6 +345,12 @@ def _ladder_step(tokens: int, floor: int) -> int:
     return size
 
 
+def passes_cost_steps(mx) -> bool:
+    """Whether a step's cost is more its passes' than its tokens' (a GPU's, not the
+    CPU's): the pacer then cuts a segment's last paced chunk (``ladder_tail``)."""
+    return mx.default_device().type == mx.gpu
+
+
 def ladder_tail(chunk: int, segment: int, floor: int = MIN_CHUNK) -> int:
     """A lone prompt's paced ``chunk`` with ``segment`` tokens left of its segment. Where
     the chunk would take them all and they are a length no shared pass takes (off the
