@@ -366,7 +366,10 @@ class TuningSettings:
         notes="A compiled function is traced for every input shape it has not met, and a "
         "server's decode batch changes size with every arrival and finish; traced at load, "
         "`/health` says ready only once no first request waits for a trace or MLX's kernel "
-        "build (seconds on a CPU whose kernel cache is cold). Set it for a faster start.",
+        "build (seconds on a CPU whose kernel cache is cold); on CUDA the load also runs "
+        "the pass of a step's decode and a paced prefill chunk once for every batch size "
+        "beside each paced chunk length (a row joining the streams beside a long prefill "
+        "met those shapes mid-stream). Set it for a faster start.",
         group=TUNING,
     )
     kv_bits: int | None = setting(
