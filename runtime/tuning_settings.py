@@ -194,14 +194,14 @@ class TuningSettings:
         "anew on the engine's thread, and a server's decoding batch changes all the time "
         "(rows join and leave, KV caches grow). On an H100, alternated in one call, `off` "
         "made 1.10x, 1.25x and 1.34x MLX's rule's tokens/s at 16, 32 and 64 clients "
-        "(1.00x, 1.00x and 1.14x the bare engine with graphs), time to first token "
-        "0.55-0.70x; beside a 30k-token prefill 16 streams' ITL p99 was 3.66x and 4.13x "
+        "(1.21x, 1.00x and 1.14x the bare engine with graphs), time to first token "
+        "0.53-0.70x; beside a 30k-token prefill 16 streams' ITL p99 was 3.66x and 4.13x "
         "their median before it against 7.51x and 8.97x under MLX's rule (`ops` 6.41x; a "
         "larger graph cache did nothing), and the prompt went 1.5x faster; one client's "
         "decode 0.68-0.78x the bare engine's step "
         "([performance.md](performance.md#h100-without-cuda-graphs-by-default-the-pacers-factor-and-many-clients)). "
-        "Try `mlx` where a workload keeps one batch for long (an earlier call, not "
-        "alternated, had `off` at 0.77x the bare engine at 64 clients). An "
+        "Set `mlx` to compare on another GPU (an earlier call, with no server under "
+        "MLX's rule in it, had `off` at 0.77x the bare engine at 64 clients). An "
         "`MLX_MAX_MB_PER_BUFFER` or `MLX_USE_CUDA_GRAPHS` set in the environment wins. No "
         "effect on Apple silicon or the CPU.",
         group=TUNING,
