@@ -59,6 +59,7 @@ cache is touched.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, NamedTuple
 
 from runtime.decode_lanes import decoding_batch
@@ -97,8 +98,6 @@ def trace_paced_shapes(model: Any, decode_concurrency: int, paced_step_tokens: i
     ``runtime.compiled_decode.trace_mixed_shapes``): a row joining the streams beside a
     paced prefill would otherwise meet a new shape mid-stream. Logs and returns the
     number of runs."""
-    import time
-
     from runtime.compiled_decode import trace_mixed_shapes
 
     started = time.perf_counter()
