@@ -9,8 +9,8 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
 * ``install_row_hooks`` (with ``RowAwarePromptBatch``,
   ``RowAwareGenerationBatch`` and ``check_internals``): tells a row-aware
   sampler which rows it samples (``runtime.batch_sampling``), and filters a
-  batch's layers with one device round trip (``filter_layers``: what
-  ``BatchKVCache.filter`` does, for all layers at once).
+  batch's layers without waiting for the device (``runtime.mlx_lm_internals``'
+  ``filter_layers``: what ``BatchKVCache.filter`` does, for all layers at once).
 * ``RowAwarePromptBatch`` also grows its KV layers once for the rest of a
   lone prompt (``_room_reserved``) and, with ``queue_prefill_chunks``, queues
   its chunks while sequences decode. Both batches give one unpadded row's
@@ -34,7 +34,12 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
-from runtime.mlx_lm_internals import evals_queued, queue_evals_in_generate
+from runtime.mlx_lm_internals import (
+    evals_queued,
+    filter_layers,
+    paddings_queued,
+    queue_evals_in_generate,
+)
 from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
 
@@ -85,48 +90,6 @@ class MlxLmInternalsChanged(RuntimeError):
 
 def _row_hook(sampler: Any):
     return getattr(sampler, "sampling_rows", None)
-
-
-def filter_layers(caches: list, keep: list[int]) -> None:
-    """Each layer's ``filter(keep)``, as mlx-lm's batches call it, with one device
-    round trip for all of a batch's KV layers.
-
-    mlx-lm's ``BatchKVCache.filter`` reads its new left padding back
-    (``tolist``) to trim the shared padding: one wait for the device per layer,
-    the first behind the decode step in flight, every other for a kernel of its
-    own (28 round trips on Qwen3-0.6B: ~20 ms of a 10 ms step on an H200, at
-    every step where a sequence finishes or a prompt joins). Here the plain
-    ``BatchKVCache`` layers select their rows, their paddings are evaluated
-    together, and each trims as mlx-lm's does; other cache types filter
-    themselves.
-    """
-    import mlx.core as mx
-
-    plain = [c for c in caches if type(c) is BatchKVCache]
-    for c in caches:
-        if type(c) is not BatchKVCache:
-            c.filter(keep)
-    if not plain:
-        return
-    # Every row kept (a lone prompt's split as it starts decoding): nothing to select,
-    # and no copy of the layers (a 30k-token prompt's is GBs on a GPU).
-    if keep != list(range(plain[0].offset.shape[0])):
-        rows = mx.array(keep)
-        for c in plain:
-            if c.keys is not None:
-                c.keys = c.keys[rows]
-                c.values = c.values[rows]
-            c.offset = c.offset[rows]
-            c.left_padding = c.left_padding[rows]
-    mx.eval([c.left_padding for c in plain])
-    for c in plain:
-        shared = min(c.left_padding.tolist())
-        if shared > 0:
-            if c.keys is not None:
-                c.keys = c.keys[..., shared:, :]
-                c.values = c.values[..., shared:, :]
-            c._idx -= shared
-            c.left_padding = c.left_padding - shared
 
 
 @contextlib.contextmanager
@@ -272,6 +235,7 @@ class RowAwareGenerationBatch(GenerationBatch):
 
     def extend(self, batch):
         super().extend(batch)
+        paddings_queued(self.prompt_cache)
         self._queue_next_tokens()
 
     def filter(self, keep):

@@ -36,9 +36,12 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``queue_evals_in_generate`` and ``evals_queued``: the same name's ``eval``, which
   queues a prefill chunk without waiting for it while sequences decode
   (``runtime.mlx_lm_batches``).
+* ``filter_layers`` and ``paddings_queued``: ``BatchKVCache``'s ``filter`` for all
+  of a batch's layers at once, its ``left_padding``, ``offset``, ``_idx``, ``keys``
+  and ``values`` (``runtime.mlx_lm_batches``' batches filter and extend with them).
 
 The private parts of mlx-lm's ``BatchGenerator`` and its batches (row hooks,
-one-round-trip filters, prefill groups, the coming prefill) are the same kind of
+prefill groups, the coming prefill) are the same kind of
 reliance, in ``runtime.mlx_lm_batches``.
 
 One more reliance lives beside what it serves: ``runtime.compiled_decode``
@@ -339,3 +342,61 @@ def _eval_in_generate(*arrays: Any) -> None:
 
 def _keep_freed_buffers() -> None:
     """``mx.clear_cache`` as ``mlx_lm.generate`` sees it under ``keep_freed_buffers_in_generate``."""
+
+
+def filter_layers(caches: list, keep: list[int]) -> None:
+    """Each layer's ``filter(keep)``, as mlx-lm's batches call it, without waiting for
+    the device where the layers' paddings are computed already.
+
+    mlx-lm's ``BatchKVCache.filter`` reads its new left padding back (``tolist``)
+    to trim the shared padding: one wait for the device per layer, the first
+    behind the step in flight (a decode step, or a decode beside a paced prefill
+    chunk), every other for a kernel of its own (28 round trips on Qwen3-0.6B:
+    ~20 ms of a 10 ms step on an H200, at every step where a sequence finishes
+    or a prompt joins). Here the plain ``BatchKVCache`` layers' paddings are read
+    as they are (computed long since: ``paddings_queued`` queues them as rows
+    join, and the new ones are built on the host), and the kept rows' paddings
+    are made on the host: the host builds the next step while the device still
+    runs this one. Other cache types filter themselves.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    plain = [c for c in caches if type(c) is BatchKVCache]
+    for c in caches:
+        if type(c) is not BatchKVCache:
+            c.filter(keep)
+    if not plain:
+        return
+    mx.eval([c.left_padding for c in plain])  # no wait where they are computed already
+    # Every row kept (a lone prompt's split as it starts decoding): nothing to select,
+    # and no copy of the layers (a 30k-token prompt's is GBs on a GPU).
+    rows = None if keep == list(range(plain[0].offset.shape[0])) else mx.array(keep)
+    for c in plain:
+        padding = c.left_padding.tolist()
+        kept = [padding[i] for i in keep]
+        shared = min(kept)
+        if rows is not None:
+            if c.keys is not None:
+                c.keys = c.keys[rows]
+                c.values = c.values[rows]
+            c.offset = c.offset[rows]
+        if shared > 0:
+            if c.keys is not None:
+                c.keys = c.keys[..., shared:, :]
+                c.values = c.values[..., shared:, :]
+            c._idx -= shared
+        if rows is not None or shared > 0:
+            c.left_padding = mx.array([p - shared for p in kept], dtype=c.left_padding.dtype)
+
+
+def paddings_queued(caches: list) -> None:
+    """Start computing the plain layers' left paddings (``mx.async_eval``), which a
+    batch's ``extend`` leaves lazy: the next ``filter`` or ``extract`` reads them, and
+    left lazy they would be computed then, behind the step in flight."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    paddings = [c.left_padding for c in caches if type(c) is BatchKVCache]
+    if paddings:
+        mx.async_eval(paddings)

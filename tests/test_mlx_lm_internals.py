@@ -6,6 +6,7 @@ changed (docs/upgrading-mlx-lm.md says what to do then).
 from __future__ import annotations
 
 import inspect
+import io
 from pathlib import Path
 
 import mlx.core as mx
@@ -295,7 +296,7 @@ def _layer_state(layer) -> tuple:
 def test_layers_filter_as_mlx_lms_own_filter_does(paddings, keep):
     ours = _batch_layers(7, paddings, 10, rotating=True)
     theirs = _batch_layers(7, paddings, 10, rotating=True)
-    mlx_lm_batches.filter_layers(ours, keep)
+    mlx_lm_internals.filter_layers(ours, keep)
     for layer in theirs:
         layer.filter(keep)
     for mine, reference in zip(ours, theirs, strict=True):
@@ -330,6 +331,56 @@ def test_a_batch_filter_reads_its_paddings_back_once(monkeypatch):
     assert batch._next_tokens.tolist() == [1, 3]
     assert [c.left_padding.tolist() for c in layers] == [[1, 0]] * 8  # one column trimmed
     assert isinstance(batch, GenerationBatch)
+
+
+def _computed(array) -> bool:
+    """Whether ``array`` holds its values: no operation left for the device to run."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, array)
+    return "shape=rectangle" not in dot.getvalue()
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1, 2], [0, 1, 2]])
+def test_a_filter_runs_nothing_on_the_device_to_read_its_paddings(monkeypatch, keep):
+    """The kept rows' paddings are made on the host: the filter reads the paddings the
+    layers had (computed as rows joined) and leaves none for the device to compute,
+    where reading them back would wait behind the step in flight."""
+    layers = [_batch_layers(3, [2, 0, 1], 6)[0] for _ in range(4)]
+    had = [c.left_padding for c in layers]
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.append(a), real_eval(*a))[1])
+    mlx_lm_internals.filter_layers(layers, keep)
+    assert len(evaluated) == 1 and all(a is b for a, b in zip(evaluated[0][0], had, strict=True))
+    assert all(_computed(c.left_padding) for c in layers)
+    want = [[2, 0, 1][i] for i in keep]
+    assert [c.left_padding.tolist() for c in layers] == [[p - min(want) for p in want]] * 4
+
+
+def _generation_batch(layers, rows: int):
+    batch = mlx_lm_batches.RowAwareGenerationBatch.empty(None, None)
+    batch.prompt_cache = layers
+    for name in ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
+                 "stop_sequences", "_next_logprobs", "_token_context", "_num_tokens",
+                 "_matchers"):
+        setattr(batch, name, [name] * rows)
+    batch._next_tokens = mx.array(list(range(rows)))
+    return batch
+
+
+def test_a_generation_batch_queues_its_paddings_as_rows_join(monkeypatch):
+    """mlx-lm's ``extend`` leaves the joined layers' paddings lazy; the batch queues them
+    at once, so that the filter or extraction when a row leaves finds them computed."""
+    queued = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval",
+                        lambda *a: (queued.append(a), real_async_eval(*a))[1])
+    batch = _generation_batch([_batch_layers(3, [2, 0], 6)[0] for _ in range(2)], 2)
+    batch.extend(_generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1))
+    paddings = [c.left_padding for c in batch.prompt_cache]
+    assert any(all(x is y for x, y in zip(args[0], paddings, strict=True))
+               for args in queued if isinstance(args[0], list) and len(args[0]) == 2)
+    assert [p.tolist() for p in paddings] == [[2, 0, 4]] * 2
 
 
 def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):
