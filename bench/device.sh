@@ -70,6 +70,9 @@
 #                                  array mask and under "causal", times and largest difference
 #   chunk-attention[=OPTIONS]      bench/chunk_attention.py: a paced chunk's attention after long
 #                                  prefixes, the server's grouped products against other ways
+#   row-extract[=OPTIONS]          bench/row_extract.py: a finished row's KV taken out of a
+#                                  17-row batch with a step in flight, paddings read back
+#                                  from the device or made on the host (OPTIONS: its own)
 #   clear-cache=TOKENS[:CHUNK]     bench/clear_cache_cost.py: a paced prefill of TOKENS (chunks
 #                                  of CHUNK, default 64) beside 16 decoding sequences, MLX's
 #                                  clear_cache as it is and as a no-op (Qwen3-0.6B shape, built
@@ -281,6 +284,11 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       # shellcheck disable=SC2086  # the options, split at spaces
       timeout -s INT -k 10 "$(limit 120)" python3 bench/chunk_masks.py $arg \
         --json-out "$OUT/chunk-masks-$SECONDS.json" 2>&1 | tail -12
+      ;;
+    row-extract)
+      # shellcheck disable=SC2086  # shape: its options, split at spaces
+      timeout -s INT -k 10 "$(limit 200)" python3 bench/row_extract.py ${shape:-} \
+        --json-out "$OUT/row-extract-$SECONDS.json" 2>&1 | tail -20
       ;;
     clear-cache)
       timeout -s INT -k 10 "$(limit 200)" python3 bench/clear_cache_cost.py --long-tokens "$shape" \
