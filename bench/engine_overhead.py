@@ -626,7 +626,7 @@ class Server:
             "steps": steps,
             "prefill_steps": int(r.get("engine_prefill_steps") or 0),
             "ms_per_step": _ms(busy / steps) if steps and busy else None,
-            "cpu_ms_per_token": round(1000 * r["cpu_s"] / tokens, 3) if r.get("cpu_s") else None,
+            "cpu_ms_per_token": _per_token(r.get("cpu_s") or None, tokens),
             # Where the server's CPU goes (JSON only): the API process, the rest of the
             # tree (the engine process), and the load generator's own.
             "api_cpu_ms_per_token": _per_token(r.get("root_cpu_s"), tokens),
