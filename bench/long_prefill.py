@@ -9,7 +9,11 @@ it held behind the whole long prefill?). Reports, per system:
 
 * the streams' time between tokens: median before the long prompt came, and
   p50 / p99 / max while it was prefilled (from its sending to its first
-  token), and the ratio p99 during / median before;
+  token), and the ratio p99 during / median before; the median once the long
+  prompt and the probe have ended (the streams alone again, "after"), and the
+  ratio p99 during / the median of the gaps before and after together
+  ("p99/without": a host whose decode step moves between a fast and a slow
+  mode is then not judged by whichever one the window before caught);
 * the long prompt's time to first token and prompt tokens/s;
 * the short probe's time to first token;
 * the keep-alive comments the long stream received before its first token;
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import random
 import re
 import statistics
@@ -176,6 +181,14 @@ def summarize(streams, long_rec, probe_rec, ns) -> dict[str, Any]:
     after = [g for rec in streams for g in gaps(rec.get("chunks", []), long_chunks[0],
                                                  long_chunks[-1])] if len(long_chunks) > 1 else []
     long_gaps = gaps(long_chunks, long_chunks[0], long_chunks[-1]) if long_chunks else []
+    # Once the long prompt and the probe have ended, the streams decode alone again:
+    # a second window without the prefill, so that a host whose decode step moves
+    # between a fast and a slow mode is not judged by whichever one the first caught.
+    quiet = max((rec["chunks"][-1] for rec in (long_rec, probe_rec) if rec.get("chunks")),
+                default=None)
+    alone_after = [g for rec in streams for g in gaps(rec.get("chunks", []), quiet, math.inf)
+                   ] if quiet is not None and first is not None else []
+    med_without = statistics.median(before + alone_after) if before or alone_after else None
     return {
         "streams": len(streams),
         "long_tokens": ns.long_tokens,
@@ -186,6 +199,10 @@ def summarize(streams, long_rec, probe_rec, ns) -> dict[str, Any]:
         "gaps_during": len(during),
         "p99_during_over_p50_before": (p99_during / med_before)
         if (p99_during and med_before) else None,
+        "itl_after_p50_ms": _ms(statistics.median(alone_after) if alone_after else None),
+        "gaps_after": len(alone_after),
+        "p99_during_over_p50_without": (p99_during / med_without)
+        if (p99_during and med_without) else None,
         "long_ttft_s": ttft_long,
         "long_prompt_tok_s": (ns.long_tokens / ttft_long) if ttft_long else None,
         "long_keepalives": long_rec.get("keepalives"),
@@ -288,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 Path(ns.out).write_text(json.dumps({"argv": sys.argv, "results": results},
                                                    indent=1))
     print(f"{'system':8} {'rnd':>3} {'before p50':>10} {'during p50':>10} {'p99':>8} "
-          f"{'max':>8} {'p99/p50':>7} {'long ttft':>9} {'tok/s':>8} {'probe':>7} {'keep':>5} "
+          f"{'max':>8} {'p99/p50':>7} {'after p50':>9} {'p99/without':>11} "
+          f"{'long ttft':>9} {'tok/s':>8} {'probe':>7} {'keep':>5} "
           f"{'decoding p50':>12} {'p99':>7} {'long itl':>8}")
     for r in results:
         def f(v, fmt):
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['system']:8} {r['round']:>3} {f(r['itl_before_p50_ms'], '10.1f')} "
               f"{f(r['itl_during_p50_ms'], '10.1f')} {f(r['itl_during_p99_ms'], '8.1f')} "
               f"{f(r['itl_during_max_ms'], '8.1f')} {f(r['p99_during_over_p50_before'], '7.2f')} "
+              f"{f(r.get('itl_after_p50_ms'), '9.1f')} "
+              f"{f(r.get('p99_during_over_p50_without'), '11.2f')} "
               f"{f(r['long_ttft_s'], '9.2f')} {f(r['long_prompt_tok_s'], '8.0f')} "
               f"{f(r['probe_ttft_s'], '7.2f')} {f(r['long_keepalives'], '5d')} "
               f"{f(r['itl_long_decoding_p50_ms'], '12.1f')} "
