@@ -290,9 +290,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 traces = trace_batch_sizes(handle.model, range(1, config.decode_concurrency + 1))
             log.info("compiled decode step traced for batch sizes 1-%d (%d traces, %.2f s)",
                      config.decode_concurrency, traces, time.perf_counter() - started)
-            # The mixed pass too: a row joining the streams beside a paced prefill meets
-            # a new shape (on an H100 such steps took 20-29 ms; 15-19 at a build that
-            # traced them at load, in other calls).
+            # The mixed pass too: a row joining the streams beside a paced prefill would
+            # otherwise trace a new shape mid-stream.
             if config.chunk_pass == "shared" and on_cuda:
                 with mx.stream(stream):
                     trace_paced_shapes(handle.model, config.decode_concurrency,
