@@ -37,7 +37,8 @@ from mlx_lm.models.cache import BatchKVCache
 from runtime.mlx_lm_internals import (
     evals_queued,
     filter_layers,
-    paddings_queued,
+    paddings_to_host,
+    plain_paddings,
     queue_evals_in_generate,
 )
 from runtime.mlx_lm_prefill import tokens_to_come
@@ -129,13 +130,18 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     tokens_to_come = None
 
     def prompt(self, tokens):
+        paddings = plain_paddings(self.prompt_cache)
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
                 plain_masks(self.prompt_cache, len(tokens)):
             decoding = self.decoding
             if decoding is None or not decoding():
-                return super().prompt(tokens)
-            with evals_queued():
-                return super().prompt(tokens)
+                super().prompt(tokens)
+            else:
+                with evals_queued():
+                    super().prompt(tokens)
+        # Prompts of unequal lengths are padded (``prepare``, ``finalize``): the new
+        # paddings go to host memory before a split reads them.
+        paddings_to_host(self.prompt_cache, unless=paddings)
 
     def filter(self, keep):
         _chunk_settled(self)
@@ -158,6 +164,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         # (A lone prompt's room is its own size when it leaves.)
         _room_given_back(self.prompt_cache)
         super().extend(batch)
+        paddings_to_host(self.prompt_cache)
 
     def generate(self, tokens):
         with plain_masks(self.prompt_cache, len(tokens)):
@@ -231,11 +238,12 @@ class RowAwareGenerationBatch(GenerationBatch):
     # leave (a selection); evaluated at the next step, they would wait behind this
     # step's prefill chunk on the device. A step with constrained rows reads them
     # before building its own graph (the masks need them), so they are queued at
-    # once: it then waits for the decode tokens only, not for the prefill.
+    # once: it then waits for the decode tokens only, not for the prefill. The
+    # joined layers' paddings, which a row's leave reads, go to host memory.
 
     def extend(self, batch):
         super().extend(batch)
-        paddings_queued(self.prompt_cache)
+        paddings_to_host(self.prompt_cache)
         self._queue_next_tokens()
 
     def filter(self, keep):

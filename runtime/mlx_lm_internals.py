@@ -36,7 +36,7 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``queue_evals_in_generate`` and ``evals_queued``: the same name's ``eval``, which
   queues a prefill chunk without waiting for it while sequences decode
   (``runtime.mlx_lm_batches``).
-* ``filter_layers`` and ``paddings_queued``: ``BatchKVCache``'s ``filter`` for all
+* ``filter_layers`` and ``paddings_to_host``: ``BatchKVCache``'s ``filter`` for all
   of a batch's layers at once, its ``left_padding``, ``offset``, ``_idx``, ``keys``
   and ``values`` (``runtime.mlx_lm_batches``' batches filter and extend with them).
 
@@ -354,8 +354,8 @@ def filter_layers(caches: list, keep: list[int]) -> None:
     chunk), every other for a kernel of its own (28 round trips on Qwen3-0.6B:
     ~20 ms of a 10 ms step on an H200, at every step where a sequence finishes
     or a prompt joins). Here the plain ``BatchKVCache`` layers' paddings are read
-    as they are (computed long since: ``paddings_queued`` queues them as rows
-    join, and the new ones are built on the host), and the kept rows' paddings
+    as they are (copied to host memory as rows join: ``paddings_to_host``; and
+    the new ones are built on the host), and the kept rows' paddings
     are made on the host: the host builds the next step while the device still
     runs this one. Other cache types filter themselves.
     """
@@ -390,13 +390,33 @@ def filter_layers(caches: list, keep: list[int]) -> None:
             c.left_padding = mx.array([p - shared for p in kept], dtype=c.left_padding.dtype)
 
 
-def paddings_queued(caches: list) -> None:
-    """Start computing the plain layers' left paddings (``mx.async_eval``), which a
-    batch's ``extend`` leaves lazy: the next ``filter`` or ``extract`` reads them, and
-    left lazy they would be computed then, behind the step in flight."""
+def paddings_to_host(caches: list, *, unless: Sequence[Any] = ()) -> None:
+    """The plain layers' left paddings copied into host memory by an operation on the
+    CPU stream, queued (``mx.async_eval``); paddings in ``unless`` (by identity) stay.
+
+    A batch's ``extend`` (rows join) and a padded prompt's ``finalize`` leave them as
+    the device's arrays, and the next ``filter`` or ``extract`` reads them back. On
+    CUDA, MLX copies a device array into host memory the first time the host reads
+    it, and with a step in flight that copy took 0.2-0.5 ms a layer on an H100: 6-11
+    ms of a row's leave step on Qwen3-0.6B's 28 layers. The CPU stream's copy waits for
+    the device on its own thread, so the reads then find host memory (as the paddings
+    the host builds in ``filter_layers``). On the CPU backend it is one more small copy.
+    """
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    paddings = [c.left_padding for c in caches if type(c) is BatchKVCache]
-    if paddings:
-        mx.async_eval(paddings)
+    kept = {id(p) for p in unless}
+    copied = []
+    for c in caches:
+        if type(c) is BatchKVCache and id(c.left_padding) not in kept:
+            c.left_padding = mx.add(c.left_padding, 0, stream=mx.cpu)
+            copied.append(c.left_padding)
+    if copied:
+        mx.async_eval(copied)
+
+
+def plain_paddings(caches: list) -> list:
+    """The plain ``BatchKVCache`` layers' left-padding arrays, in order."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [c.left_padding for c in caches if type(c) is BatchKVCache]

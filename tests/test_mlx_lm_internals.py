@@ -368,19 +368,51 @@ def _generation_batch(layers, rows: int):
     return batch
 
 
-def test_a_generation_batch_queues_its_paddings_as_rows_join(monkeypatch):
-    """mlx-lm's ``extend`` leaves the joined layers' paddings lazy; the batch queues them
-    at once, so that the filter or extraction when a row leaves finds them computed."""
+def _copies_on_the_cpu_stream(monkeypatch) -> list:
+    """Spy on ``mx.add``: the (input, stream) of each call."""
+    calls = []
+    real_add = mx.add
+    monkeypatch.setattr(mx, "add", lambda a, b, stream=None: (
+        calls.append((a, stream)), real_add(a, b, stream=stream))[1])
+    return calls
+
+
+def test_a_generation_batch_copies_its_joined_paddings_to_host_memory(monkeypatch):
+    """mlx-lm's ``extend`` leaves the joined layers' paddings as a concatenation on the
+    device; the batch replaces each with a copy made on the CPU stream and queues
+    it, so that a row's extraction or the filter as it leaves reads host memory."""
     queued = []
     real_async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval",
                         lambda *a: (queued.append(a), real_async_eval(*a))[1])
     batch = _generation_batch([_batch_layers(3, [2, 0], 6)[0] for _ in range(2)], 2)
-    batch.extend(_generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1))
+    joining = _generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1)
+    its_keys = [c.keys[:, :, 1:3].tolist() for c in joining.prompt_cache]  # padding 1 of 3
+    copies = _copies_on_the_cpu_stream(monkeypatch)
+    batch.extend(joining)
     paddings = [c.left_padding for c in batch.prompt_cache]
-    assert any(all(x is y for x, y in zip(args[0], paddings, strict=True))
-               for args in queued if isinstance(args[0], list) and len(args[0]) == 2)
+    assert len(copies) == 2 and all(stream == mx.cpu for _, stream in copies)
+    assert all(a is not b for (a, _), b in zip(copies, paddings, strict=True))
+    assert any(len(args[0]) == 2 and all(x is y for x, y in zip(args[0], paddings, strict=True))
+               for args in queued if isinstance(args[0], list))
     assert [p.tolist() for p in paddings] == [[2, 0, 4]] * 2
+    # and the row that joined leaves with its own keys, its padding cut off
+    extracted = batch.extract_cache(2)
+    assert [c.keys.tolist() for c in extracted] == its_keys
+
+
+def test_only_the_plain_layers_paddings_not_kept_are_copied(monkeypatch):
+    plain = _batch_layers(3, [1, 0], 4)
+    rotating = _batch_layers(3, [1, 0], 4, rotating=True)
+    layers = [plain[0], rotating[2], plain[1]]
+    kept = layers[2].left_padding
+    before = [getattr(c, "left_padding", None) for c in layers]
+    copies = _copies_on_the_cpu_stream(monkeypatch)
+    mlx_lm_internals.paddings_to_host(layers, unless=[kept])
+    assert [a for a, _ in copies] == [before[0]]
+    assert layers[1].left_padding is before[1] and layers[2].left_padding is kept
+    assert layers[0].left_padding.tolist() == [1, 0]
+    assert mlx_lm_internals.plain_paddings(layers) == [layers[0].left_padding, kept]
 
 
 def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):

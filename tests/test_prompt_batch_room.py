@@ -9,12 +9,14 @@ step is left as it was, a prompt that joins is not padded to the room nor takes
 it to the decoding batch, and the tokens are mlx-lm's own (a plain
 ``BatchGenerator``), with prompts of different lengths padded together and
 sequences decoding beside them. A lone row attends under ``"causal"`` and with no
-mask (``runtime.plain_masks``), rows padded together under mlx-lm's arrays.
+mask (``runtime.plain_masks``), rows padded together under mlx-lm's arrays. The
+paddings a leaving row's extraction or filter reads were made on the host side.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
@@ -145,3 +147,62 @@ def test_a_lone_row_attends_with_no_mask_array_padded_rows_with_mlx_lm_s(model, 
     assert plain_lone == {("chunk", 1, "array"), ("decode", 1, "array")}
     assert our_lone == {("chunk", 1, "causal"), ("decode", 1, None)}
     assert ("chunk", 2, "array") in our_padded and ("decode", 2, "array") in our_padded
+
+
+def test_every_padding_a_leaving_row_reads_was_made_on_the_host_side(model, monkeypatch):
+    """Where a row leaves a batch (its cache extracted, the batch filtered) the layers'
+    paddings are read back on the host. Each was made on the host (a new layer's, or
+    the kept rows' after a filter) or copied there by the CPU stream after a join or a
+    padded prefill, never one the device made: on CUDA, reading that waits for a copy
+    behind the step in flight. The tokens are still mlx-lm's."""
+    import runtime.mlx_lm_batches as batches
+
+    made: list = []  # the arrays themselves, so that no buffer is reused meanwhile
+    unread: list[str] = []
+    real_add, real_init, real_filter = mx.add, BatchKVCache.__init__, batches.filter_layers
+    real_extract = BatchKVCache.extract
+
+    def add(a, b, stream=None):
+        out = real_add(a, b, stream=stream)
+        if stream == mx.cpu:
+            made.append(out)
+        return out
+
+    def init(self, left_padding):
+        real_init(self, left_padding)
+        made.append(self.left_padding)
+
+    def buffer(array) -> int:  # a split's deep copy shares its arrays' buffers
+        return np.asarray(memoryview(array)).__array_interface__["data"][0]
+
+    def check(where, layers):
+        buffers = {buffer(a) for a in made}
+        unread.extend(where for c in layers
+                      if type(c) is BatchKVCache and buffer(c.left_padding) not in buffers)
+
+    def filter_layers(caches, keep):
+        check("filter", caches)
+        real_filter(caches, keep)
+        made.extend(c.left_padding for c in caches if type(c) is BatchKVCache)
+
+    def extract(self, idx):
+        check("extract", [self])
+        return real_extract(self, idx)
+
+    plain = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8,
+                           prefill_step_size=64)
+    out_plain: dict[int, list[int]] = {}
+    uids = plain.insert(SHORT, max_tokens=[40, 30])
+    uids += plain.insert([LONG[:300], LONG[:450]], max_tokens=[6, 6])
+    drain(plain, uids, out_plain)
+
+    monkeypatch.setattr(mx, "add", add)
+    monkeypatch.setattr(BatchKVCache, "__init__", init)
+    monkeypatch.setattr(BatchKVCache, "extract", extract)
+    monkeypatch.setattr(batches, "filter_layers", filter_layers)
+    gen, out = ours(model), {}
+    ours_uids = gen.insert(SHORT, max_tokens=[40, 30])
+    ours_uids += gen.insert([LONG[:300], LONG[:450]], max_tokens=[6, 6])
+    drain(gen, ours_uids, out)
+    assert not unread, unread
+    assert [out[u] for u in ours_uids] == [out_plain[u] for u in uids]
