@@ -37,8 +37,8 @@ from mlx_lm.models.cache import BatchKVCache
 from runtime.mlx_lm_internals import (
     evals_queued,
     filter_layers,
-    paddings_to_host,
-    plain_paddings,
+    joined_paddings,
+    layer_paddings,
     queue_evals_in_generate,
 )
 from runtime.mlx_lm_prefill import tokens_to_come
@@ -130,18 +130,13 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     tokens_to_come = None
 
     def prompt(self, tokens):
-        paddings = plain_paddings(self.prompt_cache)
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
                 plain_masks(self.prompt_cache, len(tokens)):
             decoding = self.decoding
             if decoding is None or not decoding():
-                super().prompt(tokens)
-            else:
-                with evals_queued():
-                    super().prompt(tokens)
-        # Prompts of unequal lengths are padded (``prepare``, ``finalize``): the new
-        # paddings go to host memory before a split reads them.
-        paddings_to_host(self.prompt_cache, unless=paddings)
+                return super().prompt(tokens)
+            with evals_queued():
+                return super().prompt(tokens)
 
     def filter(self, keep):
         _chunk_settled(self)
@@ -163,8 +158,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         # leaves into the generation batch, which pads every row to its longest layer.
         # (A lone prompt's room is its own size when it leaves.)
         _room_given_back(self.prompt_cache)
-        super().extend(batch)
-        paddings_to_host(self.prompt_cache)
+        _extended(super().extend, self, batch)
 
     def generate(self, tokens):
         with plain_masks(self.prompt_cache, len(tokens)):
@@ -175,6 +169,14 @@ class RowAwarePromptBatch(PromptProcessingBatch):
             # in its __init__; their inputs are the last prompt tokens (not samples).
             with hook(list(self.uids), None):
                 return super().generate(tokens)
+
+
+def _extended(extend: Any, batch: Any, other: Any) -> None:
+    """``extend(other)`` (mlx-lm's, of ``batch``), the layers' paddings made on the host
+    (``joined_paddings``)."""
+    mine, theirs = layer_paddings(batch.prompt_cache), layer_paddings(other.prompt_cache)
+    extend(other)
+    joined_paddings(batch.prompt_cache, mine, theirs)
 
 
 def _chunk_settled(batch: PromptProcessingBatch) -> None:
@@ -239,11 +241,10 @@ class RowAwareGenerationBatch(GenerationBatch):
     # step's prefill chunk on the device. A step with constrained rows reads them
     # before building its own graph (the masks need them), so they are queued at
     # once: it then waits for the decode tokens only, not for the prefill. The
-    # joined layers' paddings, which a row's leave reads, go to host memory.
+    # joined layers' paddings, which a row's leave reads, are made on the host.
 
     def extend(self, batch):
-        super().extend(batch)
-        paddings_to_host(self.prompt_cache)
+        _extended(super().extend, self, batch)
         self._queue_next_tokens()
 
     def filter(self, keep):
@@ -379,6 +380,16 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
             "self._idx -= min_left_pad", "self.left_padding -= min_left_pad")),
         "BatchKVCache.filter selects keys, values, offset and left_padding and trims the "
         "shared left padding from keys, values, _idx and left_padding",
+    )
+    # joined_paddings: what BatchKVCache.extend makes of the two sides' paddings.
+    extending = _source(BatchKVCache.extend)
+    expect(
+        all(part in extending for part in (
+            "mx.concatenate([self.left_padding, other.left_padding])",
+            "max_idx = max(self._idx, other._idx)", "left = max_idx - c._idx",
+            "left_padding = c.left_padding + left")),
+        "BatchKVCache.extend shifts each side's left padding by max_idx - its _idx "
+        "(two empty sides: concatenated as they are)",
     )
     # _room_reserved: a layer grows by whole blocks of its ``step`` tokens.
     growing = _source(BatchKVCache.update_and_fetch)

@@ -36,8 +36,8 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
 * ``queue_evals_in_generate`` and ``evals_queued``: the same name's ``eval``, which
   queues a prefill chunk without waiting for it while sequences decode
   (``runtime.mlx_lm_batches``).
-* ``filter_layers`` and ``paddings_to_host``: ``BatchKVCache``'s ``filter`` for all
-  of a batch's layers at once, its ``left_padding``, ``offset``, ``_idx``, ``keys``
+* ``filter_layers``, ``layer_paddings`` and ``joined_paddings``: ``BatchKVCache``'s
+  ``filter`` for all of a batch's layers at once, the paddings its ``extend`` makes; its ``left_padding``, ``offset``, ``_idx``, ``keys``
   and ``values`` (``runtime.mlx_lm_batches``' batches filter and extend with them).
 
 The private parts of mlx-lm's ``BatchGenerator`` and its batches (row hooks,
@@ -354,8 +354,8 @@ def filter_layers(caches: list, keep: list[int]) -> None:
     chunk), every other for a kernel of its own (28 round trips on Qwen3-0.6B:
     ~20 ms of a 10 ms step on an H200, at every step where a sequence finishes
     or a prompt joins). Here the plain ``BatchKVCache`` layers' paddings are read
-    as they are (copied to host memory as rows join: ``paddings_to_host``; and
-    the new ones are built on the host), and the kept rows' paddings
+    as they are (made on the host as rows join: ``joined_paddings``; and the
+    new ones are built on the host), and the kept rows' paddings
     are made on the host: the host builds the next step while the device still
     runs this one. Other cache types filter themselves.
     """
@@ -390,33 +390,43 @@ def filter_layers(caches: list, keep: list[int]) -> None:
             c.left_padding = mx.array([p - shared for p in kept], dtype=c.left_padding.dtype)
 
 
-def paddings_to_host(caches: list, *, unless: Sequence[Any] = ()) -> None:
-    """The plain layers' left paddings copied into host memory by an operation on the
-    CPU stream, queued (``mx.async_eval``); paddings in ``unless`` (by identity) stay.
+def layer_paddings(caches: list) -> list[tuple[list[int], int, bool]]:
+    """Each plain ``BatchKVCache`` layer's left padding read back, its ``_idx`` and
+    whether it holds keys: what ``joined_paddings`` needs of a batch before its
+    ``extend``. Paddings made on the host (``filter_layers``, ``joined_paddings``, a
+    new layer's) are read at once; see ``joined_paddings``."""
+    from mlx_lm.models.cache import BatchKVCache
 
-    A batch's ``extend`` (rows join) and a padded prompt's ``finalize`` leave them as
-    the device's arrays, and the next ``filter`` or ``extract`` reads them back. On
-    CUDA, MLX copies a device array into host memory the first time the host reads
-    it, and with a step in flight that copy took 0.2-0.5 ms a layer on an H100: 6-11
-    ms of a row's leave step on Qwen3-0.6B's 28 layers. The CPU stream's copy waits for
-    the device on its own thread, so the reads then find host memory (as the paddings
-    the host builds in ``filter_layers``). On the CPU backend it is one more small copy.
+    return [(c.left_padding.tolist(), c._idx, c.keys is not None)
+            for c in caches if type(c) is BatchKVCache]
+
+
+def joined_paddings(caches: list, mine: list, theirs: list) -> None:
+    """After mlx-lm's ``extend`` of a batch's layers (``mine``, ``theirs``: each side's
+    ``layer_paddings`` before it), each plain layer's left padding made on the host
+    with the values mlx-lm's concatenation has: each side's paddings shifted by what
+    it was padded on the left to the longer side's ``_idx``.
+
+    mlx-lm leaves them as a concatenation the device computes, and the next ``filter``
+    or ``extract`` (a row leaving) reads them back. On CUDA, MLX copies a device
+    array into host memory the first time the host reads it, and with a step in
+    flight that took 0.2-0.5 ms a layer on an H100: 6-11 ms of a row's leave step on
+    Qwen3-0.6B's 28 layers. Made on the host, as ``filter_layers`` makes the kept
+    rows', they are read with no copy, and every batch that only filters and
+    extends keeps host paddings. (A wave of prompts padded together has mlx-lm's
+    from its ``finalize``, read back once where the wave is split.) Where a side had
+    no plain layers (an empty batch takes the other's list whole), nothing changes.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    kept = {id(p) for p in unless}
-    copied = []
-    for c in caches:
-        if type(c) is BatchKVCache and id(c.left_padding) not in kept:
-            c.left_padding = mx.add(c.left_padding, 0, stream=mx.cpu)
-            copied.append(c.left_padding)
-    if copied:
-        mx.async_eval(copied)
-
-
-def plain_paddings(caches: list) -> list:
-    """The plain ``BatchKVCache`` layers' left-padding arrays, in order."""
-    from mlx_lm.models.cache import BatchKVCache
-
-    return [c.left_padding for c in caches if type(c) is BatchKVCache]
+    plain = [c for c in caches if type(c) is BatchKVCache]
+    if not mine or len(mine) != len(plain) or len(theirs) != len(plain):
+        return
+    for c, (first, first_idx, first_keys), (second, second_idx, second_keys) in zip(
+            plain, mine, theirs, strict=True):
+        if first_keys or second_keys:
+            longest = max(first_idx, second_idx)
+            first = [p + longest - first_idx for p in first]
+            second = [p + longest - second_idx for p in second]
+        c.left_padding = mx.array(first + second, dtype=c.left_padding.dtype)

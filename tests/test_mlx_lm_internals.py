@@ -368,51 +368,76 @@ def _generation_batch(layers, rows: int):
     return batch
 
 
-def _copies_on_the_cpu_stream(monkeypatch) -> list:
-    """Spy on ``mx.add``: the (input, stream) of each call."""
-    calls = []
-    real_add = mx.add
-    monkeypatch.setattr(mx, "add", lambda a, b, stream=None: (
-        calls.append((a, stream)), real_add(a, b, stream=stream))[1])
-    return calls
+def _concatenations(monkeypatch) -> list:
+    """Spy on mlx-lm's ``BatchKVCache.extend``: the padding array each call left."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    left = []
+    real_extend = BatchKVCache.extend
+
+    def extend(self, other):
+        real_extend(self, other)
+        left.append(self.left_padding)
+
+    extend.__wrapped__ = real_extend  # mlx-lm's source, as a generator checks it
+    monkeypatch.setattr(BatchKVCache, "extend", extend)
+    return left
 
 
-def test_a_generation_batch_copies_its_joined_paddings_to_host_memory(monkeypatch):
-    """mlx-lm's ``extend`` leaves the joined layers' paddings as a concatenation on the
-    device; the batch replaces each with a copy made on the CPU stream and queues
-    it, so that a row's extraction or the filter as it leaves reads host memory."""
-    queued = []
-    real_async_eval = mx.async_eval
-    monkeypatch.setattr(mx, "async_eval",
-                        lambda *a: (queued.append(a), real_async_eval(*a))[1])
+@pytest.mark.parametrize(("mine", "theirs"), [
+    (([2, 0], 6), ([1], 3)),  # the joining row is shorter: shifted by 3
+    (([1], 3), ([2, 0], 6)),  # the batch is shorter: its rows shifted
+    (([0, 4], 5), ([0, 0, 2], 5)),  # the same length
+    (([1, 0], None), ([3], 4)),  # the batch holds no keys yet
+    (([1, 0], None), ([3], None)),  # neither does: paddings concatenated
+])
+def test_joined_paddings_are_mlx_lms_made_on_the_host(monkeypatch, mine, theirs):
+    """A join's paddings hold what mlx-lm's ``extend`` computes, made from the two
+    sides' paddings read before it, not left as its concatenation for the device."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    def layers(seed, paddings, length):
+        if length is None:
+            return [BatchKVCache(list(paddings)) for _ in range(2)]
+        return _batch_layers(seed, paddings, length)
+
+    ours, theirs_layers = layers(1, *mine), layers(2, *theirs)
+    reference, reference_other = layers(1, *mine), layers(2, *theirs)
+    for c, o in zip(reference, reference_other, strict=True):
+        c.extend(o)
+    concatenated = _concatenations(monkeypatch)
+    before = mlx_lm_internals.layer_paddings(ours), mlx_lm_internals.layer_paddings(theirs_layers)
+    for c, o in zip(ours, theirs_layers, strict=True):
+        c.extend(o)
+    mlx_lm_internals.joined_paddings(ours, *before)
+    assert [c.left_padding.tolist() for c in ours] == [c.left_padding.tolist() for c in reference]
+    assert all(c.left_padding is not made for c, made in zip(ours, concatenated, strict=True))
+    assert [c.left_padding.dtype for c in ours] == [c.left_padding.dtype for c in reference]
+
+
+def test_a_generation_batch_makes_its_joined_paddings_on_the_host(monkeypatch):
+    """The generation batch's ``extend`` leaves no layer with mlx-lm's concatenated
+    paddings, and the row that joined leaves with its own keys."""
     batch = _generation_batch([_batch_layers(3, [2, 0], 6)[0] for _ in range(2)], 2)
     joining = _generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1)
     its_keys = [c.keys[:, :, 1:3].tolist() for c in joining.prompt_cache]  # padding 1 of 3
-    copies = _copies_on_the_cpu_stream(monkeypatch)
+    concatenated = _concatenations(monkeypatch)
     batch.extend(joining)
     paddings = [c.left_padding for c in batch.prompt_cache]
-    assert len(copies) == 2 and all(stream == mx.cpu for _, stream in copies)
-    assert all(a is not b for (a, _), b in zip(copies, paddings, strict=True))
-    assert any(len(args[0]) == 2 and all(x is y for x, y in zip(args[0], paddings, strict=True))
-               for args in queued if isinstance(args[0], list))
+    assert len(concatenated) == 2
+    assert all(a is not b for a, b in zip(concatenated, paddings, strict=True))
     assert [p.tolist() for p in paddings] == [[2, 0, 4]] * 2
-    # and the row that joined leaves with its own keys, its padding cut off
     extracted = batch.extract_cache(2)
     assert [c.keys.tolist() for c in extracted] == its_keys
 
 
-def test_only_the_plain_layers_paddings_not_kept_are_copied(monkeypatch):
-    plain = _batch_layers(3, [1, 0], 4)
-    rotating = _batch_layers(3, [1, 0], 4, rotating=True)
-    layers = [plain[0], rotating[2], plain[1]]
-    kept = layers[2].left_padding
-    before = [getattr(c, "left_padding", None) for c in layers]
-    copies = _copies_on_the_cpu_stream(monkeypatch)
-    mlx_lm_internals.paddings_to_host(layers, unless=[kept])
-    assert [a for a, _ in copies] == [before[0]]
-    assert layers[1].left_padding is before[1] and layers[2].left_padding is kept
-    assert layers[0].left_padding.tolist() == [1, 0]
-    assert mlx_lm_internals.plain_paddings(layers) == [layers[0].left_padding, kept]
+def test_a_join_into_an_empty_batch_keeps_the_joining_layers():
+    batch = _generation_batch([], 0)
+    joining = _generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1)
+    layers, paddings = joining.prompt_cache, [c.left_padding for c in joining.prompt_cache]
+    batch.extend(joining)
+    assert batch.prompt_cache is layers
+    assert all(c.left_padding is p for c, p in zip(layers, paddings, strict=True))
 
 
 def test_freed_buffers_are_kept_only_inside_mlx_lm_generate(monkeypatch):
