@@ -158,7 +158,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         # leaves into the generation batch, which pads every row to its longest layer.
         # (A lone prompt's room is its own size when it leaves.)
         _room_given_back(self.prompt_cache)
-        _extended(super().extend, self, batch)
+        super().extend(batch)
 
     def generate(self, tokens):
         with plain_masks(self.prompt_cache, len(tokens)):
@@ -169,14 +169,6 @@ class RowAwarePromptBatch(PromptProcessingBatch):
             # in its __init__; their inputs are the last prompt tokens (not samples).
             with hook(list(self.uids), None):
                 return super().generate(tokens)
-
-
-def _extended(extend: Any, batch: Any, other: Any) -> None:
-    """``extend(other)`` (mlx-lm's, of ``batch``), the layers' paddings made on the host
-    (``joined_paddings``)."""
-    mine, theirs = layer_paddings(batch.prompt_cache), layer_paddings(other.prompt_cache)
-    extend(other)
-    joined_paddings(batch.prompt_cache, mine, theirs)
 
 
 def _chunk_settled(batch: PromptProcessingBatch) -> None:
@@ -240,11 +232,18 @@ class RowAwareGenerationBatch(GenerationBatch):
     # leave (a selection); evaluated at the next step, they would wait behind this
     # step's prefill chunk on the device. A step with constrained rows reads them
     # before building its own graph (the masks need them), so they are queued at
-    # once: it then waits for the decode tokens only, not for the prefill. The
-    # joined layers' paddings, which a row's leave reads, are made on the host.
+    # once: it then waits for the decode tokens only, not for the prefill.
+    #
+    # The joined layers' paddings, which a row's leave reads, are made on the host
+    # (``joined_paddings``). Reading both sides' first waits for nothing: this batch's
+    # are the host's (a filter's or an earlier join's), and a joining batch's were
+    # read as its prompt batch was split (``filter_layers``). (A prompt batch's own
+    # may be a padded chunk's still in flight, so it extends as mlx-lm does.)
 
     def extend(self, batch):
-        _extended(super().extend, self, batch)
+        mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
+        super().extend(batch)
+        joined_paddings(self.prompt_cache, mine, theirs)
         self._queue_next_tokens()
 
     def filter(self, keep):

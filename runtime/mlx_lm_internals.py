@@ -37,8 +37,10 @@ attribute when an upgrade changes it (docs/upgrading-mlx-lm.md: what to do).
   queues a prefill chunk without waiting for it while sequences decode
   (``runtime.mlx_lm_batches``).
 * ``filter_layers``, ``layer_paddings`` and ``joined_paddings``: ``BatchKVCache``'s
-  ``filter`` for all of a batch's layers at once, the paddings its ``extend`` makes; its ``left_padding``, ``offset``, ``_idx``, ``keys``
-  and ``values`` (``runtime.mlx_lm_batches``' batches filter and extend with them).
+  ``filter`` for all of a batch's layers at once, and the paddings its ``extend``
+  makes; its ``left_padding``, ``offset``, ``_idx``, ``keys`` and ``values``
+  (``runtime.mlx_lm_batches``' batches filter, and the generation batch extends,
+  with them).
 
 The private parts of mlx-lm's ``BatchGenerator`` and its batches (row hooks,
 prefill groups, the coming prefill) are the same kind of
@@ -412,10 +414,9 @@ def joined_paddings(caches: list, mine: list, theirs: list) -> None:
     array into host memory the first time the host reads it, and with a step in
     flight that took 0.2-0.5 ms a layer on an H100: 6-11 ms of a row's leave step on
     Qwen3-0.6B's 28 layers. Made on the host, as ``filter_layers`` makes the kept
-    rows', they are read with no copy, and every batch that only filters and
-    extends keeps host paddings. (A wave of prompts padded together has mlx-lm's
-    from its ``finalize``, read back once where the wave is split.) Where a side had
-    no plain layers (an empty batch takes the other's list whole), nothing changes.
+    rows', they are read with no copy, and a generation batch keeps host paddings
+    throughout. Where a side had no plain layers (an empty batch takes the other's
+    list whole), nothing changes.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache

@@ -152,9 +152,10 @@ def test_a_lone_row_attends_with_no_mask_array_padded_rows_with_mlx_lm_s(model, 
 def test_no_padding_a_leaving_row_reads_is_a_joins_concatenation(model, monkeypatch):
     """Where a row leaves a batch (its cache extracted, the batch filtered) the layers'
     paddings are read back on the host. None of them is the concatenation mlx-lm's
-    ``extend`` leaves for the device as rows join (on CUDA, reading that waits for a
-    copy behind the step in flight): the batches make them on the host. The tokens
-    are still mlx-lm's."""
+    ``extend`` leaves for the device as rows join the decoding ones (on CUDA, reading
+    that waits for a copy behind the step in flight): the generation batch makes
+    them on the host. Each prompt here joins an empty prompt batch, which takes its
+    layers as they are. The tokens are still mlx-lm's."""
     import runtime.mlx_lm_batches as batches
 
     joined: list = []  # the arrays themselves, so that no buffer is reused meanwhile
