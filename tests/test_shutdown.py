@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,19 @@ pytestmark = pytest.mark.server  # starts server subprocesses, stopped with SIGT
 @pytest.fixture(scope="module")
 def never_end(tiny_tokenizer) -> dict[str, float]:
     return {str(e): -100 for e in tiny_tokenizer.eos_token_ids}
+
+
+@pytest.fixture(scope="module")
+def long_window_model(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model with a 65,536-token window. In its own 2,048 a stream ends by
+    "length" about 2.5 s after its first token on this repository's CPU, which
+    raced the drain it is meant to see (2 s after SIGTERM under Hypercorn)."""
+    path = tmp_path_factory.mktemp("long-window") / "qwen3"
+    shutil.copytree(tiny_model_path, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 16
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
 
 
 def _sigterm_during_a_stream(proc, base: str, never_end, *, signal_to=None) -> None:
@@ -74,9 +88,10 @@ def _sigterm_during_a_stream(proc, base: str, never_end, *, signal_to=None) -> N
     assert proc.wait(timeout=30) == 0
 
 
-def test_sigterm_ends_open_requests_properly_mlx_trio_server(tiny_model_path, never_end):
+def test_sigterm_ends_open_requests_properly_mlx_trio_server(long_window_model, never_end):
     proc, base = spawn_server(lambda port: [
-        "-m", "api.cli", "--model", tiny_model_path, "--port", str(port), "--shutdown-grace", "1"])
+        "-m", "api.cli", "--model", long_window_model, "--port", str(port),
+        "--shutdown-grace", "1"])
     try:
         started = time.monotonic()
         _sigterm_during_a_stream(proc, base, never_end)
@@ -86,11 +101,11 @@ def test_sigterm_ends_open_requests_properly_mlx_trio_server(tiny_model_path, ne
             proc.kill()
 
 
-def test_sigterm_ends_open_requests_properly_under_hypercorn(tiny_model_path, never_end):
+def test_sigterm_ends_open_requests_properly_under_hypercorn(long_window_model, never_end):
     # Hypercorn's own graceful timeout (3 s): the app sees it as the requests' deadline.
     proc, base = spawn_server(
         lambda port: [*hypercorn_args(port), "--graceful-timeout", "3"],
-        {"MLX_TRIO_MODEL": tiny_model_path},
+        {"MLX_TRIO_MODEL": long_window_model},
     )
     try:
         _sigterm_during_a_stream(proc, base, never_end)
