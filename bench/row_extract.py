@@ -20,6 +20,11 @@ in flight when a sequence finishes. Timed, on the host (milliseconds a call):
 
 Then the same with nothing in flight (``idle``). Prints one JSON line per case and
 writes them with ``--json-out``. On the CPU the device is the CPU stream.
+
+What this cannot show: in a running server, with a step's kernels in flight
+rather than this chain of products, the first read of a padding the device made
+(MLX copies it out of device memory then) took 0.2-0.5 ms a layer on an H100;
+``bench/extract_probe/`` times that inside the server (docs/performance.md).
 """
 
 from __future__ import annotations
