@@ -37,14 +37,17 @@ def never_end(tiny_tokenizer) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def long_window_model(tiny_model_path, tmp_path_factory) -> str:
-    """The tiny model with a 65,536-token window. In its own 2,048 a stream ends by
-    "length" about 2.5 s after its first token on this repository's CPU, close to
-    the drain it is meant to see (2 s after SIGTERM under Hypercorn)."""
+    """The tiny model with a 65,536-token window (its config's and its tokenizer's). In
+    its own 2,048 a stream ends by "length" about 2.5 s after its first token on
+    this repository's CPU, which raced the drain it is meant to see (2 s after
+    SIGTERM under Hypercorn): a fresh-clone run saw "length" where "abort" was due."""
     path = tmp_path_factory.mktemp("long-window") / "qwen3"
     shutil.copytree(tiny_model_path, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 1 << 16
-    (path / "config.json").write_text(json.dumps(config))
+    for name, key in (("config.json", "max_position_embeddings"),
+                      ("tokenizer_config.json", "model_max_length")):
+        settings = json.loads((path / name).read_text())
+        settings[key] = 1 << 16
+        (path / name).write_text(json.dumps(settings))
     return str(path)
 
 
