@@ -66,6 +66,7 @@ VARIANTS = {
     "no-graphs": ({}, {"cuda_graphs": "off"}),  # kernels launched one by one
     "one-graph": ({"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "100000"}, {}),
     "ops-only": ({}, {"cuda_graphs": "ops"}),  # a CUDA graph ends by ops, not MB
+    "parts-1": ({}, {"prefill_chunk_parts": 1}),  # a paced chunk's layers in one step
     "parts-4": ({}, {"prefill_chunk_parts": 4}),
     # CUDA's default memory pool keeps what it reserved (release threshold: all of it), so
     # that an allocation after a synchronisation maps no memory anew.

@@ -39,8 +39,9 @@ layers and keeps the chunk's hidden state (``ChunkInFlight``), and the next step
 only decode, each decode pass carrying the next part (``_next_part``). At a long
 context on a GPU a paced step's prefill part costs about the same whatever the
 chunk's length, so a shorter chunk cannot shorten it below the floor's; a part of
-the layers does, though on an H200 by less than the parts suggest (most of a
-chunk's cost beside a decode is per step: docs/performance.md). Whatever
+the layers does: without CUDA graphs a step costs about the kernels it launches,
+so half the layers cost about half (under CUDA graphs much of it is paid per step:
+docs/performance.md). Whatever
 reads or changes the prompt batch's caches before the chunk is whole runs its
 rest on its own first (``settle``).
 

@@ -145,25 +145,29 @@ class TuningSettings:
         "Needs the shared chunk pass.",
         group=TUNING,
     )
-    prefill_chunk_parts: int = setting(
-        1,
+    prefill_chunk_parts: int | None = setting(
+        None,
         help="while a lone prompt is prefilled in paced chunks beside decoding sequences, a "
         "chunk's layers are spread over this many steps, each step's decode pass carrying "
         "one part (1: a chunk's layers all in one step)",
         minimum=1,
         maximum=16,
+        default_text="2 on CUDA, 1 elsewhere",
         ours=True,
-        notes="On a GPU at a long context, a paced step's prefill part costs about the same "
-        "whatever its chunk's length, so a shorter chunk shortens no gap. Spread over "
-        "steps, each step runs a part of the chunk's layers; but most of what a chunk adds "
-        "to a step is paid per step, not per layer (on an H200 a step carrying a quarter of "
-        "the layers cost 80 % of a whole chunk's step beside 16 streams), so the gaps shrink "
-        "less than the parts suggest, and the prompt takes more steps per chunk. Applies "
-        "to a lone prompt's chunks, with the shared chunk pass. On an H200 it lowered the streams' time between tokens "
-        "during a 30k-token prefill but not to the interleave target, and the prompt took up "
-        "to four times as long, so it is off by default; raise it where the streams' "
-        "smoothness matters more than how soon the long prompt starts answering "
-        "([performance.md](performance.md#h200-a-chunks-layers-spread-over-steps)).",
+        notes="A paced step that carries a whole chunk costs a decode step's time and the "
+        "chunk's; carrying half its layers, about half the chunk's, so the streams' gaps "
+        "shrink while the prompt takes twice the steps per chunk (the pacer then takes "
+        "longer chunks where the budget allows). On an H100 without CUDA graphs, beside a "
+        "30k-token prefill, 2 parts left 16 streams' slowest gaps at 1.86-2.21x their "
+        "usual one against 2.47-2.51x for 1, and the prompt no slower "
+        "([performance.md](performance.md#h100-a-paced-chunks-layers-over-two-steps-by-default-on-cuda)). "
+        "Under CUDA graphs (`--cuda-graphs mlx`) most of what a chunk adds is paid per "
+        "step: on an H200 a step carrying a quarter of the layers cost 80 % of a whole "
+        "chunk's step, and the prompt took up to four times as long "
+        "([performance.md](performance.md#h200-a-chunks-layers-spread-over-steps)). On "
+        "the CPU a step's prefill part is arithmetic that parts only spread over more "
+        "steps. Set 1 where how soon a long prompt starts answering matters more than the "
+        "streams' smoothness, higher for the opposite.",
         group=TUNING,
     )
     cuda_memory_pool: str = setting(

@@ -398,6 +398,24 @@ def test_the_pacer_s_factor_is_the_device_s_default_unless_set(tiny_model_path):
     assert make_engine_core(given, tiny_model_path)._paced.pacer.factor == STALL_FACTOR_CUDA
 
 
+def test_a_paced_chunk_s_parts_are_the_device_s_default_unless_set(tiny_model_path):
+    """Unset, a lone prompt's paced chunk spreads over the steps the engine's device
+    takes by default (the CPU here: one); a value given wins."""
+    from runtime.engine.pacing import CHUNK_PARTS, CHUNK_PARTS_CUDA
+    from runtime.mixed_step import MixedStepModel
+
+    def parts(core) -> int:
+        mixer = core._batch._prompt_batch.model
+        assert isinstance(mixer, MixedStepModel)
+        return mixer.chunk_parts
+
+    assert CHUNK_PARTS < CHUNK_PARTS_CUDA
+    plain = make_engine_core(ServerConfig(model=tiny_model_path), tiny_model_path)
+    assert parts(plain) == CHUNK_PARTS
+    given = ServerConfig(model=tiny_model_path, prefill_chunk_parts=CHUNK_PARTS_CUDA)
+    assert parts(make_engine_core(given, tiny_model_path)) == CHUNK_PARTS_CUDA
+
+
 def test_a_long_prompt_is_prefilled_in_paced_chunks_with_the_same_tokens(tiny_model_path):
     cores = {}
     for factor in (0, 1.5):

@@ -83,6 +83,13 @@ log = logging.getLogger(__name__)
 STALL_FACTOR_CUDA = 1.0
 STALL_FACTOR = 1.5
 
+# --prefill-chunk-parts' default, on CUDA and elsewhere (its notes give the figures):
+# without CUDA graphs a step's cost follows the kernels it launches, so a step that
+# carries half a paced chunk's layers costs about half what the chunk adds; on the
+# CPU a step's prefill part is arithmetic the parts only spread over more steps.
+CHUNK_PARTS_CUDA = 2
+CHUNK_PARTS = 1
+
 # Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
 MIN_CHUNK = 64
 # Decode-only steps whose median is a decode step's time: on a GPU the step moves
