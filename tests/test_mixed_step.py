@@ -389,6 +389,35 @@ def test_a_chunk_s_layers_spread_over_steps_give_the_tokens_of_one_pass(model_pa
     assert carried == 11 * (min(parts, layers) - 1)
 
 
+def test_a_chunk_over_two_steps_reads_its_keys_in_place_as_on_cuda(model_path, monkeypatch):
+    """CUDA's defaults together: half precision, the server's prefill attention
+    installed, a lone prompt's chunk over two steps. Each part's layers attend over
+    their cache's buffer (``ChunkAttention``, the second part's built from its first
+    layer's cache), and the tokens are those of one pass a chunk."""
+    from runtime.mlx_environment import ChunkAttention, install_prefill_attention
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+    built = []
+    real_init = ChunkAttention.__init__
+    monkeypatch.setattr(ChunkAttention, "__init__",
+                        lambda self, *a, **k: built.append(k["prefix"]) or real_init(self, *a, **k))
+    whole = generator(model_path, "shared", dtype=mx.bfloat16)
+    expected, carried, _ = lone_prompt_beside_rows(whole)
+    assert carried == 0
+    one_part = len(built)
+    built.clear()
+    halves = generator(model_path, "shared", dtype=mx.bfloat16, chunk_parts=2)
+    tokens, carried, _ = lone_prompt_beside_rows(halves)
+    assert carried > 0 and not halves.chunk_in_flight()
+    assert tokens == expected
+    # Every chunk's second part attends in place too, after the prefix its first
+    # part's layers saw (their own cache's, not yet grown by the chunk).
+    assert len(built) == one_part + carried > one_part
+    assert built == sorted(built)
+
+
 def test_a_prompt_removed_while_its_chunk_is_in_flight_leaves_its_cache_whole(model_path):
     gen = generator(model_path, "shared", chunk_parts=2)
     _, carried, (cache, tokens) = lone_prompt_beside_rows(gen, remove_long_at=3)
