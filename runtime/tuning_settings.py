@@ -158,8 +158,8 @@ class TuningSettings:
         "chunk's; carrying half its layers, about half the chunk's, so the streams' gaps "
         "shrink while the prompt takes twice the steps per chunk (the pacer then takes "
         "longer chunks where the budget allows). On an H100 without CUDA graphs, beside a "
-        "30k-token prefill, 2 parts left 16 streams' slowest gaps at 1.86-2.21x their "
-        "usual one against 2.47-2.51x for 1, and the prompt no slower "
+        "30k-token prefill, 16 streams' p99 gap was 27-30 ms with 2 parts against 35-49 "
+        "with 1, alternated in five pairs of runs, and the prompt no slower "
         "([performance.md](performance.md#h100-a-paced-chunks-layers-over-two-steps-by-default-on-cuda)). "
         "Under CUDA graphs (`--cuda-graphs mlx`) most of what a chunk adds is paid per "
         "step: on an H200 a step carrying a quarter of the layers cost 80 % of a whole "
@@ -167,8 +167,8 @@ class TuningSettings:
         "([performance.md](performance.md#h200-a-chunks-layers-spread-over-steps)). On "
         "the CPU a step's prefill part is arithmetic that parts only spread over more "
         "steps: with 2, the streams' median gap halved but not their slowest, and the "
-        "prompt took 1.4x as long. Set 1 where how soon a long prompt starts answering matters more than the "
-        "streams' smoothness, higher for the opposite.",
+        "prompt took 1.4x as long. Set 1 where how soon a long prompt starts answering "
+        "matters more than the streams' smoothness, higher for the opposite.",
         group=TUNING,
     )
     cuda_memory_pool: str = setting(
