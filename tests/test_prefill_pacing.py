@@ -398,6 +398,18 @@ def test_the_pacer_s_factor_is_the_device_s_default_unless_set(tiny_model_path):
     assert make_engine_core(given, tiny_model_path)._paced.pacer.factor == STALL_FACTOR_CUDA
 
 
+def test_the_pacing_defaults_are_settings_left_unset_and_differ_on_cuda(tiny_model_path):
+    """Each default ``pacing_defaults`` gives names a setting that is unset unless given
+    (so that the device's default applies), and CUDA's differ from the others'."""
+    from runtime.engine.pacing import pacing_defaults
+
+    unset = ServerConfig(model=tiny_model_path)
+    cuda, elsewhere = pacing_defaults(True), pacing_defaults(False)
+    assert cuda.keys() == elsewhere.keys()
+    assert all(getattr(unset, name) is None for name in cuda)
+    assert all(cuda[name] != elsewhere[name] for name in cuda)
+
+
 def test_a_paced_chunk_s_parts_are_the_device_s_default_unless_set(tiny_model_path):
     """Unset, a lone prompt's paced chunk spreads over the steps the engine's device
     takes by default (the CPU here: one); a value given wins."""

@@ -35,13 +35,10 @@ from runtime.engine.commands import SharedCommands
 from runtime.engine.core import EngineCore
 from runtime.engine.disk_tier import DiskTier
 from runtime.engine.pacing import (
-    CHUNK_PARTS,
-    CHUNK_PARTS_CUDA,
     SHORT_PROMPT,
-    STALL_FACTOR,
-    STALL_FACTOR_CUDA,
     PacedSteps,
     PrefillPacer,
+    pacing_defaults,
     passes_cost_steps,
 )
 from runtime.engine.serial import SerialGenerator
@@ -259,12 +256,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     if config.prefill_step_size is None:
         config = attrs.evolve(config, prefill_step_size=default_prefill_step_size(mx))
         log.debug("prefill step size: %d tokens", config.prefill_step_size)
-    if config.decode_stall_factor is None:
-        config = attrs.evolve(config, decode_stall_factor=STALL_FACTOR_CUDA if on_cuda
-                              else STALL_FACTOR)
-    if config.prefill_chunk_parts is None:
-        config = attrs.evolve(config, prefill_chunk_parts=CHUNK_PARTS_CUDA if on_cuda
-                              else CHUNK_PARTS)
+    unset = {name: value for name, value in pacing_defaults(on_cuda).items()
+             if getattr(config, name) is None}
+    config = attrs.evolve(config, **unset)
     if config.decode_lane_padding is None:
         config = attrs.evolve(config, decode_lane_padding=default_decode_lane_padding(mx))
     # Where a lone prompt's full chunks go to cuDNN on the grid of whole chunks, the

@@ -77,18 +77,19 @@ import statistics
 
 log = logging.getLogger(__name__)
 
-# --decode-stall-factor's default, on CUDA and elsewhere (its notes give the figures):
-# on an H100 without CUDA graphs, 1.5 left 16 streams' slowest gaps beside a 30k-token
-# prefill at 3.9-4.4x their usual one, 1.0 at 3.0-3.4x.
-STALL_FACTOR_CUDA = 1.0
-STALL_FACTOR = 1.5
+# --decode-stall-factor's and --prefill-chunk-parts' defaults, on CUDA and elsewhere
+# (their notes give the figures): on an H100 without CUDA graphs, 1.5 left 16 streams'
+# slowest gaps beside a 30k-token prefill at 3.9-4.4x their usual one, 1.0 at 3.0-3.4x,
+# and two parts cut them by a quarter; on the CPU parts only spread the arithmetic.
+STALL_FACTOR_CUDA, STALL_FACTOR = 1.0, 1.5
+CHUNK_PARTS_CUDA, CHUNK_PARTS = 2, 1
 
-# --prefill-chunk-parts' default, on CUDA and elsewhere (its notes give the figures):
-# without CUDA graphs a step's cost follows the kernels it launches, so a step that
-# carries half a paced chunk's layers costs about half what the chunk adds; on the
-# CPU a step's prefill part is arithmetic the parts only spread over more steps.
-CHUNK_PARTS_CUDA = 2
-CHUNK_PARTS = 1
+
+def pacing_defaults(on_cuda: bool) -> dict[str, float | int]:
+    """Those defaults by ``ServerConfig`` field, for the settings left unset."""
+    stall, parts = (STALL_FACTOR_CUDA, CHUNK_PARTS_CUDA) if on_cuda else (STALL_FACTOR, CHUNK_PARTS)
+    return {"decode_stall_factor": stall, "prefill_chunk_parts": parts}
+
 
 # Smallest chunk per prompt: below it a prefill step's fixed costs dominate.
 MIN_CHUNK = 64
