@@ -37,10 +37,10 @@ def never_end(tiny_tokenizer) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def long_window_model(tiny_model_path, tmp_path_factory) -> str:
-    """The tiny model with a 65,536-token window (its config's and its tokenizer's). In
-    its own 2,048 a stream ends by "length" about 2.5 s after its first token on
-    this repository's CPU, which raced the drain it is meant to see (2 s after
-    SIGTERM under Hypercorn): a fresh-clone run saw "length" where "abort" was due."""
+    """The tiny model with a 65,536-token window (its config's and its tokenizer's; the
+    server takes the smaller). In its own 2,048 a stream ends by "length" about 2.5 s
+    after its first token on this repository's CPU, which races the drain these tests
+    are meant to see (2 s after SIGTERM under Hypercorn): "length" instead of "abort"."""
     path = tmp_path_factory.mktemp("long-window") / "qwen3"
     shutil.copytree(tiny_model_path, path)
     for name, key in (("config.json", "max_position_embeddings"),
