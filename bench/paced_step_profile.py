@@ -174,7 +174,30 @@ def report(result: dict) -> str:
         out.append(f"  chunk {tokens:5d}: {len(steps):4d} steps, p50 "
                    f"{statistics.median(s[0] for s in steps):6.1f} ms, thread CPU "
                    f"{statistics.median(s[1] for s in steps):6.1f}")
+    out += by_depth(paced)
     return "\n".join(out)
+
+
+DEPTH_BUCKET = 4096  # tokens of the long prompt already prefilled, per line of ``by_depth``
+
+
+def by_depth(paced: list) -> list[str]:
+    """The paced steps' median wall and thread CPU time by how deep into the long prompt
+    each began (``DEPTH_BUCKET`` tokens a line), with their median chunk: whether a
+    step's cost follows the context its chunk attends to."""
+    buckets, done = collections.defaultdict(list), 0
+    for wall, cpu, tokens in paced:
+        buckets[done // DEPTH_BUCKET].append((wall, cpu, tokens))
+        done += tokens
+    out = ["  by depth (tokens prefilled before the step):"]
+    for bucket in sorted(buckets):
+        steps = buckets[bucket]
+        chunks = [s[2] for s in steps if s[2]]
+        out.append(f"  {bucket * DEPTH_BUCKET:6d}+: {len(steps):4d} steps, p50 "
+                   f"{statistics.median(s[0] for s in steps):6.1f} ms, thread CPU "
+                   f"{statistics.median(s[1] for s in steps):6.1f}, chunk p50 "
+                   f"{statistics.median(chunks) if chunks else 0:5.0f}")
+    return out
 
 
 def run_variants(ns: argparse.Namespace) -> dict:
