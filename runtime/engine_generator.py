@@ -15,7 +15,7 @@ import time
 
 from runtime.decode_lanes import decoding_batch
 from runtime.mixed_step import MixedStepModel, chunk_tail_padding, on_ladder
-from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners
+from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners, lone_prompt
 from runtime.short_prompts_first import ShortFirstGenerator
 
 
@@ -88,12 +88,18 @@ class ChunkGoesFirst:
     def _chunk_may_split(self) -> bool:
         """Whether this step's chunk may spread its layers over steps: a lone prompt's
         (one already in the batch, or one joining an empty one: its first chunk then
-        spreads the allocation of its room too), its batch in place. (A segment's end
-        stored right after its step runs the chunk's rest on its own first:
-        ``MixedStepModel.settle``.)"""
+        spreads the allocation of its room too), its batch in place, and not the chunk
+        that ends its segment. At a segment's end the engine stores the prompt's KV
+        right after the step (or the prompt leaves for decoding), which runs a chunk's
+        rest on its own first (``MixedStepModel.settle``): a second pass, uncompiled,
+        in the same step, where one shared pass of the whole chunk costs less."""
         if getattr(self, "stepped_aside", False):
             return False
-        return len(self._currently_processing) + len(joiners(self)) == 1
+        if len(self._currently_processing) + len(joiners(self)) != 1:
+            return False
+        lone = lone_prompt(self)
+        # The last segment's last token is the first decode step's input, not prefilled.
+        return lone is None or coming_prefill(self).tokens < lone.segment - 1
 
     def _chunk_goes_first(self) -> bool:
         mixer = self._prompt_batch.model

@@ -391,10 +391,40 @@ def test_a_chunk_s_layers_spread_over_steps_give_the_tokens_of_one_pass(model_pa
     tokens, carried, _ = lone_prompt_beside_rows(gen)
     assert tokens == expected
     layers = len(gen.model.model.layers)
-    # Each of LONG's eleven chunks (the first in the step it joins its batch, the last
-    # padded onto the ladder) spreads over as many steps as its parts (two layers: at
-    # most two).
-    assert carried == 11 * (min(parts, layers) - 1)
+    # Each of LONG's eleven chunks but the last spreads over as many steps as its parts
+    # (two layers: at most two), the first in the step it joins its batch. The last,
+    # padded onto the ladder, ends the prompt: one pass.
+    assert carried == 10 * (min(parts, layers) - 1)
+
+
+def test_the_chunk_that_ends_a_segment_runs_in_one_pass(model_path):
+    """A segment's end is stored right after its step, which would run a split chunk's
+    rest as a second pass of its own: the chunk that ends each segment shares one pass
+    whole, the others spread over two steps, and the tokens are those of one pass."""
+    first, second = LONG[:300], LONG[300:]
+    results = {}
+    for parts in (1, 2):
+        gen = generator(model_path, "shared", chunk_parts=parts)
+        uids = gen.insert(SHORT, max_tokens=[40, 40, 40])
+        out = {u: [] for u in uids}
+        for _ in range(3):
+            step_tokens(gen, out, set(out))
+        (long_uid,) = gen.insert_segments([[first, second]], max_tokens=[3])
+        out[long_uid] = []
+        left, carried_after = set(out), []
+        while left:
+            done = [m[1] for m in gen._currently_processing]
+            step_tokens(gen, out, left)
+            if gen.chunk_in_flight():
+                carried_after.append(done)
+        results[parts] = (out, carried_after)
+    assert results[2][0] == results[1][0]
+    assert not results[1][1]
+    # 300 tokens: four chunks of 64 and one of 44 (padded onto the ladder) that ends the
+    # segment; 400: six of 64 and one of 15 (its last token is the first decode's input).
+    assert len(results[2][1]) == 4 + 6
+    mixer = mixer_of(gen)
+    assert mixer is not None and not gen.chunk_in_flight()
 
 
 def test_a_chunk_over_two_steps_reads_its_keys_in_place_as_on_cuda(model_path, monkeypatch):

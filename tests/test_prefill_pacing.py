@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 from mlx_lm.generate import BatchGenerator
 
@@ -504,6 +505,46 @@ def test_paced_steps_ask_the_bound_for_the_coming_prompts_and_their_depth():
     paced.before(generator)
     assert generator.prefill_step_size == 256
     assert asked and set(asked) == {(1, 20_000)}
+
+
+def test_in_the_engine_no_chunk_s_rest_runs_as_a_pass_of_its_own(tiny_model_path,
+                                                                  monkeypatch):
+    """With a paced chunk over two steps, a long prompt of two segments beside decoding
+    rows: every chunk's later layers ride the next step's decode pass. None is left in
+    flight where its segment's end is stored (which would run its rest as a second pass
+    in the same step), and the tokens are those of one pass a chunk."""
+    from runtime.mixed_step import MixedStepModel
+
+    rests = []
+    real_settle = MixedStepModel.settle
+    monkeypatch.setattr(MixedStepModel, "settle", lambda self: (
+        rests.append(self.chunk_in_flight) if self.chunk_in_flight else None,
+        real_settle(self))[1])
+    def tokens_and_carrying_steps(parts: int) -> tuple[dict, int]:
+        config = ServerConfig(model=tiny_model_path, decode_stall_factor=1.5,
+                              admission_window_ms=0, prefill_step_size=512,
+                              prefill_chunk_parts=parts)
+        core = make_engine_core(config, tiny_model_path)
+        core._paced.pacer.decode_seconds, core._paced.pacer.token_seconds = 0.010, 0.0002
+        core._paced.pacer.observe = lambda *a, **k: None
+        subs = submits(core.handle.info.vocab_size)
+        prompt = subs[2].prompt
+        subs[2] = attrs.evolve(subs[2], segments=(prompt[:700], prompt[700:]),
+                               segment_types=("system", "user"))
+        carried, real_step = [], core.step
+
+        def step():
+            out = real_step()
+            carried.append(bool(core._batch.chunk_in_flight()))
+            return out
+
+        core.step = step
+        return drive(core, subs)[0], sum(carried)
+
+    results = {parts: tokens_and_carrying_steps(parts) for parts in (1, 2)}
+    assert results[2][0] == results[1][0]
+    assert results[1][1] == 0 and results[2][1] > 0
+    assert rests == []
 
 
 def test_a_chunk_spread_over_steps_is_observed_once_at_its_slowest_step():
