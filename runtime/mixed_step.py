@@ -43,7 +43,8 @@ the layers does: without CUDA graphs a step costs about the kernels it launches,
 so half the layers cost about half (under CUDA graphs much of it is paid per step:
 docs/performance.md). Whatever
 reads or changes the prompt batch's caches before the chunk is whole runs its
-rest on its own first (``settle``).
+rest on its own first (``settle``); so the chunk that ends its segment, whose KV
+is stored right after its step, is not spread (``runtime.engine_generator``).
 
 Taken only where the pieces are known: mlx-lm's llama (no sliding-window layers)
 / qwen2 / qwen3 / qwen3_moe models in one process, every layer on the compiled
