@@ -515,11 +515,16 @@ def test_in_the_engine_no_chunk_s_rest_runs_as_a_pass_of_its_own(tiny_model_path
     in the same step), and the tokens are those of one pass a chunk."""
     from runtime.mixed_step import MixedStepModel
 
-    rests = []
+    rests = []  # the tokens of each chunk whose rest ran as a pass of its own
     real_settle = MixedStepModel.settle
-    monkeypatch.setattr(MixedStepModel, "settle", lambda self: (
-        rests.append(self.chunk_in_flight) if self.chunk_in_flight else None,
-        real_settle(self))[1])
+
+    def settle(mixer):
+        if mixer.chunk_in_flight:
+            rests.append(mixer.chunk_in_flight)
+        real_settle(mixer)
+
+    monkeypatch.setattr(MixedStepModel, "settle", settle)
+
     def tokens_and_carrying_steps(parts: int) -> tuple[dict, int]:
         config = ServerConfig(model=tiny_model_path, decode_stall_factor=1.5,
                               admission_window_ms=0, prefill_step_size=512,
