@@ -26,7 +26,11 @@ step that took more than FACTOR times that median, with its decoding rows, the p
 tokens it prefilled, and, where the trace has them, the engine thread's CPU time in it
 (a step that took much more than its CPU time waited: MLX's waits for the device
 block; the CUDA driver's own spin unless told to block) and MLX's active and cached
-memory after it.
+memory after it. Where the engine's host probes lie beside the trace (``PREFIX.PID``
+beside ``PREFIX-steps.PID``: a fixed Python loop timed after each step), each slow
+step shows its probe, and a line counts the window's steps whose probe read over
+``STALL_FACTOR`` times the median (the core slowed under the engine for the moment)
+with the others' p99: what the window's own work gives without the host's stalls.
 
 ``--pyspy FILE`` instead sums a ``py-spy record -f raw`` profile: the share of samples
 per innermost frame (self) and per frame anywhere on the stack (inclusive).
@@ -41,6 +45,7 @@ per innermost frame (self) and per frame anywhere on the stack (inclusive).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import statistics
 import sys
@@ -167,9 +172,17 @@ def slow_steps(path: str, factor: float) -> str:
            + (f"; CPU p50 {_percentile(cpus, .5):.1f} p90 {_percentile(cpus, .9):.1f}"
               if cpus else ""),
            f"  over {factor:g}x ({factor * base:.1f} ms): "
-           f"{sum(w > factor * base for w in walls)} steps",
-           f"  {'step':>5} {'ms':>6} {'CPU':>6} {'rows':>4} {'prefilled':>9} "
-           f"{'active MB':>9} {'cache MB':>9}  progress"]
+           f"{sum(w > factor * base for w in walls)} steps"]
+    probes = step_probes(path, inside)
+    if probes:
+        median = statistics.median(p for p in probes if p is not None)
+        stalled = [p is not None and p > STALL_FACTOR * median for p in probes]
+        calm = [w for w, s in zip(walls, stalled, strict=True) if not s]
+        out.append(f"  host probe after each step: p50 {median:.1f} us; over {STALL_FACTOR:g}x "
+                   f"in {sum(stalled)} of its steps, the others p99 {_percentile(calm, .99):.1f} "
+                   f"max {max(calm, default=0):.1f} ms")
+    out.append(f"  {'step':>5} {'ms':>6} {'CPU':>6} {'rows':>4} {'prefilled':>9} "
+               f"{'active MB':>9} {'cache MB':>9} {'probe us':>8}  progress")
     done_before = 0
     for i, step in enumerate(inside):
         done = prompts(step).get(longest, (done_before, 0))[0]
@@ -178,9 +191,35 @@ def slow_steps(path: str, factor: float) -> str:
             continue
         c = cpu(step)
         memory = step[10:12] if len(step) > 11 else ("-", "-")
+        probe = probes[i] if probes and probes[i] is not None else None
         out.append(f"  {i:5d} {wall(step):6.1f} {'-' if c is None else f'{c:.1f}':>6} "
-                   f"{step[3]:>4} {prefilled:9d} {memory[0]:>9} {memory[1]:>9}  {step[8]}")
+                   f"{step[3]:>4} {prefilled:9d} {memory[0]:>9} {memory[1]:>9} "
+                   f"{'-' if probe is None else f'{probe:.1f}':>8}  {step[8]}")
     return "\n".join(out)
+
+
+# A step whose host probe read more than this times the probes' median ran on a core
+# slowed for the moment (a stall of the host, not of the step's own work).
+STALL_FACTOR = 2.0
+
+
+def step_probes(path: str, steps: list) -> list[float | None]:
+    """The host probe the engine took right after each of ``steps`` (microseconds of a
+    fixed Python loop: ``runtime.engine.host_speed``), read from the probe log beside
+    the step trace (``PREFIX-steps.PID`` beside ``PREFIX.PID``); None where there is no
+    log, or no probe within 20 ms of a step's end."""
+    prefix, sep, pid = path.rpartition("-steps.")
+    try:
+        lines = open(f"{prefix}.{pid}").read().split() if sep else []
+    except OSError:
+        return []
+    times, values = [float(t) for t in lines[0::2]], [float(v) for v in lines[1::2]]
+    out: list[float | None] = []
+    for step in steps:
+        ended = float(step[2])
+        j = bisect.bisect_left(times, ended - 0.001)  # probe times have three decimals
+        out.append(values[j] if j < len(times) and times[j] - ended < 0.02 else None)
+    return out if any(v is not None for v in out) else []
 
 
 REQUEST_PHASES = ("to API", "API to Submit", "engine to 1st out", "back to client", "TTFT")
