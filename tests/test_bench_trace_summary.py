@@ -48,11 +48,28 @@ def test_the_window_is_the_last_longest_prompt_and_slow_steps_are_listed(tmp_pat
     assert "9 steps, p50 10.0 ms (CPU 9.5)" in head
     assert "max 50.0 ms" in percentiles and "CPU p50" in percentiles
     assert over.strip().startswith("over 3x (30.0 ms): 2 steps")
-    # step, ms, CPU, rows, prompt tokens prefilled, active and cached MB, progress
+    # step, ms, CPU, rows, prompt tokens prefilled, active and cached MB, the host probe
+    # after it (no probe log here), progress
     assert [r.split() for r in rows] == [
-        ["0", "50.0", "12.0", "16", "256", "2000", "40", "7:256/4100"],
-        ["2", "45.0", "44.0", "17", "64", "2100", "10", "7:384/4100"],
+        ["0", "50.0", "12.0", "16", "256", "2000", "40", "-", "7:256/4100"],
+        ["2", "45.0", "44.0", "17", "64", "2100", "10", "-", "7:384/4100"],
     ]
+
+
+def test_the_host_probe_after_each_slow_step_and_the_p99_without_stalls(tmp_path):
+    """With the engine's host probes beside the trace, each slow step shows the probe
+    taken right after it, and a line counts the window's steps whose probe read over
+    twice the median, with the other steps' p99."""
+    trace = write_trace(tmp_path, with_cpu=True)
+    steps = [line.split() for line in trace.read_text().splitlines()]
+    # A probe just after every step: 15 us, but 45 after the window's first step.
+    probes = [f"{float(s[2]) + 0.0004:.3f} {45.0 if s[8] == '7:256/4100' else 15.0}"
+              for s in steps]
+    (tmp_path / "probe.1").write_text("\n".join(probes) + "\n")
+    text = trace_summary.slow_steps(str(trace), 3.0)
+    head, percentiles, over, stalls, _columns, *rows = text.splitlines()
+    assert "p50 15.0 us; over 2x in 1 of its steps, the others p99 45.0 max 45.0 ms" in stalls
+    assert [r.split()[7] for r in rows] == ["45.0", "15.0"]
 
 
 def test_a_trace_without_cpu_times_still_lists_its_slow_steps(tmp_path):
