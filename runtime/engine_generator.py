@@ -54,7 +54,7 @@ class ChunkGoesFirst:
             return super()._next()
         generation = self._generation_batch
         generation.next = list  # mlx-lm's step runs its prompt part only
-        mixer.may_split = self._chunk_may_split()
+        mixer.may_split = mixer.chunk_parts > 1 and self._chunk_may_split()
         try:
             prompt_responses, _ = super()._next()
         finally:
