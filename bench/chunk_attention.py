@@ -6,7 +6,7 @@ costs beyond a decode step. This times the attention of one forward pass's layer
 (``--layers`` of them, each with its own keys and values, evaluated together as a
 pass evaluates them) after prefixes of several lengths, each way:
 
-* ``grouped``: the server's way (``runtime.mlx_environment.ChunkAttention``): the keys
+* ``grouped``: the server's way (``runtime.cuda_attention.ChunkAttention``): the keys
   read in place, two products around a float32 softmax, one boolean mask applied to
   the scores of the chunk's own keys alone (the prefix is visible to every query);
 * ``full-mask``: the same with the mask applied to every score, as the server did;
@@ -50,7 +50,7 @@ def split_values(mx, weights, values, block: int):
 
 def attention_ways(mx, fused, *, prefix, length, heads, kv_heads, dim, split_keys):
     """Each way as a function of (queries, keys buffer, values buffer)."""
-    from runtime.mlx_environment import ChunkAttention, grouped_attention
+    from runtime.cuda_attention import ChunkAttention, grouped_attention
 
     chunk = ChunkAttention(mx, prefix=prefix, length=length, left_padding=mx.array([0]))
     n_keys, group, scale = chunk.n_keys, heads // kv_heads, dim ** -0.5

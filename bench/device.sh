@@ -51,6 +51,9 @@
 #                                  (more than 20: bench/step_profiles.py's summary of them instead);
 #                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
+#   decode-memory=SHAPE[:ROWS[:TOKENS[:SYSTEMS]]]  bench/decode_memory.py: ROWS (16) sequences of
+#                                  TOKENS (12000) decoding, each step's time and MLX's memory,
+#                                  in mlx-lm's generator, ours, and a bare KV cache (SYSTEMS)
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
 #                                  idle included, 25 Hz): 16 streams' decode-only steps, then
 #                                  their steps beside a prompt of TOKENS (16000), in-process;
@@ -274,6 +277,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       dir=$(model "$shape")
       timeout -s INT -k 10 "$(limit 300)" python3 bench/one_client.py --model "$dir" --reps 5 \
         --json-out "$OUT/one-client-$shape.json" 2>&1 | tail -12
+      ;;
+    decode-memory)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 240)" python3 bench/decode_memory.py --model "$dir" \
+        --rows "${p1:-16}" --tokens "${p2:-12000}" --steps 40 --systems "${p3:-buffers,engine,ours}" \
+        --out "$OUT/decode-memory-$shape-${p1:-16}-${p2:-12000}.json" 2>&1 | tail -14
       ;;
     chunk-attention)
       # shellcheck disable=SC2086  # the options, split at spaces

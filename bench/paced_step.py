@@ -14,7 +14,7 @@ decode-only step is timed before the prompt arrives. Prefill attention paths
   float32  the server's unfused path through MLX's fallback (a float32 query)
   half     the server's unfused path in the inputs' precision (grouped_attention); in a
            shared pass the chunk's keys read in place from its cache, one mask for all
-           layers (runtime.mlx_environment.ChunkAttention)
+           layers (runtime.cuda_attention.ChunkAttention)
   padded   half as it was before that: in every layer the chunk's keys and values
            padded to the alignment by a copy, and the mask padded anew
   none     no attention at all for a prefill (the rest of the step's cost)
@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 
+import runtime.cuda_attention as environment  # noqa: E402
 import runtime.mixed_step as mixed_step  # noqa: E402
-import runtime.mlx_environment as environment  # noqa: E402
 from bench.clear_cache_cost import build_model  # noqa: E402
 from runtime.batch_sampling import BatchSampler, make_batch_generator  # noqa: E402
 from runtime.compiled_decode import install_compiled_decode  # noqa: E402
-from runtime.mlx_environment import unfused_prefill_attention  # noqa: E402
+from runtime.cuda_attention import unfused_prefill_attention  # noqa: E402
 
 FULL_CHUNK = 2048
 

@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="apply runtime.mlx_environment.server_defaults first")
     p.add_argument("--unfused-prefill", action="store_true",
                    help="route prefill attention to MLX's unfused path as the server does "
-                   "(runtime.mlx_environment.install_prefill_attention)")
+                   "(runtime.cuda_attention.install_prefill_attention)")
     p.add_argument("--json-out", default=None)
     ns = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from runtime.mlx_environment import install_prefill_attention, server_defaults
+    from runtime.cuda_attention import install_prefill_attention
+    from runtime.mlx_environment import server_defaults
 
     if ns.server_defaults:
         server_defaults()

@@ -64,8 +64,8 @@ import logging
 import time
 from typing import Any, NamedTuple
 
+from runtime.cuda_attention import chunk_attention
 from runtime.decode_lanes import decoding_batch
-from runtime.mlx_environment import chunk_attention
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +437,7 @@ class MixedStepModel:
                     x = mx.concatenate([x.reshape(rows, -1), hidden])
                 chunk_mask = create_attention_mask(chunk_tokens[..., None], theirs)
                 # On CUDA, the chunk's keys read in place from its cache and one mask
-                # for its layers (runtime.mlx_environment.ChunkAttention); else the
+                # for its layers (runtime.cuda_attention.ChunkAttention); else the
                 # installed attention.
                 aligned = chunk_attention(mx, theirs, length=chunk_tokens.shape[1],
                                           heads=layer.self_attn.n_heads, dtype=x.dtype)

@@ -396,7 +396,7 @@ def check_internals(generator: BatchGenerator | None = None) -> None:
         "(self.step + keys.shape[2] - 1) // self.step" in growing,
         "BatchKVCache.update_and_fetch grows the cache by whole blocks of self.step tokens",
     )
-    # runtime.mlx_environment.ChunkAttention: a layer's keys are its buffer's first _idx,
+    # runtime.cuda_attention.ChunkAttention: a layer's keys are its buffer's first _idx,
     # the buffer zero-filled where it grows, and its mask is causal from _idx with
     # left_padding.
     expect(

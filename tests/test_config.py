@@ -201,6 +201,7 @@ TEXT_VALUES = {
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "prefill_attention": "mlx",
+    "decode_attention": "mlx",
     "cpu_blas": "reference",
     "prefill_buffers": "clear",
     "decode_path": "mlx",

@@ -329,7 +329,7 @@ def test_shared_passes_queued_while_sequences_decode_give_the_same_tokens(
 def install_attention_as_on_cuda(monkeypatch) -> None:
     """The server's prefill attention installed in this process as on CUDA (for this
     test only): a shared pass's chunk then reads its keys in place (``ChunkAttention``)."""
-    from runtime.mlx_environment import install_prefill_attention
+    from runtime.cuda_attention import install_prefill_attention
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
@@ -344,7 +344,7 @@ def test_a_shared_pass_reads_its_chunk_s_keys_in_place_under_the_grouped_attenti
     (``ChunkAttention``): the same tokens as the installed attention's own path, also
     for a lone prompt's chunks padded onto the ladder (``step`` 100)."""
     import runtime.mixed_step as mixed_step
-    from runtime.mlx_environment import ChunkAttention
+    from runtime.cuda_attention import ChunkAttention
 
     install_attention_as_on_cuda(monkeypatch)
     calls = []
@@ -428,7 +428,7 @@ def test_a_chunk_over_two_steps_reads_its_keys_in_place_as_on_cuda(model_path, m
     installed, a lone prompt's chunk over two steps. Each part's layers attend over
     their cache's buffer (``ChunkAttention``, the second part's built from its first
     layer's cache), and the tokens are those of one pass a chunk."""
-    from runtime.mlx_environment import ChunkAttention
+    from runtime.cuda_attention import ChunkAttention
 
     install_attention_as_on_cuda(monkeypatch)
     built = []

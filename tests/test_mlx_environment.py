@@ -1,5 +1,6 @@
-"""The MLX settings a server needs (runtime.mlx_environment): set by the engine before
-its first MLX operation, unless the operator set them."""
+"""The MLX settings a server needs (runtime.mlx_environment), set by the engine before
+its first MLX operation unless the operator set them, and the attention routes it
+installs on CUDA (runtime.cuda_attention)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import os
 import pytest
 
 from runtime.config import ServerConfig
+from runtime.cuda_attention import (
+    KEY_ALIGNMENT,
+    chunk_attention,
+    in_place_chunk_limit,
+    install_grouped_decode,
+    install_prefill_attention,
+    unfused_prefill_attention,
+)
 from runtime.engine.loading import make_engine_core
 from runtime.mlx_environment import (
-    KEY_ALIGNMENT,
     PREFILL_STEP_SIZES,
     SERVER_DEFAULTS,
-    chunk_attention,
     default_prefill_step_size,
-    in_place_chunk_limit,
-    install_prefill_attention,
     server_defaults,
-    unfused_prefill_attention,
 )
 
 
@@ -114,6 +118,55 @@ def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
     assert seen.pop() == (mx.float32, 8, None)
 
 
+def test_a_masked_decode_step_goes_to_the_grouped_products_where_installed():
+    """A decode step (one query a row) under an array mask, rows of different lengths,
+    goes to the grouped products with ``grouped_decode`` and computes MLX's attention;
+    with no mask, with sinks, in float32 or without ``grouped_decode`` it goes to MLX."""
+    import mlx.core as mx
+
+    seen = []
+
+    def fused(q, k, v, *, scale, mask=None, sinks=None):
+        seen.append(q.shape[2])
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    q, k, v = _qkv(mx, 2, 1, 70, mx.bfloat16)
+    padded = (mx.arange(70) >= mx.array([5, 0])[:, None])[:, None, None, :]  # row 0 padded
+    expected = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.25,
+        mask=padded)
+    attention = unfused_prefill_attention(fused, mx, prefill=False, grouped_decode=True)
+    got = attention(q, k, v, scale=0.25, mask=padded)
+    assert seen == [] and got.dtype == mx.bfloat16 and got.shape == q.shape
+    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    attention(q, k, v, scale=0.25)  # one length: MLX's kernel takes it
+    attention(q, k, v, scale=0.25, mask=padded, sinks=mx.zeros((4,)))
+    attention(q.astype(mx.float32), k, v, scale=0.25, mask=padded)
+    assert seen == [1, 1, 1]
+    attention.grouped_decode = False
+    attention(q, k, v, scale=0.25, mask=padded)
+    assert seen == [1, 1, 1, 1]
+
+
+def test_grouped_decode_installs_on_cuda_alone_or_beside_the_prefill_route(monkeypatch):
+    import mlx.core as mx
+
+    original = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", original)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert not install_grouped_decode(mx)
+    assert mx.fast.scaled_dot_product_attention is original
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_grouped_decode(mx)
+    installed = mx.fast.scaled_dot_product_attention
+    # Decode alone: a prefill keeps MLX's way, and no chunk reads its keys in place.
+    assert installed.grouped_decode and not installed.prefill and not installed.grouped
+    assert install_prefill_attention(mx, full_chunk=64) and install_grouped_decode(mx)
+    assert mx.fast.scaled_dot_product_attention is installed
+    assert installed.prefill and installed.grouped and installed.grouped_decode
+    assert installed.full_chunk == 64
+
+
 def test_unfused_prefill_attention_computes_the_same_attention():
     """Against MLX's own attention, with a causal mask over a cached prefix and with an
     additive mask as a padded prefill group has; bfloat16's precision."""
@@ -138,7 +191,7 @@ def test_grouped_attention_matches_mlx_for_every_mask_a_prefill_has(n_keys):
     float32, within bfloat16's precision; values may have a head size of their own."""
     import mlx.core as mx
 
-    from runtime.mlx_environment import grouped_attention
+    from runtime.cuda_attention import grouped_attention
 
     reference = mx.fast.scaled_dot_product_attention
     q, k, v = _qkv(mx, 2, 6, n_keys, mx.bfloat16)
@@ -165,7 +218,7 @@ def test_grouped_attention_pads_the_keys_to_the_alignment():
     (the GPU's fast matrix kernels need it); aligned ones are not copied."""
     import mlx.core as mx
 
-    from runtime.mlx_environment import KEY_ALIGNMENT, grouped_attention
+    from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
 
     class Padding:
         def __init__(self):
@@ -195,7 +248,7 @@ def test_grouped_attention_keeps_a_row_that_sees_no_key_finite():
     since the next layer's keys at those positions meet zero weights (0 x NaN is NaN)."""
     import mlx.core as mx
 
-    from runtime.mlx_environment import grouped_attention
+    from runtime.cuda_attention import grouped_attention
 
     q, k, v = _qkv(mx, 1, 6, 10, mx.bfloat16)
     nothing = mx.zeros((1, 1, 6, 10), dtype=mx.bool_)
@@ -207,7 +260,7 @@ def test_attention_sinks_keep_mlx_s_path(monkeypatch):
     """grouped_attention takes no sinks: such a call goes through MLX's fallback."""
     import mlx.core as mx
 
-    import runtime.mlx_environment as environment
+    import runtime.cuda_attention as environment
 
     seen = []
 
@@ -253,7 +306,7 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
         queries.append((q.dtype, q.shape[2]))
         return original(q, *args, **kwargs)
 
-    import runtime.mlx_environment as environment
+    import runtime.cuda_attention as environment
 
     grouped = environment.grouped_attention
 
@@ -285,8 +338,9 @@ def _installed(monkeypatch):
 
 def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeypatch, tiny_model_path):
     """A padded prefill group of two prompts, then a chunk after each one's cached
-    prefix, through mlx-lm's batch caches and the tiny model in bfloat16: the logits
-    with the server's prefill attention installed match MLX's own attention."""
+    prefix and a decode step, through mlx-lm's batch caches and the tiny model in
+    bfloat16: the logits with the server's attention routes installed match MLX's own
+    attention."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
@@ -300,11 +354,13 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     def logits():
         cache = [BatchKVCache(left_padding=[2, 0]) for _ in range(layers)]
         out = [model(first, cache=cache), model(then, cache=cache)]
+        out.append(model(mx.array([[25], [26]]), cache=cache))  # a decode step, masked
         mx.eval(out)
         return [o.astype(mx.float32) for o in out]
 
     expected = logits()
     _installed(monkeypatch)
+    assert install_grouped_decode(mx)
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape
@@ -318,7 +374,7 @@ def test_a_pass_s_layers_share_one_mask_and_another_source_gets_its_own():
     as the next pass has, is made anew, and each gives MLX's attention."""
     import mlx.core as mx
 
-    from runtime.mlx_environment import _key_mask, grouped_attention
+    from runtime.cuda_attention import _key_mask, grouped_attention
 
     q, k, v = _qkv(mx, 2, 6, 10, mx.bfloat16)
     first = (mx.arange(10)[None, :] <= (mx.arange(6)[:, None] + 4))[None, None]

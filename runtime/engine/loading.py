@@ -28,6 +28,11 @@ from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
+from runtime.cuda_attention import (
+    in_place_chunk_limit,
+    install_grouped_decode,
+    install_prefill_attention,
+)
 from runtime.cuda_graphs import cuda_graph_environment
 from runtime.cuda_pool import keep_cuda_pool
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
@@ -54,8 +59,6 @@ from runtime.mlx_environment import (
     default_decode_lane_padding,
     default_prefill_step_size,
     device_memory,
-    in_place_chunk_limit,
-    install_prefill_attention,
     prefill_score_budget,
     server_defaults,
 )
@@ -267,6 +270,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         mx, full_chunk=config.prefill_step_size)
     if on_grid:
         log.debug("prefill attention: MLX's unfused path")
+    if config.decode_attention == "grouped" and install_grouped_decode(mx):
+        log.debug("a masked decode step's attention: grouped products")
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
     if group is None and config.pipeline:

@@ -397,7 +397,7 @@ class PacedSteps:
     (``after``). ``coming`` reads what the step will do:
     ``runtime.mlx_lm_prefill.coming_prefill``. ``chunk_limit(rows=, prefix=)``: the
     most tokens a paced chunk of that many prompts after that many keys should have
-    (``runtime.mlx_environment.in_place_chunk_limit``; None from it or unset: no
+    (``runtime.cuda_attention.in_place_chunk_limit``; None from it or unset: no
     bound), since its cost jumps past it and the pacer's line, fitted on shorter
     chunks, would not foresee that. ``lone``: the reader of a lone prompt's prefix
     (``runtime.mlx_lm_prefill.lone_prompt``) whose full chunks are kept on the grid

@@ -1,0 +1,177 @@
+"""A decoding batch at depth: each step's time and MLX's memory, in mlx-lm's generator and ours.
+
+In-process: ``--rows`` prompts of about ``--tokens`` random tokens (each 37 fewer than
+the one before) are prefilled,
+then every row decodes; ``--steps`` decode steps are timed one by one (each waits
+for the device), with MLX's active memory after the step and its peak during it.
+``engine``: mlx-lm's ``BatchGenerator`` as the bare engine drives it; ``ours``: the
+server's generator (``make_batch_generator``: compiled decode path, shared passes,
+decode lanes, the server's attention routes on CUDA; ``ours-mlx``: the same with a
+masked decode step's attention left to MLX, ``--decode-attention mlx``); ``buffers``: no model, only a KV cache's update and attention per layer
+(Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the next
+step queued before the last one's output is read); ``buffers-mask``: the same under
+the boolean mask mlx-lm gives rows of different lengths. A step that copies the batch's KV cache instead of writing its new
+token in place shows as a peak of about twice the cache, and takes as long as that
+copy.
+
+    python bench/decode_memory.py --model DIR --rows 16 --tokens 12000 --steps 40
+
+Writes JSON with ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GB = 1e9
+
+
+def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int) -> list[dict]:
+    """Insert ``prompts``, step until ``rows`` sequences decode, then time ``steps``."""
+    gen.insert(prompts, max_tokens=[100_000] * len(prompts))
+    while len(gen._generation_batch) < rows:
+        gen.next()
+    gen.next()
+    mx.synchronize()
+    out = []
+    for _ in range(steps):
+        mx.reset_peak_memory()
+        began = time.perf_counter()
+        gen.next()
+        mx.synchronize()
+        out.append({"ms": round(1000 * (time.perf_counter() - began), 2),
+                    "active_gb": round(mx.get_active_memory() / GB, 2),
+                    "peak_gb": round(mx.get_peak_memory() / GB, 2),
+                    "cache_gb": round(mx.get_cache_memory() / GB, 2)})
+    return out
+
+
+def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
+                 grouped: str = "") -> list[dict]:
+    """``decode_steps`` for a bare KV cache: each step writes one token into every layer's
+    buffers (``BatchKVCache``'s slice assignment) and attends over them; ``masked``: under
+    a boolean mask (rows, 1, 1, keys) as mlx-lm's ``BatchKVCache`` makes for rows of
+    different lengths (here the first row left-padded by 64 tokens). ``grouped``: the
+    masked attention through ``runtime.cuda_attention.grouped_attention`` instead of
+    MLX's, its keys as they are ("unaligned") or read from the buffer up to a multiple of
+    ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked)."""
+    from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
+
+    layers, heads, dim = 28, 8, 128
+    shape = (rows, heads, tokens + 256, dim)
+    caches = [[mx.zeros(shape, mx.bfloat16), mx.zeros(shape, mx.bfloat16)] for _ in range(layers)]
+    mx.eval(caches)
+    query = mx.random.normal((rows, 2 * heads, 1, dim)).astype(mx.bfloat16)
+    end, previous, out = tokens, None, []
+    for _ in range(steps + 1):
+        mx.reset_peak_memory()
+        began = time.perf_counter()
+        x, mask = query, None
+        seen = end + 1
+        if grouped == "aligned":
+            seen = -(-seen // KEY_ALIGNMENT) * KEY_ALIGNMENT
+        if masked:
+            keys_at = mx.arange(seen)
+            mask = (keys_at >= mx.array([64] + [0] * (rows - 1))[:, None]) & (keys_at <= end)
+            mask = mask[:, None, None, :]
+        for keys, values in caches:
+            new = (x[:, :heads] * 0.5).astype(mx.bfloat16)
+            keys[..., end:end + 1, :] = new
+            values[..., end:end + 1, :] = new
+            if grouped:
+                x = grouped_attention(mx, x, keys[..., :seen, :], values[..., :seen, :],
+                                      scale=dim ** -0.5, mask=mask, align=False)
+            else:
+                x = mx.fast.scaled_dot_product_attention(
+                    x, keys[..., :seen, :], values[..., :seen, :], scale=dim ** -0.5, mask=mask)
+        end += 1
+        mx.async_eval(x)
+        if previous is not None:
+            previous.sum().item()
+        previous = x
+        out.append({"ms": round(1000 * (time.perf_counter() - began), 2),
+                    "active_gb": round(mx.get_active_memory() / GB, 2),
+                    "peak_gb": round(mx.get_peak_memory() / GB, 2),
+                    "cache_gb": round(mx.get_cache_memory() / GB, 2)})
+    return out[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model directory (default: the tiny model, built here)")
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=12000)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--systems", default="engine,ours")
+    p.add_argument("--out", help="write the JSON here")
+    ns = p.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from runtime.batch_sampling import BatchSampler, make_batch_generator
+    from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
+    from runtime.cuda_attention import install_grouped_decode, install_prefill_attention
+    from runtime.mlx_environment import PREFILL_STEP_SIZES, default_decode_lane_padding
+
+    model_path = ns.model
+    if model_path is None:
+        from runtime.tiny_model import build_tiny_model
+
+        model_path = str(build_tiny_model(Path("/tmp/decode-memory-model"), seed=0))
+    model, tokenizer = load(model_path)
+    rng = random.Random(0)
+    vocab = min(tokenizer.vocab_size, 30000)
+    # Rows of different lengths, as sessions are (mlx-lm pads them on the left).
+    prompts = [[rng.randrange(10, vocab) for _ in range(ns.tokens - 37 * i)]
+               for i in range(ns.rows)]
+    results = {}
+    for system in ns.systems.split(","):
+        if system.startswith("buffers"):
+            steps = buffer_steps(mx, ns.rows, ns.tokens, ns.steps,
+                                 masked=system != "buffers",
+                                 grouped=system.removeprefix("buffers-grouped").strip("-")
+                                 or ("unaligned" if system.startswith("buffers-grouped") else ""))
+        elif system == "engine":
+            # One prompt at a time: mlx-lm prefills a batch under one array mask, whose
+            # scores for eight 12k prompts ran an H100 out of memory.
+            gen = BatchGenerator(model, completion_batch_size=ns.rows + 8, prefill_batch_size=1)
+        else:
+            # The server's attention routes, as its engine installs them (CUDA only);
+            # "ours-mlx": a masked decode step's attention left to MLX.
+            install_prefill_attention(mx, full_chunk=PREFILL_STEP_SIZES["gpu"])
+            if install_grouped_decode(mx):
+                mx.fast.scaled_dot_product_attention.grouped_decode = system == "ours"
+            install_compiled_decode(model)
+            trace_batch_sizes(model, range(1, ns.rows + 2))
+            gen = make_batch_generator(model, sampler=BatchSampler(), chunk_pass="shared",
+                                       lane_padding=default_decode_lane_padding(mx),
+                                       completion_batch_size=ns.rows + 8, prefill_batch_size=1)
+        if not system.startswith("buffers"):
+            steps = decode_steps(mx, gen, ns.rows, prompts, ns.steps)
+            del gen
+        mx.clear_cache()
+        ms = [s["ms"] for s in steps]
+        results[system] = {"steps": steps, "p50_ms": statistics.median(ms), "max_ms": max(ms),
+                           "peak_gb": max(s["peak_gb"] for s in steps),
+                           "active_gb": statistics.median(s["active_gb"] for s in steps)}
+        print(f"{system}: {ns.rows} rows at {ns.tokens} tokens: step p50 {results[system]['p50_ms']:.1f} "
+              f"ms, max {max(ms):.1f}; active {results[system]['active_gb']:.2f} GB, "
+              f"peak {results[system]['peak_gb']:.2f}", flush=True)
+        print("  " + " ".join(f"{s['ms']:.0f}/{s['peak_gb']:.1f}" for s in steps[:30]), flush=True)
+    if ns.out:
+        Path(ns.out).write_text(json.dumps({"argv": sys.argv, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
