@@ -44,6 +44,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from runtime.cuda_attention import decode_attention
+
 log = logging.getLogger(__name__)
 
 DECODE_PATHS = ("compiled", "mlx")
@@ -344,9 +346,10 @@ def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
             pair.give_up(exc)
             return base.__call__(self, x, mask, cache)
         keys, values = cache.update_and_fetch(keys, values)
-        attended = attention(
-            queries, keys, values, cache=cache, scale=self.self_attn.scale, mask=mask
-        )
+        scale = self.self_attn.scale
+        attended = decode_attention(mx, queries, cache, scale=scale, mask=mask)
+        if attended is None:
+            attended = attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
         try:
             return pair.after_attention(x, attended, *weights)
         except Exception as exc:  # the cache has this token: finish the layer uncompiled

@@ -53,8 +53,9 @@ A prefill's attention goes to unfused attention instead of cuDNN:
   number of chunks goes to cuDNN padded to a full chunk, whose graph it shares.
 
 A decode step (one query token a row) meets few shapes and keeps MLX's kernel,
-except under an array mask (rows of different lengths), which that kernel does not
-take: such a step goes to ``grouped_attention`` (``unfused_prefill_attention``).
+except under an array mask (a batch of rows), which that kernel does not take: the
+engine's decode paths (``runtime.compiled_decode``, ``runtime.mixed_step``) send
+such a step to ``decode_attention``, the grouped products over the cache's buffer.
 """
 
 from __future__ import annotations
@@ -122,21 +123,13 @@ def unfused_prefill_attention(
     grouped_decode: bool = False,
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
-    sent to unfused attention (``prefill``) and a decode step's masked calls to
-    ``grouped_attention`` (``grouped_decode``); every other call as it was. ``scores``:
+    sent to unfused attention (``prefill``); every other call as it was. ``scores``:
     "float32" (MLX's fallback, reached through a float32 query) or "half"
     (``grouped_attention`` in the inputs' precision). ``full_chunk``: the prefill's
     chunk length (--prefill-step-size), for padding a lone prompt's last chunk to it
-    (None: no padding). ``full_chunk``, ``prefill`` and ``grouped_decode`` are the
-    returned function's attributes of those names, which later installs set.
-
-    Why decode: MLX's CUDA kernel for one query a row takes no array mask, and a batch
-    whose rows differ in length has one (mlx-lm's ``BatchKVCache`` pads them on the
-    left). MLX's fallback then reads every KV head's keys and values once for each of
-    its query heads; ``grouped_attention`` reads them once. On an H100, 16 rows at 12k
-    tokens of context (Qwen3-0.6B's 28 layers, two query heads a KV head): 31 ms a step
-    under MLX's fallback against 15 ms for its kernel with no mask
-    (``bench/decode_memory.py``)."""
+    (None: no padding). ``full_chunk``, ``prefill`` and ``grouped_decode`` (whether
+    ``decode_attention`` applies) are the returned function's attributes of those
+    names, which later installs set."""
     half = (mx.bfloat16, mx.float16)
 
     def unfused(queries, keys, values, **kwargs):
@@ -179,12 +172,6 @@ def unfused_prefill_attention(
         return out[:, :, :n_queries]
 
     def attention(queries, keys, values, *args, **kwargs):
-        if (attention.grouped_decode and queries.ndim == 4 and queries.shape[2] == 1
-                and queries.dtype in half and not args and kwargs.get("sinks") is None
-                and isinstance(kwargs.get("mask"), mx.array)):
-            decoded = grouped_attention(mx, queries, keys, values, align=False, **kwargs)
-            if decoded is not None:
-                return decoded
         if (attention.prefill and queries.ndim == 4 and queries.shape[2] > 1
                 and queries.dtype in half and not args):
             elements = queries.size // queries.shape[3] * keys.shape[2]
@@ -390,6 +377,55 @@ def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttent
     return ChunkAttention(mx, prefix=prefix, length=length, left_padding=cache.left_padding)
 
 
+class _KeptDecodeMask(threading.local):
+    """The last decode mask ``decode_attention`` widened on this thread, and its source."""
+
+    source: Any = None
+    n_keys: int = 0
+    mask: Any = None
+
+
+_kept_decode_mask = _KeptDecodeMask()
+
+
+def decode_attention(mx, queries, cache, *, scale, mask):
+    """A decode step's attention for ``queries`` (one a row) over ``cache`` (a
+    ``BatchKVCache`` layer, this step's keys already in it) under mlx-lm's boolean
+    ``mask`` (rows, 1, 1, keys), as ``grouped_attention`` computes it over the cache's
+    buffer up to its length rounded up to ``KEY_ALIGNMENT`` (the keys past its end
+    masked, and the buffer grown with zeros first where it is shorter); None where
+    this does not apply: the route not installed (``install_grouped_decode``), no array
+    mask, not half precision, another cache.
+
+    Why: MLX's CUDA kernel for one query a row takes no array mask, and mlx-lm gives a
+    decoding batch one (its rows are padded on the left to one length). MLX's fallback
+    then reads every KV head's keys and values once for each of its query heads; the
+    grouped products read them once, and over an aligned number of keys the products
+    stay on the GPU's fast matrix kernels. On an H100, 16 rows at 12k tokens of
+    context, Qwen3-0.6B's 28 layers (two query heads a KV head): 31 ms a step under
+    MLX's fallback, 15 ms through its kernel with no mask, 10 ms this way, and 14 or
+    38 ms (alternating) with the keys unaligned (``bench/decode_memory.py``)."""
+    if (not getattr(mx.fast.scaled_dot_product_attention, "grouped_decode", False)
+            or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
+            or queries.shape[2] != 1 or queries.dtype not in (mx.bfloat16, mx.float16)
+            or type(cache).__name__ != "BatchKVCache" or cache.keys is None):
+        return None
+    end = cache._idx
+    n_keys = -(-end // KEY_ALIGNMENT) * KEY_ALIGNMENT
+    if mask.shape[-1] != end:
+        return None
+    if cache.keys.shape[2] < n_keys:  # as mlx-lm grows it: zeros at the end
+        widths = [(0, 0), (0, 0), (0, n_keys - cache.keys.shape[2]), (0, 0)]
+        cache.keys, cache.values = mx.pad(cache.keys, widths), mx.pad(cache.values, widths)
+    kept = _kept_decode_mask
+    if kept.source is not mask or kept.n_keys != n_keys:
+        widened = mx.pad(mask, [(0, 0)] * 3 + [(0, n_keys - end)], constant_values=False)
+        kept.source, kept.n_keys, kept.mask = mask, n_keys, widened
+    return grouped_attention(mx, queries, cache.keys[..., :n_keys, :],
+                             cache.values[..., :n_keys, :], scale=scale, mask=kept.mask,
+                             align=False)
+
+
 def install_prefill_attention(mx, full_chunk: int | None = None) -> bool:
     """Route prefill attention to MLX's unfused path in this process, on CUDA only
     (MLX's Metal kernels build no per-shape graphs); whether it did. Idempotent; the
@@ -404,9 +440,9 @@ def install_prefill_attention(mx, full_chunk: int | None = None) -> bool:
 
 
 def install_grouped_decode(mx) -> bool:
-    """Send a decode step's masked attention to ``grouped_attention`` in this process, on
-    CUDA only (MLX's Metal kernel for one query a row takes the mask itself); whether it
-    did. Idempotent."""
+    """Let ``decode_attention`` compute a decode step's masked attention in this process,
+    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself); whether
+    it did. Idempotent."""
     current = _installed_attention(mx)
     if current is None:
         return False

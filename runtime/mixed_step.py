@@ -64,7 +64,7 @@ import logging
 import time
 from typing import Any, NamedTuple
 
-from runtime.cuda_attention import chunk_attention
+from runtime.cuda_attention import chunk_attention, decode_attention
 from runtime.decode_lanes import decoding_batch
 
 log = logging.getLogger(__name__)
@@ -447,9 +447,11 @@ class MixedStepModel:
                 x, ours.offset, theirs.offset, *weights
             )
             dk, dv = ours.update_and_fetch(dk, dv)
-            decode_attended = scaled_dot_product_attention(
-                dq, dk, dv, cache=ours, scale=scale, mask=decode_mask
-            )
+            decode_attended = decode_attention(mx, dq, ours, scale=scale, mask=decode_mask)
+            if decode_attended is None:
+                decode_attended = scaled_dot_product_attention(
+                    dq, dk, dv, cache=ours, scale=scale, mask=decode_mask
+                )
             ck, cv = theirs.update_and_fetch(ck, cv)
             if i == last:  # the chunk's keys and values are all its pass is for
                 x = pair.after_attention(x[:rows].reshape(rows, 1, -1), decode_attended,

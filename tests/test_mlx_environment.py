@@ -12,6 +12,7 @@ from runtime.config import ServerConfig
 from runtime.cuda_attention import (
     KEY_ALIGNMENT,
     chunk_attention,
+    decode_attention,
     in_place_chunk_limit,
     install_grouped_decode,
     install_prefill_attention,
@@ -118,34 +119,38 @@ def test_prefill_attention_goes_unfused_and_decoding_as_it_was():
     assert seen.pop() == (mx.float32, 8, None)
 
 
-def test_a_masked_decode_step_goes_to_the_grouped_products_where_installed():
-    """A decode step (one query a row) under an array mask, rows of different lengths,
-    goes to the grouped products with ``grouped_decode`` and computes MLX's attention;
-    with no mask, with sinks, in float32 or without ``grouped_decode`` it goes to MLX."""
+@pytest.mark.parametrize("buffer_slack", [0, 3, 200])
+def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
+        monkeypatch, buffer_slack):
+    """Two rows decoding (one left-padded by 5) in a batch cache whose buffer ends
+    ``buffer_slack`` keys after its last: with the grouped decode installed, the step's
+    attention over the buffer up to an aligned length (grown where it is shorter) is
+    MLX's attention over the cache's keys under mlx-lm's mask."""
     import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
 
-    seen = []
-
-    def fused(q, k, v, *, scale, mask=None, sinks=None):
-        seen.append(q.shape[2])
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-    q, k, v = _qkv(mx, 2, 1, 70, mx.bfloat16)
-    padded = (mx.arange(70) >= mx.array([5, 0])[:, None])[:, None, None, :]  # row 0 padded
+    cache = BatchKVCache(left_padding=[5, 0])
+    _, k, v = _qkv(mx, 2, 1, 69 + buffer_slack, mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    cache.keys, cache.values = k, v  # the buffer exactly as long as written
+    cache.trim(buffer_slack + 1)  # 69 - 1 keys kept, the rest stale past the end
+    q, k, v = _qkv(mx, 2, 1, 1, mx.bfloat16)
+    mask = create_attention_mask(q[:, 0, :, :1], cache)
+    assert decode_attention(mx, q, cache, scale=0.25, mask=mask) is None  # not installed
+    keys, values = cache.update_and_fetch(k, v)
     expected = mx.fast.scaled_dot_product_attention(
-        q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=0.25,
-        mask=padded)
-    attention = unfused_prefill_attention(fused, mx, prefill=False, grouped_decode=True)
-    got = attention(q, k, v, scale=0.25, mask=padded)
-    assert seen == [] and got.dtype == mx.bfloat16 and got.shape == q.shape
+        q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+        scale=0.25, mask=mask)
+    _installed(monkeypatch)
+    assert install_grouped_decode(mx)
+    assert decode_attention(mx, q, cache, scale=0.25, mask=None) is None
+    assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.25, mask=mask) is None
+    got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
+    assert got.dtype == mx.bfloat16 and got.shape == q.shape
     assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
-    attention(q, k, v, scale=0.25)  # one length: MLX's kernel takes it
-    attention(q, k, v, scale=0.25, mask=padded, sinks=mx.zeros((4,)))
-    attention(q.astype(mx.float32), k, v, scale=0.25, mask=padded)
-    assert seen == [1, 1, 1]
-    attention.grouped_decode = False
-    attention(q, k, v, scale=0.25, mask=padded)
-    assert seen == [1, 1, 1, 1]
+    assert cache.keys.shape[2] >= 128 and cache._idx == 69  # grown to the aligned length
+    assert mx.array_equal(cache.keys[..., :69, :], keys).item()
 
 
 def test_grouped_decode_installs_on_cuda_alone_or_beside_the_prefill_route(monkeypatch):
@@ -345,6 +350,8 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache
 
+    from runtime.compiled_decode import install_compiled_decode
+
     model, _ = load(tiny_model_path)
     model.set_dtype(mx.bfloat16)
     layers = len(model.layers)
@@ -358,6 +365,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
         mx.eval(out)
         return [o.astype(mx.float32) for o in out]
 
+    install_compiled_decode(model)  # the engine's decode path, which reads the route
     expected = logits()
     _installed(monkeypatch)
     assert install_grouped_decode(mx)
