@@ -1,18 +1,27 @@
 """A decoding batch at depth: each step's time and MLX's memory, in mlx-lm's generator and ours.
 
 In-process: ``--rows`` prompts of about ``--tokens`` random tokens (each 37 fewer than
-the one before) are prefilled,
-then every row decodes; ``--steps`` decode steps are timed one by one (each waits
-for the device), with MLX's active memory after the step and its peak during it.
-``engine``: mlx-lm's ``BatchGenerator`` as the bare engine drives it; ``ours``: the
-server's generator (``make_batch_generator``: compiled decode path, shared passes,
-decode lanes, the server's attention routes on CUDA; ``ours-mlx``: the same with a
-masked decode step's attention left to MLX, ``--decode-attention mlx``); ``buffers``: no model, only a KV cache's update and attention per layer
-(Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the next
-step queued before the last one's output is read); ``buffers-mask``: the same under
-the boolean mask mlx-lm gives rows of different lengths. A step that copies the batch's KV cache instead of writing its new
-token in place shows as a peak of about twice the cache, and takes as long as that
-copy.
+the one before, so that the rows are padded as sessions' are) are prefilled, then
+every row decodes; ``--steps`` decode steps are timed one by one (each waits for the
+device), with MLX's active memory after the step and its peak during it. Systems
+(``--systems``):
+
+* ``engine``: mlx-lm's ``BatchGenerator`` as the bare engine drives it.
+* ``ours``: the server's generator (``make_batch_generator``: compiled decode path,
+  shared passes, decode lanes) with the server's attention routes on CUDA;
+  ``ours-mlx``: the same with a masked decode step's attention left to MLX
+  (``--decode-attention mlx``). Run after another system in one process, a system's
+  active memory also counts what the one before left.
+* ``buffers``: no model, only a KV cache's update and attention per layer
+  (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
+  next step queued before the last one's output is read); ``buffers-mask``: under the
+  boolean mask mlx-lm gives a batch of rows; ``buffers-grouped``: that mask through
+  ``runtime.cuda_attention.grouped_attention`` over the keys as they are;
+  ``buffers-grouped-aligned``: the same over the buffer up to a multiple of
+  ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it.
+
+A step that copies the batch's KV cache instead of writing its new token in place
+would show as a peak of about twice the cache.
 
     python bench/decode_memory.py --model DIR --rows 16 --tokens 12000 --steps 40
 
