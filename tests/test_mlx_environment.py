@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+import runtime.cuda_attention as cuda_attention
 from runtime.config import ServerConfig
 from runtime.cuda_attention import (
     KEY_ALIGNMENT,
@@ -144,6 +145,9 @@ def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
         scale=0.25, mask=mask)
     _installed(monkeypatch)
     assert install_grouped_decode(mx)
+    # Two rows of 69 keys are far below what pays at a real model's depth.
+    assert decode_attention(mx, q, cache, scale=0.25, mask=mask) is None
+    monkeypatch.setattr(cuda_attention, "DECODE_GROUPED_MIN_BYTES", 0)
     assert decode_attention(mx, q, cache, scale=0.25, mask=None) is None
     assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.25, mask=mask) is None
     got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
@@ -369,6 +373,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     expected = logits()
     _installed(monkeypatch)
     assert install_grouped_decode(mx)
+    monkeypatch.setattr(cuda_attention, "DECODE_GROUPED_MIN_BYTES", 0)  # a tiny model's step
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape
