@@ -412,10 +412,11 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     decoding batch one (its rows are padded on the left to one length). MLX's fallback
     then reads every KV head's keys and values once for each of its query heads; the
     grouped products read them once, and over an aligned number of keys the products
-    stay on the GPU's fast matrix kernels. On an H100, 16 rows at 12k tokens of
-    context, Qwen3-0.6B's 28 layers (two query heads a KV head): 31 ms a step under
-    MLX's fallback, 15 ms through its kernel with no mask, 10 ms this way, and 14 or
-    38 ms (alternating) with the keys unaligned (``bench/decode_memory.py``)."""
+    stay on the GPU's fast matrix kernels. On an H100, the KV update and attention
+    of 16 rows at 12k tokens of context, Qwen3-0.6B's 28 layers (two query heads a KV
+    head): 31 ms a step under MLX's fallback, 15 ms through its kernel with no mask,
+    10 ms this way, and 14 or 38 ms (alternating) with the keys unaligned
+    (``bench/decode_memory.py``)."""
     if (not getattr(mx.fast.scaled_dot_product_attention, "grouped_decode", False)
             or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
             or queries.shape[2] != 1 or queries.dtype not in (mx.bfloat16, mx.float16)

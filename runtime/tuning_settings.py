@@ -284,21 +284,22 @@ class TuningSettings:
     )
     decode_attention: str = setting(
         "grouped",
-        help="on CUDA, the attention of a decode step whose rows differ in length as "
-        "products that read each KV head's keys once (grouped) or as MLX computes it",
+        help="on CUDA, the attention of a decode step of several rows as products that read "
+        "each KV head's keys once (grouped) or as MLX computes it",
         choices=DECODE_ATTENTION_MODES,
         ours=True,
-        notes="Rows of different lengths decode under a mask (mlx-lm pads them on the left), "
-        "and MLX's CUDA kernel for one query a row takes no mask: its fallback reads each KV "
-        "head's keys and values once per query head, twice on Qwen3-0.6B and four times on "
-        "Llama-3-8B, while `grouped` reads them once. At depth the step is that read: on an "
-        "H100, 16 rows at 12k tokens of context took 31 ms a step under MLX's fallback "
-        "against 10 ms through the grouped products over an aligned number of keys. A step "
-        "takes them only where MLX's fallback would read at least 512 MiB a layer (an "
-        "estimate of where a step is bound by the device's reads rather than the host: "
-        "on Qwen3-0.6B's shape, 16 rows at 4k tokens of context or 4 at 16k). `mlx`: MLX's way, for comparison. No effect on one row (no mask), on "
-        "Apple silicon or the CPU "
-        "([performance.md](performance.md)).",
+        notes="mlx-lm decodes a batch of several rows under a mask (its rows padded on the "
+        "left to one length), and MLX's CUDA kernel for one query a row takes no mask: its "
+        "fallback reads each KV head's keys and values once per query head, twice on "
+        "Qwen3-0.6B and four times on Llama-3-8B, while `grouped` reads them once, over the "
+        "cache's buffer to a multiple of 64 keys. At depth the step is that read: on an "
+        "H100, the KV update and attention of 16 rows at 12k tokens of context (28 layers) "
+        "took 31 ms under MLX's fallback against 10 ms grouped (`bench/decode_memory.py`). "
+        "A step takes the grouped products only where a layer's reads under the fallback "
+        "come to 512 MiB (an estimate of where the device's reads, not the host, bind the "
+        "step: on Qwen3-0.6B's shape 16 rows at 4k tokens of context, 4 at 16k). `mlx`: "
+        "MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
+        "CPU ([performance.md](performance.md)).",
         group=TUNING,
     )
     cpu_blas: str = setting(
