@@ -21,7 +21,9 @@ device), with MLX's active memory after the step and its peak during it. Systems
   ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it.
 
 A step that copies the batch's KV cache instead of writing its new token in place
-would show as a peak of about twice the cache.
+would show as a peak of about twice the cache. ``--pipelined``: the generators' steps
+are not waited for one by one, as in a server (there, a step's buffers may be written
+while the step before still runs).
 
     python bench/decode_memory.py --model DIR --rows 16 --tokens 12000 --steps 40
 
@@ -43,8 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 GB = 1e9
 
 
-def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int) -> list[dict]:
-    """Insert ``prompts``, step until ``rows`` sequences decode, then time ``steps``."""
+def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int,
+                 pipelined: bool = False) -> list[dict]:
+    """Insert ``prompts``, step until ``rows`` sequences decode, then time ``steps``: each
+    waiting for the device, or (``pipelined``) as a server steps, the next step queued
+    while the last one may still run."""
     gen.insert(prompts, max_tokens=[100_000] * len(prompts))
     while len(gen._generation_batch) < rows:
         gen.next()
@@ -55,7 +60,8 @@ def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int) -> li
         mx.reset_peak_memory()
         began = time.perf_counter()
         gen.next()
-        mx.synchronize()
+        if not pipelined:
+            mx.synchronize()
         out.append({"ms": round(1000 * (time.perf_counter() - began), 2),
                     "active_gb": round(mx.get_active_memory() / GB, 2),
                     "peak_gb": round(mx.get_peak_memory() / GB, 2),
@@ -120,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=12000)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--systems", default="engine,ours")
+    p.add_argument("--pipelined", action="store_true",
+                   help="the generators' steps not waited for one by one, as a server runs "
+                   "them (a step's buffers may be written while the step before still runs)")
     p.add_argument("--out", help="write the JSON here")
     ns = p.parse_args(argv)
 
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                        lane_padding=default_decode_lane_padding(mx),
                                        completion_batch_size=ns.rows + 8, prefill_batch_size=1)
         if not system.startswith("buffers"):
-            steps = decode_steps(mx, gen, ns.rows, prompts, ns.steps)
+            steps = decode_steps(mx, gen, ns.rows, prompts, ns.steps, pipelined=ns.pipelined)
             del gen
         mx.clear_cache()
         ms = [s["ms"] for s in steps]

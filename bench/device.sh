@@ -51,9 +51,10 @@
 #                                  (more than 20: bench/step_profiles.py's summary of them instead);
 #                                  and the CUDA kernels MLX built in the run, with their times
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
-#   decode-memory=SHAPE[:ROWS[:TOKENS[:SYSTEMS]]]  bench/decode_memory.py: ROWS (16) sequences of
-#                                  TOKENS (12000) decoding, each step's time and MLX's memory,
-#                                  in mlx-lm's generator, ours, and a bare KV cache (SYSTEMS)
+#   decode-memory=SHAPE[:ROWS[:TOKENS[:SYSTEMS[:OPTIONS]]]]  bench/decode_memory.py: ROWS (16)
+#                                  sequences of TOKENS (12000) decoding, each step's time and
+#                                  MLX's memory, in mlx-lm's generator, ours, and a bare KV cache
+#                                  (SYSTEMS); OPTIONS: more of its options (e.g. --pipelined)
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
 #                                  idle included, 25 Hz): 16 streams' decode-only steps, then
 #                                  their steps beside a prompt of TOKENS (16000), in-process;
@@ -280,8 +281,9 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       ;;
     decode-memory)
       dir=$(model "$shape")
+      # shellcheck disable=SC2086  # the options, split at spaces
       timeout -s INT -k 10 "$(limit 240)" python3 bench/decode_memory.py --model "$dir" \
-        --rows "${p1:-16}" --tokens "${p2:-12000}" --steps 40 --systems "${p3:-buffers,engine,ours}" \
+        --rows "${p1:-16}" --tokens "${p2:-12000}" --steps 40 --systems "${p3:-buffers,engine,ours}" ${p4:-} \
         --out "$OUT/decode-memory-$shape-${p1:-16}-${p2:-12000}.json" 2>&1 | tail -14
       ;;
     chunk-attention)
