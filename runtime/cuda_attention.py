@@ -224,7 +224,7 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     every query (a boolean mask all true there), so only the scores after them are
     masked, written back in place: at 30k keys of context the mask's pass over every
     score was as costly as the first product (bench/chunk_attention.py). ``align``: False
-    leaves the keys unpadded (for keys already aligned, or a caller that measured it)."""
+    leaves the keys as they are (``decode_attention``'s are aligned already)."""
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
