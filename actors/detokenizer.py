@@ -299,7 +299,7 @@ class DetokenizerCore:
             if entry is not None:
                 entry[1].put_terminal(self._finished(entry[0], FinishReason.ABORT))
         for failed in outputs.failed:
-            if failed.retryable:  # the engine stopped and is restarting: retry shortly
+            if failed.retryable:  # the engine stopped, or a step ran out of memory: retry
                 failure = Failed.of(Unavailable(failed.message, retry_after=RESTART_RETRY_AFTER))
             else:
                 failure = Failed(message=failed.message)

@@ -264,7 +264,7 @@ class SequenceFailed:
 
     request_id: int
     message: str
-    retryable: bool = False  # the engine stopped, not the request: 503, try again
+    retryable: bool = False  # the engine stopped or ran out of memory, not the request: 503
 
 
 # Upper bounds of the engine's step histograms (Prometheus ``le``; +Inf implied), in EngineStats.

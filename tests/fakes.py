@@ -113,7 +113,8 @@ class FakeBatchGenerator:
     mlx-lm does at segment boundaries, so EngineCore saves the segment caches.
     From the next step on it yields one token per step and finishes with
     "stop" on an ``eos_ids`` token or with "length" at its ``max_tokens``.
-    ``fail_on_step=N`` makes the N-th ``next()`` raise ``RuntimeError``.
+    ``fail_on_step=N`` makes the N-th ``next()`` raise ``RuntimeError`` (its message
+    ``failure``, where given).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class FakeBatchGenerator:
         eos_ids: Iterable[int] = (),
         completion_batch_size: int = 4,
         fail_on_step: int | None = None,
+        failure: str | None = None,
         per_segment: bool = False,
         bytes_per_token: int = 16,
         emit_logprobs: bool = False,
@@ -133,6 +135,7 @@ class FakeBatchGenerator:
         self.eos_ids = frozenset(eos_ids)
         self.completion_batch_size = completion_batch_size
         self.fail_on_step = fail_on_step
+        self.failure = failure
         self.per_segment = per_segment
         self.bytes_per_token = bytes_per_token
         self.emit_logprobs = emit_logprobs
@@ -215,7 +218,7 @@ class FakeBatchGenerator:
         self.next_calls += 1
         self.calls.append(("next", self.next_calls))
         if self.fail_on_step is not None and self.next_calls == self.fail_on_step:
-            raise RuntimeError(f"injected failure on step {self.next_calls}")
+            raise RuntimeError(self.failure or f"injected failure on step {self.next_calls}")
         active_before = tuple(self._active) + tuple(s.uid for s in self._waiting)
 
         # Decode first, as BatchGenerator does: one token per decoding sequence.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import trio
 
 from actors.system import Runtime
@@ -240,3 +241,31 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
     with pytest.raises(EngineBroken):
         step()  # the third in a row
     assert [f.request_id for f in core.close("broken").failed] == [5]
+
+
+@pytest.mark.parametrize("failure,retryable", [
+    ("cudaMallocAsync(&data, size, stream) failed: out of memory", True),
+    ("[metal::malloc] Attempting to allocate 9 bytes which is greater than the maximum "
+     "allowed buffer size of 8 bytes.", True),
+    ("[matmul] Last dimension of first input with shape (1,4) must match ...", False),
+])
+def test_a_step_that_ran_out_of_memory_fails_its_requests_as_retryable(failure, retryable):
+    """A step that raised one of MLX's failed allocations fails its batch with a message
+    that says so, retryable (the API's 503 with Retry-After); another error does not."""
+    from runtime.engine.core import EngineCore
+    from runtime.lifecycle import ModelInfo
+    from runtime.loaded_model import LoadedModel
+    from runtime.messages import Submit
+
+    core = EngineCore(
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=64)),
+        batch_generator_factory=FakeBatchGeneratorFactory(fail_on_step=1, failure=failure),
+        prompt_cache=FakePromptCache(),
+    )
+    core.handle_command(Submit(request_id=1, prompt=(5, 6, 7), segments=((5, 6, 7),),
+                               segment_types=("user",), sampling=SamplingParams(),
+                               max_tokens=5))
+    (failed,) = core.step().failed
+    assert failed.request_id == 1 and failed.retryable is retryable
+    assert failure in failed.message
+    assert ("ran out of memory" in failed.message) is retryable

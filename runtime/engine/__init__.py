@@ -13,7 +13,8 @@ they use):
   the batch generator;
 * ``counters``: ``EngineCounters``, the running totals behind ``EngineStats``;
 * ``failures``: ``SequenceError`` (one sequence fails), ``EngineBroken``
-  (the engine does);
+  (the engine does), ``failed_step`` (what a failed batch's requests are told,
+  and whether they may retry);
 * ``choices``: several choices of one request (n > 1) sharing its prefill.
 * ``serial``: ``SerialGenerator``, mlx-lm's ``stream_generate`` behind the
   batch generator's interface (draft model, quantized KV cache).

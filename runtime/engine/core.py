@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 
 from runtime.decode_lanes import lane_stats
+from runtime.engine import failures
 from runtime.engine.admission import AdmissionWindow
 from runtime.engine.cache_handoffs import SPILL_SECONDS, CacheHandoffs
 from runtime.engine.choices import (
@@ -346,7 +347,8 @@ class EngineCore:
                 self._fail_sequence(exc)
             except Exception as exc:
                 log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
-                self._fail_all(f"engine step failed: {exc}")
+                message, retryable = failures.failed_step(exc)  # out of memory: 503, retry shortly
+                self._fail_all(message, retryable=retryable)
                 self._failed_steps += 1
                 if self._failed_steps >= FAILED_STEPS_TO_RESTART:  # its failures go at close()
                     raise EngineBroken(f"{self._failed_steps} steps in a row failed: {exc}") from exc

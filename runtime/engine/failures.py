@@ -3,8 +3,10 @@
 A batch generator's ``next()`` raises ``SequenceError`` to fail one sequence
 alone (``SerialGenerator`` does, for the sequence it serves); any other
 exception fails every sequence in the batch and the ``EngineCore`` goes on
-with a new generator. After ``FAILED_STEPS_TO_RESTART`` such steps in a row
-the core raises ``EngineBroken``, which ends the engine loop as a crash.
+with a new generator. A batch that failed because the device's memory ran out
+(``out_of_memory``) was not failed by its requests: they may be retried once
+the batch's memory is free. After ``FAILED_STEPS_TO_RESTART`` such steps in a
+row the core raises ``EngineBroken``, which ends the engine loop as a crash.
 Owns no state; the core counts the failed steps.
 """
 
@@ -12,6 +14,31 @@ from __future__ import annotations
 
 # Steps in a row that failed their whole batch: then the engine, not a request, is broken.
 FAILED_STEPS_TO_RESTART = 3
+
+# What MLX's backends raise when an allocation fails, lower-cased: CUDA's
+# ("cudaMallocAsync(...) failed: out of memory"), Metal's ("Insufficient Memory",
+# "... greater than the maximum allowed buffer size") and the CPU's ("Unable to
+# allocate").
+OUT_OF_MEMORY_MARKS = ("out of memory", "insufficient memory", "maximum allowed buffer size",
+                       "unable to allocate")
+
+
+def failed_step(error: Exception) -> tuple[str, bool]:
+    """What the requests of a step that raised ``error`` are told, and whether they may
+    retry (503 with Retry-After): they may where the device's memory ran out, since the
+    failed batch's memory is free again once its generator is dropped."""
+    if out_of_memory(error):
+        return f"the engine ran out of memory in a step ({error}); retry shortly", True
+    return f"engine step failed: {error}", False
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a step failed because the device's memory ran out: a ``MemoryError``, or a
+    ``RuntimeError`` whose message is one of MLX's failed allocations."""
+    if isinstance(error, MemoryError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(mark in text for mark in OUT_OF_MEMORY_MARKS)
 
 
 class SequenceError(Exception):
