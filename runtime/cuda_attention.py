@@ -120,7 +120,6 @@ def unfused_prefill_attention(
     scores: str = "half",
     full_chunk: int | None = None,
     prefill: bool = True,
-    grouped_decode: bool = False,
 ):
     """``fused`` (``mx.fast.scaled_dot_product_attention``) with a prefill's calls
     sent to unfused attention (``prefill``); every other call as it was. ``scores``:
@@ -200,7 +199,7 @@ def unfused_prefill_attention(
     attention.half_scores = scores == "half"
     attention.full_chunk = full_chunk
     attention.prefill = prefill
-    attention.grouped_decode = grouped_decode
+    attention.grouped_decode = False  # ``install_grouped_decode`` sets it
     # Whether a prefill's attention is the grouped one (``chunk_attention`` reads this).
     attention.grouped = attention.half_scores and prefill
     return attention
