@@ -245,10 +245,13 @@ class ServerConfig(PromptCacheSettings):
         format=SIZE.or_none(),
         above=0,
         ours=True,
-        default_text="half the accelerator's memory (CPU: half the RAM)",
+        default_text="35 % of the accelerator's memory less the weights (CPU: of the RAM)",
         notes="Estimated per request as bytes per token times (prompt tokens + `max_tokens`). "
         "A request larger than the budget gets 413; others wait until they fit. The default "
-        "applies only when the model's bytes per token are known (non-zero).",
+        "applies only when the model's bytes per token are known (non-zero). It leaves room "
+        "for a second copy of the decoding batch's KV cache, which mlx-lm makes whenever a "
+        "sequence joins or leaves it, and for the prompt cache; raise it only with both in "
+        "mind.",
         group=LIMITS,
     )
     max_choices: int = setting(

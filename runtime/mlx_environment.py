@@ -20,7 +20,10 @@ reads its variable once, when first used). Emits the names it set.
   cycles through a server's mix of prefill group sizes and prompt lengths.
 
 ``bound_buffer_cache`` (called by the same function) keeps MLX's cache of freed
-buffers to a sixteenth of the device's memory (below).
+buffers to a sixteenth of the device's memory (below). ``wait_before_batch_copy``
+(called by ``runtime.mlx_lm_batches``' generation batch as rows join or leave)
+keeps a large batch's KV cache from being held three times at once, and
+``default_kv_budget`` leaves room for it to be held twice.
 
 The attention MLX's CUDA backend runs for a prefill and for a masked decode step
 is routed by ``runtime.cuda_attention``.
@@ -135,3 +138,59 @@ def bound_buffer_cache(mx) -> int | None:
         mx.set_cache_limit(previous)
         return previous
     return limit
+
+
+# A decoding batch whose KV cache holds at least this share of the device's memory
+# waits for the device before a row joins it or leaves it (``wait_before_batch_copy``).
+BATCH_COPY_WAIT_SHARE = 1 / 8
+
+
+def wait_before_batch_copy(mx, caches: list) -> bool:
+    """Wait for the device before a decoding batch's layers are copied whole (mlx-lm's
+    ``BatchKVCache`` concatenates its rows with a joining batch's, and selects the rows
+    that stay into new arrays), where they hold at least ``BATCH_COPY_WAIT_SHARE`` of
+    the device's memory. Returns whether it waited.
+
+    A copy holds the batch twice until the step in flight, which reads the old arrays,
+    is done. A row that leaves and one that joins a step later then held it three
+    times: sixteen agent sessions of 14k tokens (27 GB of KV) ran an 80 GB H100 out of
+    memory at 61 GB active. Waiting first frees the last copy's old arrays, so a copy
+    never finds another in flight; it costs the host's head start on that one step.
+    Nothing waits where the memory is unknown (MLX's CPU backend) or the batch small."""
+    memory = device_memory(mx)
+    if not memory:
+        return False
+    held = 0
+    for c in caches:
+        for name in ("keys", "values"):
+            array = getattr(c, name, None)
+            held += getattr(array, "nbytes", 0) if array is not None else 0
+    if held < memory * BATCH_COPY_WAIT_SHARE:
+        return False
+    mx.synchronize()
+    return True
+
+
+# The default KV budget's share of the memory the weights leave (the accelerator's,
+# or the machine's RAM on the CPU). A decoding batch's KV cache is copied whole as
+# rows join or leave it (mlx-lm's BatchKVCache), so for a moment the device holds it
+# twice (``wait_before_batch_copy`` keeps it to twice); the rest holds the weights'
+# neighbours: the prompt cache, MLX's freed buffers and the steps' activations. At
+# half the memory, the budget let a batch and its copies alone fill the device.
+KV_BUDGET_SHARE = 0.35
+
+
+def default_kv_budget(mx, weights_bytes: int = 0) -> int:
+    """``KV_BUDGET_SHARE`` of the accelerator's memory (the machine's RAM on the CPU)
+    less ``weights_bytes`` (at least a quarter of it)."""
+    memory = device_memory(mx)
+    if not memory:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(max(memory - weights_bytes, memory // 4) * KV_BUDGET_SHARE)
+
+
+def weights_bytes(model) -> int:
+    """The bytes of ``model``'s parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -34,6 +34,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from runtime.mlx_environment import wait_before_batch_copy
 from runtime.mlx_lm_internals import (
     evals_queued,
     filter_layers,
@@ -171,6 +172,12 @@ class RowAwarePromptBatch(PromptProcessingBatch):
                 return super().generate(tokens)
 
 
+def _wait_before_copy(caches: list) -> None:
+    import mlx.core as mx
+
+    wait_before_batch_copy(mx, caches)
+
+
 def _chunk_settled(batch: PromptProcessingBatch) -> None:
     """A chunk whose later layers wait for the next step (``runtime.mixed_step``'s
     ``ChunkInFlight``) run to its end, before the batch's caches are read or changed."""
@@ -218,7 +225,8 @@ def _room_given_back(caches: list) -> None:
 
 class RowAwareGenerationBatch(GenerationBatch):
     """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
-    and whose ``filter`` reads the layers' paddings at once."""
+    and whose ``filter`` reads the layers' paddings at once. A large batch waits for
+    the device before rows join or leave it (``wait_before_batch_copy``)."""
 
     def _step(self):
         with plain_masks(self.prompt_cache, len(self.uids)):
@@ -241,12 +249,16 @@ class RowAwareGenerationBatch(GenerationBatch):
     # may be a padded chunk's still in flight, so it extends as mlx-lm does.)
 
     def extend(self, batch):
+        if len(self.uids):
+            _wait_before_copy(self.prompt_cache)
         mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
         super().extend(batch)
         joined_paddings(self.prompt_cache, mine, theirs)
         self._queue_next_tokens()
 
     def filter(self, keep):
+        if keep and len(keep) < len(self.uids):
+            _wait_before_copy(self.prompt_cache)
         with _layers_filtered(self, keep):
             super().filter(keep)
         rows_kept = getattr(self.model, "rows_kept", None)  # runtime.mixed_step

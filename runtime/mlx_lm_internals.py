@@ -378,15 +378,19 @@ def filter_layers(caches: list, keep: list[int]) -> None:
         padding = c.left_padding.tolist()
         kept = [padding[i] for i in keep]
         shared = min(kept)
+        if c.keys is not None and shared > 0:
+            # Trimmed before the rows are selected: the selection then copies the kept
+            # rows into one contiguous array. Trimmed after it, the keys would be a
+            # strided view, and the next step's write of its token (MLX's slice
+            # update) would copy the whole batch's KV a second time.
+            c.keys = c.keys[..., shared:, :]
+            c.values = c.values[..., shared:, :]
         if rows is not None:
             if c.keys is not None:
                 c.keys = c.keys[rows]
                 c.values = c.values[rows]
             c.offset = c.offset[rows]
         if shared > 0:
-            if c.keys is not None:
-                c.keys = c.keys[..., shared:, :]
-                c.values = c.values[..., shared:, :]
             c._idx -= shared
         if rows is not None or shared > 0:
             c.left_padding = mx.array([p - shared for p in kept], dtype=c.left_padding.dtype)

@@ -98,3 +98,63 @@ def test_the_free_buffer_cache_is_bounded_by_a_share_of_the_memory_never_raised(
     cuda = _CacheLimits(memory=0, limit=141 << 30)  # CUDA's device_info: total_memory
     cuda.device_info = lambda: {"total_memory": 141 << 30, "free_memory": 100 << 30}
     assert bound_buffer_cache(cuda) == int((141 << 30) * CACHE_SHARE) == cuda.limit
+
+
+class _Layer:
+    def __init__(self, nbytes: int):
+        self.keys = self.values = type("Array", (), {"nbytes": nbytes})()
+
+
+class _Device(_CacheLimits):
+    """Also counts ``synchronize``, MLX's wait for the device."""
+
+    waits = 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_a_batch_waits_for_the_device_before_a_copy_only_when_it_is_large():
+    from runtime.mlx_environment import BATCH_COPY_WAIT_SHARE, wait_before_batch_copy
+
+    memory = 80 << 30
+    device = _Device(memory=memory, limit=memory)
+    share = int(memory * BATCH_COPY_WAIT_SHARE)
+    # 28 layers holding just under the share in keys and values: no wait
+    small = [_Layer((share - 28) // 56)] * 28
+    assert not wait_before_batch_copy(device, small) and device.waits == 0
+    large = [_Layer(share // 56 + 1)] * 28
+    assert wait_before_batch_copy(device, large) and device.waits == 1
+    assert not wait_before_batch_copy(device, [])
+    cpu = _Device(memory=0, limit=0)  # MLX's CPU backend reports no memory: never waits
+    assert not wait_before_batch_copy(cpu, large) and cpu.waits == 0
+
+
+def test_the_default_kv_budget_leaves_room_for_a_batch_copied_whole():
+    """A share of what the weights leave, small enough that the batch, one copy of it
+    and the prompt cache fit; at least that share of a quarter of the memory."""
+    import os
+
+    from runtime.mlx_environment import KV_BUDGET_SHARE, default_kv_budget
+
+    memory = 80 << 30
+    device = _CacheLimits(memory=memory, limit=memory)
+    assert default_kv_budget(device) == int(memory * KV_BUDGET_SHARE)
+    budget = default_kv_budget(device, weights_bytes=16 << 30)
+    assert budget == int((64 << 30) * KV_BUDGET_SHARE)
+    assert 2 * budget + (16 << 30) < memory * 0.9
+    assert default_kv_budget(device, weights_bytes=79 << 30) == int(memory // 4 * KV_BUDGET_SHARE)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_kv_budget(_CacheLimits(memory=0, limit=0)) == int(ram * KV_BUDGET_SHARE)
+
+
+def test_the_weights_bytes_are_the_parameters_bytes(tiny_model_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from runtime.mlx_environment import weights_bytes
+
+    model, _ = load(str(tiny_model_path))
+    counted = weights_bytes(model)
+    assert counted == sum(v.size * v.itemsize for _, v in tree_flatten(model.parameters()))
+    assert counted > 0

@@ -309,6 +309,33 @@ def test_layers_filter_as_mlx_lms_own_filter_does(paddings, keep):
         assert mine.make_mask(1).tolist() == reference.make_mask(1).tolist()
 
 
+@pytest.mark.parametrize(("paddings", "keep"), [
+    ([3, 0, 5, 2], [0, 2, 3]),  # the longest row leaves: the shared padding trimmed too
+    ([3, 0, 5, 2], [1, 2]),  # nothing trimmed
+])
+def test_the_step_after_a_leave_writes_its_token_in_place(paddings, keep):
+    """A leave copies the kept rows once: the next step's token is written into that
+    copy (MLX's slice update in place), not into yet another copy of the batch, as it
+    would be into a strided view (the padding trimmed after the rows were selected)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    layer = BatchKVCache(list(paddings))
+    shape = (len(paddings), 8, 2000, 32)  # 8 MB of keys, 8 of values (room for 48 more)
+    layer.update_and_fetch(mx.zeros(shape), mx.zeros(shape))
+    mx.eval(layer.keys, layer.values)
+    mlx_lm_internals.filter_layers([layer], keep)
+    mx.eval(layer.keys, layer.values)
+    kept = layer.keys.nbytes + layer.values.nbytes
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    token = mx.ones((len(keep), 8, 1, 32))
+    mx.eval(token)
+    layer.update_and_fetch(token, token)
+    mx.eval(layer.keys, layer.values)
+    assert mx.get_peak_memory() - before < kept // 4
+    assert layer.keys[:, :, layer._idx - 1].tolist() == token[:, :, 0].tolist()
+
+
 def test_a_batch_filter_reads_its_paddings_back_once(monkeypatch):
     """The generation batch's filter (a sequence finished) waits for the device once,
     not once per layer."""
@@ -429,6 +456,28 @@ def test_a_generation_batch_makes_its_joined_paddings_on_the_host(monkeypatch):
     assert [p.tolist() for p in paddings] == [[2, 0, 4]] * 2
     extracted = batch.extract_cache(2)
     assert [c.keys.tolist() for c in extracted] == its_keys
+
+
+def test_rows_joining_or_leaving_a_decoding_batch_first_let_a_large_one_wait(monkeypatch):
+    """The generation batch asks ``wait_before_batch_copy`` with its layers before a
+    copy of them: as rows join a batch that has rows, and as some (not all, not none)
+    leave; a join into an empty batch copies nothing and does not ask."""
+    asked = []
+    monkeypatch.setattr(mlx_lm_batches, "wait_before_batch_copy",
+                        lambda mx_, caches: asked.append(list(caches)))
+    empty = _generation_batch([], 0)
+    empty.extend(_generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1))
+    assert asked == []
+    batch = _generation_batch([_batch_layers(3, [2, 0], 6)[0] for _ in range(2)], 2)
+    layers = list(batch.prompt_cache)
+    batch.extend(_generation_batch([_batch_layers(4, [1], 3)[0] for _ in range(2)], 1))
+    assert asked == [layers]
+    batch.filter([0, 1, 2])  # every row stays: nothing copied
+    assert len(asked) == 1
+    batch.filter([0, 2])
+    assert len(asked) == 2 and asked[1] == batch.prompt_cache
+    batch.filter([])  # the last rows leave: the layers are dropped, not copied
+    assert len(asked) == 2
 
 
 def test_a_join_into_an_empty_batch_keeps_the_joining_layers():

@@ -57,10 +57,11 @@ from runtime.mixed_step import trace_paced_shapes
 from runtime.mlx_environment import (
     bound_buffer_cache,
     default_decode_lane_padding,
+    default_kv_budget,
     default_prefill_step_size,
-    device_memory,
     prefill_score_budget,
     server_defaults,
+    weights_bytes,
 )
 from runtime.mlx_lm_internals import (
     keep_freed_buffers_in_generate,
@@ -127,7 +128,7 @@ def load_model(
         batchable=batchable,
         # Each rank holds 1/size of the KV cache (heads or layers split).
         kv_bytes_per_token=kv_bytes_per_token(text_model) // (group.size if group else 1),
-        kv_budget=default_kv_budget(),
+        kv_budget=default_kv_budget(mx, weights_bytes(model)),
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
         context_window=context_window(text_model, tokenizer, config.max_model_len),
@@ -219,18 +220,6 @@ def _float_types() -> dict:
     import mlx.core as mx
 
     return {mx.float32: 4, mx.float16: 2, mx.bfloat16: 2}
-
-
-def default_kv_budget() -> int:
-    """Half of the accelerator's memory, or of the machine's RAM on the CPU."""
-    import os
-
-    import mlx.core as mx
-
-    memory = device_memory(mx)
-    if not memory:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return memory // 2
 
 
 def _vocab_size(model, tokenizer) -> int:
