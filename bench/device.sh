@@ -55,6 +55,10 @@
 #                                  sequences of TOKENS (12000) decoding, each step's time and
 #                                  MLX's memory, in mlx-lm's generator, ours, and a bare KV cache
 #                                  (SYSTEMS); OPTIONS: more of its options (e.g. --pipelined)
+#   batch-copies[=ROWS[:TOKENS]]  bench/batch_copies.py: a decoding batch's copies as a row
+#                                  leaves (its kept rows selected by an index array, or as runs
+#                                  of rows concatenated; with the padding trimmed or not) and
+#                                  as one joins (mlx-lm's extend), 16 rows of 12000 by default
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
 #                                  idle included, 25 Hz): 16 streams' decode-only steps, then
 #                                  their steps beside a prompt of TOKENS (16000), in-process;
@@ -285,6 +289,10 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       timeout -s INT -k 10 "$(limit 240)" python3 bench/decode_memory.py --model "$dir" \
         --rows "${p1:-16}" --tokens "${p2:-12000}" --steps 40 --systems "${p3:-buffers,engine,ours}" ${p4:-} \
         --out "$OUT/decode-memory-$shape-${p1:-16}-${p2:-12000}.json" 2>&1 | tail -14
+      ;;
+    batch-copies)
+      timeout -s INT -k 10 "$(limit 120)" python3 bench/batch_copies.py --rows "${shape:-16}" \
+        --tokens "${p1:-12000}" --out "$OUT/batch-copies-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
       ;;
     chunk-attention)
       # shellcheck disable=SC2086  # the options, split at spaces

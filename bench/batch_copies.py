@@ -1,0 +1,122 @@
+"""What a decoding batch's whole-batch copies cost on the device: a row leaving, a row joining.
+
+mlx-lm keeps a decoding batch's KV cache in one array per layer for keys and one for
+values (``BatchKVCache``), and copies all of them when a row leaves (its ``filter``
+selects the kept rows into new arrays) or joins (its ``extend`` pads both sides and
+concatenates them). In a server's step trace (docs/performance.md) these steps took
+100-150 ms at 16 rows of 14k tokens on an H100, against a 12-14 ms decode step.
+
+A batch of ``--rows`` rows of ``--tokens`` keys (Qwen3-0.6B's 28 layers of 8 KV heads
+of 128, bfloat16, rows left-padded) is built, and each way of making the copies is
+timed over all 56 arrays, evaluated and waited for (milliseconds a copy, median of
+``--reps``):
+
+- ``leave-gather``: the kept rows selected by an index array (``keys[rows]``), as
+  ``BatchKVCache.filter`` and ``runtime.mlx_lm_internals.filter_layers`` did;
+- ``leave-runs``: the kept rows as runs of consecutive rows, sliced and concatenated;
+- ``leave-gather-trimmed`` / ``leave-runs-trimmed``: the same after the shared left
+  padding is trimmed (a strided view: the longest row left);
+- ``join``: one row of as many keys joining (mlx-lm's ``extend``: pad, concatenate).
+
+With the batch's bytes and the copy's bandwidth (bytes read and written a second).
+Writes JSON with ``--out``.
+
+    python bench/batch_copies.py --rows 16 --tokens 12000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LAYERS, HEADS, DIM = 28, 8, 128
+
+
+def kept_runs(keep: list[int]) -> list[tuple[int, int]]:
+    """``keep`` (ascending row indices) as ``(start, stop)`` runs of consecutive rows."""
+    runs: list[tuple[int, int]] = []
+    for row in keep:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=12000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", help="write the JSON here")
+    ns = p.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    shape = (ns.rows, HEADS, ns.tokens, DIM)
+    arrays = [mx.random.normal(shape).astype(mx.bfloat16) for _ in range(2 * LAYERS)]
+    mx.eval(arrays)
+    batch_bytes = sum(a.nbytes for a in arrays)
+    leaving = ns.rows // 3
+    keep = [i for i in range(ns.rows) if i != leaving]
+    rows = mx.array(keep)
+
+    def leave(trim: bool, runs: bool) -> list:
+        out = []
+        for a in arrays:
+            if trim:
+                a = a[..., 64:, :]
+            out.append(mx.concatenate([a[s:e] for s, e in kept_runs(keep)]) if runs else a[rows])
+        return out
+
+    def join() -> list:
+        caches = []
+        for i in range(0, len(arrays), 2):
+            mine = BatchKVCache([0] * ns.rows)
+            mine.keys, mine.values, mine._idx = arrays[i], arrays[i + 1], ns.tokens
+            mine.offset = mx.array([ns.tokens] * ns.rows)
+            theirs = BatchKVCache([0])
+            theirs.keys, theirs.values = arrays[i][:1], arrays[i + 1][:1]
+            theirs._idx, theirs.offset = ns.tokens, mx.array([ns.tokens])
+            mine.extend(theirs)
+            caches += [mine.keys, mine.values]
+        return caches
+
+    cases = {
+        "leave-gather": lambda: leave(False, False),
+        "leave-runs": lambda: leave(False, True),
+        "leave-gather-trimmed": lambda: leave(True, False),
+        "leave-runs-trimmed": lambda: leave(True, True),
+        "join": join,
+    }
+    results = {"rows": ns.rows, "tokens": ns.tokens, "batch_gb": round(batch_bytes / 1e9, 2),
+               "device": str(mx.default_device()), "cases": {}}
+    for name, make in cases.items():
+        times = []
+        for _ in range(ns.reps):
+            mx.synchronize()
+            began = time.perf_counter()
+            out = make()
+            mx.eval(out)
+            times.append(1000 * (time.perf_counter() - began))
+            moved = 2 * sum(a.nbytes for a in out)  # read and written
+            del out
+        ms = statistics.median(times)
+        results["cases"][name] = {"ms": round(ms, 2), "all_ms": [round(t, 2) for t in times],
+                                  "gb_per_s": round(moved / ms / 1e6, 1)}
+        print(f"{name:22s} {ms:8.2f} ms  ({moved / ms / 1e6:7.1f} GB/s)  "
+              + " ".join(f"{t:.1f}" for t in times), flush=True)
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
