@@ -137,6 +137,9 @@ class DecodeLanes:
             self.lanes[chosen].extend(batch)
             return
         lane = type(self.primary).empty(self.primary.model, self.primary.fallback_sampler)
+        reuse = getattr(self.primary, "row_reuse", None)  # runtime.vacant_rows
+        if reuse is not None:
+            lane.row_reuse = reuse.fresh()
         lane.extend(batch)
         self.lanes.append(lane)
         self.opened += 1

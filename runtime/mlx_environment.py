@@ -145,6 +145,14 @@ def bound_buffer_cache(mx) -> int | None:
 BATCH_COPY_WAIT_SHARE = 1 / 8
 
 
+def large_batch_bytes(mx) -> int | None:
+    """The KV bytes from which a decoding batch counts as large (``BATCH_COPY_WAIT_SHARE``
+    of the device's memory): it waits before its copies, and keeps leaving rows'
+    places (``runtime.vacant_rows``). None where MLX reports no memory."""
+    memory = device_memory(mx)
+    return int(memory * BATCH_COPY_WAIT_SHARE) if memory else None
+
+
 def wait_before_batch_copy(mx, caches: list) -> bool:
     """Wait for the device before a decoding batch's layers are copied whole (mlx-lm's
     ``BatchKVCache`` concatenates its rows with a joining batch's, and selects the rows
@@ -157,15 +165,15 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
     memory at 61 GB active. Waiting first frees the last copy's old arrays, so a copy
     never finds another in flight; it costs the host's head start on that one step.
     Nothing waits where the memory is unknown (MLX's CPU backend) or the batch small."""
-    memory = device_memory(mx)
-    if not memory:
+    large = large_batch_bytes(mx)
+    if large is None:
         return False
     held = 0
     for c in caches:
         for name in ("keys", "values"):
             array = getattr(c, name, None)
             held += getattr(array, "nbytes", 0) if array is not None else 0
-    if held < memory * BATCH_COPY_WAIT_SHARE:
+    if held < large:
         return False
     mx.synchronize()
     return True

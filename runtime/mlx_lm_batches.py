@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
@@ -44,6 +45,7 @@ from runtime.mlx_lm_internals import (
 )
 from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
+from runtime.vacant_rows import age_vacant, fill, joined_vacant, kept_rows, vacate
 
 # ------------------------------------------------- batch generator rows
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
@@ -172,12 +174,6 @@ class RowAwarePromptBatch(PromptProcessingBatch):
                 return super().generate(tokens)
 
 
-def _wait_before_copy(caches: list) -> None:
-    import mlx.core as mx
-
-    wait_before_batch_copy(mx, caches)
-
-
 def _chunk_settled(batch: PromptProcessingBatch) -> None:
     """A chunk whose later layers wait for the next step (``runtime.mixed_step``'s
     ``ChunkInFlight``) run to its end, before the batch's caches are read or changed."""
@@ -248,17 +244,32 @@ class RowAwareGenerationBatch(GenerationBatch):
     # read as its prompt batch was split (``filter_layers``). (A prompt batch's own
     # may be a padded chunk's still in flight, so it extends as mlx-lm does.)
 
+    row_reuse = None  # runtime.vacant_rows: a large batch's leaving rows kept for joining ones
+
+    def next(self):
+        keep = age_vacant(self)
+        if keep is not None:
+            self.filter(keep)
+        responses = super().next()
+        return responses if self.row_reuse is None else [r for r in responses if r.uid >= 0]
+
     def extend(self, batch):
-        if len(self.uids):
-            _wait_before_copy(self.prompt_cache)
         mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
-        super().extend(batch)
-        joined_paddings(self.prompt_cache, mine, theirs)
+        if not fill(self, batch, mine, theirs):
+            rows = len(self.uids)
+            if rows:
+                wait_before_batch_copy(mx, self.prompt_cache)
+            super().extend(batch)
+            joined_paddings(self.prompt_cache, mine, theirs)
+            joined_vacant(self, batch, rows)
         self._queue_next_tokens()
 
     def filter(self, keep):
+        if vacate(self, keep):
+            return
+        keep = kept_rows(self, keep)
         if keep and len(keep) < len(self.uids):
-            _wait_before_copy(self.prompt_cache)
+            wait_before_batch_copy(mx, self.prompt_cache)
         with _layers_filtered(self, keep):
             super().filter(keep)
         rows_kept = getattr(self.model, "rows_kept", None)  # runtime.mixed_step
@@ -273,8 +284,6 @@ class RowAwareGenerationBatch(GenerationBatch):
 
     def _queue_next_tokens(self) -> None:
         if self._next_tokens is not None and _row_hook(self.fallback_sampler) is not None:
-            import mlx.core as mx
-
             mx.async_eval(self._next_tokens)
 
 

@@ -229,6 +229,24 @@ class TuningSettings:
         "([performance.md](performance.md#decode-lanes)).",
         group=TUNING,
     )
+    decode_row_reuse_steps: int = setting(
+        64,
+        help="a sequence that leaves a large decode batch (one holding an eighth of the "
+        "accelerator's memory in KV cache) leaves its row in place, vacant, for up to this "
+        "many steps, and a sequence that joins meanwhile takes that row instead of the "
+        "batch being copied (0: rows leave and join as in mlx-lm)",
+        minimum=0,
+        ours=True,
+        notes="mlx-lm copies a decoding batch's whole KV cache whenever a sequence leaves or "
+        "joins it: with sixteen 14k-token agent sessions on an H100 those steps took "
+        "100-150 ms against 14 ms for a step otherwise, 45 % of the decode time "
+        "([performance.md](performance.md#h100-sixteen-12k-agent-sessions-served-the-batchs-copies-the-aligned-decode-attention-in-the-server)). "
+        "A vacant row decodes along, its tokens dropped, until a joining sequence takes it "
+        "or its steps run out (then the batch is copied as before). Not yet measured on a "
+        "GPU: set 0 to compare. No effect where the accelerator's memory is not reported "
+        "(the CPU) or with KV caches other than mlx-lm's BatchKVCache.",
+        group=TUNING,
+    )
     stream_interval_ms: float = setting(
         0.0,
         help="send a streaming response's chunks at most this often, merging the tokens "

@@ -212,6 +212,7 @@ TEXT_VALUES = {
     "prefill_chunk_parts": "2", "cuda_memory_pool": "keep", "paced_step_tokens": "512",
     "cuda_graphs": "ops",
     "decode_lane_padding": "0",
+    "decode_row_reuse_steps": "0",
     "aborted_prefill_min_tokens": "0", "prompt_cache_dir": "/var/cache/mlx-trio/kv",
     "prompt_cache_dir_bytes": "4GB",
     "stream_interval_ms": "40",

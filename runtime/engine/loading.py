@@ -59,6 +59,7 @@ from runtime.mlx_environment import (
     default_decode_lane_padding,
     default_kv_budget,
     default_prefill_step_size,
+    large_batch_bytes,
     prefill_score_budget,
     server_defaults,
     weights_bytes,
@@ -72,6 +73,7 @@ from runtime.prompt_cache_disk import DiskPromptCache, model_fingerprint
 from runtime.prompt_cache_store import PromptCacheStore
 from runtime.sampling import build_logits_processors, build_sampler
 from runtime.short_prompts_first import ShortPromptsFirst
+from runtime.vacant_rows import install_row_reuse
 from runtime.vision import vision_family
 
 log = logging.getLogger(__name__)
@@ -318,7 +320,7 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         constraint_factory = backend.new_constraint if backend is not None else None
 
         def new_batch_generator():
-            return make_batch_generator(
+            generator = make_batch_generator(
                 handle.model,
                 sampler=batch_sampler,
                 completion_batch_size=config.decode_concurrency,
@@ -330,6 +332,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 lane_padding=config.decode_lane_padding,
                 chunk_parts=config.prefill_chunk_parts,
             )
+            install_row_reuse(generator, config.decode_row_reuse_steps, large_batch_bytes(mx))
+            return generator
 
     return EngineCore(
         handle,

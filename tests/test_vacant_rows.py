@@ -1,0 +1,271 @@
+"""Vacant rows (runtime.vacant_rows): a leaving row's place kept for a joining one.
+
+Against the real generator on the tiny model (CPU): the same greedy tokens for every
+sequence with and without vacant rows, while rows leave, join into vacant places,
+are removed, and vacant rows expire; no whole-batch copy where a row fills a place.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache
+
+from runtime.batch_sampling import BatchSampler, make_batch_generator
+from runtime.compiled_decode import install_compiled_decode
+from runtime.tiny_model import build_tiny_model
+from runtime.vacant_rows import RowReuse, install_row_reuse
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("vacant") / "qwen3"))
+
+
+def generator(model_path: str, *, reuse_steps: int, chunk_pass: str = "shared",
+              lane_padding: int = 0):
+    model, _ = load(model_path)
+    install_compiled_decode(model)
+    gen = make_batch_generator(
+        model, sampler=BatchSampler(), chunk_pass=chunk_pass, lane_padding=lane_padding,
+        completion_batch_size=8, prefill_batch_size=8, prefill_step_size=64,
+    )
+    # min_bytes 0: the tiny model's batch is far below any real device's share.
+    install_row_reuse(gen, reuse_steps, min_bytes=0)
+    return gen
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [10 + (seed * 31 + i * 7) % 250 for i in range(length)]
+
+
+# Four sessions decode; as turns end, new turns (no longer than what the batch holds)
+# arrive a few steps later, as agents' next requests do.
+FIRST = [(prompt(s, 90 + 9 * s), m) for s, m in enumerate([24, 40, 56, 120])]
+LATER = {30: [(prompt(7, 60), 30)], 34: [(prompt(8, 80), 25), (prompt(9, 40), 20)],
+         52: [(prompt(10, 100), 40)], 70: [(prompt(11, 30), 12)]}
+
+
+def run(gen, *, remove_at: dict[int, int] | None = None, watch=None):
+    """Every sequence's tokens, in the order inserted; ``remove_at``: step -> the index
+    (in insertion order) of a sequence removed at that step; ``watch(gen)`` each step."""
+    uids = gen.insert([p for p, _ in FIRST], max_tokens=[m for _, m in FIRST])
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    left, arrivals, step = set(uids), dict(LATER), 0
+    remove_at = dict(remove_at or {})
+    while left or arrivals:
+        if step in arrivals:
+            turns = arrivals.pop(step)
+            new = gen.insert([p for p, _ in turns], max_tokens=[m for _, m in turns])
+            uids += new
+            out.update({u: [] for u in new})
+            left.update(new)
+        if step in remove_at:
+            gone = uids[remove_at.pop(step)]
+            gen.remove([gone])
+            left.discard(gone)
+        for r in gen.next()[1]:
+            assert r.uid >= 0  # a vacant row never answers
+            if r.uid in left:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+        if watch is not None:
+            watch(gen)
+        step += 1
+        assert step < 1000
+    return [out[u] for u in uids]
+
+
+@pytest.mark.parametrize("chunk_pass", ["shared", "separate"])
+def test_vacant_rows_give_the_tokens_of_mlx_lms_filter_and_extend(model_path, chunk_pass):
+    plain = run(generator(model_path, reuse_steps=0, chunk_pass=chunk_pass))
+    gen = generator(model_path, reuse_steps=64, chunk_pass=chunk_pass)
+    reuse = gen._generation_batch.row_reuse
+    assert isinstance(reuse, RowReuse)
+    assert run(gen) == plain
+    assert reuse.vacated >= 4 and reuse.filled >= 2  # rows left, and joiners took places
+    assert len(gen._generation_batch) == 0
+
+
+def test_a_joining_row_fills_a_place_without_copying_the_batch(model_path, monkeypatch):
+    """A join that fills a vacant place calls no layer's ``BatchKVCache.extend`` (mlx-lm's
+    padding and concatenation of the whole batch); one that finds none extends every
+    layer, as before."""
+    import runtime.mlx_lm_batches as batches
+
+    gen = generator(model_path, reuse_steps=64)
+    joins: list[tuple[bool, int, int]] = []  # (filled, rows before, layer extends)
+    layer_extends = []
+    real_fill, real_layer_extend = batches.fill, BatchKVCache.extend
+    real_join = batches.RowAwareGenerationBatch.extend
+    filled = []
+
+    def spy_fill(*args):
+        filled.append(real_fill(*args))
+        return filled[-1]
+
+    def spy_layer_extend(self, other):
+        layer_extends.append(self)
+        return real_layer_extend(self, other)
+
+    def spy_join(self, batch):
+        rows, before = len(self.uids), len(layer_extends)
+        real_join(self, batch)
+        joins.append((filled[-1], rows, len(layer_extends) - before))
+
+    monkeypatch.setattr(batches, "fill", spy_fill)
+    monkeypatch.setattr(BatchKVCache, "extend", spy_layer_extend)
+    monkeypatch.setattr(batches.RowAwareGenerationBatch, "extend", spy_join)
+    run(gen)
+    layers = len(load(model_path)[0].layers)
+    assert any(f for f, _, _ in joins) and any(not f and rows for f, rows, _ in joins)
+    for was_filled, rows, extends in joins:
+        assert extends == (0 if was_filled or not rows else layers)
+
+
+def test_a_removed_row_is_vacated_and_the_others_decode_as_before(model_path):
+    plain = run(generator(model_path, reuse_steps=0), remove_at={12: 3})
+    gen = generator(model_path, reuse_steps=64)
+    vacated = []
+    got = run(gen, remove_at={12: 3},
+              watch=lambda g: vacated.append(g._generation_batch.row_reuse.vacated))
+    assert got == plain
+    assert vacated[12] >= 1  # the removal vacated the row at that step
+
+
+def test_vacant_rows_expire_after_their_steps(model_path):
+    gen = generator(model_path, reuse_steps=3)
+    batch = gen._generation_batch
+    seen: list[tuple[int, int]] = []  # (rows, vacant rows) after each step
+    plain = run(generator(model_path, reuse_steps=0))
+    assert run(gen, watch=lambda g: seen.append((len(batch), len(batch.row_reuse.vacant)))) == plain
+    # a row vacated at one step is gone within the next three
+    for step, (_, vacant) in enumerate(seen):
+        if vacant and step + 4 < len(seen):
+            assert any(v == 0 or r < seen[step][0] for r, v in seen[step + 1:step + 5])
+    assert max(v for _, v in seen) >= 1
+
+
+def test_without_reuse_a_batch_filters_and_extends_as_mlx_lm(model_path):
+    gen = generator(model_path, reuse_steps=0)
+    assert gen._generation_batch.row_reuse is None
+    assert not install_row_reuse(gen, 0, 0)
+
+
+def test_decode_lanes_give_their_new_lanes_the_setting(model_path):
+    plain = run(generator(model_path, reuse_steps=0, lane_padding=40))
+    gen = generator(model_path, reuse_steps=64, lane_padding=40)
+    lanes = gen._generation_batch
+    opened = []
+    got = run(gen, watch=lambda g: opened.extend(
+        lane.row_reuse for lane in lanes.lanes[1:] if lane.row_reuse is not None))
+    assert got == plain
+    assert lanes.opened >= 1 and opened
+
+
+# ----------------------------------------------------------------- the engine
+
+def engine_run(core, waves: dict[int, list], abort_at: dict[int, int]) -> dict:
+    """Submit ``waves`` (step -> Submits) and ``abort_at`` (step -> request id); each
+    request's tokens, finish reason and failure."""
+    from runtime.messages import Abort
+
+    seen: dict[int, dict] = {}
+    for step in range(600):
+        for s in waves.get(step, []):
+            seen[s.request_id] = {"tokens": [], "reason": None, "failed": None}
+            core.handle_command(s)
+        if step in abort_at:
+            core.handle_command(Abort(request_id=abort_at[step]))
+        out = core.step()
+        for e in out.tokens:
+            seen[e.request_id]["tokens"].append(e.token)
+            if e.finish_reason is not None:
+                seen[e.request_id]["reason"] = str(e.finish_reason)
+        for e in out.failed:
+            seen[e.request_id]["failed"] = e.message
+        if step > max(waves) and not core.has_work:
+            return seen
+    raise AssertionError("the engine did not finish its requests")
+
+
+def test_the_engine_answers_the_same_with_vacant_rows(tiny_model_path, monkeypatch):
+    """The engine as ``make_engine_core`` wires it, its batches counted large: greedy,
+    seeded, penalised (a logits processor) and schema-constrained requests that leave
+    and join at different steps, one aborted, answer as they do without vacant rows;
+    every sampler registration is gone at the end."""
+    import jsonschema
+
+    import runtime.engine.loading as loading
+    from runtime.config import ServerConfig
+    from runtime.grammar import compile_constraint
+    from runtime.messages import SamplingParams, Submit
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def waves(core):
+        tok = core.handle.tokenizer
+
+        def submit(i, text, max_tokens, **fields):
+            prompt = tuple(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                   add_generation_prompt=True, enable_thinking=False))
+            fields.setdefault("sampling", SamplingParams())
+            return Submit(request_id=i, prompt=prompt, segments=(prompt,), segment_types=("user",),
+                          max_tokens=max_tokens, **fields)
+
+        constraint = compile_constraint(tok, response_format={
+            "type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+            allow_thinking=False)
+        return {
+            0: [submit(0, "one " * 30, 12), submit(1, "two " * 40, 40),
+                submit(2, "three " * 35, 60, sampling=SamplingParams(temperature=0.9, seed=3)),
+                submit(3, "four " * 20, 80, sampling=SamplingParams(repetition_penalty=1.3))],
+            20: [submit(4, "five", 20), submit(5, "json please", 40, constraint=constraint)],
+            30: [submit(6, "six " * 10, 25)],
+            45: [submit(7, "seven", 15, sampling=SamplingParams(temperature=0.8, seed=9))],
+        }
+
+    results = {}
+    for steps in (0, 64):
+        config = ServerConfig(model=tiny_model_path, decode_row_reuse_steps=steps)
+        monkeypatch.setattr(loading, "large_batch_bytes", lambda mx: 0)
+        core = loading.make_engine_core(config, tiny_model_path)
+        results[steps] = engine_run(core, waves(core), abort_at={35: 1})
+        batch = core._batch._generation_batch
+        first = batch.lanes[0] if hasattr(batch, "lanes") else batch
+        reuse = first.row_reuse
+        if steps:
+            assert reuse is not None and reuse.vacated >= 3 and reuse.filled >= 1
+        else:
+            assert reuse is None
+        assert core.batch_sampler.registered == 0
+    assert results[64] == results[0]
+    got = results[64]
+    assert all(got[i]["failed"] is None for i in got)
+    assert got[1]["reason"] is None and 0 < len(got[1]["tokens"]) < 40  # aborted on the way
+    if got[5]["reason"] == "stop":  # the constrained reply, where it ended by itself
+        eos = set(core.handle.tokenizer.eos_token_ids)
+        jsonschema.validate(json.loads(core.handle.tokenizer.decode(
+            [t for t in got[5]["tokens"] if t not in eos])), schema)
+
+
+def test_a_vacant_row_never_finishes(model_path):
+    """A vacant row runs without a limit or stop sequences of its own: it ends only by
+    being taken or by expiring, never as a sequence that finished (whose cache the
+    batch would extract)."""
+    gen = generator(model_path, reuse_steps=500)
+    uids = gen.insert([prompt(1, 40), prompt(2, 50), prompt(3, 60)], max_tokens=[4, 120, 120])
+    batch = gen._generation_batch
+    extracted = []
+    real_extract = batch.extract_cache
+    batch.extract_cache = lambda idx: (extracted.append(batch.uids[idx]), real_extract(idx))[1]
+    finished = []
+    for _ in range(400):
+        finished += [r.uid for r in gen.next()[1] if r.finish_reason is not None]
+        if len(finished) == 3:
+            break
+    assert sorted(finished) == sorted(uids) and sorted(extracted) == sorted(uids)
+    assert batch.row_reuse.vacated >= 1
