@@ -2,7 +2,10 @@
 
 Against the real generator on the tiny model (CPU): the same greedy tokens for every
 sequence with and without vacant rows, while rows leave, join into vacant places,
-are removed, and vacant rows expire; no whole-batch copy where a row fills a place.
+are removed, and vacant rows expire, in fixed schedules and in any schedule
+(hypothesis); no whole-batch copy where a row fills a place; a vacant row never
+finishes; and the engine as ``make_engine_core`` wires it answers every kind of
+request as it does without them.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
@@ -269,3 +274,59 @@ def test_a_vacant_row_never_finishes(model_path):
             break
     assert sorted(finished) == sorted(uids) and sorted(extracted) == sorted(uids)
     assert batch.row_reuse.vacated >= 1
+
+
+@st.composite
+def schedules(draw):
+    """Arrivals (step -> prompts with their max_tokens) and removals (step -> the index,
+    among the sequences inserted so far, of one to remove)."""
+    arrivals = {0: [(prompt(draw(st.integers(0, 50)), draw(st.integers(20, 120))),
+                     draw(st.integers(2, 60))) for _ in range(draw(st.integers(2, 6)))]}
+    for _ in range(draw(st.integers(0, 5))):
+        step = draw(st.integers(1, 80))
+        arrivals.setdefault(step, []).extend(
+            (prompt(draw(st.integers(0, 50)), draw(st.integers(5, 150))), draw(st.integers(1, 50)))
+            for _ in range(draw(st.integers(1, 3))))
+    removals = {draw(st.integers(1, 90)): draw(st.integers(0, 20))
+                for _ in range(draw(st.integers(0, 2)))}
+    return arrivals, removals
+
+
+def scheduled_run(gen, arrivals: dict, removals: dict) -> list[list[int]]:
+    uids: list[int] = []
+    out: dict[int, list[int]] = {}
+    left: set[int] = set()
+    for step in range(400):
+        if step in arrivals:
+            new = gen.insert([p for p, _ in arrivals[step]], max_tokens=[m for _, m in arrivals[step]])
+            uids += new
+            out.update({u: [] for u in new})
+            left.update(new)
+        if step in removals and left:
+            live = sorted(left)
+            gone = live[removals[step] % len(live)]
+            gen.remove([gone])
+            left.discard(gone)
+        for r in gen.next()[1]:
+            assert r.uid >= 0
+            if r.uid in left:
+                out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+        if not left and step > max(arrivals):
+            return [out[u] for u in uids]
+    raise AssertionError("the sequences did not finish")
+
+
+@settings(max_examples=12, deadline=None)
+@given(schedule=schedules(), reuse_steps=st.sampled_from([1, 4, 64]),
+       lane_padding=st.sampled_from([0, 60]))
+def test_any_schedule_gives_the_tokens_of_mlx_lms_filter_and_extend(
+        model_path, schedule, reuse_steps, lane_padding):
+    arrivals, removals = schedule
+    plain = scheduled_run(generator(model_path, reuse_steps=0, lane_padding=lane_padding),
+                          arrivals, removals)
+    with_vacant = scheduled_run(
+        generator(model_path, reuse_steps=reuse_steps, lane_padding=lane_padding),
+        arrivals, removals)
+    assert with_vacant == plain
