@@ -17,6 +17,7 @@ from runtime.decode_lanes import decoding_batch
 from runtime.mixed_step import MixedStepModel, chunk_tail_padding, on_ladder
 from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners, lone_prompt
 from runtime.short_prompts_first import ShortFirstGenerator
+from runtime.vacant_rows import vacant_count
 
 
 class ChunkGoesFirst:
@@ -124,3 +125,14 @@ class ChunkGoesFirst:
 
 class EngineBatchGenerator(ChunkGoesFirst, ShortFirstGenerator):
     """mlx-lm's ``BatchGenerator`` with short prompts first and chunks first."""
+
+    @property
+    def completion_batch_size(self) -> int:
+        """The most rows that decode together, vacant rows (``runtime.vacant_rows``) not
+        counted: they wait for a joining row, and must not hold its prompt back."""
+        return self._completion_batch_size + vacant_count(
+            getattr(self, "_generation_batch", None))
+
+    @completion_batch_size.setter
+    def completion_batch_size(self, rows: int) -> None:
+        self._completion_batch_size = rows

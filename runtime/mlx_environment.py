@@ -168,11 +168,9 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
     large = large_batch_bytes(mx)
     if large is None:
         return False
-    held = 0
-    for c in caches:
-        for name in ("keys", "values"):
-            array = getattr(c, name, None)
-            held += getattr(array, "nbytes", 0) if array is not None else 0
+    held = sum(array.nbytes for c in caches
+               for array in (getattr(c, "keys", None), getattr(c, "values", None))
+               if array is not None)
     if held < large:
         return False
     mx.synchronize()

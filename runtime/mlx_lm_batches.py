@@ -16,10 +16,9 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   its chunks while sequences decode. Both batches give one unpadded row's
   attention no mask array (``runtime.plain_masks``).
 * ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
-  (which prompts join, what the coming step prefills); the attributes it uses
-  are checked here too.
-
-Receives and emits nothing.
+  (which prompts join, what the coming step prefills), checked here too;
+  ``runtime.vacant_rows`` takes over ``RowAwareGenerationBatch``'s per-row lists
+  where a large batch keeps a leaving row's place. Receives and emits nothing.
 """
 
 from __future__ import annotations
@@ -221,8 +220,9 @@ def _room_given_back(caches: list) -> None:
 
 class RowAwareGenerationBatch(GenerationBatch):
     """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
-    and whose ``filter`` reads the layers' paddings at once. A large batch waits for
-    the device before rows join or leave it (``wait_before_batch_copy``)."""
+    and whose ``filter`` reads the layers' paddings at once. A large batch keeps a
+    leaving row's place for a joining one (``runtime.vacant_rows``), and waits for the
+    device before a copy of its layers (``wait_before_batch_copy``)."""
 
     def _step(self):
         with plain_masks(self.prompt_cache, len(self.uids)):

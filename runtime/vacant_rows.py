@@ -28,11 +28,13 @@ mlx-lm does.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Any
 
 # The per-row lists of mlx-lm's ``GenerationBatch`` a vacant row resets and a joining
-# row takes over (``runtime.mlx_lm_batches.check_internals`` checks they exist).
+# row takes over; a batch without all of them, one entry a row, filters and extends
+# as mlx-lm does (``_rows_listed``; docs/upgrading-mlx-lm.md).
 ROW_LISTS = ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
              "stop_sequences", "_token_context", "_num_tokens", "_matchers")
 
@@ -43,23 +45,23 @@ class RowReuse:
     ``steps``: how many steps a vacant row waits for a joining one (0: rows leave at
     once, as in mlx-lm). ``min_bytes``: batches holding less KV filter and extend as
     mlx-lm does (a copy of a small batch costs less than a row decoding for nothing).
-    ``max_rows``: at this many rows (the generator's ``completion_batch_size``) a
-    leaving row's place goes to the prompts waiting for one, not to a vacant row."""
+    Vacant rows do not count towards the generator's ``completion_batch_size``
+    (``runtime.engine_generator``), so they hold no prompt back."""
 
-    def __init__(self, steps: int, min_bytes: int, max_rows: int):
-        self.steps, self.min_bytes, self.max_rows = steps, min_bytes, max_rows
+    def __init__(self, steps: int, min_bytes: int):
+        self.steps, self.min_bytes = steps, min_bytes
         self.vacant: dict[int, int] = {}  # row index -> steps since it was vacated
         self.vacated = 0  # rows vacated, and rows filled, since the batch was made
         self.filled = 0
-        self._last_uid = 0
 
     def fresh(self) -> RowReuse:
         """The same setting for another batch (a new decode lane)."""
-        return RowReuse(self.steps, self.min_bytes, self.max_rows)
+        return RowReuse(self.steps, self.min_bytes)
 
-    def vacant_uid(self) -> int:
-        self._last_uid -= 1
-        return self._last_uid
+
+# Vacant rows' uids: negative (mlx-lm's count up from 0), each used once in the
+# process, so that no two rows of a generator's lanes share one.
+_vacant_uids = itertools.count(-1, -1)
 
 
 def _plain(caches: list) -> bool:
@@ -90,7 +92,7 @@ def vacate(batch: Any, keep: list[int]) -> bool:
     leaving = [i for i in range(rows) if i not in kept and i not in reuse.vacant]
     if not leaving or not any(i not in reuse.vacant for i in keep):
         return False  # nothing leaves, or nothing real stays (the batch empties)
-    if rows >= reuse.max_rows or len(reuse.vacant) + len(leaving) > rows // 2:
+    if len(reuse.vacant) + len(leaving) > rows // 2:
         return False
     caches = batch.prompt_cache
     if not _plain(caches) or _kv_bytes(caches) < reuse.min_bytes or not _rows_listed(batch):
@@ -98,7 +100,7 @@ def vacate(batch: Any, keep: list[int]) -> bool:
     from mlx_lm.generate import StopSequences
 
     for i in leaving:
-        batch.uids[i] = reuse.vacant_uid()
+        batch.uids[i] = next(_vacant_uids)
         batch.tokens[i] = []
         batch.samplers[i] = None
         batch.logits_processors[i] = []
@@ -214,5 +216,13 @@ def install_row_reuse(generator: Any, steps: int, min_bytes: int | None) -> bool
         return False
     batch = generator._generation_batch
     first = batch.lanes[0] if hasattr(batch, "lanes") else batch
-    first.row_reuse = RowReuse(steps, min_bytes, generator.completion_batch_size)
+    first.row_reuse = RowReuse(steps, min_bytes)
     return True
+
+
+def vacant_count(batch: Any) -> int:
+    """How many of a generation batch's rows (all its lanes', where it has lanes) are
+    vacant."""
+    lanes = getattr(batch, "lanes", None) or ([batch] if batch is not None else [])
+    return sum(len(reuse.vacant) for lane in lanes
+               if (reuse := getattr(lane, "row_reuse", None)) is not None)

@@ -330,3 +330,27 @@ def test_any_schedule_gives_the_tokens_of_mlx_lms_filter_and_extend(
         generator(model_path, reuse_steps=reuse_steps, lane_padding=lane_padding),
         arrivals, removals)
     assert with_vacant == plain
+
+
+def test_vacant_rows_hold_no_prompt_back(model_path):
+    """The generator's ``completion_batch_size`` does not count vacant rows: prompts
+    that arrive while rows are vacant start decoding in the step they would without
+    them (here the batch's limit of 8 rows would otherwise hold two of four back)."""
+    from runtime.vacant_rows import vacant_count
+
+    decoding = {}
+    for steps in (0, 500):
+        gen = generator(model_path, reuse_steps=steps)
+        gen.insert([prompt(s, 30) for s in range(6)], max_tokens=[3, 3, 3, 100, 100, 100])
+        batch = gen._generation_batch
+        for _ in range(6):
+            gen.next()
+        if steps:
+            assert vacant_count(batch) == 3 and len(batch) == 6
+            assert gen.completion_batch_size == 8 + 3
+        gen.insert([prompt(s, 10) for s in range(10, 14)], max_tokens=[50] * 4)
+        decoding[steps] = []
+        for _ in range(6):
+            gen.next()
+            decoding[steps].append(len([u for u in batch.uids if u >= 0]))
+    assert decoding[500] == decoding[0] and decoding[0][-1] == 7
