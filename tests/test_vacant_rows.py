@@ -54,23 +54,27 @@ LATER = {30: [(prompt(7, 60), 30)], 34: [(prompt(8, 80), 25), (prompt(9, 40), 20
 
 
 def run(gen, *, remove_at: dict[int, int] | None = None, watch=None):
-    """Every sequence's tokens, in the order inserted; ``remove_at``: step -> the index
-    (in insertion order) of a sequence removed at that step; ``watch(gen)`` each step."""
-    uids = gen.insert([p for p, _ in FIRST], max_tokens=[m for _, m in FIRST])
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    left, arrivals, step = set(uids), dict(LATER), 0
-    remove_at = dict(remove_at or {})
-    while left or arrivals:
+    """``scheduled_run`` of FIRST at step 0 and LATER."""
+    return scheduled_run(gen, {0: FIRST, **LATER}, remove_at or {}, watch=watch)
+
+
+def scheduled_run(gen, arrivals: dict, removals: dict, *, watch=None) -> list[list[int]]:
+    """Every sequence's tokens, in the order inserted. ``arrivals``: step -> prompts with
+    their max_tokens; ``removals``: step -> the index (in insertion order) of a
+    sequence removed at that step, if it still runs; ``watch(gen)`` after each step."""
+    uids: list[int] = []
+    out: dict[int, list[int]] = {}
+    left: set[int] = set()
+    for step in range(1000):
         if step in arrivals:
-            turns = arrivals.pop(step)
-            new = gen.insert([p for p, _ in turns], max_tokens=[m for _, m in turns])
+            new = gen.insert([p for p, _ in arrivals[step]],
+                             max_tokens=[m for _, m in arrivals[step]])
             uids += new
             out.update({u: [] for u in new})
             left.update(new)
-        if step in remove_at:
-            gone = uids[remove_at.pop(step)]
-            gen.remove([gone])
-            left.discard(gone)
+        if step in removals and removals[step] < len(uids) and uids[removals[step]] in left:
+            gen.remove([uids[removals[step]]])
+            left.discard(uids[removals[step]])
         for r in gen.next()[1]:
             assert r.uid >= 0  # a vacant row never answers
             if r.uid in left:
@@ -79,9 +83,9 @@ def run(gen, *, remove_at: dict[int, int] | None = None, watch=None):
                 left.discard(r.uid)
         if watch is not None:
             watch(gen)
-        step += 1
-        assert step < 1000
-    return [out[u] for u in uids]
+        if not left and step >= max(arrivals):
+            return [out[u] for u in uids]
+    raise AssertionError("the sequences did not finish")
 
 
 @pytest.mark.parametrize("chunk_pass", ["shared", "separate"])
@@ -279,7 +283,7 @@ def test_a_vacant_row_never_finishes(model_path):
 @st.composite
 def schedules(draw):
     """Arrivals (step -> prompts with their max_tokens) and removals (step -> the index,
-    among the sequences inserted so far, of one to remove)."""
+    in insertion order, of a sequence to remove if it still runs)."""
     arrivals = {0: [(prompt(draw(st.integers(0, 50)), draw(st.integers(20, 120))),
                      draw(st.integers(2, 60))) for _ in range(draw(st.integers(2, 6)))]}
     for _ in range(draw(st.integers(0, 5))):
@@ -290,32 +294,6 @@ def schedules(draw):
     removals = {draw(st.integers(1, 90)): draw(st.integers(0, 20))
                 for _ in range(draw(st.integers(0, 2)))}
     return arrivals, removals
-
-
-def scheduled_run(gen, arrivals: dict, removals: dict) -> list[list[int]]:
-    uids: list[int] = []
-    out: dict[int, list[int]] = {}
-    left: set[int] = set()
-    for step in range(400):
-        if step in arrivals:
-            new = gen.insert([p for p, _ in arrivals[step]], max_tokens=[m for _, m in arrivals[step]])
-            uids += new
-            out.update({u: [] for u in new})
-            left.update(new)
-        if step in removals and left:
-            live = sorted(left)
-            gone = live[removals[step] % len(live)]
-            gen.remove([gone])
-            left.discard(gone)
-        for r in gen.next()[1]:
-            assert r.uid >= 0
-            if r.uid in left:
-                out[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                left.discard(r.uid)
-        if not left and step > max(arrivals):
-            return [out[u] for u in uids]
-    raise AssertionError("the sequences did not finish")
 
 
 @settings(max_examples=12, deadline=None)
