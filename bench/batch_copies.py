@@ -16,7 +16,10 @@ timed over all 56 arrays, evaluated and waited for (milliseconds a copy, median 
 - ``leave-runs``: the kept rows as runs of consecutive rows, sliced and concatenated;
 - ``leave-gather-trimmed`` / ``leave-runs-trimmed``: the same after the shared left
   padding is trimmed (a strided view: the longest row left);
-- ``join``: one row of as many keys joining (mlx-lm's ``extend``: pad, concatenate).
+- ``join``: one row of as many keys joining (mlx-lm's ``extend``: pad, concatenate);
+- ``join-fill``: the same row written into a vacant row's place instead
+  (``runtime.vacant_rows``: a slice assignment, in place where MLX can donate the
+  buffer; its bandwidth counts the row).
 
 With the batch's bytes and the copy's bandwidth (bytes read and written a second).
 Writes JSON with ``--out``.
@@ -89,12 +92,23 @@ def main(argv: list[str] | None = None) -> int:
             caches += [mine.keys, mine.values]
         return caches
 
+    joining = [mx.contiguous(a[:1]) for a in arrays]  # a joining batch's own arrays
+    mx.eval(joining)
+
+    def fill() -> list:
+        """One row of as many keys written into a vacant row's place, in place
+        (``runtime.vacant_rows.fill``): every array's row ``leaving``."""
+        for a, r in zip(arrays, joining, strict=True):
+            a[leaving:leaving + 1, :, :, :] = r
+        return arrays
+
     cases = {
         "leave-gather": lambda: leave(False, False),
         "leave-runs": lambda: leave(False, True),
         "leave-gather-trimmed": lambda: leave(True, False),
         "leave-runs-trimmed": lambda: leave(True, True),
         "join": join,
+        "join-fill": fill,
     }
     results = {"rows": ns.rows, "tokens": ns.tokens, "batch_gb": round(batch_bytes / 1e9, 2),
                "device": str(mx.default_device()), "cases": {}}
@@ -106,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             out = make()
             mx.eval(out)
             times.append(1000 * (time.perf_counter() - began))
-            moved = 2 * sum(a.nbytes for a in out)  # read and written
+            # read and written: the new arrays, or (a fill) the row written in place
+            moved = 2 * sum(a.nbytes for a in (joining if name == "join-fill" else out))
             del out
         ms = statistics.median(times)
         results["cases"][name] = {"ms": round(ms, 2), "all_ms": [round(t, 2) for t in times],

@@ -145,12 +145,17 @@ def bound_buffer_cache(mx) -> int | None:
 BATCH_COPY_WAIT_SHARE = 1 / 8
 
 
-def large_batch_bytes(mx) -> int | None:
+def memory_bytes(mx) -> int:
+    """The device's memory as MLX reports it, or the machine's RAM where it reports
+    none (its CPU backend, whose arrays live there)."""
+    return device_memory(mx) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def large_batch_bytes(mx) -> int:
     """The KV bytes from which a decoding batch counts as large (``BATCH_COPY_WAIT_SHARE``
-    of the device's memory): it waits before its copies, and keeps leaving rows'
-    places (``runtime.vacant_rows``). None where MLX reports no memory."""
-    memory = device_memory(mx)
-    return int(memory * BATCH_COPY_WAIT_SHARE) if memory else None
+    of ``memory_bytes``): it waits before its copies, and keeps leaving rows' places
+    (``runtime.vacant_rows``)."""
+    return int(memory_bytes(mx) * BATCH_COPY_WAIT_SHARE)
 
 
 def wait_before_batch_copy(mx, caches: list) -> bool:
@@ -164,10 +169,8 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
     times: sixteen agent sessions of 14k tokens (27 GB of KV) ran an 80 GB H100 out of
     memory at 61 GB active. Waiting first frees the last copy's old arrays, so a copy
     never finds another in flight; it costs the host's head start on that one step.
-    Nothing waits where the memory is unknown (MLX's CPU backend) or the batch small."""
+    Nothing waits where the batch is small."""
     large = large_batch_bytes(mx)
-    if large is None:
-        return False
     held = sum(array.nbytes for c in caches
                for array in (getattr(c, "keys", None), getattr(c, "values", None))
                if array is not None)
@@ -189,9 +192,7 @@ KV_BUDGET_SHARE = 0.35
 def default_kv_budget(mx, weights_bytes: int = 0) -> int:
     """``KV_BUDGET_SHARE`` of the accelerator's memory (the machine's RAM on the CPU)
     less ``weights_bytes`` (at least a quarter of it)."""
-    memory = device_memory(mx)
-    if not memory:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = memory_bytes(mx)
     return int(max(memory - weights_bytes, memory // 4) * KV_BUDGET_SHARE)
 
 

@@ -208,11 +208,11 @@ def fill(batch: Any, joining: Any, mine: list, theirs: list) -> bool:
     return True
 
 
-def install_row_reuse(generator: Any, steps: int, min_bytes: int | None) -> bool:
+def install_row_reuse(generator: Any, steps: int, min_bytes: int) -> bool:
     """Give ``generator``'s decoding batch (its first lane, where it has lanes) a
-    ``RowReuse``; new lanes take the same setting. ``steps`` 0 or ``min_bytes`` None
-    (no large batch known): none. Returns whether it did."""
-    if steps <= 0 or min_bytes is None:
+    ``RowReuse``; new lanes take the same setting. ``steps`` 0: none. Returns whether
+    it did."""
+    if steps <= 0:
         return False
     batch = generator._generation_batch
     first = batch.lanes[0] if hasattr(batch, "lanes") else batch

@@ -115,7 +115,13 @@ class _Device(_CacheLimits):
 
 
 def test_a_batch_waits_for_the_device_before_a_copy_only_when_it_is_large():
-    from runtime.mlx_environment import BATCH_COPY_WAIT_SHARE, wait_before_batch_copy
+    import os
+
+    from runtime.mlx_environment import (
+        BATCH_COPY_WAIT_SHARE,
+        large_batch_bytes,
+        wait_before_batch_copy,
+    )
 
     memory = 80 << 30
     device = _Device(memory=memory, limit=memory)
@@ -126,8 +132,13 @@ def test_a_batch_waits_for_the_device_before_a_copy_only_when_it_is_large():
     large = [_Layer(share // 56 + 1)] * 28
     assert wait_before_batch_copy(device, large) and device.waits == 1
     assert not wait_before_batch_copy(device, [])
-    cpu = _Device(memory=0, limit=0)  # MLX's CPU backend reports no memory: never waits
-    assert not wait_before_batch_copy(cpu, large) and cpu.waits == 0
+    # MLX's CPU backend reports no memory: the share is of the machine's RAM
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = _Device(memory=0, limit=0)
+    share = int(ram * BATCH_COPY_WAIT_SHARE)
+    assert large_batch_bytes(cpu) == share
+    assert not wait_before_batch_copy(cpu, [_Layer((share - 2) // 2)]) and cpu.waits == 0
+    assert wait_before_batch_copy(cpu, [_Layer(share // 2 + 1)]) and cpu.waits == 1
 
 
 def test_the_default_kv_budget_leaves_room_for_a_batch_copied_whole():
