@@ -19,7 +19,9 @@
 # Scenarios (each bounded by its own timeout; a failing one does not stop the rest):
 #   agents=SHAPE:S:SESSIONS:TURNS[:SYSTEMS]  bench/agent_sessions.py, ours / mlx_lm.server /
 #                                  the bare engine, system prompt of S tokens
-#                                  (e.g. qwen3-0.6b:12000:1,4,16:6)
+#                                  (e.g. qwen3-0.6b:12000:1,4,16:6); AGENTS_SERVER_ARGS: extra
+#                                  flags for ours (e.g. '--decode-row-reuse-steps 0'), its
+#                                  JSON named with an "-alt" suffix
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS[:LEVELS[:SPREAD[:VARIANTS]]]  a cold prompt alone and in a wave of 8 (LEVELS,
@@ -171,7 +173,9 @@ for scenario in "$@"; do
       timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" \
         --systems "${p4:-ours,mlx_lm,engine}" --system-tokens "$p1" --sessions "${p2:-1,4,16}" \
         --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
-        --out "$OUT/agents-$shape-$p1-${p2:-all}.json" 2>&1 | grep -v "httpx\|HTTP/1.1" | tail -20
+        --server-args "${AGENTS_SERVER_ARGS:-}" \
+        --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}.json" 2>&1 \
+        | grep -v "httpx\|HTTP/1.1" | tail -20
       ;;
     trace)
       # Our engine process's steps (time inside the generator's next()) and its
