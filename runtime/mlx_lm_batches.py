@@ -34,6 +34,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
+from runtime import vacant_rows
 from runtime.mlx_environment import wait_before_batch_copy
 from runtime.mlx_lm_internals import (
     evals_queued,
@@ -44,7 +45,6 @@ from runtime.mlx_lm_internals import (
 )
 from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
-from runtime.vacant_rows import age_vacant, fill, joined_vacant, kept_rows, vacate
 
 # ------------------------------------------------- batch generator rows
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
@@ -247,27 +247,27 @@ class RowAwareGenerationBatch(GenerationBatch):
     row_reuse = None  # runtime.vacant_rows: a large batch's leaving rows kept for joining ones
 
     def next(self):
-        keep = age_vacant(self)
-        if keep is not None:
+        if (keep := vacant_rows.age_vacant(self)) is not None:
             self.filter(keep)
         responses = super().next()
         return responses if self.row_reuse is None else [r for r in responses if r.uid >= 0]
 
     def extend(self, batch):
         mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
-        if not fill(self, batch, mine, theirs):
+        if not vacant_rows.fill(self, batch, mine, theirs):
             rows = len(self.uids)
-            if rows:
-                wait_before_batch_copy(mx, self.prompt_cache)
+            if vacant_rows.margin_for_longer(self, batch):
+                theirs = layer_paddings(batch.prompt_cache)
+            wait_before_batch_copy(mx, self.prompt_cache)  # an empty batch holds nothing
             super().extend(batch)
             joined_paddings(self.prompt_cache, mine, theirs)
-            joined_vacant(self, batch, rows)
+            vacant_rows.joined_vacant(self, batch, rows)
         self._queue_next_tokens()
 
     def filter(self, keep):
-        if vacate(self, keep):
+        if vacant_rows.vacate(self, keep):
             return
-        keep = kept_rows(self, keep)
+        keep = vacant_rows.kept_rows(self, keep)
         if keep and len(keep) < len(self.uids):
             wait_before_batch_copy(mx, self.prompt_cache)
         with _layers_filtered(self, keep):

@@ -3,8 +3,8 @@
 Owns ``RowReuse`` (the setting and one batch's vacant rows) and what the generation
 batch (``runtime.mlx_lm_batches.RowAwareGenerationBatch``) calls: ``vacate`` where
 mlx-lm would filter leaving rows out, ``fill`` where it would concatenate a joining
-batch's rows on, ``age_vacant`` once a step, and ``kept_rows`` before a filter that
-copies anyway. ``install_row_reuse`` gives a generator's decoding batch its
+batch's rows on (``margin_for_longer`` before a join that copies anyway),
+``age_vacant`` once a step, and ``kept_rows`` before a filter that copies anyway. ``install_row_reuse`` gives a generator's decoding batch its
 ``RowReuse``. Receives the batches; emits nothing.
 
 Why: mlx-lm keeps a decoding batch's KV cache in one array per layer for keys and
@@ -20,7 +20,9 @@ no limit on its tokens, its responses dropped. It decodes along (one more row's
 step, no copy) for at most ``RowReuse.steps`` steps. A joining row that is no longer
 than the batch's keys (``_idx``) is written into a vacant row's place, right-aligned
 as mlx-lm's ``extend`` aligns it, its left padding and offset set on the host; the
-rest of the row's old keys lie in its new padding, masked. A vacant row left too
+rest of the row's old keys lie in its new padding, masked. A row longer than the
+batch's keys joins as in mlx-lm, by a copy, and that copy leaves every row
+``JOIN_MARGIN`` positions of room on the left for the next. A vacant row left too
 long, or one in a batch that is copied anyway, is filtered out as mlx-lm does. Only
 plain ``BatchKVCache`` layers take part; every other batch filters and extends as
 mlx-lm does.
@@ -150,6 +152,37 @@ def joined_vacant(batch: Any, joining: Any, offset: int) -> None:
         batch.row_reuse = reuse = theirs.fresh()
     reuse.vacant.update({offset + i: age for i, age in theirs.vacant.items()})
     theirs.vacant.clear()
+
+
+# Key positions of room a large batch keeps on the left when a longer row joins it
+# (``margin_for_longer``): a later row up to this much longer than the batch's
+# longest can still take a vacant place. An agent session's next turn is its last
+# one plus a reply and a user turn or tool result, often the batch's new longest.
+JOIN_MARGIN = 1024
+
+
+def margin_for_longer(batch: Any, joining: Any) -> bool:
+    """Before mlx-lm's ``extend`` of a large ``batch`` by a longer ``joining`` batch
+    (which pads ``batch`` on the left, copying it, to the longer one's keys): the
+    joining batch's layers padded on the left by ``JOIN_MARGIN`` first, so that the
+    same copy leaves every row that much room. Whether it did."""
+    reuse: RowReuse | None = getattr(batch, "row_reuse", None)
+    caches, others = batch.prompt_cache, joining.prompt_cache
+    if reuse is None or not len(batch.uids) or not (_plain(caches) and _plain(others)):
+        return False
+    if len(caches) != len(others) or _kv_bytes(caches) < reuse.min_bytes:
+        return False
+    if not any(o._idx > c._idx for c, o in zip(caches, others, strict=True)):
+        return False
+    import mlx.core as mx
+
+    for o in others:
+        paddings = o.left_padding.tolist()  # made on the host as the prompt batch split
+        o.keys = mx.pad(o.keys, [(0, 0), (0, 0), (JOIN_MARGIN, 0), (0, 0)])
+        o.values = mx.pad(o.values, [(0, 0), (0, 0), (JOIN_MARGIN, 0), (0, 0)])
+        o._idx += JOIN_MARGIN
+        o.left_padding = mx.array([p + JOIN_MARGIN for p in paddings], dtype=o.left_padding.dtype)
+    return True
 
 
 def fill(batch: Any, joining: Any, mine: list, theirs: list) -> bool:

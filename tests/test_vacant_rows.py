@@ -104,11 +104,12 @@ def test_a_joining_row_fills_a_place_without_copying_the_batch(model_path, monke
     padding and concatenation of the whole batch); one that finds none extends every
     layer, as before."""
     import runtime.mlx_lm_batches as batches
+    import runtime.vacant_rows as vacant_rows
 
     gen = generator(model_path, reuse_steps=64)
     joins: list[tuple[bool, int, int]] = []  # (filled, rows before, layer extends)
     layer_extends = []
-    real_fill, real_layer_extend = batches.fill, BatchKVCache.extend
+    real_fill, real_layer_extend = vacant_rows.fill, BatchKVCache.extend
     real_join = batches.RowAwareGenerationBatch.extend
     filled = []
 
@@ -125,7 +126,7 @@ def test_a_joining_row_fills_a_place_without_copying_the_batch(model_path, monke
         real_join(self, batch)
         joins.append((filled[-1], rows, len(layer_extends) - before))
 
-    monkeypatch.setattr(batches, "fill", spy_fill)
+    monkeypatch.setattr(vacant_rows, "fill", spy_fill)
     monkeypatch.setattr(BatchKVCache, "extend", spy_layer_extend)
     monkeypatch.setattr(batches.RowAwareGenerationBatch, "extend", spy_join)
     run(gen)
@@ -332,3 +333,22 @@ def test_vacant_rows_hold_no_prompt_back(model_path):
             gen.next()
             decoding[steps].append(len([u for u in batch.uids if u >= 0]))
     assert decoding[500] == decoding[0] and decoding[0][-1] == 7
+
+
+def test_a_longer_row_joining_leaves_room_for_the_next_longer_one(model_path, monkeypatch):
+    """A row longer than the batch's keys joins by mlx-lm's copy, which leaves every row
+    ``JOIN_MARGIN`` positions of room: the next row, longer again but within that room,
+    takes a vacant place instead of a second copy; the tokens are mlx-lm's either way."""
+    import runtime.vacant_rows as vacant_rows
+
+    arrivals = {0: [(prompt(s, 30), m) for s, m in enumerate([3, 3, 90, 90])],
+                8: [(prompt(20, 120), 40)], 14: [(prompt(21, 200), 30)]}
+    plain = scheduled_run(generator(model_path, reuse_steps=0), arrivals, {})
+    fills = {}
+    for margin in (0, vacant_rows.JOIN_MARGIN):
+        monkeypatch.setattr(vacant_rows, "JOIN_MARGIN", margin)
+        gen = generator(model_path, reuse_steps=64)
+        assert scheduled_run(gen, arrivals, {}) == plain
+        fills[margin] = gen._generation_batch.row_reuse.filled
+    assert fills[0] == 0  # each longer row copied the batch
+    assert fills[vacant_rows.JOIN_MARGIN] == 1  # the second took the place the first left
