@@ -99,6 +99,12 @@ def vacate(batch: Any, keep: list[int]) -> bool:
     caches = batch.prompt_cache
     if not _plain(caches) or _kv_bytes(caches) < reuse.min_bytes or not _rows_listed(batch):
         return False
+    # mlx-lm's filter trims the padding every row shares; a vacated row trims nothing.
+    # Past twice the room a longer row's join leaves, the rows that stay are filtered
+    # (one copy, the padding trimmed) rather than read through it at every step.
+    paddings = caches[0].left_padding.tolist()  # made on the host (joins, filters, fills)
+    if min(paddings[i] for i in keep if i not in reuse.vacant) > 2 * JOIN_MARGIN:
+        return False
     from mlx_lm.generate import StopSequences
 
     for i in leaving:

@@ -352,3 +352,33 @@ def test_a_longer_row_joining_leaves_room_for_the_next_longer_one(model_path, mo
         fills[margin] = gen._generation_batch.row_reuse.filled
     assert fills[0] == 0  # each longer row copied the batch
     assert fills[vacant_rows.JOIN_MARGIN] == 1  # the second took the place the first left
+
+
+def test_a_leave_past_twice_the_room_in_shared_padding_filters_and_trims(model_path, monkeypatch):
+    """Where the rows that stay share more than twice the room's padding (the longest
+    rows gone), a leave filters the batch as mlx-lm does, which trims that padding,
+    instead of leaving a vacant row; the tokens are mlx-lm's either way."""
+    import runtime.vacant_rows as vacant_rows
+
+    # short rows decode; two long ones join (and leave the room), finish first, and
+    # leave the short rows sharing the padding they had beside the long ones
+    arrivals = {0: [(prompt(s, 30), 30 + 5 * s) for s in range(4)],
+                2: [(prompt(8, 120), 3), (prompt(9, 120), 3)]}
+    plain = scheduled_run(generator(model_path, reuse_steps=0), arrivals, {})
+    shared: dict[int, list[int]] = {}
+    for margin in (8, 1024):
+        monkeypatch.setattr(vacant_rows, "JOIN_MARGIN", margin)
+        gen = generator(model_path, reuse_steps=64)
+        shared[margin] = []
+
+        def watch(g, margin=margin):
+            b = g._generation_batch
+            vacant = b.row_reuse.vacant
+            pads = b.prompt_cache[0].left_padding.tolist() if len(b.prompt_cache) else []
+            real = [p for i, p in enumerate(pads) if i not in vacant]
+            shared[margin].append(min(real) if real else 0)
+
+        assert scheduled_run(gen, arrivals, {}, watch=watch) == plain
+    # beside the long rows the short ones had 90 positions of padding and the room;
+    # once the long rows left: trimmed at once past 2 x 8, kept (vacant rows) under 2 x 1024
+    assert max(shared[8]) <= 16 < min(s for s in shared[1024][5:20] if s)
