@@ -158,6 +158,13 @@ def large_batch_bytes(mx) -> int:
     return int(memory_bytes(mx) * BATCH_COPY_WAIT_SHARE)
 
 
+def kv_bytes(caches: list) -> int:
+    """The bytes a batch's KV layers hold in their keys and values arrays."""
+    return sum(array.nbytes for c in caches
+               for array in (getattr(c, "keys", None), getattr(c, "values", None))
+               if array is not None)
+
+
 def wait_before_batch_copy(mx, caches: list) -> bool:
     """Wait for the device before a decoding batch's layers are copied whole (mlx-lm's
     ``BatchKVCache`` concatenates its rows with a joining batch's, and selects the rows
@@ -171,10 +178,7 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
     never finds another in flight; it costs the host's head start on that one step.
     Nothing waits where the batch is small."""
     large = large_batch_bytes(mx)
-    held = sum(array.nbytes for c in caches
-               for array in (getattr(c, "keys", None), getattr(c, "values", None))
-               if array is not None)
-    if held < large:
+    if kv_bytes(caches) < large:
         return False
     mx.synchronize()
     return True

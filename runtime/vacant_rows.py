@@ -34,6 +34,8 @@ import itertools
 import sys
 from typing import Any
 
+from runtime.mlx_environment import kv_bytes
+
 # The per-row lists of mlx-lm's ``GenerationBatch`` a vacant row resets and a joining
 # row takes over; a batch without all of them, one entry a row, filters and extends
 # as mlx-lm does (``_rows_listed``; docs/upgrading-mlx-lm.md).
@@ -72,10 +74,6 @@ def _plain(caches: list) -> bool:
     return bool(caches) and all(type(c) is BatchKVCache and c.keys is not None for c in caches)
 
 
-def _kv_bytes(caches: list) -> int:
-    return sum(c.keys.nbytes + c.values.nbytes for c in caches)
-
-
 def _rows_listed(batch: Any) -> bool:
     """Whether ``batch`` has every per-row list, one entry a row (an mlx-lm that
     changed them makes every batch filter and extend as mlx-lm does)."""
@@ -97,7 +95,7 @@ def vacate(batch: Any, keep: list[int]) -> bool:
     if len(reuse.vacant) + len(leaving) > rows // 2:
         return False
     caches = batch.prompt_cache
-    if not _plain(caches) or _kv_bytes(caches) < reuse.min_bytes or not _rows_listed(batch):
+    if not _plain(caches) or kv_bytes(caches) < reuse.min_bytes or not _rows_listed(batch):
         return False
     # mlx-lm's filter trims the padding every row shares; a vacated row trims nothing.
     # Past twice the room a longer row's join leaves, the rows that stay are filtered
@@ -176,7 +174,7 @@ def margin_for_longer(batch: Any, joining: Any) -> bool:
     caches, others = batch.prompt_cache, joining.prompt_cache
     if reuse is None or not len(batch.uids) or not (_plain(caches) and _plain(others)):
         return False
-    if len(caches) != len(others) or _kv_bytes(caches) < reuse.min_bytes:
+    if len(caches) != len(others) or kv_bytes(caches) < reuse.min_bytes:
         return False
     if not any(o._idx > c._idx for c, o in zip(caches, others, strict=True)):
         return False
