@@ -103,8 +103,10 @@ def progress(msg: str) -> None:
 SYSTEMS = ("ours", "mlx_lm", "engine")
 LABELS = {"ours": "mlx-trio-server", "mlx_lm": "mlx_lm.server", "engine": "engine (in-process)"}
 COLORS = {"ours": "tab:blue", "mlx_lm": "tab:orange", "engine": "tab:green"}
+VARIANT_COLORS = ("tab:purple", "tab:red", "tab:brown", "tab:olive", "tab:cyan")
 # side_by_side.server_argv's names for the two servers
 SERVER_KIND = {"ours": "ours", "mlx_lm": "ref"}
+PROBE_ENV = "MLX_TRIO_ENGINE_PROBE"  # runtime.engine.host_speed: the engine's step trace
 # The engine's batch sizes: the servers' as side_by_side.SERVER_FLAGS sets them
 # (--decode-concurrency 64) and their default prompt concurrency (8).
 DECODE_CONCURRENCY = 64
@@ -642,12 +644,30 @@ def summarize(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
     }
 
 
+def system_order(runs: list[dict[str, Any]]) -> list[str]:
+    """The systems of ``runs``: ours, mlx_lm.server and the engine first, then ours's
+    variants (``--variant``) in the order they ran."""
+    ran = list(dict.fromkeys(run["system"] for run in runs))
+    return [s for s in SYSTEMS if s in ran] + [s for s in ran if s not in SYSTEMS]
+
+
+def label(system: str) -> str:
+    return LABELS.get(system, f"mlx-trio-server {system}")
+
+
+def color(system: str, systems: list[str]) -> str:
+    if system in COLORS:
+        return COLORS[system]
+    variants = [s for s in systems if s not in COLORS]
+    return VARIANT_COLORS[variants.index(system) % len(VARIANT_COLORS)]
+
+
 def summarize_all(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """``{sessions: {system: summary}}`` over every run of a results file."""
     out: dict[str, dict[str, Any]] = {}
     for n in sorted({run["sessions"] for run in runs}):
         out[str(n)] = {}
-        for system in SYSTEMS:
+        for system in system_order(runs):
             rs = [run for run in runs if run["sessions"] == n and run["system"] == system]
             if rs:
                 recs = [r for r in records if r["sessions"] == n and r["system"] == system]
@@ -679,7 +699,7 @@ def render_table(summary: dict[str, dict[str, Any]]) -> str:
 
     for n in sorted(summary, key=int):
         by = summary[n]
-        for system in (s for s in SYSTEMS if s in by):
+        for system in by:
             s = by[system]
 
             def pair(key: str, s=s) -> str:
@@ -692,8 +712,8 @@ def render_table(summary: dict[str, dict[str, Any]]) -> str:
                 f"{pct(s['reused_of_reusable']):>13} | {s['errors']}/{s.get('retries', 0)}"
             )
         ours = by.get("ours")
-        for other in ("mlx_lm", "engine"):
-            if ours is None or other not in by:
+        for other in by:
+            if ours is None or other == "ours":
                 continue
             o = by[other]
 
@@ -721,13 +741,14 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     top = str(max(levels))
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     ax_tok, ax_ttft, ax_turn, ax_cache = axes.flat
-    for system in SYSTEMS:
+    systems = list(dict.fromkeys(s for by in summary.values() for s in by))
+    for system in systems:
         xs = [n for n in levels if system in summary[str(n)]]
         if not xs:
             continue
         by = [summary[str(n)][system] for n in xs]
-        style = {"color": COLORS[system], "marker": "o"}
-        ax_tok.plot(xs, [s["tok_s"] for s in by], label=LABELS[system], **style)
+        style = {"color": color(system, systems), "marker": "o"}
+        ax_tok.plot(xs, [s["tok_s"] for s in by], label=label(system), **style)
         for key, dash, marker, what in (
             ("ttft_turn1_p50_ms", "-", "o", "turn 1"),
             ("ttft_later_p50_ms", "--", "s", "later turns"),
@@ -738,8 +759,8 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
                     *zip(*pts, strict=True),
                     linestyle=dash,
                     marker=marker,
-                    color=COLORS[system],
-                    label=f"{LABELS[system]}, {what}",
+                    color=color(system, systems),
+                    label=f"{label(system)}, {what}",
                 )
         turns = summary[top].get(system, {}).get("by_turn", {})
         ts = sorted(int(t) for t in turns)
@@ -749,14 +770,14 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
             if turns[str(t)]["ttft_p50_ms"] is not None
         ]
         if pts:
-            ax_turn.plot(*zip(*pts, strict=True), label=LABELS[system], **style)
+            ax_turn.plot(*zip(*pts, strict=True), label=label(system), **style)
         pts = [
             (t, turns[str(t)]["cached_fraction"])
             for t in ts
             if turns[str(t)]["cached_fraction"] is not None
         ]
         if pts:
-            ax_cache.plot(*zip(*pts, strict=True), label=LABELS[system], **style)
+            ax_cache.plot(*zip(*pts, strict=True), label=label(system), **style)
     for ax in (ax_tok, ax_ttft):
         ax.set_xscale("log", base=2)
         ax.set_xticks(levels, [str(n) for n in levels])
@@ -916,6 +937,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "GPU's kernels for its shapes are built (see warm_up_pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="extra flags for ours, one string")
+    p.add_argument(
+        "--probe-dir",
+        default=None,
+        help="give each server of ours an engine step trace (MLX_TRIO_ENGINE_PROBE) in "
+        "DIR, named SYSTEM-rROUND-nSESSIONS.PID, for bench/trace_summary.py",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="another configuration of ours, run as system NAME with --server-args and "
+        "FLAGS (e.g. 'no-reuse=--decode-row-reuse-steps 0'), alternated with the systems in "
+        "each round; ratios of ours to it are printed as to the others",
+    )
     p.add_argument("--mlx-lm-args", default="", help="extra flags for mlx_lm.server, one string")
     p.add_argument(
         "--prompt-cache-size",
@@ -951,6 +987,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not ns.systems:
         p.error(f"--systems: unknown {sorted(unknown)}; choose from {SYSTEMS}")
     ns.systems = [s for s in SYSTEMS if s in ns.systems]  # the alternation's order
+    ns.variants = {}
+    for spec in ns.variant:
+        name, sep, flags = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or name in SYSTEMS or name in ns.variants:
+            p.error(f"--variant {spec!r}: want NAME=FLAGS, NAME new and not one of {SYSTEMS}")
+        ns.variants[name] = flags
+    ns.systems += list(ns.variants)
     return ns
 
 
@@ -969,10 +1013,13 @@ def warm_up_workload(w: AgentWorkload) -> AgentWorkload:
 
 
 def server_command(system: str, model: str, port: int, ns: argparse.Namespace) -> list[str]:
-    argv = server_argv(SERVER_KIND[system], model, port)
+    variant = ns.variants.get(system)
+    argv = server_argv(SERVER_KIND["ours" if variant is not None else system], model, port)
     if ns.prompt_cache_size is not None:
         argv += ["--prompt-cache-size", str(ns.prompt_cache_size)]
-    return argv + shlex.split(ns.server_args if system == "ours" else ns.mlx_lm_args)
+    if system == "mlx_lm":
+        return argv + shlex.split(ns.mlx_lm_args)
+    return argv + shlex.split(ns.server_args) + shlex.split(variant or "")
 
 
 def warm_up_pass(w, builder, warm, ns, model, log_dir, stamp) -> None:
@@ -1006,12 +1053,17 @@ def run_server(
     port = free_port()
     argv = server_command(system, model, port, ns)
     server = ServerProcess(
-        LABELS[system],
+        label(system),
         argv,
         f"http://127.0.0.1:{port}",
         log_dir / f"agent-{stamp}-{system}-r{rnd}-n{w.sessions}.log",
     )
-    server.start(cwd=REPO)  # ``python -m api.cli`` from the repository root
+    probe = None
+    if ns.probe_dir and SERVER_KIND.get(system) != "ref":
+        probe = str(Path(ns.probe_dir) / f"{system}-r{rnd}-n{w.sessions}")
+        Path(ns.probe_dir).mkdir(parents=True, exist_ok=True)
+    # ``python -m api.cli`` from the repository root
+    server.start(cwd=REPO, env={PROBE_ENV: probe} if probe else None)
     try:
         startup = server.wait_healthy()
         t = time.perf_counter()
@@ -1023,7 +1075,13 @@ def run_server(
         run = run_http(server.url, w, prompts, system, rnd, server.pid)
     finally:
         rc = server.stop()
-    run.update(startup_s=round(startup, 2), warm_up_s=round(warm_s, 2), exit_code=rc, command=argv)
+    run.update(
+        startup_s=round(startup, 2),
+        warm_up_s=round(warm_s, 2),
+        exit_code=rc,
+        command=argv,
+        probe=probe,  # its engine's step trace: PROBE.PID (bench/trace_summary.py)
+    )
     return run
 
 

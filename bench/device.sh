@@ -21,7 +21,11 @@
 #                                  the bare engine, system prompt of S tokens
 #                                  (e.g. qwen3-0.6b:12000:1,4,16:6); AGENTS_SERVER_ARGS: extra
 #                                  flags for ours (e.g. '--decode-row-reuse-steps 0'), its
-#                                  JSON named with an "-alt" suffix
+#                                  JSON named with an "-alt" suffix; AGENTS_VARIANTS: more
+#                                  configurations of ours, 'NAME=FLAGS' joined by '|', alternated
+#                                  with the systems (named in the JSON); AGENTS_ROUNDS: rounds
+#                                  (default 1); AGENTS_PROBE=1: each server of ours's engine
+#                                  step trace (agent_sessions.py --probe-dir)
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS[:LEVELS[:SPREAD[:VARIANTS]]]  a cold prompt alone and in a wave of 8 (LEVELS,
@@ -170,12 +174,17 @@ for scenario in "$@"; do
   case $name in
     agents)
       dir=$(model "$shape")
+      extra=()
+      IFS='|' read -ra specs <<< "${AGENTS_VARIANTS:-}"
+      for spec in "${specs[@]}"; do extra+=(--variant "$spec"); done
+      [ -n "${AGENTS_PROBE:-}" ] && extra+=(--probe-dir "$OUT/agents-probe-$SECONDS")
+      named=$(printf '%s' "${AGENTS_VARIANTS:-}" | sed 's/=[^|]*//g; s/|/-/g')
       timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" \
         --systems "${p4:-ours,mlx_lm,engine}" --system-tokens "$p1" --sessions "${p2:-1,4,16}" \
-        --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 --rounds 1 \
-        --server-args "${AGENTS_SERVER_ARGS:-}" \
-        --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}.json" 2>&1 \
-        | grep -v "httpx\|HTTP/1.1" | tail -20
+        --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 \
+        --rounds "${AGENTS_ROUNDS:-1}" --server-args "${AGENTS_SERVER_ARGS:-}" "${extra[@]}" \
+        --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}${named:+-$named}.json" \
+        2>&1 | grep -v "httpx\|HTTP/1.1" | tail -24
       ;;
     trace)
       # Our engine process's steps (time inside the generator's next()) and its
