@@ -947,10 +947,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME=FLAGS",
+        metavar="NAME[@TREE]=FLAGS",
         help="another configuration of ours, run as system NAME with --server-args and "
-        "FLAGS (e.g. 'no-reuse=--decode-row-reuse-steps 0'), alternated with the systems in "
-        "each round; ratios of ours to it are printed as to the others",
+        "FLAGS (e.g. 'no-reuse=--decode-row-reuse-steps 0'), from the source tree TREE if "
+        "given (another build's checkout), alternated with the systems in each round; "
+        "ratios of ours to it are printed as to the others",
     )
     p.add_argument("--mlx-lm-args", default="", help="extra flags for mlx_lm.server, one string")
     p.add_argument(
@@ -990,10 +991,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns.variants = {}
     for spec in ns.variant:
         name, sep, flags = spec.partition("=")
-        name = name.strip()
+        name, _, tree = name.strip().partition("@")
         if not sep or not name or name in SYSTEMS or name in ns.variants:
-            p.error(f"--variant {spec!r}: want NAME=FLAGS, NAME new and not one of {SYSTEMS}")
-        ns.variants[name] = flags
+            p.error(f"--variant {spec!r}: want NAME[@TREE]=FLAGS, NAME new, not one of {SYSTEMS}")
+        if tree and not (Path(tree) / "api" / "cli.py").is_file():
+            p.error(f"--variant {spec!r}: {tree} holds no api/cli.py")
+        ns.variants[name] = (Path(tree).resolve() if tree else REPO, flags)
     ns.systems += list(ns.variants)
     return ns
 
@@ -1019,7 +1022,7 @@ def server_command(system: str, model: str, port: int, ns: argparse.Namespace) -
         argv += ["--prompt-cache-size", str(ns.prompt_cache_size)]
     if system == "mlx_lm":
         return argv + shlex.split(ns.mlx_lm_args)
-    return argv + shlex.split(ns.server_args) + shlex.split(variant or "")
+    return argv + shlex.split(ns.server_args) + shlex.split(variant[1] if variant else "")
 
 
 def warm_up_pass(w, builder, warm, ns, model, log_dir, stamp) -> None:
@@ -1062,8 +1065,9 @@ def run_server(
     if ns.probe_dir and SERVER_KIND.get(system) != "ref":
         probe = str(Path(ns.probe_dir) / f"{system}-r{rnd}-n{w.sessions}")
         Path(ns.probe_dir).mkdir(parents=True, exist_ok=True)
-    # ``python -m api.cli`` from the repository root
-    server.start(cwd=REPO, env={PROBE_ENV: probe} if probe else None)
+    # ``python -m api.cli`` from the repository root (a variant's own tree)
+    tree = ns.variants[system][0] if system in ns.variants else REPO
+    server.start(cwd=tree, env={PROBE_ENV: probe} if probe else None)
     try:
         startup = server.wait_healthy()
         t = time.perf_counter()
@@ -1136,6 +1140,8 @@ def main(argv: list[str] | None = None) -> int:
         "systems": ns.systems,
         "rounds": ns.rounds,
         "commands": {s: server_command(s, model, 0, ns) for s in ns.systems if s != "engine"},
+        "variants": {name: {"tree": str(tree), "flags": flags}
+                     for name, (tree, flags) in ns.variants.items()},
         "engine": {
             "decode_concurrency": DECODE_CONCURRENCY,
             "prompt_concurrency": PROMPT_CONCURRENCY,

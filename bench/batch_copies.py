@@ -17,6 +17,10 @@ timed over all 56 arrays, evaluated and waited for (milliseconds a copy, median 
 - ``leave-gather-trimmed`` / ``leave-runs-trimmed``: the same after the shared left
   padding is trimmed (a strided view: the longest row left);
 - ``join``: one row of as many keys joining (mlx-lm's ``extend``: pad, concatenate);
+- ``join-longer``: one row 64 keys longer joining, which pads the batch's own rows
+  (copied, then copied again into the concatenation);
+- ``join-longer-once``: the same join written into one new array a layer
+  (``runtime.batch_layers.extend_layers``);
 - ``join-fill``: the same row written into a vacant row's place instead
   (``runtime.vacant_rows``: a slice assignment, in place where MLX can donate the
   buffer; its bandwidth counts the row).
@@ -38,18 +42,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runtime.batch_layers import extend_layers  # noqa: E402  (the server's own)
+from runtime.mlx_lm_internals import layer_paddings, row_runs  # noqa: E402
+
 LAYERS, HEADS, DIM = 28, 8, 128
-
-
-def kept_runs(keep: list[int]) -> list[tuple[int, int]]:
-    """``keep`` (ascending row indices) as ``(start, stop)`` runs of consecutive rows."""
-    runs: list[tuple[int, int]] = []
-    for row in keep:
-        if runs and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1)
-        else:
-            runs.append((row, row + 1))
-    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,24 +72,30 @@ def main(argv: list[str] | None = None) -> int:
         for a in arrays:
             if trim:
                 a = a[..., 64:, :]
-            out.append(mx.concatenate([a[s:e] for s, e in kept_runs(keep)]) if runs else a[rows])
+            out.append(mx.concatenate([a[s:e] for s, e in row_runs(keep)]) if runs else a[rows])
         return out
 
-    def join() -> list:
+    joining = [mx.contiguous(a[:1]) for a in arrays]  # a joining batch's own arrays
+    longer = [mx.pad(a, [(0, 0), (0, 0), (64, 0), (0, 0)]) for a in joining]
+    mx.eval(joining, longer)
+
+    def join(theirs_arrays: list, once: bool = False) -> list:
         caches = []
         for i in range(0, len(arrays), 2):
             mine = BatchKVCache([0] * ns.rows)
             mine.keys, mine.values, mine._idx = arrays[i], arrays[i + 1], ns.tokens
             mine.offset = mx.array([ns.tokens] * ns.rows)
             theirs = BatchKVCache([0])
-            theirs.keys, theirs.values = arrays[i][:1], arrays[i + 1][:1]
-            theirs._idx, theirs.offset = ns.tokens, mx.array([ns.tokens])
-            mine.extend(theirs)
+            theirs.keys, theirs.values = theirs_arrays[i], theirs_arrays[i + 1]
+            theirs._idx = theirs.keys.shape[2]
+            theirs.offset = mx.array([theirs._idx])
+            if not once:
+                mine.extend(theirs)
+            elif not extend_layers([mine], [theirs], layer_paddings([mine]),
+                                   layer_paddings([theirs])):
+                raise SystemExit("extend_layers declined the join")
             caches += [mine.keys, mine.values]
         return caches
-
-    joining = [mx.contiguous(a[:1]) for a in arrays]  # a joining batch's own arrays
-    mx.eval(joining)
 
     def fill() -> list:
         """One row of as many keys written into a vacant row's place, in place
@@ -107,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         "leave-runs": lambda: leave(False, True),
         "leave-gather-trimmed": lambda: leave(True, False),
         "leave-runs-trimmed": lambda: leave(True, True),
-        "join": join,
+        "join": lambda: join(joining),
+        "join-longer": lambda: join(longer),
+        "join-longer-once": lambda: join(longer, once=True),
         "join-fill": fill,
     }
     results = {"rows": ns.rows, "tokens": ns.tokens, "batch_gb": round(batch_bytes / 1e9, 2),

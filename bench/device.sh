@@ -22,8 +22,9 @@
 #                                  (e.g. qwen3-0.6b:12000:1,4,16:6); AGENTS_SERVER_ARGS: extra
 #                                  flags for ours (e.g. '--decode-row-reuse-steps 0'), its
 #                                  JSON named with an "-alt" suffix; AGENTS_VARIANTS: more
-#                                  configurations of ours, 'NAME=FLAGS' joined by '|', alternated
-#                                  with the systems (named in the JSON); AGENTS_ROUNDS: rounds
+#                                  configurations of ours, 'NAME[@TREE]=FLAGS' joined by '|'
+#                                  (TREE: another build's checkout, e.g. .before, carried),
+#                                  alternated with the systems (named in the JSON); AGENTS_ROUNDS: rounds
 #                                  (default 1); AGENTS_PROBE=1: each server of ours's engine
 #                                  step trace (agent_sessions.py --probe-dir)
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
@@ -178,7 +179,7 @@ for scenario in "$@"; do
       IFS='|' read -ra specs <<< "${AGENTS_VARIANTS:-}"
       for spec in "${specs[@]}"; do extra+=(--variant "$spec"); done
       [ -n "${AGENTS_PROBE:-}" ] && extra+=(--probe-dir "$OUT/agents-probe-$SECONDS")
-      named=$(printf '%s' "${AGENTS_VARIANTS:-}" | sed 's/=[^|]*//g; s/|/-/g')
+      named=$(printf '%s' "${AGENTS_VARIANTS:-}" | sed 's/[@=][^|]*//g; s/|/-/g')
       timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" \
         --systems "${p4:-ours,mlx_lm,engine}" --system-tokens "$p1" --sessions "${p2:-1,4,16}" \
         --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 \

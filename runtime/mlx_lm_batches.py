@@ -35,11 +35,10 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime import vacant_rows
+from runtime.batch_layers import layers_extended, layers_filtered
 from runtime.mlx_environment import wait_before_batch_copy
 from runtime.mlx_lm_internals import (
     evals_queued,
-    filter_layers,
-    joined_paddings,
     layer_paddings,
     queue_evals_in_generate,
 )
@@ -95,22 +94,6 @@ def _row_hook(sampler: Any):
     return getattr(sampler, "sampling_rows", None)
 
 
-@contextlib.contextmanager
-def _layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
-    """Around mlx-lm's ``filter`` of a batch: the layers filtered by ``filter_layers``,
-    mlx-lm's own loop over them given no layers (it keeps the rest of its work)."""
-    caches = batch.prompt_cache
-    if not keep:  # mlx-lm clears the list itself
-        yield
-        return
-    filter_layers(caches, keep)
-    batch.prompt_cache = []
-    try:
-        yield
-    finally:
-        batch.prompt_cache = caches
-
-
 class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
@@ -142,7 +125,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
 
     def filter(self, keep):
         _chunk_settled(self)
-        with _layers_filtered(self, keep):
+        with layers_filtered(self, keep):
             super().filter(keep)
 
     def extract_cache(self, idx):
@@ -259,8 +242,8 @@ class RowAwareGenerationBatch(GenerationBatch):
             if vacant_rows.margin_for_longer(self, batch):
                 theirs = layer_paddings(batch.prompt_cache)
             wait_before_batch_copy(mx, self.prompt_cache)  # an empty batch holds nothing
-            super().extend(batch)
-            joined_paddings(self.prompt_cache, mine, theirs)
+            with layers_extended(self, batch, mine, theirs):
+                super().extend(batch)
             vacant_rows.joined_vacant(self, batch, rows)
         self._queue_next_tokens()
 
@@ -270,7 +253,7 @@ class RowAwareGenerationBatch(GenerationBatch):
         keep = vacant_rows.kept_rows(self, keep)
         if keep and len(keep) < len(self.uids):
             wait_before_batch_copy(mx, self.prompt_cache)
-        with _layers_filtered(self, keep):
+        with layers_filtered(self, keep):
             super().filter(keep)
         rows_kept = getattr(self.model, "rows_kept", None)  # runtime.mixed_step
         if rows_kept is not None:

@@ -1,0 +1,115 @@
+"""A decoding batch's KV layers as rows join and leave it, each copied once.
+
+Owns what ``runtime.mlx_lm_batches``' generation batch runs around mlx-lm's
+``filter`` and ``extend``: ``layers_filtered`` (the layers filtered by
+``runtime.mlx_lm_internals.filter_layers``, which copies the kept rows as runs of
+consecutive rows) and ``layers_extended`` (a join that pads the batch's own rows
+written into one new array per layer, ``extend_layers``). Receives the batches and
+their layers' paddings read on the host (``layer_paddings``); emits nothing.
+
+Why: mlx-lm's ``BatchKVCache.extend`` pads each side to the longer one's keys and
+concatenates the two. Where the batch is the side padded (a joining row longer than
+its rows, or with a longer buffer), the padded copy of the whole batch is made and
+then copied again into the concatenation: the device holds the batch's KV three
+times at once (the old arrays, which the step in flight still reads, the padded
+copy and the result). Sixteen agent sessions of 14k tokens reached 77 GB of an H100's
+80 that way (docs/performance.md). Here each layer's result is allocated once and
+both sides are written into it: held twice, copied once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from runtime.mlx_lm_internals import filter_layers, joined_paddings
+
+
+@contextlib.contextmanager
+def layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
+    """Around mlx-lm's ``filter`` of a batch: the layers filtered by ``filter_layers``,
+    mlx-lm's own loop over them given no layers (it keeps the rest of its work)."""
+    caches = batch.prompt_cache
+    if not keep:  # mlx-lm clears the list itself
+        yield
+        return
+    filter_layers(caches, keep)
+    batch.prompt_cache = []
+    try:
+        yield
+    finally:
+        batch.prompt_cache = caches
+
+
+@contextlib.contextmanager
+def layers_extended(batch: Any, joining: Any, mine: list, theirs: list) -> Iterator[None]:
+    """Around mlx-lm's ``extend`` of a generation batch by ``joining``: where the batch's
+    own rows would be padded, its layers extended by ``extend_layers`` and mlx-lm's
+    loop over them given none of the joining batch's; otherwise mlx-lm's, with the
+    paddings then made on the host (``joined_paddings``). ``mine``, ``theirs``: each
+    side's ``layer_paddings`` before the join."""
+    others = joining.prompt_cache
+    if not extend_layers(batch.prompt_cache, others, mine, theirs):
+        yield
+        joined_paddings(batch.prompt_cache, mine, theirs)
+        return
+    joining.prompt_cache = []  # mlx-lm's _extend_cache keeps the batch's list as it is
+    try:
+        yield
+    finally:
+        joining.prompt_cache = others
+
+
+def _padded_sides(c: Any, o: Any) -> tuple[int, int, int]:
+    """mlx-lm's ``extend`` of layer ``c`` by ``o``: the longer ``_idx``, the longer
+    buffer, and whether ``c``'s own keys would be padded (left or right)."""
+    idx = max(c._idx, o._idx)
+    size = max(c.keys.shape[2], o.keys.shape[2])
+    left = idx - c._idx
+    return idx, size, left > 0 or size - c.keys.shape[2] - left > 0
+
+
+def extend_layers(caches: list, others: list, mine: list, theirs: list) -> bool:
+    """Each of ``caches``' layers extended by ``others``' as mlx-lm's ``extend`` does it
+    (right-aligned at the longer ``_idx``, the longer buffer's size, the joining rows
+    last), each result allocated once; the paddings made on the host from ``mine``
+    and ``theirs`` (``layer_paddings``). Only where every layer on both sides is a
+    plain ``BatchKVCache`` holding keys, the paddings were read for all of them, and
+    some layer would pad the batch's own rows (otherwise mlx-lm's concatenation
+    copies the batch once anyway). Whether it did."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    if not caches or len(caches) != len(others) or len(mine) != len(caches) \
+            or len(theirs) != len(others):
+        return False
+    for c, o in zip(caches, others, strict=True):
+        if type(c) is not BatchKVCache or type(o) is not BatchKVCache \
+                or c.keys is None or o.keys is None or c.keys.dtype != o.keys.dtype \
+                or c.keys.shape[1::2] != o.keys.shape[1::2] \
+                or c.values.shape[1::2] != o.values.shape[1::2]:
+            return False
+    if not any(_padded_sides(c, o)[2] for c, o in zip(caches, others, strict=True)):
+        return False
+    import mlx.core as mx
+
+    for c, o, (first, _, _), (second, _, _) in zip(caches, others, mine, theirs, strict=True):
+        idx, size, _ = _padded_sides(c, o)
+        rows = c.keys.shape[0]
+        arrays = []
+        for mine_array, their_array in ((c.keys, o.keys), (c.values, o.values)):
+            shape = (rows + their_array.shape[0], *mine_array.shape[1:2], size,
+                     mine_array.shape[3])
+            joined = mx.zeros(shape, dtype=mine_array.dtype)
+            for part, layer, start in ((mine_array, c, 0), (their_array, o, rows)):
+                left = idx - layer._idx
+                part = part[..., : size - left, :]
+                joined[start:start + part.shape[0], :, left:left + part.shape[2], :] = part
+            arrays.append(joined)
+        c.keys, c.values = arrays
+        c.offset = mx.concatenate([c.offset, o.offset])
+        c.left_padding = mx.array([p + idx - c._idx for p in first]
+                                  + [p + idx - o._idx for p in second],
+                                  dtype=c.left_padding.dtype)
+        c._idx = idx
+    return True
