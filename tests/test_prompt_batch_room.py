@@ -156,11 +156,11 @@ def test_no_padding_a_leaving_row_reads_is_a_joins_concatenation(model, monkeypa
     that waits for a copy behind the step in flight): the generation batch makes
     them on the host. Each prompt here joins an empty prompt batch, which takes its
     layers as they are. The tokens are still mlx-lm's."""
-    import runtime.mlx_lm_batches as batches
+    import runtime.batch_layers as batch_layers
 
     joined: list = []  # the arrays themselves, so that no buffer is reused meanwhile
     read: list[str] = []
-    real_extend, real_filter = BatchKVCache.extend, batches.filter_layers
+    real_extend, real_filter = BatchKVCache.extend, batch_layers.filter_layers
     real_extract = BatchKVCache.extract
 
     def extend(self, other):
@@ -203,6 +203,6 @@ def test_no_padding_a_leaving_row_reads_is_a_joins_concatenation(model, monkeypa
                                prefill_step_size=64))
     monkeypatch.setattr(BatchKVCache, "extend", extend)
     monkeypatch.setattr(BatchKVCache, "extract", extract)
-    monkeypatch.setattr(batches, "filter_layers", filter_layers)
+    monkeypatch.setattr(batch_layers, "filter_layers", filter_layers)
     assert run(ours(model)) == plain
     assert joined and not read, read
