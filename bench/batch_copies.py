@@ -21,6 +21,9 @@ timed over all 56 arrays, evaluated and waited for (milliseconds a copy, median 
   (copied, then copied again into the concatenation);
 - ``join-longer-once``: the same join written into one new array a layer
   (``runtime.batch_layers.extend_layers``);
+- ``align-roll``: a prompt batch's rows, after chunks of different lengths, rolled
+  to end together by mlx-lm's ``BatchKVCache.finalize`` (``dynamic_roll``: a gather);
+- ``align-slices``: the same roll by slices (``runtime.batch_layers.rolled_rows``);
 - ``join-fill``: the same row written into a vacant row's place instead
   (``runtime.vacant_rows``: a slice assignment, in place where MLX can donate the
   buffer; its bandwidth counts the row).
@@ -42,7 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.batch_layers import extend_layers  # noqa: E402  (the server's own)
+from runtime.batch_layers import extend_layers, rolled_rows  # noqa: E402  (the server's own)
 from runtime.mlx_lm_internals import layer_paddings, row_runs  # noqa: E402
 
 LAYERS, HEADS, DIM = 28, 8, 128
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             a[leaving:leaving + 1, :, :, :] = r
         return arrays
 
+    from mlx_lm.models.cache import dynamic_roll
+
+    shifts = [(37 * i) % 461 for i in range(ns.rows)]  # user turns of up to 461 tokens
+    shift_array = mx.array(shifts)[:, None]
     cases = {
         "leave-gather": lambda: leave(False, False),
         "leave-runs": lambda: leave(False, True),
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "join": lambda: join(joining),
         "join-longer": lambda: join(longer),
         "join-longer-once": lambda: join(longer, once=True),
+        "align-roll": lambda: [dynamic_roll(a, shift_array, axis=2) for a in arrays],
+        "align-slices": lambda: [rolled_rows(mx, a, shifts) for a in arrays],
         "join-fill": fill,
     }
     results = {"rows": ns.rows, "tokens": ns.tokens, "batch_gb": round(batch_bytes / 1e9, 2),

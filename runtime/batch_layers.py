@@ -1,11 +1,13 @@
-"""A decoding batch's KV layers as rows join and leave it, each copied once.
+"""A batch's KV layers as rows join and leave it, or are aligned, each copied once.
 
-Owns what ``runtime.mlx_lm_batches``' generation batch runs around mlx-lm's
-``filter`` and ``extend``: ``layers_filtered`` (the layers filtered by
+Owns what ``runtime.mlx_lm_batches``' batches run around mlx-lm's ``filter``,
+``extend`` and prompt processing: ``layers_filtered`` (the layers filtered by
 ``runtime.mlx_lm_internals.filter_layers``, which copies the kept rows as runs of
-consecutive rows) and ``layers_extended`` (a join that pads the batch's own rows
-written into one new array per layer, ``extend_layers``). Receives the batches and
-their layers' paddings read on the host (``layer_paddings``); emits nothing.
+consecutive rows), ``layers_extended`` (a join that pads the batch's own rows
+written into one new array per layer, ``extend_layers``) and ``rows_aligned_by_slices``
+(a prompt batch's rows of different lengths aligned at their end by slices, not
+mlx-lm's gather, ``rolled_rows``). Receives the batches, their prompts and their
+layers' paddings read on the host (``layer_paddings``); emits nothing.
 
 Why: mlx-lm's ``BatchKVCache.extend`` pads each side to the longer one's keys and
 concatenates the two. Where the batch is the side padded (a joining row longer than
@@ -20,7 +22,8 @@ both sides are written into it: held twice, copied once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from runtime.mlx_lm_internals import filter_layers, joined_paddings
@@ -113,3 +116,66 @@ def extend_layers(caches: list, others: list, mine: list, theirs: list) -> bool:
                                   dtype=c.left_padding.dtype)
         c._idx = idx
     return True
+
+
+@contextlib.contextmanager
+def rows_aligned_by_slices(caches: list, tokens: Sequence[Sequence[int]]) -> Iterator[None]:
+    """Around mlx-lm's ``PromptProcessingBatch.prompt`` of ``tokens`` (one list a row):
+    where the rows' chunks differ in length, each plain ``BatchKVCache`` layer's
+    ``finalize`` rolls its rows by ``rolled_rows``.
+
+    Why: mlx-lm pads the shorter chunks on the right, and after the prefill its
+    ``finalize`` rolls each row by its padding so that all rows end together
+    (``dynamic_roll``: ``take_along_axis`` over the whole cache, with an index array of
+    the cache's own size). Sessions that share a cached system prompt join a prompt
+    batch together, each with its own user turn, so every such batch is rolled
+    whole: 8 rows of 12.5k tokens after the prefix were a 930 ms step on an H100. The
+    same roll as runs of rows copied by slices: 3.6x faster on this repo's CPU
+    (8 rows of 2k, the same values), a copy's bandwidth on a GPU."""
+    lengths = [len(t) for t in tokens]
+    shifts = [max(lengths, default=0) - n for n in lengths]
+    from mlx_lm.models.cache import BatchKVCache
+
+    plain = [c for c in caches if type(c) is BatchKVCache] if any(shifts) else []
+    for c in plain:
+        c.finalize = functools.partial(_finalize_rolled, c, shifts)
+    try:
+        yield
+    finally:
+        for c in plain:
+            c.__dict__.pop("finalize", None)
+
+
+def _finalize_rolled(cache: Any, shifts: list[int]) -> None:
+    """mlx-lm's ``BatchKVCache.finalize`` with its rows rolled by ``rolled_rows``."""
+    padding = cache._right_padding
+    if padding is None:
+        return
+    import mlx.core as mx
+
+    if cache.keys is not None:
+        cache.keys = rolled_rows(mx, cache.keys, shifts)
+        cache.values = rolled_rows(mx, cache.values, shifts)
+    cache.offset = cache.offset - padding
+    cache.left_padding += padding
+    cache._right_padding = None
+
+
+def rolled_rows(mx, array, shifts: list[int]):
+    """Each row of ``array`` (rows, heads, positions, dim) rolled along its positions by
+    its shift, as mlx-lm's ``dynamic_roll`` rolls them: one new array, each run of
+    consecutive rows with one shift written into it by two slices."""
+    n = array.shape[2]
+    out = mx.zeros(array.shape, dtype=array.dtype)
+    start = 0
+    for row in range(1, len(shifts) + 1):
+        if row < len(shifts) and shifts[row] == shifts[start]:
+            continue
+        shift = shifts[start] % n
+        if shift:
+            out[start:row, :, shift:] = array[start:row, :, : n - shift]
+            out[start:row, :, :shift] = array[start:row, :, n - shift:]
+        else:
+            out[start:row] = array[start:row]
+        start = row
+    return out

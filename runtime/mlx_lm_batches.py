@@ -35,7 +35,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime import vacant_rows
-from runtime.batch_layers import layers_extended, layers_filtered
+from runtime.batch_layers import layers_extended, layers_filtered, rows_aligned_by_slices
 from runtime.mlx_environment import wait_before_batch_copy
 from runtime.mlx_lm_internals import (
     evals_queued,
@@ -116,7 +116,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
 
     def prompt(self, tokens):
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
-                plain_masks(self.prompt_cache, len(tokens)):
+                plain_masks(self.prompt_cache, len(tokens)), \
+                rows_aligned_by_slices(self.prompt_cache, tokens):
             decoding = self.decoding
             if decoding is None or not decoding():
                 return super().prompt(tokens)

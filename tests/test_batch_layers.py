@@ -3,12 +3,18 @@ caches as mlx-lm's own extend and filter make, each copied once."""
 
 from __future__ import annotations
 
+import tempfile
+
 import mlx.core as mx
+import mlx_lm
 import pytest
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from runtime import batch_layers, mlx_lm_batches
 from runtime.mlx_lm_internals import filter_layers, layer_paddings, row_runs
+from runtime.tiny_model import build_tiny_model
 
 
 def _layers(seed: int, paddings: list[int], length: int, *, count: int = 2,
@@ -167,3 +173,52 @@ def test_a_leave_copies_the_kept_rows_into_one_contiguous_array():
     layer.update_and_fetch(token, token)
     mx.eval(layer.keys, layer.values)
     assert mx.get_peak_memory() - before < kept // 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(1, 48))
+def test_rows_rolled_by_slices_are_mlx_lms_dynamic_roll(shifts, length):
+    from mlx_lm.models.cache import dynamic_roll
+
+    array = mx.random.normal((len(shifts), 2, length, 3), key=mx.random.key(len(shifts)))
+    want = dynamic_roll(array, mx.array(shifts)[:, None], axis=2)
+    assert batch_layers.rolled_rows(mx, array, shifts).tolist() == want.tolist()
+
+
+def test_a_prompt_batch_of_rows_of_different_lengths_rolls_them_by_slices(monkeypatch):
+    """Rows that join a prompt batch with cached prefixes and chunks of different
+    lengths: the batch's layers after the prompt are mlx-lm's, with no gather of the
+    whole cache (``dynamic_roll``) on the way; a batch of equal chunks rolls nothing."""
+    import mlx_lm.models.cache as cache_module
+    from mlx_lm.generate import PromptProcessingBatch
+
+    with tempfile.TemporaryDirectory() as folder:
+        model, _ = mlx_lm.load(str(build_tiny_model(folder)))
+
+    def batch(cls, prefixes):
+        caches = []
+        for i, n in enumerate(prefixes):
+            cache = [KVCache() for _ in model.layers]
+            model(mx.array([[5 + i + j % 7 for j in range(n)]]), cache=cache)
+            caches.append(cache)
+        return cls(model=model, uids=list(range(len(prefixes))), caches=caches,
+                   tokens=[[1] * n for n in prefixes], prefill_step_size=64, samplers=None,
+                   fallback_sampler=lambda x: mx.argmax(x, axis=-1),
+                   logits_processors=None, stop_sequences=None, max_tokens=[8] * len(prefixes))
+
+    chunks = [[3, 4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15]]
+    reference = batch(PromptProcessingBatch, [30, 24, 40])
+    reference.prompt(chunks)
+    ours = batch(mlx_lm_batches.RowAwarePromptBatch, [30, 24, 40])
+    rolls = []
+    real_roll = cache_module.dynamic_roll
+    monkeypatch.setattr(cache_module, "dynamic_roll",
+                        lambda *a, **k: (rolls.append(a), real_roll(*a, **k))[1])
+    ours.prompt(chunks)
+    assert not rolls
+    for got, want in zip(ours.prompt_cache, reference.prompt_cache, strict=True):
+        assert _state(got) == _state(want)
+        assert "finalize" not in got.__dict__  # the class's own again
+    equal = batch(mlx_lm_batches.RowAwarePromptBatch, [30, 24])
+    equal.prompt([[1, 2], [3, 4]])
+    assert all(type(c).finalize is BatchKVCache.finalize for c in equal.prompt_cache)
