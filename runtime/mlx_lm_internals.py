@@ -412,9 +412,10 @@ def _rows_copied(mx, array, runs: list[tuple[int, int]]):
     """The rows of ``array`` in ``runs``, copied into one contiguous array.
 
     Slices of consecutive rows, concatenated, not an index array (mlx-lm's
-    ``keys[indices]``): MLX gathers by index one element at a time. A leave of 16 rows
-    of 12k tokens (22 GB) on an H100 took 93 ms as a gather and 14-21 ms as runs; 16
-    rows of 2k on this repo's CPU 4.8 s against 2.2 (bench/batch_copies.py). A lone run
+    ``keys[indices]``), whose gather ran at a sixth of a copy's bandwidth: a leave of 16
+    rows of 12k tokens (22 GB) on an H100 took 93 ms as a gather and 14-21 ms as runs
+    (untrimmed, trimmed); 16 rows of 2k on this repo's CPU 1.9 and 4.8 s against 2.2
+    (bench/batch_copies.py). A lone run
     that is already a contiguous slice stays one (no copy); the rows it drops are
     freed at the batch's next copy."""
     parts = [array[start:stop] for start, stop in runs]
