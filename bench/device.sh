@@ -57,6 +57,13 @@
 #                                  MLX_TRIO_ENGINE_SLOW_STEP_MS set, the engine's slow steps' cProfile
 #                                  (more than 20: bench/step_profiles.py's summary of them instead);
 #                                  and the CUDA kernels MLX built in the run, with their times
+#   prompt-wave=SHAPE[:PREFIX[:ROWS[:ARGS]]]  bench/prompt_wave.py: ROWS (8) sessions over one
+#                                  cached system prompt of PREFIX (12000) tokens starting
+#                                  together, in-process, waves of them: each step that
+#                                  prefills their user turns (200-500 tokens) taken apart
+#                                  (the prefix's copies, the merge, the prefill, the rows'
+#                                  alignment); ARGS: the server's flags for the engine
+#                                  (e.g. '--prefill-attention mlx')
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   decode-memory=SHAPE[:ROWS[:TOKENS[:SYSTEMS[:OPTIONS]]]]  bench/decode_memory.py: ROWS (16)
 #                                  sequences of TOKENS (12000) decoding, each step's time and
@@ -291,6 +298,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
       timeout -s INT -k 10 "$(limit 500)" python3 bench/resume_prefill.py --model "$dir" \
         --system-tokens "$p1" --user-tokens 300 --reps "${p2:-3}" \
         --json-out "$OUT/resume-$shape-$p1.json" 2>&1 | tail -8
+      ;;
+    prompt-wave)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 240)" python3 bench/prompt_wave.py --model "$dir" \
+        --prefix "${p1:-12000}" --rows "${p2:-8}" --server-args "${p3:-}" \
+        --json-out "$OUT/prompt-wave-$shape-${p1:-12000}-${p2:-8}-$SECONDS.json" 2>&1 | tail -12
       ;;
     one-client)
       dir=$(model "$shape")

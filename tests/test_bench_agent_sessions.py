@@ -113,3 +113,35 @@ def test_reuse_helpers():
     assert bench.reusable_after(prev) == 108
     assert bench.common_prefix([1, 2, 3, 4], [1, 2, 5]) == 2
     assert bench.common_prefix([], [1]) == 0
+
+
+def test_variants_are_more_systems_of_ours_with_their_flags_and_tree(tmp_path):
+    tree = tmp_path / "before"
+    (tree / "api").mkdir(parents=True)
+    (tree / "api" / "cli.py").write_text("")
+    ns = bench.parse_args(["--systems", "ours,mlx_lm", "--server-args", "--a 1",
+                           "--variant", "no-reuse=--decode-row-reuse-steps 0",
+                           "--variant", f"before@{tree}="])
+    assert ns.systems == ["ours", "mlx_lm", "no-reuse", "before"]
+    assert ns.variants["before"] == (tree.resolve(), "")
+    command = bench.server_command("no-reuse", "M", 1, ns)
+    assert command[-4:] == ["--a", "1", "--decode-row-reuse-steps", "0"]
+    assert "--decode-row-reuse-steps" not in bench.server_command("ours", "M", 1, ns)
+    assert "--a" not in bench.server_command("mlx_lm", "M", 1, ns)
+    for bad in ("ours=--x", "noflags", f"missing@{tmp_path / 'none'}=", "a=1"):
+        args = ["--variant", bad] + (["--variant", "a=2"] if bad == "a=1" else [])
+        with pytest.raises(SystemExit):
+            bench.parse_args(args)
+
+
+def test_a_variant_has_its_own_rows_ratio_and_colour():
+    runs = [{"system": s, "sessions": 4} for s in ("ours", "no-reuse", "mlx_lm")]
+    assert bench.system_order(runs) == ["ours", "mlx_lm", "no-reuse"]
+    assert bench.label("no-reuse") == "mlx-trio-server no-reuse"
+    assert bench.color("no-reuse", ["ours", "mlx_lm", "no-reuse"]) not in bench.COLORS.values()
+    summary = {"4": {s: {"tok_s": t, **{k: None for k in (
+        "ttft_turn1_p50_ms", "ttft_turn1_p99_ms", "ttft_later_p50_ms", "ttft_later_p99_ms",
+        "itl_p50_ms", "itl_p99_ms", "cached_fraction", "cached_fraction_later",
+        "reused_of_reusable")}, "errors": 0} for s, t in (("ours", 200.0), ("no-reuse", 100.0))}}
+    table = bench.render_table(summary)
+    assert "ours/no-reuse" in table and " 2.00 " in table
