@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.batch_sampling import BatchSampler, make_batch_generator
     from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
-    from runtime.cuda_attention import install_grouped_decode, install_prefill_attention
+    from runtime.cuda_attention import install_prefill_attention
+    from runtime.cuda_decode_attention import install_grouped_decode
     from runtime.mlx_environment import PREFILL_STEP_SIZES, default_decode_lane_padding
 
     model_path = ns.model

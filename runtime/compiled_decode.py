@@ -44,7 +44,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from runtime.cuda_attention import decode_attention
+from runtime.cuda_decode_attention import decode_attention
 
 log = logging.getLogger(__name__)
 

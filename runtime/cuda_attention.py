@@ -3,59 +3,59 @@
 Owns ``unfused_prefill_attention`` (a wrapper around
 ``mx.fast.scaled_dot_product_attention``), ``grouped_attention`` (attention as two
 matrix products, each KV head's keys read once), ``ChunkAttention`` (a paced chunk's
-attention read in place from its cache) and the installers the engine calls before
-its first step (``runtime.engine.loading.make_engine_core``, on its thread or in its
-process): ``install_prefill_attention`` (``--prefill-attention unfused``, the default)
-and ``install_grouped_decode`` (``--decode-attention grouped``, the default). They
+attention read in place from its cache) and ``install_prefill_attention``
+(``--prefill-attention unfused``, the default), which the engine calls before its first
+step (``runtime.engine.loading.make_engine_core``, on its thread or in its process). A
+decode step's attention under an array mask is ``runtime.cuda_decode_attention``'s. They
 receive the engine's attention calls and return their outputs; nothing else.
 
 A prefill's attention goes to unfused attention instead of cuDNN:
 
-* MLX's CUDA backend runs attention through a cuDNN graph built for the exact
-  shapes and strides of the call and kept in an LRU cache. A prefill step of a
-  shape not seen before (its group size, prompt length, cached prefix) builds
-  one on the engine's thread before the step can run. Measured on an H200
-  (docs/performance.md, "Prefill attention and cuDNN graphs"): a prefill of one
-  100-400-token prompt took 62-89 ms (medians) the first time against 12-17 ms
-  once cached, some shapes 0.9-8 s; a server meets new shapes with nearly every
-  prompt. Through MLX's unfused attention (its own fallback: matmuls and a
-  softmax, no graph to build) the same prefills took 19-31 ms the first time
-  and 14 ms after.
-* The wrapper computes that attention itself (``grouped_attention``): two
-  matrix products in the inputs' precision around a float32 softmax, as MLX's
-  own fallback does, with each KV head's query heads folded into its rows so
-  the keys and values are read once per KV head. A query longer than one token
-  whose scores stay small (at most ``UNFUSED_SCORES_LIMIT`` elements) goes this
-  way; beyond it a fresh prompt keeps cuDNN (its attention outruns the products
-  by more than a graph build).
-* A chunk of at most ``UNFUSED_CHUNK_QUERIES`` queries that continues a cached
-  prefix (a paced chunk, a coding agent's next turn, a long prompt's last,
-  odd-sized chunk) has a shape of its own nearly every time,
-  since the prefix grows by each chunk: through cuDNN a paced 30k-token
-  prefill's chunks took 115-1,160 ms where those under the limit took 40 (a
-  graph per step). Those go the same way, their queries in blocks whose scores
-  stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block against the keys up
-  to its last query (the causal mask unchanged): no graph builds and bounded
-  memory at any prefix length. ``bench/paced_step.py`` on an H200 (Qwen3-0.6B
-  shape, docs/performance.md): a step with a 64-token chunk at 24k took 61 ms
-  this way, 99 through MLX's fallback (a float32 query, which cuDNN does not
-  take) and 132 through cuDNN; one prompt's 1,776-token chunk at 22.5k took 219
-  ms this way against 290 through cuDNN at a new shape and 254 with its graph
-  built, and a 4,096-token one 579 against 896 and 776.
-* A fresh prompt's full chunks (more than ``RECURRING_CHUNK_QUERIES`` queries,
-  the prefix a whole number of chunks) keep cuDNN, with their keys made
-  contiguous: their shapes recur from prompt to prompt, so each graph is built
-  once, and with it built cuDNN outruns the grouped products at depth. Every
-  prefill call that reaches cuDNN gets contiguous keys, so that its graph
-  follows the call's shapes and not the length of the buffer it was read from.
+* MLX's CUDA backend runs attention through a cuDNN graph built for the exact shapes and
+  strides of the call and kept in an LRU cache. A prefill step of a shape not seen
+  before (its group size, prompt length, cached prefix) builds one on the engine's
+  thread before the step can run. Measured on an H200 (docs/performance.md, "Prefill
+  attention and cuDNN graphs"): a prefill of one 100-400-token prompt took 62-89 ms
+  (medians) the first time against 12-17 ms once cached, some shapes 0.9-8 s; a server
+  meets new shapes with nearly every prompt. Through MLX's unfused attention (its own
+  fallback: matmuls and a softmax, no graph to build) the same prefills took 19-31 ms
+  the first time and 14 ms after.
+* The wrapper computes that attention itself (``grouped_attention``): two matrix
+  products in the inputs' precision around a float32 softmax, as MLX's own fallback
+  does, with each KV head's query heads folded into its rows so the keys and values are
+  read once per KV head. A query longer than one token whose scores stay small (at most
+  ``UNFUSED_SCORES_LIMIT`` elements) goes this way; beyond it a fresh prompt keeps cuDNN
+  (its attention outruns the products by more than a graph build).
+* A chunk of at most ``UNFUSED_CHUNK_QUERIES`` queries that continues a cached prefix (a
+  paced chunk, a coding agent's next turn, a long prompt's last, odd-sized chunk) has a
+  shape of its own nearly every time, since the prefix grows by each chunk: through
+  cuDNN a paced 30k-token prefill's chunks took 115-1,160 ms where those under the limit
+  took 40 (a graph per step). Those go the same way, their queries in blocks whose
+  scores stay within ``UNFUSED_BLOCK_LIMIT`` elements, each block against the keys up to
+  its last query (the causal mask unchanged): no graph builds and bounded memory at any
+  prefix length (under an array mask, where every block meets every key, the keys are
+  aligned and the mask made once for all blocks: ``grouped_in_blocks``).
+  ``bench/paced_step.py`` on an H200 (Qwen3-0.6B shape,
+  docs/performance.md): a step with a 64-token chunk at 24k took 61 ms this way, 99
+  through MLX's fallback (a float32 query, which cuDNN does not take) and 132 through
+  cuDNN; one prompt's 1,776-token chunk at 22.5k took 219 ms this way against 290
+  through cuDNN at a new shape and 254 with its graph built, and a 4,096-token one 579
+  against 896 and 776.
+* A fresh prompt's full chunks (more than ``RECURRING_CHUNK_QUERIES`` queries, the
+  prefix a whole number of chunks) keep cuDNN, with their keys made contiguous: their
+  shapes recur from prompt to prompt, so each graph is built once, and with it built
+  cuDNN outruns the grouped products at depth. Every prefill call that reaches cuDNN
+  gets contiguous keys, so that its graph follows the call's shapes and not the length
+  of the buffer it was read from.
 * A lone prompt's odd-sized chunk (under the causal mask, more than
-  ``PADDED_TAIL_SHARE``'s share of a full chunk) that starts or ends at a whole
-  number of chunks goes to cuDNN padded to a full chunk, whose graph it shares.
+  ``PADDED_TAIL_SHARE``'s share of a full chunk) that starts or ends at a whole number
+  of chunks goes to cuDNN padded to a full chunk, whose graph it shares.
 
-A decode step (one query token a row) meets few shapes and keeps MLX's kernel,
-except under an array mask (a batch of rows), which that kernel does not take: the
-engine's decode paths (``runtime.compiled_decode``, ``runtime.mixed_step``) send
-such a step to ``decode_attention``, the grouped products over the cache's buffer.
+A decode step (one query token a row) meets few shapes and keeps MLX's kernel, except
+under an array mask (a batch of rows), which that kernel does not take: the engine's
+decode paths (``runtime.compiled_decode``, ``runtime.mixed_step``) send such a step to
+``decode_attention`` (``runtime.cuda_decode_attention``), the grouped products over the
+cache's buffer.
 """
 
 from __future__ import annotations
@@ -145,6 +145,11 @@ def unfused_prefill_attention(
         n_queries, n_keys = queries.shape[2], keys.shape[2]
         rows = queries.size // (queries.shape[3] * n_queries)  # batch x heads
         block = max(1, block_limit // (rows * n_keys))
+        if not isinstance(mask, str) and scores == "half" and kwargs.get("sinks") is None:
+            every = grouped_in_blocks(mx, queries, keys, values, mask=mask, block=block,
+                                      scale=kwargs["scale"])
+            if every is not None:
+                return every
         outputs = []
         for start in range(0, n_queries, block):
             end = min(n_queries, start + block)
@@ -213,7 +218,7 @@ KEY_ALIGNMENT = 64
 
 
 def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None,
-                      visible_keys: int = 0, align: bool = True):
+                      visible_keys: int = 0, align: bool = True, mask_made: bool = False):
     """Attention as two matrix products in the inputs' precision around a float32
     softmax, as MLX's own fallback computes it, with each KV head's query heads folded
     into its query rows: one strided batch of products, each KV head's keys and values
@@ -223,15 +228,17 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     every query (a boolean mask all true there), so only the scores after them are
     masked, written back in place: at 30k keys of context the mask's pass over every
     score was as costly as the first product (bench/chunk_attention.py). ``align``: False
-    leaves the keys as they are (``decode_attention``'s are aligned already)."""
+    leaves the keys as they are (``decode_attention``'s are aligned already).
+    ``mask_made``: ``mask`` is in the products' layout (``_key_mask``'s) already."""
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     padding = -n_keys % KEY_ALIGNMENT if align else 0
-    mask = _key_mask(mx, mask, heads=heads, kv_heads=kv_heads, length=length,
-                     n_keys=n_keys, padding=padding, dtype=queries.dtype)
-    if mask is _UNTAKEN:
-        return None
+    if not mask_made:
+        mask = _key_mask(mx, mask, heads=heads, kv_heads=kv_heads, length=length,
+                         n_keys=n_keys, padding=padding, dtype=queries.dtype)
+        if mask is _UNTAKEN:
+            return None
     if padding:
         widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
         keys, values = mx.pad(keys, widths), mx.pad(values, widths)
@@ -255,6 +262,28 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
 
 
 _UNTAKEN = object()  # a mask grouped_attention does not take
+
+
+def grouped_in_blocks(mx, queries, keys, values, *, scale, mask, block: int):
+    """``grouped_attention`` in blocks of ``block`` queries that all meet every key (no
+    mask or an array mask), the keys aligned and the mask made once for all blocks, not
+    once a block (each a copy of the prefix: eight user turns after a shared 12.5k-token
+    prompt, Qwen3-0.6B's shape, are six blocks a layer of 400 MB); None for a mask it
+    does not take."""
+    length, kv_heads, n_keys = queries.shape[2], keys.shape[1], keys.shape[2]
+    padding = -n_keys % KEY_ALIGNMENT
+    made = _key_mask(mx, mask, heads=queries.shape[1], kv_heads=kv_heads, length=length,
+                     n_keys=n_keys, padding=padding, dtype=queries.dtype)
+    if made is _UNTAKEN:
+        return None
+    if padding:
+        widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
+        keys, values = mx.pad(keys, widths), mx.pad(values, widths)
+    per_query = made is not None and made.ndim >= 2 and made.shape[-2] == length
+    return mx.concatenate([grouped_attention(
+        mx, queries[:, :, start:start + block], keys, values, scale=scale, align=False,
+        mask=made[..., start:start + block, :] if per_query else made, mask_made=True)
+        for start in range(0, length, block)], axis=2)
 
 # Masks of at most this many elements are kept for the next layer (``_key_mask``).
 KEPT_MASK_ELEMENTS = 1 << 24
@@ -376,76 +405,11 @@ def chunk_attention(mx, cache, *, length: int, heads: int, dtype) -> ChunkAttent
     return ChunkAttention(mx, prefix=prefix, length=length, left_padding=cache.left_padding)
 
 
-# ``decode_attention`` takes a step only where a layer's keys and values as MLX's
-# fallback reads them (once per query head) come to at least this many bytes. Below it
-# a decode step is bound by its host, not by the device's reads: an H100 reads 512 MiB
-# in about 0.17 ms, 5 ms for 28 layers, under the 7 ms the host takes to build such a
-# step, and the grouped products, built from Python, cost the host more than MLX's
-# fallback does. An estimate from the memory's bandwidth, not a measured crossing; on
-# Qwen3-0.6B's shape it is 65,536 keys over the batch's rows (16 rows at 4k, 4 at 16k).
-DECODE_GROUPED_MIN_BYTES = 512 << 20
-
-
-class _KeptDecodeMask(threading.local):
-    """The last decode mask ``decode_attention`` widened on this thread, and its source."""
-
-    source: Any = None
-    n_keys: int = 0
-    mask: Any = None
-
-
-_kept_decode_mask = _KeptDecodeMask()
-
-
-def decode_attention(mx, queries, cache, *, scale, mask):
-    """A decode step's attention for ``queries`` (one a row) over ``cache`` (a
-    ``BatchKVCache`` layer, this step's keys already in it) under mlx-lm's boolean
-    ``mask`` (rows, 1, 1, keys), as ``grouped_attention`` computes it over the cache's
-    buffer up to its length rounded up to ``KEY_ALIGNMENT`` (the keys past its end
-    masked, and the buffer grown with zeros first where it is shorter); None where
-    this does not apply: the route not installed (``install_grouped_decode``), no array
-    mask, not half precision, another cache, or a step too shallow for its reads to
-    outweigh the host's work (``DECODE_GROUPED_MIN_BYTES``).
-
-    Why: MLX's CUDA kernel for one query a row takes no array mask, and mlx-lm gives a
-    decoding batch one (its rows are padded on the left to one length). MLX's fallback
-    then reads every KV head's keys and values once for each of its query heads; the
-    grouped products read them once, and over an aligned number of keys the products
-    stay on the GPU's fast matrix kernels. On an H100, the KV update and attention
-    of 16 rows at 12k tokens of context, Qwen3-0.6B's 28 layers (two query heads a KV
-    head): 31 ms a step under MLX's fallback, 15 ms through its kernel with no mask,
-    10 ms this way, and 14 or 38 ms (alternating) with the keys unaligned
-    (``bench/decode_memory.py``)."""
-    if (not getattr(mx.fast.scaled_dot_product_attention, "grouped_decode", False)
-            or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
-            or queries.shape[2] != 1 or queries.dtype not in (mx.bfloat16, mx.float16)
-            or type(cache).__name__ != "BatchKVCache" or cache.keys is None):
-        return None
-    end = cache._idx
-    n_keys = -(-end // KEY_ALIGNMENT) * KEY_ALIGNMENT
-    if mask.shape[-1] != end:
-        return None
-    rows, kv_heads = cache.keys.shape[0], cache.keys.shape[1]
-    once = rows * end * kv_heads * (cache.keys.shape[3] + cache.values.shape[3])
-    if once * cache.keys.dtype.size * (queries.shape[1] // kv_heads) < DECODE_GROUPED_MIN_BYTES:
-        return None
-    if cache.keys.shape[2] < n_keys:  # as mlx-lm grows it: zeros at the end
-        widths = [(0, 0), (0, 0), (0, n_keys - cache.keys.shape[2]), (0, 0)]
-        cache.keys, cache.values = mx.pad(cache.keys, widths), mx.pad(cache.values, widths)
-    kept = _kept_decode_mask
-    if kept.source is not mask or kept.n_keys != n_keys:
-        widened = mx.pad(mask, [(0, 0)] * 3 + [(0, n_keys - end)], constant_values=False)
-        kept.source, kept.n_keys, kept.mask = mask, n_keys, widened
-    return grouped_attention(mx, queries, cache.keys[..., :n_keys, :],
-                             cache.values[..., :n_keys, :], scale=scale, mask=kept.mask,
-                             align=False)
-
-
 def install_prefill_attention(mx, full_chunk: int | None = None) -> bool:
     """Route prefill attention to MLX's unfused path in this process, on CUDA only
     (MLX's Metal kernels build no per-shape graphs); whether it did. Idempotent; the
     latest call's ``full_chunk`` (``unfused_prefill_attention``) stands."""
-    current = _installed_attention(mx)
+    current = installed_attention(mx)
     if current is None:
         return False
     current.full_chunk = full_chunk
@@ -454,18 +418,7 @@ def install_prefill_attention(mx, full_chunk: int | None = None) -> bool:
     return True
 
 
-def install_grouped_decode(mx) -> bool:
-    """Let ``decode_attention`` compute a decode step's masked attention in this process,
-    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself); whether
-    it did. Idempotent."""
-    current = _installed_attention(mx)
-    if current is None:
-        return False
-    current.grouped_decode = True
-    return True
-
-
-def _installed_attention(mx):
+def installed_attention(mx):
     """``mx.fast.scaled_dot_product_attention`` wrapped by ``unfused_prefill_attention``
     (at first with no route on); None off CUDA."""
     if not mx.cuda.is_available():

@@ -64,7 +64,8 @@ import logging
 import time
 from typing import Any, NamedTuple
 
-from runtime.cuda_attention import chunk_attention, decode_attention
+from runtime.cuda_attention import chunk_attention
+from runtime.cuda_decode_attention import decode_attention
 from runtime.decode_lanes import decoding_batch
 
 log = logging.getLogger(__name__)

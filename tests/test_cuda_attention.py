@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 import runtime.cuda_attention as cuda_attention
+import runtime.cuda_decode_attention as cuda_decode_attention
 from runtime.cuda_attention import (
     KEY_ALIGNMENT,
     chunk_attention,
-    decode_attention,
     in_place_chunk_limit,
-    install_grouped_decode,
     install_prefill_attention,
     unfused_prefill_attention,
 )
+from runtime.cuda_decode_attention import decode_attention, install_grouped_decode
 
 
 def _qkv(mx, batch, length, keys_length, dtype):
@@ -81,7 +81,7 @@ def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
     assert install_grouped_decode(mx)
     # Two rows of 69 keys are far below what pays at a real model's depth.
     assert decode_attention(mx, q, cache, scale=0.25, mask=mask) is None
-    monkeypatch.setattr(cuda_attention, "DECODE_GROUPED_MIN_BYTES", 0)
+    monkeypatch.setattr(cuda_decode_attention, "DECODE_GROUPED_MIN_BYTES", 0)
     assert decode_attention(mx, q, cache, scale=0.25, mask=None) is None
     assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.25, mask=mask) is None
     got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
@@ -303,7 +303,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     expected = logits()
     _installed(monkeypatch)
     assert install_grouped_decode(mx)
-    monkeypatch.setattr(cuda_attention, "DECODE_GROUPED_MIN_BYTES", 0)  # a tiny model's step
+    monkeypatch.setattr(cuda_decode_attention, "DECODE_GROUPED_MIN_BYTES", 0)  # a tiny model's step
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape
@@ -540,3 +540,49 @@ def test_the_in_place_limit_is_the_longest_chunk_read_in_place(monkeypatch, rows
     assert in_place(limit) is not None and in_place(limit + 1) is None
     if prefix >= 16_000 and heads == 16 and rows == 1:  # a 30k prompt's paced chunks
         assert 256 <= limit < 512
+
+
+class _PadCalls:
+    """``mlx.core`` with ``pad`` counted by the padded array's shape."""
+
+    def __init__(self):
+        import mlx.core as mx
+        self._mx, self.shapes = mx, []
+
+    def __getattr__(self, name):
+        return getattr(self._mx, name)
+
+    def pad(self, a, *args, **kwargs):
+        self.shapes.append(tuple(a.shape))
+        return self._mx.pad(a, *args, **kwargs)
+
+
+@pytest.mark.parametrize("masked", ["array", "padding-row", "none"])
+def test_blocks_that_meet_every_key_align_the_keys_once(masked):
+    """Past the scores limit, a chunk under an array mask (or none) goes in blocks of
+    queries that all meet every key: the keys and values are padded to the alignment
+    once for all blocks, not once a block, and each block's output is what
+    ``grouped_attention`` gives it on its own."""
+    import mlx.core as mx
+
+    from runtime.cuda_attention import grouped_attention
+
+    counted = _PadCalls()
+    attention = unfused_prefill_attention(lambda *a, **k: None, counted, limit=2 * 4 * 7,
+                                          block_limit=2 * 4 * 3 * 20)
+    q, k, v = _qkv(mx, 2, 7, 20, mx.bfloat16)  # 7 queries after 13 cached: 20 keys, not aligned
+    causal = mx.arange(20)[None, :] <= (mx.arange(7)[:, None] + 13)
+    rows = mx.array([2, 0])[:, None, None, None] <= mx.arange(20)  # row 0 padded by 2
+    mask = {"array": causal[None, None] & rows, "padding-row": rows,
+            "none": None}[masked]
+    got = attention(q, k, v, scale=0.25, mask=mask)
+    keys_padded = [s for s in counted.shapes if s == k.shape]
+    assert len(keys_padded) == 2  # the keys and the values, once
+    blocks = [grouped_attention(mx, q[:, :, start:start + 3], k, v, scale=0.25,
+                                mask=None if mask is None else (
+                                    mask[..., start:start + 3, :] if mask.shape[-2] > 1 else mask))
+              for start in range(0, 7, 3)]
+    assert mx.array_equal(got, mx.concatenate(blocks, axis=2)).item()
+    reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert mx.allclose(got.astype(mx.float32), reference.astype(mx.float32),
+                       atol=2e-2, rtol=2e-2).item()

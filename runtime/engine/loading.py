@@ -28,11 +28,8 @@ from runtime.batch_sampling import BatchSampler, make_batch_generator
 from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
-from runtime.cuda_attention import (
-    in_place_chunk_limit,
-    install_grouped_decode,
-    install_prefill_attention,
-)
+from runtime.cuda_attention import in_place_chunk_limit, install_prefill_attention
+from runtime.cuda_decode_attention import install_grouped_decode
 from runtime.cuda_graphs import cuda_graph_environment
 from runtime.cuda_pool import keep_cuda_pool
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks

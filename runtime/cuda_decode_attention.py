@@ -1,0 +1,92 @@
+"""A decode step's attention under an array mask on MLX's CUDA backend: the grouped products.
+
+Owns ``decode_attention``, which the engine's decode paths (``runtime.compiled_decode``,
+``runtime.mixed_step``) call for each layer of a decode step (one query a row), and
+``install_grouped_decode`` (``--decode-attention grouped``, the default), which the
+engine calls before its first step (``runtime.engine.loading.make_engine_core``). It
+receives a layer's queries, its ``BatchKVCache`` and mlx-lm's mask, and returns the
+attention, or None where the caller should keep MLX's own; nothing else. The grouped
+products themselves, and the wrapper it is installed on, are
+``runtime.cuda_attention``'s.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_attention
+
+# ``decode_attention`` takes a step only where a layer's keys and values as MLX's fallback
+# reads them (once per query head) come to at least this many bytes. Below it a decode
+# step is bound by its host: an H100 reads 512 MiB in about 0.17 ms, 5 ms for 28 layers,
+# under the 7 ms the host takes to build such a step, and the grouped products cost the
+# host more than MLX's fallback. An estimate from the bandwidth, not a measured crossing;
+# on Qwen3-0.6B's shape 65,536 keys over the batch's rows (16 rows at 4k, 4 at 16k).
+DECODE_GROUPED_MIN_BYTES = 512 << 20
+
+
+class _KeptDecodeMask(threading.local):
+    """The last decode mask ``decode_attention`` widened on this thread, and its source."""
+
+    source: Any = None
+    n_keys: int = 0
+    mask: Any = None
+
+
+_kept_decode_mask = _KeptDecodeMask()
+
+
+def decode_attention(mx, queries, cache, *, scale, mask):
+    """A decode step's attention for ``queries`` (one a row) over ``cache`` (a
+    ``BatchKVCache`` layer, this step's keys already in it) under mlx-lm's boolean
+    ``mask`` (rows, 1, 1, keys), as ``grouped_attention`` computes it over the cache's
+    buffer up to its length rounded up to ``KEY_ALIGNMENT`` (the keys past its end
+    masked, and the buffer grown with zeros first where it is shorter); None where
+    this does not apply: the route not installed (``install_grouped_decode``), no array
+    mask, not half precision, another cache, or a step too shallow for its reads to
+    outweigh the host's work (``DECODE_GROUPED_MIN_BYTES``).
+
+    Why: MLX's CUDA kernel for one query a row takes no array mask, and mlx-lm gives a
+    decoding batch one (its rows are padded on the left to one length). MLX's fallback
+    then reads every KV head's keys and values once for each of its query heads; the
+    grouped products read them once, and over an aligned number of keys the products
+    stay on the GPU's fast matrix kernels. On an H100, the KV update and attention
+    of 16 rows at 12k tokens of context, Qwen3-0.6B's 28 layers (two query heads a KV
+    head): 31 ms a step under MLX's fallback, 15 ms through its kernel with no mask,
+    10 ms this way, and 14 or 38 ms (alternating) with the keys unaligned
+    (``bench/decode_memory.py``)."""
+    if (not getattr(mx.fast.scaled_dot_product_attention, "grouped_decode", False)
+            or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
+            or queries.shape[2] != 1 or queries.dtype not in (mx.bfloat16, mx.float16)
+            or type(cache).__name__ != "BatchKVCache" or cache.keys is None):
+        return None
+    end = cache._idx
+    n_keys = -(-end // KEY_ALIGNMENT) * KEY_ALIGNMENT
+    if mask.shape[-1] != end:
+        return None
+    rows, kv_heads = cache.keys.shape[0], cache.keys.shape[1]
+    once = rows * end * kv_heads * (cache.keys.shape[3] + cache.values.shape[3])
+    if once * cache.keys.dtype.size * (queries.shape[1] // kv_heads) < DECODE_GROUPED_MIN_BYTES:
+        return None
+    if cache.keys.shape[2] < n_keys:  # as mlx-lm grows it: zeros at the end
+        widths = [(0, 0), (0, 0), (0, n_keys - cache.keys.shape[2]), (0, 0)]
+        cache.keys, cache.values = mx.pad(cache.keys, widths), mx.pad(cache.values, widths)
+    kept = _kept_decode_mask
+    if kept.source is not mask or kept.n_keys != n_keys:
+        widened = mx.pad(mask, [(0, 0)] * 3 + [(0, n_keys - end)], constant_values=False)
+        kept.source, kept.n_keys, kept.mask = mask, n_keys, widened
+    return grouped_attention(mx, queries, cache.keys[..., :n_keys, :],
+                             cache.values[..., :n_keys, :], scale=scale, mask=kept.mask,
+                             align=False)
+
+
+def install_grouped_decode(mx) -> bool:
+    """Let ``decode_attention`` compute a decode step's masked attention in this process,
+    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself); whether
+    it did. Idempotent."""
+    current = installed_attention(mx)
+    if current is None:
+        return False
+    current.grouped_decode = True
+    return True
