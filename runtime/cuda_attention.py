@@ -285,6 +285,7 @@ def grouped_in_blocks(mx, queries, keys, values, *, scale, mask, block: int):
         mask=made[..., start:start + block, :] if per_query else made, mask_made=True)
         for start in range(0, length, block)], axis=2)
 
+
 # Masks of at most this many elements are kept for the next layer (``_key_mask``).
 KEPT_MASK_ELEMENTS = 1 << 24
 
