@@ -218,7 +218,7 @@ KEY_ALIGNMENT = 64
 
 
 def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None,
-                      visible_keys: int = 0, align: bool = True, mask_made: bool = False):
+                      visible_keys: int = 0, align: bool = True, prepared: bool = False):
     """Attention as two matrix products in the inputs' precision around a float32
     softmax, as MLX's own fallback computes it, with each KV head's query heads folded
     into its query rows: one strided batch of products, each KV head's keys and values
@@ -229,20 +229,15 @@ def grouped_attention(mx, queries, keys, values, *, scale, mask=None, sinks=None
     masked, written back in place: at 30k keys of context the mask's pass over every
     score was as costly as the first product (bench/chunk_attention.py). ``align``: False
     leaves the keys as they are (``decode_attention``'s are aligned already).
-    ``mask_made``: ``mask`` is in the products' layout (``_key_mask``'s) already."""
+    ``prepared``: the mask, keys and values are ``_prepared``'s already."""
+    if not prepared:
+        made = _prepared(mx, queries, keys, values, mask, align=align)
+        if made is None:
+            return None
+        mask, keys, values = made
     batch, heads, length, dim = queries.shape
     kv_heads, n_keys = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    padding = -n_keys % KEY_ALIGNMENT if align else 0
-    if not mask_made:
-        mask = _key_mask(mx, mask, heads=heads, kv_heads=kv_heads, length=length,
-                         n_keys=n_keys, padding=padding, dtype=queries.dtype)
-        if mask is _UNTAKEN:
-            return None
-    if padding:
-        widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
-        keys, values = mx.pad(keys, widths), mx.pad(values, widths)
-        n_keys += padding
     rows = (queries * scale).reshape(batch, kv_heads, group * length, dim)
     products = (rows @ keys.swapaxes(-1, -2)).reshape(batch, kv_heads, group, length, n_keys)
     if mask is not None and mask.dtype == mx.bool_:
@@ -270,20 +265,31 @@ def grouped_in_blocks(mx, queries, keys, values, *, scale, mask, block: int):
     once a block (each a copy of the prefix: eight user turns after a shared 12.5k-token
     prompt, Qwen3-0.6B's shape, are six blocks a layer of 400 MB); None for a mask it
     does not take."""
-    length, kv_heads, n_keys = queries.shape[2], keys.shape[1], keys.shape[2]
-    padding = -n_keys % KEY_ALIGNMENT
-    made = _key_mask(mx, mask, heads=queries.shape[1], kv_heads=kv_heads, length=length,
+    length = queries.shape[2]
+    made = _prepared(mx, queries, keys, values, mask)
+    if made is None:
+        return None
+    made, keys, values = made
+    per_query = made is not None and made.ndim >= 2 and made.shape[-2] == length
+    return mx.concatenate([grouped_attention(
+        mx, queries[:, :, start:start + block], keys, values, scale=scale, prepared=True,
+        mask=made[..., start:start + block, :] if per_query else made)
+        for start in range(0, length, block)], axis=2)
+
+
+def _prepared(mx, queries, keys, values, mask, *, align: bool = True):
+    """``mask`` in ``grouped_attention``'s layout (``_key_mask``) and the keys and values
+    padded to ``KEY_ALIGNMENT`` where ``align``; None for a mask it does not take."""
+    heads, length, n_keys = queries.shape[1], queries.shape[2], keys.shape[2]
+    padding = -n_keys % KEY_ALIGNMENT if align else 0
+    made = _key_mask(mx, mask, heads=heads, kv_heads=keys.shape[1], length=length,
                      n_keys=n_keys, padding=padding, dtype=queries.dtype)
     if made is _UNTAKEN:
         return None
     if padding:
         widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
         keys, values = mx.pad(keys, widths), mx.pad(values, widths)
-    per_query = made is not None and made.ndim >= 2 and made.shape[-2] == length
-    return mx.concatenate([grouped_attention(
-        mx, queries[:, :, start:start + block], keys, values, scale=scale, align=False,
-        mask=made[..., start:start + block, :] if per_query else made, mask_made=True)
-        for start in range(0, length, block)], axis=2)
+    return made, keys, values
 
 
 # Masks of at most this many elements are kept for the next layer (``_key_mask``).
