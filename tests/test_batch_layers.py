@@ -222,3 +222,37 @@ def test_a_prompt_batch_of_rows_of_different_lengths_rolls_them_by_slices(monkey
     equal = batch(mlx_lm_batches.RowAwarePromptBatch, [30, 24])
     equal.prompt([[1, 2], [3, 4]])
     assert all(type(c).finalize is BatchKVCache.finalize for c in equal.prompt_cache)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.integers(1, 300),
+       st.lists(st.integers(0, 6), min_size=1, max_size=3), st.integers(1, 300))
+def test_any_join_extend_layers_takes_is_mlx_lms(paddings, length, their_paddings, their_length):
+    """Whatever the two sides' rows, lengths and buffers: where ``extend_layers`` takes a
+    join it leaves the layers mlx-lm's ``extend`` leaves; where it declines, nothing
+    changed."""
+    paddings = [min(p, length - 1) for p in paddings]
+    their_paddings = [min(p, their_length - 1) for p in their_paddings]
+    ours, joining = _layers(1, paddings, length), _layers(2, their_paddings, their_length)
+    before = [_state(c) for c in ours]
+    reference, reference_joining = _layers(1, paddings, length), _layers(2, their_paddings, their_length)
+    for c, o in zip(reference, reference_joining, strict=True):
+        c.extend(o)
+    if batch_layers.extend_layers(ours, joining, layer_paddings(ours), layer_paddings(joining)):
+        assert [_state(c) for c in ours] == [_state(c) for c in reference]
+    else:
+        assert [_state(c) for c in ours] == before
+        assert length >= their_length  # declined: mlx-lm would not pad the batch's rows
+        assert -(-length // 256) >= -(-their_length // 256)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=6), st.data())
+def test_any_leave_filters_as_mlx_lm_does(paddings, data):
+    """Any rows kept, as runs of consecutive rows: the layers mlx-lm's ``filter`` leaves."""
+    keep = sorted(data.draw(st.sets(st.integers(0, len(paddings) - 1), min_size=1)))
+    ours, reference = _layers(3, paddings, 9), _layers(3, paddings, 9)
+    filter_layers(ours, keep)
+    for c in reference:
+        c.filter(keep)
+    assert [_state(c) for c in ours] == [_state(c) for c in reference]
