@@ -15,8 +15,9 @@ its rows, or with a longer buffer), the padded copy of the whole batch is made a
 then copied again into the concatenation: the device holds the batch's KV three
 times at once (the old arrays, which the step in flight still reads, the padded
 copy and the result). Sixteen agent sessions of 14k tokens reached 77 GB of an H100's
-80 that way (docs/performance.md). Here each layer's result is allocated once and
-both sides are written into it: held twice, copied once.
+80 in steps where rows joined, and 60-63 GB once joins were made this way
+(docs/performance.md). Here each layer's result is allocated once and both sides are
+written into it: held twice, copied once.
 """
 
 from __future__ import annotations
