@@ -20,8 +20,10 @@ next waits):
   in the step or before it (not part of the step's wall time then);
 - ``merge``: mlx-lm's merge of the rows' caches into the prompt batch's
   (``BatchKVCache.merge``);
-- ``prefill``: the prompt batch's ``prompt`` (the forward pass over the user turns,
-  every layer's attention over the prefix), less ``align``;
+- ``prefill``: the prompt batch's ``prompt`` (the forward pass over the user turns),
+  less ``align`` and ``attention``;
+- ``attention``: every layer's attention over the prefix and the user turns (each call
+  of ``mx.fast.scaled_dot_product_attention`` as the server installs it, evaluated);
 - ``align``: the rows rolled to end together (``BatchKVCache.finalize``, by slices
   in the server: ``runtime.batch_layers``);
 - ``rest``: the step's other work (the first token, the split into the decoding batch,
@@ -48,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PARTS = ("fetch", "merge", "prefill", "align")
+PARTS = ("fetch", "merge", "prefill", "attention", "align")
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -120,17 +122,40 @@ def main(argv: list[str] | None = None) -> int:
                 if ns.sync:  # lazy arrays are not the device's work until evaluated
                     mx.eval(arrays(result) + (arrays(args[0]) if args else []))
                 return result
+        wrapper.__dict__.update(getattr(function, "__dict__", {}))  # the install's attributes
         wrapper.__wrapped__ = function  # mlx-lm's source, where a check reads it
         return wrapper
 
+    fused = mx.fast.scaled_dot_product_attention
+
+    def attention(queries, keys, values, *args, **kwargs):
+        """The installed attention of a prefill (more than one query), timed on its own:
+        its inputs evaluated first, out of the timing (else their lazy layers would count
+        in it). A decode's (one query, outside the prompt's pass) is not timed."""
+        if queries.shape[2] == 1:
+            return fused(queries, keys, values, *args, **kwargs)
+        if ns.sync:
+            mask = kwargs.get("mask")
+            mx.eval([queries, keys, values, *([mask] if isinstance(mask, mx.array) else [])])
+            mx.synchronize()
+        with part("attention"):
+            out = fused(queries, keys, values, *args, **kwargs)
+            if ns.sync:
+                mx.eval(out)
+        return out
+
+    attention.__dict__.update(getattr(fused, "__dict__", {}))  # the install's attributes
+
     patches = (
+        (mx.fast, "scaled_dot_product_attention", attention),
         (PromptCacheStore, "fetch_nearest_cache", timed("fetch", PromptCacheStore.fetch_nearest_cache)),
         (BatchKVCache, "merge", classmethod(timed("merge", BatchKVCache.merge.__func__))),
         (PromptProcessingBatch, "prompt", timed("prefill", PromptProcessingBatch.prompt)),
         (batch_layers, "_finalize_rolled", timed("align", batch_layers._finalize_rolled)),
         (BatchKVCache, "finalize", timed("align", BatchKVCache.finalize)),
     )
-    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    originals = [(owner, name, getattr(owner, name) if owner is mx.fast else owner.__dict__[name])
+                 for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     try:
@@ -166,10 +191,11 @@ def _waves(ns, core, mx, spent: dict, model: str) -> int:
             outputs = core.step()
             wall = 1000 * (time.perf_counter() - began)
             rows = len({q.request_id for q in outputs.progress})
-            if rows and "prefill" in spent:
+            if rows and "prefill" in spent:  # (a prefill step: its attention is inside it)
                 ms = {k: 1000 * v for k, v in spent.items()}
-                # The align runs inside the prefill's prompt: the prefill is the rest.
-                ms["prefill"] = ms["prefill"] - ms.get("align", 0.0)
+                # The align and the attention run inside the prefill's prompt: the
+                # prefill is the rest.
+                ms["prefill"] -= ms.get("align", 0.0) + ms.get("attention", 0.0)
                 ms["rest"] = wall - sum(ms.values())
                 ms["fetch"] = ms.get("fetch", 0.0) + 1000 * fetched
                 steps.append({"wall_ms": wall, "rows": rows, **ms})
