@@ -64,7 +64,9 @@
 #                                  (the prefix's copies, the merge, the attention, the rest
 #                                  of the prefill, the rows' alignment); ARGS: the server's
 #                                  flags for the engine (e.g. '--prefill-attention mlx');
-#                                  PROMPT_WAVE_ARGS: more of its options (e.g. --no-sync)
+#                                  PROMPT_WAVE_ARGS: more of its options (e.g. --no-sync);
+#                                  PROMPT_WAVE_TREE: another build's checkout to run it in
+#                                  (e.g. .before, carried)
 #   one-client=SHAPE               bench/one_client.py, five alternated reps
 #   decode-memory=SHAPE[:ROWS[:TOKENS[:SYSTEMS[:OPTIONS]]]]  bench/decode_memory.py: ROWS (16)
 #                                  sequences of TOKENS (12000) decoding, each step's time and
@@ -303,9 +305,9 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     prompt-wave)
       dir=$(model "$shape")
       # shellcheck disable=SC2086  # the options, split at spaces
-      timeout -s INT -k 10 "$(limit 240)" python3 bench/prompt_wave.py --model "$dir" \
+      timeout -s INT -k 10 "$(limit 240)" python3 "${PROMPT_WAVE_TREE:-.}/bench/prompt_wave.py" --model "$dir" \
         --prefix "${p1:-12000}" --rows "${p2:-8}" --server-args "${p3:-}" ${PROMPT_WAVE_ARGS:-} \
-        --json-out "$OUT/prompt-wave-$shape-${p1:-12000}-${p2:-8}-$SECONDS.json" 2>&1 | tail -12
+        --json-out "$OUT/prompt-wave-$shape-${p1:-12000}-${p2:-8}${PROMPT_WAVE_TREE:+-$(basename "$PROMPT_WAVE_TREE")}-$SECONDS.json" 2>&1 | tail -12
       ;;
     one-client)
       dir=$(model "$shape")

@@ -145,7 +145,7 @@ def unfused_prefill_attention(
         n_queries, n_keys = queries.shape[2], keys.shape[2]
         rows = queries.size // (queries.shape[3] * n_queries)  # batch x heads
         block = max(1, block_limit // (rows * n_keys))
-        if not isinstance(mask, str) and scores == "half" and kwargs.get("sinks") is None:
+        if scores == "half" and kwargs.get("sinks") is None:
             every = grouped_in_blocks(mx, queries, keys, values, mask=mask, block=block,
                                       scale=kwargs["scale"])
             if every is not None:
@@ -260,11 +260,15 @@ _UNTAKEN = object()  # a mask grouped_attention does not take
 
 
 def grouped_in_blocks(mx, queries, keys, values, *, scale, mask, block: int):
-    """``grouped_attention`` in blocks of ``block`` queries that all meet every key (no
-    mask or an array mask), the keys aligned and the mask made once for all blocks, not
-    once a block (each a copy of the prefix: eight user turns after a shared 12.5k-token
-    prompt, Qwen3-0.6B's shape, are six blocks a layer of 400 MB); None for a mask it
-    does not take."""
+    """``grouped_attention`` in blocks of ``block`` queries, the keys aligned and the
+    mask made once for all blocks, not once a block (each a copy of the prefix: eight
+    user turns after a shared 12.5k-token prompt, Qwen3-0.6B's shape, are six blocks a
+    layer of 400 MB). Under no mask or an array mask every block meets every key; under
+    ``"causal"`` (``causal_in_blocks``) each meets the keys up to its last query. None
+    for a mask it does not take."""
+    if isinstance(mask, str):
+        return causal_in_blocks(mx, queries, keys, values, scale=scale, block=block) \
+            if mask == "causal" else None
     length = queries.shape[2]
     made = _prepared(mx, queries, keys, values, mask)
     if made is None:
@@ -275,6 +279,34 @@ def grouped_in_blocks(mx, queries, keys, values, *, scale, mask, block: int):
         mx, queries[:, :, start:start + block], keys, values, scale=scale, prepared=True,
         mask=made[..., start:start + block, :] if per_query else made)
         for start in range(0, length, block)], axis=2)
+
+
+def causal_in_blocks(mx, queries, keys, values, *, scale, block: int):
+    """Attention under the causal mask (aligned to the last key, as MLX's ``"causal"``)
+    in blocks of ``block`` queries: the keys and values aligned once, each block's
+    products over the aligned keys up to its last query (a view), and only the scores
+    past the keys every query of the block sees masked (``visible_keys``). The rows of a
+    batch share the mask: a batch of prompts with no left padding (a wave of sessions
+    after one cached system prompt, ``runtime.plain_masks``) takes it as a lone prompt
+    does."""
+    n_queries, n_keys = queries.shape[2], keys.shape[2]
+    padding = -n_keys % KEY_ALIGNMENT
+    if padding:
+        widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
+        keys, values = mx.pad(keys, widths), mx.pad(values, widths)
+    first = n_keys - n_queries  # the first query's position among the keys
+    positions = mx.arange(first, n_keys)
+    outputs = []
+    for start in range(0, n_queries, block):
+        end = min(n_queries, start + block)
+        # The padding's keys lie past every query's position: masked with the later keys.
+        seen = -(-(first + end) // KEY_ALIGNMENT) * KEY_ALIGNMENT
+        visible = (first + start + 1) // KEY_ALIGNMENT * KEY_ALIGNMENT
+        mask = positions[start:end, None] >= mx.arange(seen)[None]
+        outputs.append(grouped_attention(
+            mx, queries[:, :, start:end], keys[:, :, :seen], values[:, :, :seen],
+            scale=scale, mask=mask, visible_keys=visible, prepared=True))
+    return mx.concatenate(outputs, axis=2)
 
 
 def _prepared(mx, queries, keys, values, mask, *, align: bool = True):

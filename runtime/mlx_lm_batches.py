@@ -98,7 +98,7 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
     whose layers, while it prefills one prompt, grow once for the rest of it
-    (``tokens_to_come`` set, ``_room_reserved``) and, the prompt unpadded, give
+    (``tokens_to_come`` set, ``_room_reserved``) and, its rows unpadded, give
     the mask as ``"causal"`` (``runtime.plain_masks``).
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
@@ -115,11 +115,14 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     tokens_to_come = None
 
     def prompt(self, tokens):
+        decoding = self.decoding
+        queued = decoding is not None and decoding()
+        # Unqueued, mlx-lm waits for each chunk to its end, so reading the rows' paddings
+        # adds no wait of its own: several unpadded rows attend under "causal" too.
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
-                plain_masks(self.prompt_cache, len(tokens)), \
+                plain_masks(self.prompt_cache, len(tokens), several=not queued), \
                 rows_aligned_by_slices(self.prompt_cache, tokens):
-            decoding = self.decoding
-            if decoding is None or not decoding():
+            if not queued:
                 return super().prompt(tokens)
             with evals_queued():
                 return super().prompt(tokens)

@@ -4,7 +4,11 @@ mlx-lm's ``BatchKVCache`` gives every forward pass a boolean mask array, one
 row per sequence, so that each row can skip its left padding. A batch of one
 row without padding needs no array: its prefill chunk's mask is exactly
 ``"causal"`` (every key up to the query's own position, aligned to the last
-key, as MLX defines it), and its decode step's is no mask at all.
+key, as MLX defines it), and its decode step's is no mask at all. So does a
+prompt batch of several rows none of which is left-padded: sessions that start
+together from one cached system prompt, or fresh prompts (mlx-lm pads a prompt
+batch's tokens on the right; a padded token's key lies after every real query
+of its row, which the causal mask hides, and ``finalize`` then moves it left).
 
 On CUDA the array costs: MLX hands cuDNN a prefill chunk's mask as a bias it
 reads in full in every layer (``"causal"`` lets it skip the masked blocks: a
@@ -26,16 +30,23 @@ from mlx_lm.models.cache import BatchKVCache
 
 
 @contextlib.contextmanager
-def plain_masks(caches: list, rows: int) -> Iterator[None]:
+def plain_masks(caches: list, rows: int, *, several: bool = False) -> Iterator[None]:
     """Around a batch's model call over ``rows`` rows: where that is one row with no
-    left padding, its ``BatchKVCache`` layers give ``"causal"`` for a chunk of
-    several tokens and None for one token, instead of mlx-lm's array. Any other
-    batch, and a mask asked for as an array or with a window, is left as it was."""
-    if rows != 1:
+    left padding (or, with ``several``, any number of rows none of which is
+    left-padded), its ``BatchKVCache`` layers give ``"causal"`` for a chunk of several
+    tokens and None for one token, instead of mlx-lm's array. Any other batch, and a
+    mask asked for as an array or with a window, is left as it was.
+
+    ``several`` reads the rows' paddings, which waits for the device where they are
+    still being computed (a prompt batch's chunk whose ``finalize`` is in flight): set
+    it only where the batch's work so far has been waited for (a prompt batch's
+    ``prompt`` with nothing decoding, which mlx-lm evaluates to the end)."""
+    if rows != 1 and not several:
         yield
         return
     plain = [c for c in caches if type(c) is BatchKVCache]
-    if not plain or plain[0].left_padding.size != 1 or plain[0].left_padding.item():
+    padding = plain[0].left_padding if plain else None
+    if padding is None or padding.size != rows or any(padding.tolist()):
         yield
         return
     for c in plain:

@@ -586,3 +586,40 @@ def test_blocks_that_meet_every_key_align_the_keys_once(masked):
     reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     assert mx.allclose(got.astype(mx.float32), reference.astype(mx.float32),
                        atol=2e-2, rtol=2e-2).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_causal_blocks_align_the_keys_once(rows):
+    """Past the scores limit, a chunk under ``"causal"`` after a cached prefix (a lone
+    prompt's, or several unpadded rows', ``runtime.plain_masks``) goes in blocks of
+    queries (here five of 18) with the keys and values padded to the alignment once,
+    not once a block, and the attention is MLX's causal one."""
+    import mlx.core as mx
+
+    counted = _PadCalls()
+    attention = unfused_prefill_attention(lambda *a, **k: None, counted, limit=rows * 4 * 7,
+                                          block_limit=rows * 4 * 18 * 150)
+    q, k, v = _qkv(mx, rows, 90, 150, mx.bfloat16)  # 90 queries after 60 cached: 150 keys
+    got = attention(q, k, v, scale=0.25, mask="causal")
+    assert counted.shapes == [k.shape, v.shape]  # to 192 keys, once
+    reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert got.shape == q.shape and got.dtype == mx.bfloat16
+    assert mx.allclose(got.astype(mx.float32), reference.astype(mx.float32),
+                       atol=2e-2, rtol=2e-2).item()
+
+
+def test_causal_in_blocks_is_mlx_s_causal_attention_for_any_block():
+    """``causal_in_blocks`` at any block size, key count and alignment: MLX's attention
+    under ``"causal"``, queries past a prefix or a fresh prompt (as many queries as keys),
+    a KV head shared by several query heads."""
+    import mlx.core as mx
+
+    from runtime.cuda_attention import causal_in_blocks
+
+    for batch, length, n_keys, block in ((2, 7, 20, 3), (3, 130, 200, 50), (1, 64, 64, 16),
+                                         (2, 100, 700, 33), (2, 5, 5, 1)):
+        q, k, v = _qkv(mx, batch, length, n_keys, mx.bfloat16)
+        got = causal_in_blocks(mx, q, k, v, scale=0.25, block=block)
+        reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+        assert mx.allclose(got.astype(mx.float32), reference.astype(mx.float32),
+                           atol=2e-2, rtol=2e-2).item(), (batch, length, n_keys, block)

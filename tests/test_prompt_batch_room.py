@@ -9,7 +9,8 @@ step is left as it was, a prompt that joins is not padded to the room nor takes
 it to the decoding batch, and the tokens are mlx-lm's own (a plain
 ``BatchGenerator``), with prompts of different lengths padded together and
 sequences decoding beside them. A lone row attends under ``"causal"`` and with no
-mask (``runtime.plain_masks``), rows padded together under mlx-lm's arrays. The
+mask (``runtime.plain_masks``), as do fresh prompts prefilled together; rows padded
+on the left under mlx-lm's arrays. The
 paddings a leaving row's extraction or filter reads are none a join left to the device.
 """
 
@@ -114,11 +115,23 @@ def test_the_tokens_are_mlx_lms(model):
     assert all(len(tokens) > 0 for tokens in results[1])
 
 
-def test_a_lone_row_attends_with_no_mask_array_padded_rows_with_mlx_lm_s(model, monkeypatch):
+def _cached(model, prefix: list[int]) -> list:
+    """A fresh prompt cache holding ``prefix``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([prefix]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_unpadded_rows_attend_with_no_mask_array_left_padded_rows_with_mlx_lm_s(model, monkeypatch):
     """One unpadded row (a lone prompt's chunks, then its decode steps) reaches the
-    attention with ``"causal"`` and no mask; prompts of different lengths padded
-    together, and the rows decoding beside them, with mlx-lm's arrays. The tokens are
-    a plain ``BatchGenerator``'s, whose every call has an array."""
+    attention with ``"causal"`` and no mask, and so do the chunks of fresh prompts of
+    different lengths prefilled together (padded on the right); the rows decoding
+    beside them, and prompts whose cached prefixes differ in length (padded on the
+    left), with mlx-lm's arrays. The tokens are a plain ``BatchGenerator``'s, whose
+    every call has an array."""
     fused = mx.fast.scaled_dot_product_attention
     masks = []
 
@@ -139,14 +152,22 @@ def test_a_lone_row_attends_with_no_mask_array_padded_rows_with_mlx_lm_s(model, 
         masks.clear()
         uids += gen.insert([LONG[:300], LONG[:450]], max_tokens=[4, 4])
         drain(gen, uids[1:], out)
-        results.append(([out[u] for u in uids], lone, set(masks)))
+        fresh = set(masks)
+        masks.clear()
+        # Two prompts after cached prefixes of 40 and 90 tokens: merged padded on the left.
+        uids += gen.insert([LONG[40:200], LONG[90:200]], max_tokens=[4, 4],
+                           caches=[_cached(model, LONG[:40]), _cached(model, LONG[:90])])
+        drain(gen, uids[3:], out)
+        results.append(([out[u] for u in uids], lone, fresh, set(masks)))
         layers = gen._prompt_batch.prompt_cache + gen._generation_batch.prompt_cache
         assert all("make_mask" not in vars(layer) for layer in layers)
-    (plain_tokens, plain_lone, _), (our_tokens, our_lone, our_padded) = results
+    (plain_tokens, plain_lone, _, _), (our_tokens, our_lone, our_fresh, our_cached) = results
     assert our_tokens == plain_tokens
     assert plain_lone == {("chunk", 1, "array"), ("decode", 1, "array")}
     assert our_lone == {("chunk", 1, "causal"), ("decode", 1, None)}
-    assert ("chunk", 2, "array") in our_padded and ("decode", 2, "array") in our_padded
+    assert ("chunk", 2, "causal") in our_fresh and ("chunk", 2, "array") not in our_fresh
+    assert ("decode", 2, "array") in our_fresh
+    assert ("chunk", 2, "array") in our_cached and ("chunk", 2, "causal") not in our_cached
 
 
 def test_no_padding_a_leaving_row_reads_is_a_joins_concatenation(model, monkeypatch):
