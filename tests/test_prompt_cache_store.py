@@ -412,3 +412,35 @@ def test_a_segment_end_is_forgotten_when_its_span_goes():
     assert registered() is stored[0].span
     _end_forgetter(store._shared_ends, MODEL, system)(weakref.ref(stored[0].span))
     assert store._shared_ends.value(MODEL, system) is registered
+
+
+def test_a_write_into_a_fetched_layer_leaves_the_entry_and_other_fetches():
+    """A request's write into its fetched layer (``update_and_fetch`` where the trimmed
+    layer has room, in place) changes neither the stored entry nor another fetch of
+    it, and the next fetch is the stored KV again."""
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS
+
+    store = PromptCacheStore()
+    system = list(range(MIN_SHARED_TOKENS + 20))
+    s = len(system)
+    kv = sequence_kv(s, seed=5)
+    stored = store.insert_cache(MODEL, system, entry(kv), cache_type="system")
+    mx.eval([a for layer in stored for a in layer.state])
+    first, rest = store.fetch_nearest_cache(MODEL, system + [3])
+    second, _ = store.fetch_nearest_cache(MODEL, system + [4])
+    assert rest == [3]
+    for layer, (k, _v) in zip(first, kv, strict=True):
+        assert layer.keys is not stored[0].span.keys[0] and mx.array_equal(layer.keys, k)
+    # A fetch that trims (one token shorter than the entry): the layer has room, and
+    # the request's next token is written into it in place.
+    trimmed, rest = store.fetch_nearest_cache(MODEL, system[:-1] + [9, 9])
+    assert rest == [9, 9] and trimmed[0].offset == s - 1 and trimmed[0].keys.shape[2] == s
+    new = mx.full((1, 2, 1, 4), 7.0)
+    keys, _ = trimmed[0].update_and_fetch(new, new)
+    mx.eval(keys)
+    assert mx.array_equal(keys[:, :, -1:], new)
+    for cache in (first, second, store.fetch_nearest_cache(MODEL, system + [5])[0]):
+        for layer, (k, v) in zip(cache, kv, strict=True):
+            assert mx.array_equal(layer.keys, k) and mx.array_equal(layer.values, v)
+    for layer, (k, v) in zip(stored, kv, strict=True):
+        assert mx.array_equal(layer.state[0], k) and mx.array_equal(layer.state[1], v)
