@@ -1,7 +1,7 @@
 """The engine's prompt cache: mlx-lm's ``LRUPromptCache`` with a reuse floor, and its ledger.
 
 Owned by the engine (thread or process) like the rest of MLX: the KV arrays
-are MLX arrays, and every lookup copies or trims them. What to keep is not
+are MLX arrays, which a lookup hands out as views or copies, trimmed. What to keep is not
 decided here: the prompt-cache policy (``actors.prompt_cache``) keeps an index of
 the entries from the events this module reports and sends ``EvictCache``
 commands, which the engine applies between steps. So the store has no limits
@@ -26,8 +26,9 @@ its KV (about 2.6 GB each on an 8B model). Here an entry of plain ``KVCache``
 layers is stored as a chain of ``SharedSpan``s (the KV of a run of tokens in
 every layer, linked to the span before it): when a system or user segment is
 stored, its end is remembered, and a later entry that repeats those tokens
-links to that span and copies only what follows. A fetch builds a plain
-``KVCache`` from the chain (mlx-lm deep-copies an entry on every fetch anyway).
+links to that span and copies only what follows. A fetch gives a plain
+``KVCache`` (``FetchedKVLayer``) made from the spans its reused prefix reaches,
+when first read: where that is one span, its arrays as views, no copy.
 The byte counts stay those of whole entries, so ``--prompt-cache-bytes`` and
 the prompt-cache policy's decisions hold as before, now with memory to spare.
 
@@ -141,15 +142,64 @@ class SharedKVLayer:
         return True
 
     def __deepcopy__(self, memo) -> KVCache:
-        spans = self.span.chain()
-        cache = KVCache()
-        if len(spans) == 1:  # copied as mlx-lm's own fetch copies an entry's arrays
-            cache.keys = copy.deepcopy(spans[0].keys[self.layer], memo)
-            cache.values = copy.deepcopy(spans[0].values[self.layer], memo)
+        return FetchedKVLayer(self.span.chain(), self.layer)
+
+
+class FetchedKVLayer(KVCache):
+    """A fetched entry's layer (``SharedKVLayer``'s deep copy): a plain ``KVCache`` whose
+    arrays are made from the entry's spans when first read, after mlx-lm has trimmed
+    the fetch to the prefix it reuses, and from the spans that prefix reaches only:
+    one span's arrays as they are (views), several concatenated.
+
+    A new session's first turn reuses the system prompt of another session's
+    longer entry, trimmed: mlx-lm deep-copies the whole entry first (eight sessions
+    starting from one 12k-token system prompt copied 11 GB at admission, 25 ms of an
+    H200's time, for arrays a prompt batch copies in again). A view is safe: an MLX
+    array changes by value (a write into this layer, ``update_and_fetch``, makes a new
+    array of its object), and MLX writes a buffer in place only when nothing else
+    holds it."""
+
+    def __init__(self, spans: list[SharedSpan], layer: int):
+        super().__init__()
+        self._spans, self._layer = spans, layer
+        self.offset = spans[-1].end
+
+    def _made(self) -> None:
+        spans = [s for s in self._spans if s.start < self.offset] or self._spans[:1]
+        layer, self._spans = self._layer, None
+        if len(spans) == 1:
+            self._keys, self._values = spans[0].keys[layer][...], spans[0].values[layer][...]
         else:
-            cache.keys = mx.concatenate([s.keys[self.layer] for s in spans], axis=2)
-            cache.values = mx.concatenate([s.values[self.layer] for s in spans], axis=2)
-        cache.offset = self.span.end
+            self._keys = mx.concatenate([s.keys[layer] for s in spans], axis=2)
+            self._values = mx.concatenate([s.values[layer] for s in spans], axis=2)
+
+    @property
+    def keys(self):
+        if self._spans is not None:
+            self._made()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self):
+        if self._spans is not None:
+            self._made()
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
+
+    def __deepcopy__(self, memo) -> KVCache:
+        """A plain ``KVCache`` with copies of this layer's arrays (several choices of
+        one prompt, each its own)."""
+        cache = KVCache()
+        cache.keys = copy.deepcopy(self.keys, memo)
+        cache.values = copy.deepcopy(self.values, memo)
+        cache.offset = self.offset
         return cache
 
 

@@ -4,6 +4,8 @@ ledger of entries (ids, events, evictions by id); no limits of its own."""
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -360,12 +362,19 @@ def test_entries_that_repeat_a_stored_segment_share_its_arrays_and_fetch_whole()
         cache, rest = store.fetch_nearest_cache(MODEL, tokens + [99])
         assert rest == [99]
         for layer, (k, v) in zip(cache, full, strict=True):
-            assert type(layer) is KVCache and layer.offset == len(tokens)
+            assert isinstance(layer, KVCache) and layer.offset == len(tokens)
             assert mx.array_equal(layer.keys, k) and mx.array_equal(layer.values, v)
-    # A fetch that trims a longer entry back to the system prompt.
+    # A fetch that trims a longer entry back to the system prompt: made from the
+    # system prompt's span alone, not the whole entry concatenated and trimmed.
     cache, rest = store.fetch_nearest_cache(MODEL, system + [5, 5])
     assert rest == [5, 5] and cache[0].offset == s
-    assert mx.array_equal(cache[0].keys[:, :, :s], full_a[0][0][:, :, :s])
+    assert cache[0].keys.shape[2] == s and cache[0].values.shape[2] == s
+    assert mx.array_equal(cache[0].keys, full_a[0][0][:, :, :s])
+    assert mx.array_equal(cache[0].values, full_a[0][1][:, :, :s])
+    # Deep-copied again (several choices of one prompt): a plain KVCache of its own.
+    again = copy.deepcopy(cache)
+    assert type(again[0]) is KVCache and again[0].offset == s
+    assert mx.array_equal(again[0].keys, cache[0].keys)
 
 
 def test_short_segments_and_other_caches_are_stored_as_they_are():
