@@ -56,7 +56,6 @@ largest part of what our engine adds to a step; docs/performance.md).
 from __future__ import annotations
 
 import collections
-import copy
 import sys
 import weakref
 from collections.abc import Iterable
@@ -66,6 +65,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache
 
+from runtime.fetched_kv import FetchedKVLayer, at_first_span
 from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
 from runtime.mlx_lm_internals import (
     prompt_cache_entry,
@@ -145,64 +145,6 @@ class SharedKVLayer:
         return FetchedKVLayer(self.span.chain(), self.layer)
 
 
-class FetchedKVLayer(KVCache):
-    """A fetched entry's layer (``SharedKVLayer``'s deep copy): a plain ``KVCache`` whose
-    arrays are made from the entry's spans when first read, after mlx-lm has trimmed
-    the fetch to the prefix it reuses, and from the spans that prefix reaches only:
-    one span's arrays as they are (views), several concatenated.
-
-    A new session's first turn reuses the system prompt of another session's
-    longer entry, trimmed: mlx-lm deep-copies the whole entry first (eight sessions
-    starting from one 12k-token system prompt copied 11 GB at admission, 25 ms of an
-    H200's time, for arrays a prompt batch copies in again). A view is safe: an MLX
-    array changes by value (a write into this layer, ``update_and_fetch``, makes a new
-    array of its object), and MLX writes a buffer in place only when nothing else
-    holds it."""
-
-    def __init__(self, spans: list[SharedSpan], layer: int):
-        super().__init__()
-        self._spans, self._layer = spans, layer
-        self.offset = spans[-1].end
-
-    def _made(self) -> None:
-        spans = [s for s in self._spans if s.start < self.offset] or self._spans[:1]
-        layer, self._spans = self._layer, None
-        if len(spans) == 1:
-            self._keys, self._values = spans[0].keys[layer][...], spans[0].values[layer][...]
-        else:
-            self._keys = mx.concatenate([s.keys[layer] for s in spans], axis=2)
-            self._values = mx.concatenate([s.values[layer] for s in spans], axis=2)
-
-    @property
-    def keys(self):
-        if self._spans is not None:
-            self._made()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-
-    @property
-    def values(self):
-        if self._spans is not None:
-            self._made()
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
-
-    def __deepcopy__(self, memo) -> KVCache:
-        """A plain ``KVCache`` with copies of this layer's arrays (several choices of
-        one prompt, each its own)."""
-        cache = KVCache()
-        cache.keys = copy.deepcopy(self.keys, memo)
-        cache.values = copy.deepcopy(self.values, memo)
-        cache.offset = self.offset
-        return cache
-
-
 class PromptCacheStore(LRUPromptCache):
     """``LRUPromptCache`` that does not reuse prefixes shorter than ``min_reuse_tokens``
     and stores entries of plain ``KVCache`` layers as shared spans.
@@ -264,7 +206,8 @@ class PromptCacheStore(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         if self.min_reuse_tokens > 0 and self.shared_prefix(model, tokens) < self.min_reuse_tokens:
             return None, tokens
-        return super().fetch_nearest_cache(model, tokens)
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        return at_first_span(cache, tokens, rest)
 
     def has_entry(self, model: Any, tokens: list[int]) -> bool:
         return prompt_cache_has_entry(self, model, tokens)

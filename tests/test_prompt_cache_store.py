@@ -453,3 +453,34 @@ def test_a_write_into_a_fetched_layer_leaves_the_entry_and_other_fetches():
             assert mx.array_equal(layer.keys, k) and mx.array_equal(layer.values, v)
     for layer, (k, v) in zip(stored, kv, strict=True):
         assert mx.array_equal(layer.state[0], k) and mx.array_equal(layer.state[1], v)
+
+
+def test_a_new_session_reuses_another_s_system_prompt_span_alone():
+    """A prompt that shares another session's system prompt and the few tokens that
+    open its user turn (a chat template's) reuses the system prompt's span alone, as
+    views: the shared tokens past it are left to prefill, not reused by copying the
+    span and the next. One that shares more, or a session's own entry to the end of a
+    span, keeps everything it shares."""
+    from runtime.fetched_kv import FIRST_SPAN_REACH
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS
+
+    store = PromptCacheStore()
+    system = list(range(MIN_SHARED_TOKENS + 40))
+    s = len(system)
+    opening = [9000, 9001, 9002]  # the template's opening of a user turn
+    a_tokens = system + opening + [7] * 80
+    full = sequence_kv(len(a_tokens), seed=6)
+    store.insert_cache(MODEL, system, entry(full, s), cache_type="system")
+    store.insert_cache(MODEL, a_tokens, entry(full), cache_type="assistant")
+    new = system + opening + [8] * 20
+    cache, rest = store.fetch_nearest_cache(MODEL, new)
+    assert cache[0].offset == s and rest == opening + [8] * 20
+    for layer, (k, v) in zip(cache, full, strict=True):
+        assert layer.keys.shape[2] == s  # the span alone, no concatenation
+        assert mx.array_equal(layer.keys, k[:, :, :s]) and mx.array_equal(layer.values, v[:, :, :s])
+    # Sharing more than FIRST_SPAN_REACH tokens past the span: all of it is reused.
+    far = system + opening + [7] * FIRST_SPAN_REACH + [8] * 5
+    cache, rest = store.fetch_nearest_cache(MODEL, far)
+    assert cache[0].offset == s + 3 + FIRST_SPAN_REACH and rest == [8] * 5
+    assert mx.array_equal(cache[0].keys[:, :, :cache[0].offset],
+                          full[0][0][:, :, :cache[0].offset])
