@@ -85,22 +85,25 @@ FIRST_SPAN_REACH = 64
 
 def at_first_span(cache, tokens: list[int], rest: list[int]):
     """A fetch (``cache``, ``rest``) whose reused prefix ends at most
-    ``FIRST_SPAN_REACH`` tokens past its entry's first span, trimmed to that span:
+    ``FIRST_SPAN_REACH`` tokens past its entry's first span, a stored system
+    segment (``SharedSpan.system``), trimmed to that span:
     its layers are then the span's arrays as views (``FetchedKVLayer``), where those
     few tokens more would have the span and the next one concatenated, a copy of the
     whole prefix. A chat template's opening of the user turn follows a stored system
     prompt in every session (``<|im_start|>user``), so a new session reuses the
     system prompt and those tokens from another session's entry; the tokens are
-    recomputed with the user turn instead. A fetch that reuses its entry to the end
-    of a span (a session's own history, however short its last turn) or all of it
-    (nothing left to prefill) is left as it is."""
+    recomputed with the user turn instead. A fetch whose first span is not a system
+    segment (a session's own history: its earlier prompt, then its reply), that
+    reuses its entry to the end of a span, or all of it (nothing left to prefill), is
+    left as it is: a later turn reuses all it repeats."""
     if not cache or not rest or not all(
             type(c) is FetchedKVLayer and c._spans is not None for c in cache):
         return cache, rest
     spans = cache[0]._spans
     reused, first = len(tokens) - len(rest), spans[0].end
-    if not first < reused <= first + FIRST_SPAN_REACH or reused == spans[1].end:
-        return cache, rest  # (a whole second span reused: a session's own short turn)
+    if not spans[0].system or not first < reused <= first + FIRST_SPAN_REACH \
+            or reused == spans[1].end:
+        return cache, rest
     for c in cache:
         c.trim(reused - first)
     return cache, tokens[first:]

@@ -101,13 +101,15 @@ def _end_forgetter(ends: RadixPromptTrie, model: Any, tokens: list[int]):
 
 class SharedSpan:
     """The KV of tokens ``[start, end)`` in every layer (``keys[i]``, ``values[i]``: the
-    layer's arrays, batch 1), after the span ``prev`` (None: it starts at 0)."""
+    layer's arrays, batch 1), after the span ``prev`` (None: it starts at 0);
+    ``system``: stored as a system segment's entry."""
 
-    __slots__ = ("keys", "values", "start", "end", "prev", "__weakref__")
+    __slots__ = ("keys", "values", "start", "end", "prev", "system", "__weakref__")
 
-    def __init__(self, keys: list, values: list, start: int, end: int, prev: SharedSpan | None):
+    def __init__(self, keys: list, values: list, start: int, end: int, prev: SharedSpan | None,
+                 system: bool = False):
         self.keys, self.values = keys, values
-        self.start, self.end, self.prev = start, end, prev
+        self.start, self.end, self.prev, self.system = start, end, prev, system
 
     def chain(self) -> list[SharedSpan]:
         spans, span = [], self
@@ -191,7 +193,7 @@ class PromptCacheStore(LRUPromptCache):
             last = SharedSpan(
                 [mx.contiguous(layer.keys[..., start:n, :]) for layer in cache],
                 [mx.contiguous(layer.values[..., start:n, :]) for layer in cache],
-                start, n, before,
+                start, n, before, system=cache_type == "system",
             )
         if cache_type in SHARED_TYPES and n >= MIN_SHARED_TOKENS:
             ends.add(model, tokens, weakref.ref(last, _end_forgetter(ends, model, tokens)))

@@ -459,8 +459,8 @@ def test_a_new_session_reuses_another_s_system_prompt_span_alone():
     """A prompt that shares another session's system prompt and the few tokens that
     open its user turn (a chat template's) reuses the system prompt's span alone, as
     views: the shared tokens past it are left to prefill, not reused by copying the
-    span and the next. One that shares more, or a session's own entry to the end of a
-    span, keeps everything it shares."""
+    span and the next. One whose first span is not a system segment, or that shares
+    more, keeps everything it shares."""
     from runtime.fetched_kv import FIRST_SPAN_REACH
     from runtime.prompt_cache_store import MIN_SHARED_TOKENS
 
@@ -478,6 +478,13 @@ def test_a_new_session_reuses_another_s_system_prompt_span_alone():
     for layer, (k, v) in zip(cache, full, strict=True):
         assert layer.keys.shape[2] == s  # the span alone, no concatenation
         assert mx.array_equal(layer.keys, k[:, :, :s]) and mx.array_equal(layer.values, v[:, :, :s])
+    # A first span that is no system segment (a session's own earlier prompt): all
+    # that is shared is reused.
+    own = PromptCacheStore()
+    own.insert_cache(MODEL, system, entry(full, s), cache_type="user")
+    own.insert_cache(MODEL, a_tokens, entry(full), cache_type="assistant")
+    cache, rest = own.fetch_nearest_cache(MODEL, new)
+    assert cache[0].offset == s + 3 and rest == [8] * 20
     # Sharing more than FIRST_SPAN_REACH tokens past the span: all of it is reused.
     far = system + opening + [7] * FIRST_SPAN_REACH + [8] * 5
     cache, rest = store.fetch_nearest_cache(MODEL, far)
