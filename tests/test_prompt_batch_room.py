@@ -128,9 +128,9 @@ def _cached(model, prefix: list[int]) -> list:
 def test_unpadded_rows_attend_with_no_mask_array_left_padded_rows_with_mlx_lm_s(model, monkeypatch):
     """One unpadded row (a lone prompt's chunks, then its decode steps) reaches the
     attention with ``"causal"`` and no mask, and so do the chunks of fresh prompts of
-    different lengths prefilled together (padded on the right); the rows decoding
-    beside them, and prompts whose cached prefixes differ in length (padded on the
-    left), with mlx-lm's arrays. The tokens are a plain ``BatchGenerator``'s, whose
+    different lengths prefilled together (padded on the right) and of sessions after
+    one cached system prompt; the rows decoding beside them, and prompts whose cached
+    prefixes differ in length (padded on the left), with mlx-lm's arrays. The tokens are a plain ``BatchGenerator``'s, whose
     every call has an array."""
     fused = mx.fast.scaled_dot_product_attention
     masks = []
@@ -158,16 +158,25 @@ def test_unpadded_rows_attend_with_no_mask_array_left_padded_rows_with_mlx_lm_s(
         uids += gen.insert([LONG[40:200], LONG[90:200]], max_tokens=[4, 4],
                            caches=[_cached(model, LONG[:40]), _cached(model, LONG[:90])])
         drain(gen, uids[3:], out)
-        results.append(([out[u] for u in uids], lone, fresh, set(masks)))
+        cached = set(masks)
+        masks.clear()
+        # Two sessions after one cached 90-token system prompt, user turns of different
+        # lengths: no left padding, so "causal" in ours.
+        uids += gen.insert([LONG[90:150], LONG[300:400]], max_tokens=[4, 4],
+                           caches=[_cached(model, LONG[:90]), _cached(model, LONG[:90])])
+        drain(gen, uids[5:], out)
+        results.append(([out[u] for u in uids], lone, fresh, cached, set(masks)))
         layers = gen._prompt_batch.prompt_cache + gen._generation_batch.prompt_cache
         assert all("make_mask" not in vars(layer) for layer in layers)
-    (plain_tokens, plain_lone, _, _), (our_tokens, our_lone, our_fresh, our_cached) = results
+    (plain_tokens, plain_lone, _, _, _), (our_tokens, our_lone, our_fresh, our_cached,
+                                          our_shared) = results
     assert our_tokens == plain_tokens
     assert plain_lone == {("chunk", 1, "array"), ("decode", 1, "array")}
     assert our_lone == {("chunk", 1, "causal"), ("decode", 1, None)}
     assert ("chunk", 2, "causal") in our_fresh and ("chunk", 2, "array") not in our_fresh
     assert ("decode", 2, "array") in our_fresh
     assert ("chunk", 2, "array") in our_cached and ("chunk", 2, "causal") not in our_cached
+    assert ("chunk", 2, "causal") in our_shared and ("chunk", 2, "array") not in our_shared
 
 
 def test_no_padding_a_leaving_row_reads_is_a_joins_concatenation(model, monkeypatch):
