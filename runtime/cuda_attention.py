@@ -290,10 +290,7 @@ def causal_in_blocks(mx, queries, keys, values, *, scale, block: int):
     after one cached system prompt, ``runtime.plain_masks``) takes it as a lone prompt
     does."""
     n_queries, n_keys = queries.shape[2], keys.shape[2]
-    padding = -n_keys % KEY_ALIGNMENT
-    if padding:
-        widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
-        keys, values = mx.pad(keys, widths), mx.pad(values, widths)
+    keys, values = _padded_keys(mx, keys, values, -n_keys % KEY_ALIGNMENT)
     first = n_keys - n_queries  # the first query's position among the keys
     positions = mx.arange(first, n_keys)
     outputs = []
@@ -318,10 +315,16 @@ def _prepared(mx, queries, keys, values, mask, *, align: bool = True):
                      n_keys=n_keys, padding=padding, dtype=queries.dtype)
     if made is _UNTAKEN:
         return None
-    if padding:
-        widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
-        keys, values = mx.pad(keys, widths), mx.pad(values, widths)
+    keys, values = _padded_keys(mx, keys, values, padding)
     return made, keys, values
+
+
+def _padded_keys(mx, keys, values, padding: int):
+    """``keys`` and ``values`` with ``padding`` zero positions after their last."""
+    if not padding:
+        return keys, values
+    widths = [(0, 0), (0, 0), (0, padding), (0, 0)]
+    return mx.pad(keys, widths), mx.pad(values, widths)
 
 
 # Masks of at most this many elements are kept for the next layer (``_key_mask``).
