@@ -10,15 +10,18 @@ device), with MLX's active memory after the step and its peak during it. Systems
 * ``ours``: the server's generator (``make_batch_generator``: compiled decode path,
   shared passes, decode lanes) with the server's attention routes on CUDA;
   ``ours-mlx``: the same with a masked decode step's attention left to MLX
-  (``--decode-attention mlx``). Run after another system in one process, a system's
-  active memory also counts what the one before left.
+  (``--decode-attention mlx``); ``ours-grouped``: every masked decode step through the
+  grouped products (``--decode-grouped-min-mib 0``), however shallow. Run after another
+  system in one process, a system's active memory also counts what the one before left.
 * ``buffers``: no model, only a KV cache's update and attention per layer
   (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
   next step queued before the last one's output is read); ``buffers-mask``: under the
   boolean mask mlx-lm gives a batch of rows; ``buffers-grouped``: that mask through
   ``runtime.cuda_attention.grouped_attention`` over the keys as they are;
   ``buffers-grouped-aligned``: the same over the buffer up to a multiple of
-  ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it.
+  ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it; ``buffers-rows``: each row
+  through MLX's kernel with no mask, over its own keys (a slice past its padding), the
+  rows' outputs concatenated.
 
 A step that copies the batch's KV cache instead of writing its new token in place
 would show as a peak of about twice the cache. ``--pipelined``: the generators' steps
@@ -70,14 +73,15 @@ def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int,
 
 
 def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
-                 grouped: str = "") -> list[dict]:
+                 grouped: str = "", by_row: bool = False) -> list[dict]:
     """``decode_steps`` for a bare KV cache: each step writes one token into every layer's
     buffers (``BatchKVCache``'s slice assignment) and attends over them; ``masked``: under
     a boolean mask (rows, 1, 1, keys) as mlx-lm's ``BatchKVCache`` makes for rows of
     different lengths (here the first row left-padded by 64 tokens). ``grouped``: the
     masked attention through ``runtime.cuda_attention.grouped_attention`` instead of
     MLX's, its keys as they are ("unaligned") or read from the buffer up to a multiple of
-    ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked)."""
+    ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked). ``by_row``: no mask, each
+    row's attention over its own keys (past its padding) through MLX's kernel."""
     from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
 
     layers, heads, dim = 28, 8, 128
@@ -86,6 +90,7 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
     mx.eval(caches)
     query = mx.random.normal((rows, 2 * heads, 1, dim)).astype(mx.bfloat16)
     end, previous, out = tokens, None, []
+    pads = [64] + [0] * (rows - 1)
     for _ in range(steps + 1):
         mx.reset_peak_memory()
         began = time.perf_counter()
@@ -95,13 +100,18 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
             seen = -(-seen // KEY_ALIGNMENT) * KEY_ALIGNMENT
         if masked:
             keys_at = mx.arange(seen)
-            mask = (keys_at >= mx.array([64] + [0] * (rows - 1))[:, None]) & (keys_at <= end)
+            mask = (keys_at >= mx.array(pads)[:, None]) & (keys_at <= end)
             mask = mask[:, None, None, :]
         for keys, values in caches:
             new = (x[:, :heads] * 0.5).astype(mx.bfloat16)
             keys[..., end:end + 1, :] = new
             values[..., end:end + 1, :] = new
-            if grouped:
+            if by_row:
+                x = mx.concatenate([mx.fast.scaled_dot_product_attention(
+                    x[r:r + 1], keys[r:r + 1, :, pads[r]:seen, :],
+                    values[r:r + 1, :, pads[r]:seen, :], scale=dim ** -0.5)
+                    for r in range(rows)])
+            elif grouped:
                 x = grouped_attention(mx, x, keys[..., :seen, :], values[..., :seen, :],
                                       scale=dim ** -0.5, mask=mask, align=False)
             else:
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.batch_sampling import BatchSampler, make_batch_generator
     from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
     from runtime.cuda_attention import install_prefill_attention
-    from runtime.cuda_decode_attention import install_grouped_decode
+    from runtime.cuda_decode_attention import DECODE_GROUPED_MIN_BYTES, install_grouped_decode
     from runtime.mlx_environment import PREFILL_STEP_SIZES, default_decode_lane_padding
 
     model_path = ns.model
@@ -157,19 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     for system in ns.systems.split(","):
         if system.startswith("buffers"):
             steps = buffer_steps(mx, ns.rows, ns.tokens, ns.steps,
-                                 masked=system != "buffers",
-                                 grouped=system.removeprefix("buffers-grouped").strip("-")
-                                 or ("unaligned" if system.startswith("buffers-grouped") else ""))
+                                 masked=system not in ("buffers", "buffers-rows"),
+                                 by_row=system == "buffers-rows",
+                                 grouped=(system.removeprefix("buffers-grouped").strip("-")
+                                          or "unaligned")
+                                 if system.startswith("buffers-grouped") else "")
         elif system == "engine":
             # One prompt at a time: mlx-lm prefills a batch under one array mask, whose
             # scores for eight 12k prompts ran an H100 out of memory.
             gen = BatchGenerator(model, completion_batch_size=ns.rows + 8, prefill_batch_size=1)
         else:
             # The server's attention routes, as its engine installs them (CUDA only);
-            # "ours-mlx": a masked decode step's attention left to MLX.
+            # "ours-mlx": a masked decode step's attention left to MLX; "ours-grouped":
+            # every one grouped.
             install_prefill_attention(mx, full_chunk=PREFILL_STEP_SIZES["gpu"])
-            if install_grouped_decode(mx):
-                mx.fast.scaled_dot_product_attention.grouped_decode = system == "ours"
+            if install_grouped_decode(mx, min_bytes=0 if system == "ours-grouped"
+                                      else DECODE_GROUPED_MIN_BYTES):
+                mx.fast.scaled_dot_product_attention.grouped_decode = system != "ours-mlx"
             install_compiled_decode(model)
             trace_batch_sizes(model, range(1, ns.rows + 2))
             gen = make_batch_generator(model, sampler=BatchSampler(), chunk_pass="shared",

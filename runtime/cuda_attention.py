@@ -204,7 +204,8 @@ def unfused_prefill_attention(
     attention.half_scores = scores == "half"
     attention.full_chunk = full_chunk
     attention.prefill = prefill
-    attention.grouped_decode = False  # ``install_grouped_decode`` sets it
+    attention.grouped_decode = False  # ``install_grouped_decode`` sets both
+    attention.grouped_decode_min_bytes = 0
     # Whether a prefill's attention is the grouped one (``chunk_attention`` reads this).
     attention.grouped = attention.half_scores and prefill
     return attention

@@ -18,11 +18,10 @@ from typing import Any
 from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_attention
 
 # ``decode_attention`` takes a step only where a layer's keys and values as MLX's fallback
-# reads them (once per query head) come to at least this many bytes. Below it a decode
-# step is bound by its host: an H100 reads 512 MiB in about 0.17 ms, 5 ms for 28 layers,
-# under the 7 ms the host takes to build such a step, and the grouped products cost the
-# host more than MLX's fallback. An estimate from the bandwidth, not a measured crossing;
-# on Qwen3-0.6B's shape 65,536 keys over the batch's rows (16 rows at 4k, 4 at 16k).
+# reads them (once per query head) come to at least this many bytes
+# (``--decode-grouped-min-mib``); below it the grouped products cost the host more than
+# they save the device. On Qwen3-0.6B's shape 512 MiB is 65,536 keys over the batch's
+# rows (16 rows at 4k, 4 at 16k).
 DECODE_GROUPED_MIN_BYTES = 512 << 20
 
 
@@ -45,7 +44,7 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     masked, and the buffer grown with zeros first where it is shorter); None where
     this does not apply: the route not installed (``install_grouped_decode``), no array
     mask, not half precision, another cache, or a step too shallow for its reads to
-    outweigh the host's work (``DECODE_GROUPED_MIN_BYTES``).
+    outweigh the host's work (the ``min_bytes`` it was installed with).
 
     Why: MLX's CUDA kernel for one query a row takes no array mask, and mlx-lm gives a
     decoding batch one (its rows are padded on the left to one length). MLX's fallback
@@ -67,7 +66,8 @@ def decode_attention(mx, queries, cache, *, scale, mask):
         return None
     rows, kv_heads = cache.keys.shape[0], cache.keys.shape[1]
     once = rows * end * kv_heads * (cache.keys.shape[3] + cache.values.shape[3])
-    if once * cache.keys.dtype.size * (queries.shape[1] // kv_heads) < DECODE_GROUPED_MIN_BYTES:
+    least = mx.fast.scaled_dot_product_attention.grouped_decode_min_bytes
+    if once * cache.keys.dtype.size * (queries.shape[1] // kv_heads) < least:
         return None
     if cache.keys.shape[2] < n_keys:  # as mlx-lm grows it: zeros at the end
         widths = [(0, 0), (0, 0), (0, n_keys - cache.keys.shape[2]), (0, 0)]
@@ -81,12 +81,14 @@ def decode_attention(mx, queries, cache, *, scale, mask):
                              align=False)
 
 
-def install_grouped_decode(mx) -> bool:
+def install_grouped_decode(mx, min_bytes: int = DECODE_GROUPED_MIN_BYTES) -> bool:
     """Let ``decode_attention`` compute a decode step's masked attention in this process,
-    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself); whether
-    it did. Idempotent."""
+    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself), in steps
+    whose layers MLX's fallback would read at least ``min_bytes`` of; whether it did.
+    Idempotent."""
     current = installed_attention(mx)
     if current is None:
         return False
     current.grouped_decode = True
+    current.grouped_decode_min_bytes = min_bytes
     return True

@@ -327,6 +327,21 @@ class TuningSettings:
         "CPU ([performance.md](performance.md)).",
         group=TUNING,
     )
+    decode_grouped_min_mib: int = setting(
+        512,
+        help="with --decode-attention grouped, a decode step takes the grouped products only "
+        "where MLX's fallback would read at least this many MiB of a layer's keys and values "
+        "(0: every masked decode step)",
+        minimum=0,
+        maximum=1 << 20,
+        ours=True,
+        notes="Below it the grouped products cost the host more than they save the device. "
+        "On Qwen3-0.6B's shape 512 MiB is 65,536 keys of context over the batch's rows (16 "
+        "rows at 4k tokens, 4 at 16k). Lower it where a fast GPU decodes a few rows at depth "
+        "(a few agent sessions), raise it where a slow host decodes many shallow rows "
+        "([performance.md](performance.md)).",
+        group=TUNING,
+    )
     cpu_blas: str = setting(
         "openblas",
         help="on a Linux CPU, MLX's matrix products on OpenBLAS (from the cpu extra's "

@@ -202,6 +202,7 @@ TEXT_VALUES = {
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "prefill_attention": "mlx",
     "decode_attention": "mlx",
+    "decode_grouped_min_mib": "64",
     "cpu_blas": "reference",
     "prefill_buffers": "clear",
     "decode_path": "mlx",

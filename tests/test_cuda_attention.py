@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 import runtime.cuda_attention as cuda_attention
-import runtime.cuda_decode_attention as cuda_decode_attention
 from runtime.cuda_attention import (
     KEY_ALIGNMENT,
     chunk_attention,
@@ -81,7 +80,7 @@ def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
     assert install_grouped_decode(mx)
     # Two rows of 69 keys are far below what pays at a real model's depth.
     assert decode_attention(mx, q, cache, scale=0.25, mask=mask) is None
-    monkeypatch.setattr(cuda_decode_attention, "DECODE_GROUPED_MIN_BYTES", 0)
+    assert install_grouped_decode(mx, min_bytes=0)
     assert decode_attention(mx, q, cache, scale=0.25, mask=None) is None
     assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.25, mask=mask) is None
     got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
@@ -302,8 +301,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     install_compiled_decode(model)  # the engine's decode path, which reads the route
     expected = logits()
     _installed(monkeypatch)
-    assert install_grouped_decode(mx)
-    monkeypatch.setattr(cuda_decode_attention, "DECODE_GROUPED_MIN_BYTES", 0)  # a tiny model's step
+    assert install_grouped_decode(mx, min_bytes=0)  # a tiny model's step
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape

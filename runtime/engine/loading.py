@@ -258,7 +258,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         mx, full_chunk=config.prefill_step_size)
     if on_grid:
         log.debug("prefill attention: MLX's unfused path")
-    if config.decode_attention == "grouped" and install_grouped_decode(mx):
+    if config.decode_attention == "grouped" and install_grouped_decode(
+            mx, min_bytes=config.decode_grouped_min_mib << 20):
         log.debug("a masked decode step's attention: grouped products")
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
