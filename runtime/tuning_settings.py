@@ -310,7 +310,8 @@ class TuningSettings:
     decode_attention: str = setting(
         "grouped",
         help="on CUDA, the attention of a decode step of several rows as products that read "
-        "each KV head's keys once (grouped) or as MLX computes it",
+        "each KV head's keys once (grouped), row by row through MLX's kernel where the "
+        "batch is small (rows), or as MLX computes it",
         choices=DECODE_ATTENTION_MODES,
         ours=True,
         notes="mlx-lm decodes a batch of several rows under a mask (its rows padded on the "
@@ -318,18 +319,20 @@ class TuningSettings:
         "fallback reads each KV head's keys and values once per query head, twice on "
         "Qwen3-0.6B and four times on Llama-3-8B, while `grouped` reads them once, over the "
         "cache's buffer to a multiple of 64 keys. At depth the step is that read: on an "
-        "H100, the KV update and attention of 16 rows at 12k tokens of context (28 layers) "
-        "took 31 ms under MLX's fallback against 10 ms grouped (`bench/decode_memory.py`). "
+        "H100, a decode step of 16 rows at 12k tokens of context took 31 ms under MLX's "
+        "fallback against 10.8 ms grouped (`bench/decode_memory.py`). "
         "A step takes the grouped products only where a layer's reads under the fallback "
         "come to 512 MiB (an estimate of where the device's reads, not the host, bind the "
-        "step: on Qwen3-0.6B's shape 16 rows at 4k tokens of context, 4 at 16k). `mlx`: "
-        "MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
+        "step: on Qwen3-0.6B's shape 16 rows at 4k tokens of context, 4 at 16k; "
+        "--decode-grouped-min-mib). `rows`: the same steps, where the batch has at most 8 "
+        "rows, attend row by row through MLX's kernel with no mask, each over its own keys "
+        "(larger batches grouped). `mlx`: MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
         "CPU ([performance.md](performance.md)).",
         group=TUNING,
     )
     decode_grouped_min_mib: int = setting(
         512,
-        help="with --decode-attention grouped, a decode step takes the grouped products only "
+        help="with --decode-attention grouped or rows, a decode step takes that route only "
         "where MLX's fallback would read at least this many MiB of a layer's keys and values "
         "(0: every masked decode step)",
         minimum=0,
