@@ -1,7 +1,7 @@
 """A decoding batch at depth: each step's time and MLX's memory, in mlx-lm's generator and ours.
 
 In-process: ``--rows`` prompts of about ``--tokens`` random tokens (each 37 fewer than
-the one before, so that the rows are padded as sessions' are) are prefilled, then
+the one before, down to half, so that the rows are padded as sessions' are) are prefilled, then
 every row decodes; ``--steps`` decode steps are timed one by one (each waits for the
 device), with MLX's active memory after the step and its peak during it. Systems
 (``--systems``):
@@ -11,8 +11,7 @@ device), with MLX's active memory after the step and its peak during it. Systems
   shared passes, decode lanes) with the server's attention routes on CUDA;
   ``ours-mlx``: the same with a masked decode step's attention left to MLX
   (``--decode-attention mlx``); ``ours-grouped``: every masked decode step through the
-  grouped products (``--decode-grouped-min-mib 0``), however shallow; ``ours-rows``: every
-  one row by row (``--decode-attention rows --decode-grouped-min-mib 0``). Run after another
+  grouped products (``--decode-grouped-min-mib 0``), however shallow. Run after another
   system in one process, a system's active memory also counts what the one before left.
 * ``buffers``: no model, only a KV cache's update and attention per layer
   (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
@@ -150,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.batch_sampling import BatchSampler, make_batch_generator
     from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
     from runtime.cuda_attention import install_prefill_attention
-    from runtime.cuda_decode_attention import (
-        DECODE_BY_ROW_ROWS,
-        DECODE_GROUPED_MIN_BYTES,
-        install_grouped_decode,
-    )
+    from runtime.cuda_decode_attention import DECODE_GROUPED_MIN_BYTES, install_grouped_decode
     from runtime.mlx_environment import PREFILL_STEP_SIZES, default_decode_lane_padding
 
     model_path = ns.model
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     vocab = min(tokenizer.vocab_size, 30000)
     # Rows of different lengths, as sessions are (mlx-lm pads them on the left).
-    prompts = [[rng.randrange(10, vocab) for _ in range(ns.tokens - 37 * i)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(max(ns.tokens - 37 * i, ns.tokens // 2))]
                for i in range(ns.rows)]
     results = {}
     for system in ns.systems.split(","):
@@ -184,11 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # The server's attention routes, as its engine installs them (CUDA only);
             # "ours-mlx": a masked decode step's attention left to MLX; "ours-grouped":
-            # every one grouped; "ours-rows": every one row by row (--decode-attention rows).
+            # every one grouped.
             install_prefill_attention(mx, full_chunk=PREFILL_STEP_SIZES["gpu"])
-            if install_grouped_decode(mx, min_bytes=0 if system in ("ours-grouped", "ours-rows")
-                                      else DECODE_GROUPED_MIN_BYTES,
-                                      by_row_rows=DECODE_BY_ROW_ROWS if system == "ours-rows" else 0):
+            if install_grouped_decode(mx, min_bytes=0 if system == "ours-grouped"
+                                      else DECODE_GROUPED_MIN_BYTES):
                 mx.fast.scaled_dot_product_attention.grouped_decode = system != "ours-mlx"
             install_compiled_decode(model)
             trace_batch_sizes(model, range(1, ns.rows + 2))

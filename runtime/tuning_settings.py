@@ -310,8 +310,7 @@ class TuningSettings:
     decode_attention: str = setting(
         "grouped",
         help="on CUDA, the attention of a decode step of several rows as products that read "
-        "each KV head's keys once (grouped), row by row through MLX's kernel where the "
-        "batch is small (rows), or as MLX computes it",
+        "each KV head's keys once (grouped) or as MLX computes it",
         choices=DECODE_ATTENTION_MODES,
         ours=True,
         notes="mlx-lm decodes a batch of several rows under a mask (its rows padded on the "
@@ -322,27 +321,28 @@ class TuningSettings:
         "H100, a decode step of 16 rows at 12k tokens of context took 31 ms under MLX's "
         "fallback against 10.8 ms grouped (`bench/decode_memory.py`). "
         "A step takes the grouped products only where a layer's reads under the fallback "
-        "come to 512 MiB (an estimate of where the device's reads, not the host, bind the "
-        "step: on Qwen3-0.6B's shape 16 rows at 4k tokens of context, 4 at 16k; "
-        "--decode-grouped-min-mib). `rows`: the same steps, where the batch has at most 8 "
-        "rows, attend row by row through MLX's kernel with no mask, each over its own keys "
-        "(larger batches grouped). `mlx`: MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
+        "come to --decode-grouped-min-mib (on Qwen3-0.6B's shape 512 MiB is 16 rows at 4k "
+        "tokens of context, 4 at 16k); below it the step is bound by its host. `mlx`: "
+        "MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
         "CPU ([performance.md](performance.md)).",
         group=TUNING,
     )
     decode_grouped_min_mib: int = setting(
         512,
-        help="with --decode-attention grouped or rows, a decode step takes that route only "
+        help="with --decode-attention grouped, a decode step takes the grouped products only "
         "where MLX's fallback would read at least this many MiB of a layer's keys and values "
         "(0: every masked decode step)",
         minimum=0,
         maximum=1 << 20,
         ours=True,
-        notes="Below it the grouped products cost the host more than they save the device. "
-        "On Qwen3-0.6B's shape 512 MiB is 65,536 keys of context over the batch's rows (16 "
-        "rows at 4k tokens, 4 at 16k). Lower it where a fast GPU decodes a few rows at depth "
-        "(a few agent sessions), raise it where a slow host decodes many shallow rows "
-        "([performance.md](performance.md)).",
+        notes="Below it a decode step is bound by its host, and the grouped products' "
+        "operations cost the host more than they save the device: on an H100, Qwen3-0.6B's "
+        "shape, steps of 2 and 4 rows at 12k tokens of context, 4 at 4k and 16 at 2k took "
+        "0.5-2.9 ms longer grouped than under MLX's fallback, although the attention alone "
+        "took half as long (4 rows at 12k: 5.3 ms against 10.8). On that shape 512 MiB is "
+        "65,536 keys of context over the batch's rows (16 rows at 4k tokens, 4 at 16k). "
+        "Lower it only where a step's host is measured to keep up "
+        "([performance.md](performance.md#h100-a-masked-decode-steps-route-by-shape-four-12k-sessions)).",
         group=TUNING,
     )
     cpu_blas: str = setting(

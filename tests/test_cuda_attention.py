@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 import runtime.cuda_attention as cuda_attention
-import runtime.cuda_decode_attention as cuda_decode_attention
 from runtime.cuda_attention import (
     KEY_ALIGNMENT,
     chunk_attention,
@@ -89,61 +88,6 @@ def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
     assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
     assert cache.keys.shape[2] >= 128 and cache._idx == 69  # grown to the aligned length
     assert mx.array_equal(cache.keys[..., :69, :], keys).item()
-
-
-def test_a_small_batch_s_decode_step_row_by_row_matches_mlx_and_reads_paddings_once(
-        monkeypatch):
-    """Under ``--decode-attention rows`` a batch of few rows attends row by row, each over
-    its keys past its left padding with no mask: MLX's attention under mlx-lm's mask,
-    stale keys in the padding included. Its paddings are read from the cache once per
-    array set there; a new array (a row joined or left) is read anew. A batch of more
-    rows than ``by_row_rows`` is grouped."""
-    import mlx.core as mx
-    from mlx_lm.models.base import create_attention_mask
-    from mlx_lm.models.cache import BatchKVCache
-
-    cache = BatchKVCache(left_padding=[5, 0, 30])
-    _, k, v = _qkv(mx, 3, 1, 70, mx.bfloat16)  # stale keys in the paddings, not zeros
-    cache.update_and_fetch(k, v)
-    q, k, v = _qkv(mx, 3, 1, 1, mx.bfloat16)
-    mask = create_attention_mask(q[:, 0, :, :1], cache)
-    keys, values = cache.update_and_fetch(k, v)
-    expected = mx.fast.scaled_dot_product_attention(
-        q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
-        scale=0.25, mask=mask)
-    installed = _installed(monkeypatch)
-    calls = []
-    fused = installed.fused
-
-    def counted(queries, k, v, **kwargs):
-        calls.append((queries.shape[0], k.shape[2], kwargs.get("mask")))
-        return fused(queries, k, v, **kwargs)
-
-    monkeypatch.setattr(installed, "fused", counted)
-    reads = []
-    original = cuda_decode_attention._host_paddings
-
-    def read(c):
-        if cuda_decode_attention._kept_paddings.by_layer.get(id(c), (None,))[0] is not c.left_padding:
-            reads.append(id(c))
-        return original(c)
-
-    monkeypatch.setattr(cuda_decode_attention, "_host_paddings", read)
-    assert install_grouped_decode(mx, min_bytes=0, by_row_rows=3)
-    for _ in range(2):
-        got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
-        assert got.dtype == mx.bfloat16 and got.shape == q.shape
-        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
-    assert calls == [(1, 71 - 5, None), (1, 71, None), (1, 71 - 30, None)] * 2
-    assert reads == [id(cache)]  # read once for both steps
-    cache.left_padding = mx.array([5, 0, 30])  # as a join sets it: read again
-    decode_attention(mx, q, cache, scale=0.25, mask=mask)
-    assert reads == [id(cache)] * 2
-    calls.clear()
-    assert install_grouped_decode(mx, min_bytes=0, by_row_rows=2)  # three rows: grouped
-    got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
-    assert not calls
-    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
 
 
 def test_grouped_decode_installs_on_cuda_alone_or_beside_the_prefill_route(monkeypatch):
@@ -322,14 +266,12 @@ def test_mlx_lm_models_reach_the_installed_attention(monkeypatch, tiny_model_pat
 
 
 def _installed(monkeypatch):
-    """The server's prefill attention installed as on CUDA, undone after the test; the
-    installed function."""
+    """The server's prefill attention installed as on CUDA, undone after the test."""
     import mlx.core as mx
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert install_prefill_attention(mx)
-    return mx.fast.scaled_dot_product_attention
 
 
 def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeypatch, tiny_model_path):
