@@ -56,6 +56,8 @@ class FetchedKVLayer(KVCache):
 
     @keys.setter
     def keys(self, value) -> None:
+        if getattr(self, "_spans", None) is not None:  # the other array made first, from the spans
+            self._made()
         self._keys = value
 
     @property
@@ -66,6 +68,8 @@ class FetchedKVLayer(KVCache):
 
     @values.setter
     def values(self, value) -> None:
+        if getattr(self, "_spans", None) is not None:  # the other array made first, from the spans
+            self._made()
         self._values = value
 
     def __deepcopy__(self, memo) -> KVCache:

@@ -423,6 +423,22 @@ def test_a_segment_end_is_forgotten_when_its_span_goes():
     assert store._shared_ends.value(MODEL, system) is registered
 
 
+def test_a_fetched_layer_s_keys_set_before_either_is_read_keep_its_values():
+    """Setting one of a fetched layer's arrays before either was read leaves the other
+    as the stored entry has it (made from the spans first, not over the new one)."""
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS
+
+    store = PromptCacheStore()
+    system = list(range(MIN_SHARED_TOKENS + 20))
+    kv = sequence_kv(len(system), seed=6)
+    store.insert_cache(MODEL, system, entry(kv), cache_type="system")
+    fetched, _ = store.fetch_nearest_cache(MODEL, system + [3])
+    replaced = mx.zeros_like(kv[0][0])
+    fetched[0].keys = replaced
+    assert fetched[0].keys is replaced
+    assert mx.array_equal(fetched[0].values, kv[0][1])
+
+
 def test_a_write_into_a_fetched_layer_leaves_the_entry_and_other_fetches():
     """A request's write into its fetched layer (``update_and_fetch`` where the trimmed
     layer has room, in place) changes neither the stored entry nor another fetch of
