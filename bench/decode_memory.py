@@ -11,7 +11,9 @@ device), with MLX's active memory after the step and its peak during it. Systems
   shared passes, decode lanes) with the server's attention routes on CUDA;
   ``ours-mlx``: the same with a masked decode step's attention left to MLX
   (``--decode-attention mlx``); ``ours-grouped``: every masked decode step through the
-  grouped products (``--decode-grouped-min-mib 0``), however shallow. Run after another
+  grouped products (``--decode-grouped-min-mib 0``), however shallow; ``ours-kernel``:
+  every masked decode step through our kernel (``--decode-attention kernel``,
+  ``runtime.cuda_masked_decode``). Run after another
   system in one process, a system's active memory also counts what the one before left.
 * ``buffers``: no model, only a KV cache's update and attention per layer
   (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
@@ -21,7 +23,8 @@ device), with MLX's active memory after the step and its peak during it. Systems
   ``buffers-grouped-aligned``: the same over the buffer up to a multiple of
   ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it; ``buffers-rows``: each row
   through MLX's kernel with no mask, over its own keys (a slice past its padding), the
-  rows' outputs concatenated.
+  rows' outputs concatenated; ``buffers-kernel``: the mask through
+  ``runtime.cuda_masked_decode.masked_decode_attention``, the buffers read in place.
 
 A step that copies the batch's KV cache instead of writing its new token in place
 would show as a peak of about twice the cache. ``--pipelined``: the generators' steps
@@ -73,7 +76,7 @@ def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int,
 
 
 def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
-                 grouped: str = "", by_row: bool = False) -> list[dict]:
+                 grouped: str = "", by_row: bool = False, kernel: bool = False) -> list[dict]:
     """``decode_steps`` for a bare KV cache: each step writes one token into every layer's
     buffers (``BatchKVCache``'s slice assignment) and attends over them; ``masked``: under
     a boolean mask (rows, 1, 1, keys) as mlx-lm's ``BatchKVCache`` makes for rows of
@@ -81,8 +84,10 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
     masked attention through ``runtime.cuda_attention.grouped_attention`` instead of
     MLX's, its keys as they are ("unaligned") or read from the buffer up to a multiple of
     ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked). ``by_row``: no mask, each
-    row's attention over its own keys (past its padding) through MLX's kernel."""
+    row's attention over its own keys (past its padding) through MLX's kernel.
+    ``kernel``: the masked attention through our kernel, over the buffers in place."""
     from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
+    from runtime.cuda_masked_decode import masked_decode_attention
 
     layers, heads, dim = 28, 8, 128
     shape = (rows, heads, tokens + 256, dim)
@@ -111,6 +116,8 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
                     x[r:r + 1], keys[r:r + 1, :, pads[r]:seen, :],
                     values[r:r + 1, :, pads[r]:seen, :], scale=dim ** -0.5)
                     for r in range(rows)])
+            elif kernel:
+                x = masked_decode_attention(mx, x, keys, values, mask, scale=dim ** -0.5)
             elif grouped:
                 x = grouped_attention(mx, x, keys[..., :seen, :], values[..., :seen, :],
                                       scale=dim ** -0.5, mask=mask, align=False)
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.batch_sampling import BatchSampler, make_batch_generator
     from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
     from runtime.cuda_attention import install_prefill_attention
-    from runtime.cuda_decode_attention import DECODE_GROUPED_MIN_BYTES, install_grouped_decode
+    from runtime.cuda_decode_attention import DECODE_GROUPED_MIN_BYTES, install_masked_decode
     from runtime.mlx_environment import PREFILL_STEP_SIZES, default_decode_lane_padding
 
     model_path = ns.model
@@ -169,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = buffer_steps(mx, ns.rows, ns.tokens, ns.steps,
                                  masked=system not in ("buffers", "buffers-rows"),
                                  by_row=system == "buffers-rows",
+                                 kernel=system == "buffers-kernel",
                                  grouped=(system.removeprefix("buffers-grouped").strip("-")
                                           or "unaligned")
                                  if system.startswith("buffers-grouped") else "")
@@ -179,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             # The server's attention routes, as its engine installs them (CUDA only);
             # "ours-mlx": a masked decode step's attention left to MLX; "ours-grouped":
-            # every one grouped.
+            # every one grouped; "ours-kernel": every one through our kernel.
             install_prefill_attention(mx, full_chunk=PREFILL_STEP_SIZES["gpu"])
-            if install_grouped_decode(mx, min_bytes=0 if system == "ours-grouped"
-                                      else DECODE_GROUPED_MIN_BYTES):
+            if install_masked_decode(mx, "kernel" if system == "ours-kernel" else "grouped",
+                                     min_bytes=0 if system == "ours-grouped"
+                                     else DECODE_GROUPED_MIN_BYTES):
                 mx.fast.scaled_dot_product_attention.grouped_decode = system != "ours-mlx"
             install_compiled_decode(model)
             trace_batch_sizes(model, range(1, ns.rows + 2))

@@ -107,7 +107,7 @@ RECURRING_CHUNK_QUERIES = 1024
 PADDED_TAIL_SHARE = 4
 
 PREFILL_ATTENTION_MODES = ("unfused", "mlx")
-DECODE_ATTENTION_MODES = ("grouped", "mlx")
+DECODE_ATTENTION_MODES = ("kernel", "grouped", "mlx")
 
 
 def unfused_prefill_attention(
@@ -204,7 +204,8 @@ def unfused_prefill_attention(
     attention.half_scores = scores == "half"
     attention.full_chunk = full_chunk
     attention.prefill = prefill
-    attention.grouped_decode = False  # ``install_grouped_decode`` sets both
+    attention.grouped_decode = False  # ``install_masked_decode`` sets these three
+    attention.decode_kernel = False
     attention.grouped_decode_min_bytes = 0
     # Whether a prefill's attention is the grouped one (``chunk_attention`` reads this).
     attention.grouped = attention.half_scores and prefill

@@ -1,13 +1,13 @@
-"""A decode step's attention under an array mask on MLX's CUDA backend: the grouped products.
+"""A decode step's attention under an array mask on MLX's CUDA backend: our kernel or the grouped products.
 
 Owns ``decode_attention``, which the engine's decode paths (``runtime.compiled_decode``,
 ``runtime.mixed_step``) call for each layer of a decode step (one query a row), and
-``install_grouped_decode`` (``--decode-attention grouped``, the default), which the
+``install_masked_decode`` (``--decode-attention kernel`` or ``grouped``), which the
 engine calls before its first step (``runtime.engine.loading.make_engine_core``). It
 receives a layer's queries, its ``BatchKVCache`` and mlx-lm's mask, and returns the
-attention, or None where the caller should keep MLX's own; nothing else. The grouped
-products themselves, and the wrapper it is installed on, are
-``runtime.cuda_attention``'s.
+attention, or None where the caller should keep MLX's own; nothing else. The kernel is
+``runtime.cuda_masked_decode``'s; the grouped products, and the wrapper the route is
+installed on, are ``runtime.cuda_attention``'s.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_attention
+from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
 
 # ``decode_attention`` takes a step only where a layer's keys and values as MLX's fallback
 # reads them (once per query head) come to at least this many bytes
@@ -25,6 +26,9 @@ from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_a
 # bench/decode_memory.py). On that shape 512 MiB is 65,536 keys over the batch's rows
 # (16 rows at 4k, 4 at 16k).
 DECODE_GROUPED_MIN_BYTES = 512 << 20
+# ``install_masked_decode``'s routes: our kernel where it applies, then the grouped
+# products; the grouped products alone.
+MASKED_DECODE_MODES = ("kernel", "grouped")
 
 
 class _KeptDecodeMask(threading.local):
@@ -41,34 +45,45 @@ _kept_decode_mask = _KeptDecodeMask()
 def decode_attention(mx, queries, cache, *, scale, mask):
     """A decode step's attention for ``queries`` (one a row) over ``cache`` (a
     ``BatchKVCache`` layer, this step's keys already in it) under mlx-lm's boolean
-    ``mask`` (rows, 1, 1, keys), as ``grouped_attention`` computes it over the cache's
-    buffer up to its length rounded up to ``KEY_ALIGNMENT`` (the keys past its end
-    masked, and the buffer grown with zeros first where it is shorter); None where
-    this does not apply: the route not installed (``install_grouped_decode``), no array
-    mask, not half precision, another cache, or a step too shallow for its reads to
-    outweigh the host's work (the ``min_bytes`` it was installed with).
+    ``mask`` (rows, 1, 1, keys); None where the caller should keep MLX's own: no route
+    installed (``install_masked_decode``), no array mask, not half precision, or another
+    cache.
+
+    Installed as ``kernel``, a step goes through ``masked_decode_attention`` (one kernel
+    of ours and its reduction, the buffers read in place) wherever ``kernel_applies``.
+    Otherwise, and installed as ``grouped``, it goes as ``grouped_attention`` computes it
+    over the cache's buffer up to its length rounded up to ``KEY_ALIGNMENT`` (the keys
+    past its end masked, and the buffer grown with zeros first where it is shorter),
+    where the step is deep enough for its reads to outweigh the host's work (the
+    ``min_bytes`` it was installed with).
 
     Why: MLX's CUDA kernel for one query a row takes no array mask, and mlx-lm gives a
     decoding batch one (its rows are padded on the left to one length). MLX's fallback
-    then reads every KV head's keys and values once for each of its query heads; the
-    grouped products read them once, and over an aligned number of keys the products
-    stay on the GPU's fast matrix kernels. On an H100, 16 rows at 12k tokens of
-    context, Qwen3-0.6B's shape (two query heads a KV head): the whole decode step
-    took 31 ms under MLX's fallback and 10.8 ms this way; the KV update and attention
-    alone 9.9 ms this way, and 14 or 38 ms (alternating) with the keys unaligned
-    (``bench/decode_memory.py``)."""
-    if (not getattr(mx.fast.scaled_dot_product_attention, "grouped_decode", False)
+    then runs several operations a layer and reads every KV head's keys and values once
+    for each of its query heads. The grouped products read them once, and over an
+    aligned number of keys the products stay on the GPU's fast matrix kernels, but they
+    are as many operations: on an H100, 16 rows at 12k tokens of context, Qwen3-0.6B's
+    shape (two query heads a KV head), the whole decode step took 31 ms under MLX's
+    fallback and 10.8 ms grouped, while steps of 2-4 rows at 12k took 11-13 ms either way,
+    bound by the host (``bench/decode_memory.py``). The kernel reads them once in two
+    launches."""
+    attention = mx.fast.scaled_dot_product_attention
+    if (not getattr(attention, "grouped_decode", False)
             or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
             or queries.shape[2] != 1 or queries.dtype not in (mx.bfloat16, mx.float16)
             or type(cache).__name__ != "BatchKVCache" or cache.keys is None):
         return None
+    if mask.shape[-1] != cache._idx:
+        return None
+    if getattr(attention, "decode_kernel", False) and kernel_applies(
+            mx, queries, cache.keys, cache.values, mask):
+        return masked_decode_attention(mx, queries, cache.keys, cache.values, mask,
+                                       scale=scale)
     end = cache._idx
     n_keys = -(-end // KEY_ALIGNMENT) * KEY_ALIGNMENT
-    if mask.shape[-1] != end:
-        return None
     rows, kv_heads = cache.keys.shape[0], cache.keys.shape[1]
     once = rows * end * kv_heads * (cache.keys.shape[3] + cache.values.shape[3])
-    least = mx.fast.scaled_dot_product_attention.grouped_decode_min_bytes
+    least = attention.grouped_decode_min_bytes
     if once * cache.keys.dtype.size * (queries.shape[1] // kv_heads) < least:
         return None
     if cache.keys.shape[2] < n_keys:  # as mlx-lm grows it: zeros at the end
@@ -83,14 +98,18 @@ def decode_attention(mx, queries, cache, *, scale, mask):
                              align=False)
 
 
-def install_grouped_decode(mx, min_bytes: int = DECODE_GROUPED_MIN_BYTES) -> bool:
+def install_masked_decode(mx, mode: str, min_bytes: int = DECODE_GROUPED_MIN_BYTES) -> bool:
     """Let ``decode_attention`` compute a decode step's masked attention in this process,
-    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself), in steps
+    on CUDA only (MLX's Metal kernel for one query a row takes the mask itself): through
+    our kernel (``mode`` "kernel") where it applies, else the grouped products in steps
     whose layers MLX's fallback would read at least ``min_bytes`` of; whether it did.
-    Idempotent."""
+    Idempotent; a later call sets the mode again."""
+    if mode not in MASKED_DECODE_MODES:
+        raise ValueError(f"mode must be one of {MASKED_DECODE_MODES}, not {mode!r}")
     current = installed_attention(mx)
     if current is None:
         return False
     current.grouped_decode = True
+    current.decode_kernel = mode == "kernel"
     current.grouped_decode_min_bytes = min_bytes
     return True

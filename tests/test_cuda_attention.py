@@ -14,7 +14,7 @@ from runtime.cuda_attention import (
     install_prefill_attention,
     unfused_prefill_attention,
 )
-from runtime.cuda_decode_attention import decode_attention, install_grouped_decode
+from runtime.cuda_decode_attention import decode_attention, install_masked_decode
 
 
 def _qkv(mx, batch, length, keys_length, dtype):
@@ -77,10 +77,10 @@ def test_a_decode_step_s_attention_read_aligned_from_its_cache_matches_mlx(
         q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
         scale=0.25, mask=mask)
     _installed(monkeypatch)
-    assert install_grouped_decode(mx)
+    assert install_masked_decode(mx, "grouped")
     # Two rows of 69 keys are far below what pays at a real model's depth.
     assert decode_attention(mx, q, cache, scale=0.25, mask=mask) is None
-    assert install_grouped_decode(mx, min_bytes=0)
+    assert install_masked_decode(mx, "grouped", min_bytes=0)
     assert decode_attention(mx, q, cache, scale=0.25, mask=None) is None
     assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.25, mask=mask) is None
     got = decode_attention(mx, q, cache, scale=0.25, mask=mask)
@@ -96,14 +96,14 @@ def test_grouped_decode_installs_on_cuda_alone_or_beside_the_prefill_route(monke
     original = mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", original)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
-    assert not install_grouped_decode(mx)
+    assert not install_masked_decode(mx, "grouped")
     assert mx.fast.scaled_dot_product_attention is original
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert install_grouped_decode(mx)
+    assert install_masked_decode(mx, "grouped")
     installed = mx.fast.scaled_dot_product_attention
     # Decode alone: a prefill keeps MLX's way, and no chunk reads its keys in place.
     assert installed.grouped_decode and not installed.prefill and not installed.grouped
-    assert install_prefill_attention(mx, full_chunk=64) and install_grouped_decode(mx)
+    assert install_prefill_attention(mx, full_chunk=64) and install_masked_decode(mx, "grouped")
     assert mx.fast.scaled_dot_product_attention is installed
     assert installed.prefill and installed.grouped and installed.grouped_decode
     assert installed.full_chunk == 64
@@ -301,7 +301,7 @@ def test_a_real_model_computes_the_same_logits_through_grouped_attention(monkeyp
     install_compiled_decode(model)  # the engine's decode path, which reads the route
     expected = logits()
     _installed(monkeypatch)
-    assert install_grouped_decode(mx, min_bytes=0)  # a tiny model's step
+    assert install_masked_decode(mx, "grouped", min_bytes=0)  # a tiny model's step
     got = logits()
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape

@@ -29,7 +29,7 @@ from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
 from runtime.cuda_attention import in_place_chunk_limit, install_prefill_attention
-from runtime.cuda_decode_attention import install_grouped_decode
+from runtime.cuda_decode_attention import install_masked_decode
 from runtime.cuda_graphs import cuda_graph_environment
 from runtime.cuda_pool import keep_cuda_pool
 from runtime.distributed import CommandExchange, GroupInfo, init_group, seed_all_ranks
@@ -258,9 +258,9 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
         mx, full_chunk=config.prefill_step_size)
     if on_grid:
         log.debug("prefill attention: MLX's unfused path")
-    if config.decode_attention == "grouped" and install_grouped_decode(
-            mx, min_bytes=config.decode_grouped_min_mib << 20):
-        log.debug("a masked decode step's attention: grouped products")
+    if config.decode_attention != "mlx" and install_masked_decode(
+            mx, config.decode_attention, min_bytes=config.decode_grouped_min_mib << 20):
+        log.debug("a masked decode step's attention: %s", config.decode_attention)
     # The group, the load and every step on this thread (see runtime.distributed).
     group = init_group(config.distributed_backend, pipeline=config.pipeline)
     if group is None and config.pipeline:

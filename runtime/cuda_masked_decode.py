@@ -1,0 +1,257 @@
+"""A decode step's attention under a boolean mask as one CUDA kernel of our own, and its reduction.
+
+Owns ``masked_decode_attention``: a layer's queries (one a row), its KV cache's key and
+value buffers and mlx-lm's boolean mask (rows, 1, 1, keys) in; the attention (rows,
+query heads, 1, head dim) out. ``runtime.cuda_decode_attention.decode_attention`` calls
+it under ``--decode-attention kernel``; ``kernel_applies`` says which calls it takes.
+
+Why a kernel: a decoding batch of several rows is padded on the left to one length and
+masked, MLX's CUDA kernel for one query a row takes no mask, and MLX's fallback computes
+such a layer's attention as several operations (a scale, two matrix products, the mask,
+a softmax) where one row's attention is one kernel. A decode step of 2-16 rows is then
+bound by the host's cost per operation (docs/performance.md, "H100: a masked decode
+step's route by shape"). Here a layer's masked attention is two launches, split over the
+keys (flash decoding): the first gives each block of ``KEYS_PER_SPLIT`` keys, per row and
+KV head, its running maximum, sum and weighted values for each of that KV head's query
+heads (the keys and values read once per KV head, masked keys not read), the second
+merges the blocks. The buffers are read in place up to the mask's length, so nothing is
+copied or padded first.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any
+
+# Keys one block of the first kernel reads: a 12k-token row makes 47 blocks per KV head.
+KEYS_PER_SPLIT = 256
+# Threads a block of the first kernel runs (four warps), and keys a warp loads at once.
+THREADS = 128
+KEYS_PER_LOAD = 4
+HEAD_DIMS = (64, 128, 256)
+# Query heads per KV head the first kernel keeps in registers at most.
+MOST_QUERIES_PER_KV_HEAD = 8
+
+_SPLIT_SOURCE = """
+    constexpr int VPT = D / 32;
+    constexpr int WARPS = THREADS / 32;
+    struct alignas(sizeof(T) * VPT) Pack { T x[VPT]; };
+    const float scale_log2 = __int_as_float(SCALE_BITS) * 1.44269504089f;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int split = blockIdx.x;
+    const int splits = gridDim.x;
+    const int kv_head = blockIdx.y;
+    const int row = blockIdx.z;
+    const int kv_heads = keys_shape[1];
+    const int64_t key_rows = keys_shape[2];
+    const int64_t value_rows = values_shape[2];
+    const int n_keys = mask_shape[3];
+    const int q_heads = kv_heads * REP;
+    const int first = split * KEYS_PER_SPLIT;
+    const int last = min(first + KEYS_PER_SPLIT, n_keys);
+
+    float q[REP][VPT];
+    float top[REP], total[REP], acc[REP][VPT];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        const Pack p = *reinterpret_cast<const Pack*>(
+            queries + (int64_t)(row * q_heads + kv_head * REP + r) * D + lane * VPT);
+        #pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            q[r][i] = scale_log2 * static_cast<float>(p.x[i]);
+            acc[r][i] = 0.f;
+        }
+        top[r] = -1e30f;
+        total[r] = 0.f;
+    }
+    const bool* live_at = mask + (int64_t)row * n_keys;
+    const T* key_at = keys + (int64_t)(row * kv_heads + kv_head) * key_rows * D + lane * VPT;
+    const T* value_at = values + (int64_t)(row * kv_heads + kv_head) * value_rows * D + lane * VPT;
+
+    for (int base = first + warp; base < last; base += WARPS * KEYS_PER_LOAD) {
+        Pack kp[KEYS_PER_LOAD] = {};
+        Pack vp[KEYS_PER_LOAD] = {};
+        bool live[KEYS_PER_LOAD];
+        #pragma unroll
+        for (int u = 0; u < KEYS_PER_LOAD; ++u) {
+            const int i = base + u * WARPS;
+            live[u] = i < last && live_at[i];
+            if (live[u]) {
+                kp[u] = *reinterpret_cast<const Pack*>(key_at + (int64_t)i * D);
+                vp[u] = *reinterpret_cast<const Pack*>(value_at + (int64_t)i * D);
+            }
+        }
+        float score[KEYS_PER_LOAD][REP];
+        #pragma unroll
+        for (int u = 0; u < KEYS_PER_LOAD; ++u) {
+            #pragma unroll
+            for (int r = 0; r < REP; ++r) {
+                float dot = 0.f;
+                #pragma unroll
+                for (int i = 0; i < VPT; ++i) {
+                    dot += q[r][i] * static_cast<float>(kp[u].x[i]);
+                }
+                #pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) {
+                    dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+                }
+                score[u][r] = live[u] ? dot : -1e30f;
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float most = top[r];
+            #pragma unroll
+            for (int u = 0; u < KEYS_PER_LOAD; ++u) {
+                most = fmaxf(most, score[u][r]);
+            }
+            const float keep = exp2f(top[r] - most);
+            total[r] *= keep;
+            #pragma unroll
+            for (int i = 0; i < VPT; ++i) {
+                acc[r][i] *= keep;
+            }
+            top[r] = most;
+            #pragma unroll
+            for (int u = 0; u < KEYS_PER_LOAD; ++u) {
+                const float weight = live[u] ? exp2f(score[u][r] - most) : 0.f;
+                total[r] += weight;
+                #pragma unroll
+                for (int i = 0; i < VPT; ++i) {
+                    acc[r][i] += weight * static_cast<float>(vp[u].x[i]);
+                }
+            }
+        }
+    }
+
+    __shared__ float warp_top[WARPS][REP];
+    __shared__ float warp_total[WARPS][REP];
+    __shared__ float warp_acc[WARPS][REP][D];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) {
+            warp_top[warp][r] = top[r];
+            warp_total[warp][r] = total[r];
+        }
+        #pragma unroll
+        for (int i = 0; i < VPT; ++i) {
+            warp_acc[warp][r][lane * VPT + i] = acc[r][i];
+        }
+    }
+    __syncthreads();
+    for (int at = threadIdx.x; at < REP * D; at += THREADS) {
+        const int r = at / D;
+        const int d = at % D;
+        float most = -1e30f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            most = fmaxf(most, warp_top[w][r]);
+        }
+        float sum = 0.f;
+        float out = 0.f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float factor = exp2f(warp_top[w][r] - most);
+            sum += warp_total[w][r] * factor;
+            out += warp_acc[w][r][d] * factor;
+        }
+        const int64_t slot = (int64_t)(row * q_heads + kv_head * REP + r) * splits + split;
+        split_values[slot * D + d] = out;
+        if (d == 0) {
+            split_top[slot] = most;
+            split_total[slot] = sum;
+        }
+    }
+"""
+
+_MERGE_SOURCE = """
+    const int d = threadIdx.x;
+    const int head = blockIdx.y;
+    const int row = blockIdx.z;
+    const int q_heads = gridDim.y;
+    const int splits = split_top_shape[2];
+    const int dim = split_values_shape[3];
+    const int64_t base = ((int64_t)row * q_heads + head) * splits;
+    float most = -1e30f;
+    for (int s = 0; s < splits; ++s) {
+        most = fmaxf(most, split_top[base + s]);
+    }
+    float sum = 0.f;
+    float out = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float factor = exp2f(split_top[base + s] - most);
+        sum += split_total[base + s] * factor;
+        out += split_values[(base + s) * dim + d] * factor;
+    }
+    attended[((int64_t)row * q_heads + head) * dim + d] = static_cast<T>(sum > 0.f ? out / sum : 0.f);
+"""
+
+
+class _Kernels(threading.local):
+    """The two kernels, made once per thread (MLX's state is per thread)."""
+
+    split: Any = None
+    merge: Any = None
+
+
+_kernels = _Kernels()
+
+
+def _made(mx) -> _Kernels:
+    if _kernels.split is None:
+        _kernels.split = mx.fast.cuda_kernel(
+            name="masked_decode_split", input_names=["queries", "keys", "values", "mask"],
+            output_names=["split_values", "split_top", "split_total"], source=_SPLIT_SOURCE)
+        _kernels.merge = mx.fast.cuda_kernel(
+            name="masked_decode_merge", input_names=["split_values", "split_top", "split_total"],
+            output_names=["attended"], source=_MERGE_SOURCE)
+    return _kernels
+
+
+def kernel_applies(mx, queries, keys, values, mask) -> bool:
+    """Whether ``masked_decode_attention`` takes these: one query a row, half precision
+    throughout, a head dimension of 64, 128 or 256 for both keys and values, at most
+    ``MOST_QUERIES_PER_KV_HEAD`` query heads per KV head (of which there is a whole
+    number), and a boolean mask (rows, 1, 1, keys) no longer than the buffers."""
+    if queries.ndim != 4 or queries.shape[2] != 1 or mask.ndim != 4:
+        return False
+    rows, q_heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    return (queries.dtype in (mx.bfloat16, mx.float16)
+            and keys.dtype == queries.dtype and values.dtype == queries.dtype
+            and mask.dtype == mx.bool_ and dim in HEAD_DIMS
+            and keys.shape[3] == dim and values.shape[3] == dim
+            and keys.shape[0] == rows and values.shape[:2] == keys.shape[:2]
+            and q_heads % kv_heads == 0 and q_heads // kv_heads <= MOST_QUERIES_PER_KV_HEAD
+            and mask.shape[0] == rows and mask.shape[1] == 1 and mask.shape[2] == 1
+            and 0 < mask.shape[3] <= min(keys.shape[2], values.shape[2]))
+
+
+def masked_decode_attention(mx, queries, keys, values, mask, *, scale: float):
+    """The attention of ``queries`` (rows, query heads, 1, head dim) over the first
+    ``mask.shape[-1]`` keys and values of the buffers ``keys`` and ``values`` (rows, KV
+    heads, at least that many, head dim), each key where ``mask`` (rows, 1, 1, keys) is
+    True; as MLX's ``scaled_dot_product_attention`` under that mask computes it, in
+    float32 inside. A row with no key in its mask gets zeros. CUDA only; the caller
+    checks ``kernel_applies`` first."""
+    rows, q_heads, _, dim = queries.shape
+    kv_heads = keys.shape[1]
+    splits = -(-mask.shape[-1] // KEYS_PER_SPLIT)
+    kernels = _made(mx)
+    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
+    split_values, split_top, split_total = kernels.split(
+        inputs=[queries, keys, values, mask],
+        template=[("T", queries.dtype), ("D", dim), ("REP", q_heads // kv_heads),
+                  ("SCALE_BITS", scale_bits), ("THREADS", THREADS),
+                  ("KEYS_PER_LOAD", KEYS_PER_LOAD), ("KEYS_PER_SPLIT", KEYS_PER_SPLIT)],
+        grid=(splits * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, q_heads, splits, dim), (rows, q_heads, splits),
+                       (rows, q_heads, splits)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    (attended,) = kernels.merge(
+        inputs=[split_values, split_top, split_total], template=[("T", queries.dtype)],
+        grid=(dim, q_heads, rows), threadgroup=(dim, 1, 1),
+        output_shapes=[(rows, q_heads, 1, dim)], output_dtypes=[queries.dtype])
+    return attended

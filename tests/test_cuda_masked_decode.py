@@ -1,0 +1,144 @@
+"""Our masked decode kernel (runtime.cuda_masked_decode) and its route
+(``--decode-attention kernel``): which calls it takes and where ``decode_attention``
+sends a step, on the CPU with CUDA's availability faked; what it computes, against MLX's
+own attention, where CUDA is there to run it."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.cuda_attention import install_prefill_attention
+from runtime.cuda_decode_attention import decode_attention, install_masked_decode
+from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
+
+
+def _case(mx, rows, q_heads, kv_heads, dim, n_keys, buffer, dtype, seed=0):
+    """Queries, key and value buffers of ``buffer`` keys whose keys past ``n_keys`` are
+    huge (a read past the mask's end would show), and a mask with each row padded on the
+    left by a different amount (the last row by none, the first by more than a split)."""
+    mx.random.seed(seed)
+    q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
+    k = mx.random.normal((rows, kv_heads, buffer, dim))
+    v = mx.random.normal((rows, kv_heads, buffer, dim))
+    stale = (mx.arange(buffer) >= n_keys)[None, None, :, None]
+    k = mx.where(stale, 1e4, k).astype(dtype)
+    v = mx.where(stale, 1e4, v).astype(dtype)
+    pads = mx.array([min(n_keys - 1, (rows - 1 - r) * 300 + r) for r in range(rows)])
+    mask = (mx.arange(n_keys)[None, :] >= pads[:, None])[:, None, None, :]
+    return q, k, v, mask
+
+
+def _expected(mx, q, k, v, mask, scale):
+    n_keys = mask.shape[-1]
+    return mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), k[..., :n_keys, :].astype(mx.float32),
+        v[..., :n_keys, :].astype(mx.float32), scale=scale, mask=mask)
+
+
+def test_the_kernel_takes_half_precision_decode_steps_of_the_head_sizes_it_was_built_for():
+    import mlx.core as mx
+
+    q, k, v, mask = _case(mx, 3, 8, 2, 128, 100, 256, mx.bfloat16)
+    assert kernel_applies(mx, q, k, v, mask)
+    assert kernel_applies(mx, q.astype(mx.float16), k.astype(mx.float16),
+                          v.astype(mx.float16), mask)
+    assert not kernel_applies(mx, q.astype(mx.float32), k, v, mask)  # dtypes differ
+    assert not kernel_applies(mx, q, k, v, mask.astype(mx.float32))  # an additive mask
+    assert not kernel_applies(mx, mx.concatenate([q, q], axis=2), k, v, mask)  # a chunk
+    # The mask longer than the buffers.
+    assert not kernel_applies(mx, q, k[..., :50, :], v[..., :50, :], mask)
+    q, k, v, mask = _case(mx, 3, 8, 2, 96, 100, 256, mx.bfloat16)
+    assert not kernel_applies(mx, q, k, v, mask)  # a head size it was not built for
+    q, k, v, mask = _case(mx, 2, 32, 2, 64, 40, 64, mx.bfloat16)
+    assert not kernel_applies(mx, q, k, v, mask)  # 16 query heads a KV head
+    q, k, v, mask = _case(mx, 2, 6, 4, 64, 40, 64, mx.bfloat16)
+    assert not kernel_applies(mx, q, k, v, mask)  # KV heads not a divisor
+
+
+def test_a_masked_step_goes_to_the_kernel_only_where_it_is_installed_and_applies(monkeypatch):
+    """With CUDA's availability faked: installed as ``kernel``, a masked decode step's
+    attention is the kernel's over the cache's own buffers (here a stand-in that
+    computes MLX's attention, the kernel itself needing CUDA) under mlx-lm's mask; as
+    ``grouped``, or where the kernel does not apply, it is not."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    import runtime.cuda_decode_attention as route
+
+    calls = []
+
+    def stand_in(mx_, queries, keys, values, mask, *, scale):
+        calls.append((keys, values, mask.shape[-1]))
+        return _expected(mx_, queries, keys, values, mask, scale).astype(queries.dtype)
+
+    monkeypatch.setattr(route, "masked_decode_attention", stand_in)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+
+    cache = BatchKVCache(left_padding=[5, 0])
+    _, k, v, _ = _case(mx, 2, 4, 2, 64, 69, 69, mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    q, k, v, _ = _case(mx, 2, 4, 2, 64, 1, 1, mx.bfloat16, seed=1)
+    mask = create_attention_mask(q[:, 0, :, :1], cache)
+    keys, values = cache.update_and_fetch(k, v)
+    expected = _expected(mx, q, keys, values, mask, 0.125)
+
+    assert install_masked_decode(mx, "grouped")
+    assert decode_attention(mx, q, cache, scale=0.125, mask=mask) is None  # too shallow
+    assert not calls
+    assert install_masked_decode(mx, "kernel")
+    got = decode_attention(mx, q, cache, scale=0.125, mask=mask)
+    (buffers_keys, buffers_values, n_keys), = calls
+    assert buffers_keys is cache.keys and buffers_values is cache.values and n_keys == 70
+    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    # Not half precision: neither route.
+    assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.125, mask=mask) is None
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="mode"):
+        install_masked_decode(mx, "rows")
+
+
+def _on_cuda() -> bool:
+    import mlx.core as mx
+
+    return mx.cuda.is_available()
+
+
+cuda = pytest.mark.skipif(not _on_cuda(), reason="the kernel runs on CUDA")
+
+
+@cuda
+@pytest.mark.parametrize(("rows", "q_heads", "kv_heads", "dim", "n_keys", "buffer"), [
+    (2, 16, 8, 128, 12_000, 12_288),  # Qwen3-0.6B's shape at depth
+    (4, 32, 8, 128, 257, 512),  # Llama-3-8B's: a split of one key
+    (3, 8, 8, 64, 1, 256),  # one key, no grouping
+    (5, 64, 8, 64, 3_000, 3_072),  # eight query heads a KV head
+    (2, 8, 2, 256, 700, 768),  # the largest head size
+])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_kernel_computes_mlx_s_masked_attention(rows, q_heads, kv_heads, dim, n_keys,
+                                                   buffer, dtype):
+    import mlx.core as mx
+
+    q, k, v, mask = _case(mx, rows, q_heads, kv_heads, dim, n_keys, buffer,
+                          getattr(mx, dtype))
+    scale = dim ** -0.5
+    got = masked_decode_attention(mx, q, k, v, mask, scale=scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    expected = _expected(mx, q, k, v, mask, scale)
+    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+@cuda
+def test_a_row_with_nothing_in_its_mask_gets_zeros_and_the_others_are_unchanged():
+    import mlx.core as mx
+
+    q, k, v, mask = _case(mx, 3, 4, 2, 128, 600, 768, mx.bfloat16)
+    empty = mx.concatenate([mask[:1], mx.zeros_like(mask[1:2]), mask[2:]])
+    got = masked_decode_attention(mx, q, k, v, empty, scale=0.1)
+    assert mx.array_equal(got[1], mx.zeros_like(got[1])).item()
+    kept = masked_decode_attention(mx, q, k, v, mask, scale=0.1)
+    assert mx.array_equal(got[::2], kept[::2]).item()
