@@ -44,7 +44,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from runtime.cuda_decode_attention import decode_attention
+from runtime.cuda_decode_attention import decode_attention, warm_masked_decode
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +276,10 @@ def trace_batch_sizes(model: Any, sizes: Any) -> int:
     server's decode batch changes size with every arrival and finish; tracing the
     sizes it can meet at load moves that cost off the first steps that meet them.
     Runs on zeros (a batch of ``rows`` one-token rows at offset 0) on the calling
-    thread's default stream; returns how many (pair, size) traces it made. Call it
-    after ``install_compiled_decode``, on the thread that steps the model.
+    thread's default stream; returns how many (pair, size) traces it made. At two rows
+    it also builds the masked decode kernel for the layer's shapes where that route is
+    installed (``warm_masked_decode``). Call it after ``install_compiled_decode``, on the
+    thread that steps the model.
     """
     import mlx.core as mx
 
@@ -291,6 +293,8 @@ def trace_batch_sizes(model: Any, sizes: Any) -> int:
             try:
                 queries, keys, values = pair.before_cache(x, offset, *weights)
                 mx.eval(pair.after_attention(x, queries, *weights), keys, values)
+                if rows == 2:
+                    warm_masked_decode(mx, queries, keys, values, scale=layer.self_attn.scale)
             except Exception as exc:  # as in a step: this layout keeps mlx-lm's path
                 pair.give_up(exc)
                 break

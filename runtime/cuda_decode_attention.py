@@ -12,11 +12,14 @@ installed on, are ``runtime.cuda_attention``'s.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_attention
 from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
+
+log = logging.getLogger(__name__)
 
 # ``decode_attention`` takes a step only where a layer's keys and values as MLX's fallback
 # reads them (once per query head) come to at least this many bytes
@@ -112,4 +115,28 @@ def install_masked_decode(mx, mode: str, min_bytes: int = DECODE_GROUPED_MIN_BYT
     current.grouped_decode = True
     current.decode_kernel = mode == "kernel"
     current.grouped_decode_min_bytes = min_bytes
+    return True
+
+
+def warm_masked_decode(mx, queries, keys, values, *, scale: float) -> bool:
+    """Where our kernel is installed and applies to a layer's decode shapes (``queries``,
+    ``keys`` and ``values`` of a step of at least two rows), build it (NVRTC, once per
+    shape and scale, kept in MLX's kernel cache) and run it once on a one-key mask, so
+    that the first masked decode step does not wait for the build; whether it ran. A
+    kernel that fails to build turns the kernel route off in this process (the grouped
+    products and MLX's fallback stay), logged."""
+    attention = mx.fast.scaled_dot_product_attention
+    if not getattr(attention, "decode_kernel", False):
+        return False
+    mask = mx.ones((queries.shape[0], 1, 1, 1), dtype=mx.bool_)
+    if queries.shape[0] < 2 or not kernel_applies(mx, queries, keys, values, mask):
+        return False
+    try:
+        mx.eval(masked_decode_attention(mx, queries, keys, values, mask, scale=scale))
+    except Exception as exc:  # the route off, the engine up
+        log.warning("the masked decode kernel did not build or run (%s: %s); a masked "
+                    "decode step goes as --decode-attention grouped",
+                    type(exc).__name__, exc)
+        attention.decode_kernel = False
+        return False
     return True

@@ -33,10 +33,39 @@ HEAD_DIMS = (64, 128, 256)
 # Query heads per KV head the first kernel keeps in registers at most.
 MOST_QUERIES_PER_KV_HEAD = 8
 
+# Pack: a lane's VPT elements of one head's vector, loaded at once where they lie
+# contiguous and aligned; else one by one along their stride.
+_HEADER = """
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+    T x[N];
+};
+
+template <typename T, int N>
+__device__ inline Pack<T, N> load_pack(const T* at, int64_t step, bool packed) {
+    if (packed) {
+        return *reinterpret_cast<const Pack<T, N>*>(at);
+    }
+    Pack<T, N> out;
+    #pragma unroll
+    for (int i = 0; i < N; ++i) {
+        out.x[i] = at[i * step];
+    }
+    return out;
+}
+
+template <typename T, int N>
+__device__ inline bool packs(const T* base, const mlx::core::cu::Strides& strides) {
+    return strides[3] == 1 && strides[0] % N == 0 && strides[1] % N == 0
+        && strides[2] % N == 0
+        && reinterpret_cast<size_t>(base) % sizeof(Pack<T, N>) == 0;
+}
+"""
+
 _SPLIT_SOURCE = """
     constexpr int VPT = D / 32;
     constexpr int WARPS = THREADS / 32;
-    struct alignas(sizeof(T) * VPT) Pack { T x[VPT]; };
+    using P = Pack<T, VPT>;
     const float scale_log2 = __int_as_float(SCALE_BITS) * 1.44269504089f;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -45,19 +74,21 @@ _SPLIT_SOURCE = """
     const int kv_head = blockIdx.y;
     const int row = blockIdx.z;
     const int kv_heads = keys_shape[1];
-    const int64_t key_rows = keys_shape[2];
-    const int64_t value_rows = values_shape[2];
     const int n_keys = mask_shape[3];
     const int q_heads = kv_heads * REP;
     const int first = split * KEYS_PER_SPLIT;
     const int last = min(first + KEYS_PER_SPLIT, n_keys);
+    const bool queries_packed = packs<T, VPT>(queries, queries_strides);
+    const bool keys_packed = packs<T, VPT>(keys, keys_strides);
+    const bool values_packed = packs<T, VPT>(values, values_strides);
 
     float q[REP][VPT];
     float top[REP], total[REP], acc[REP][VPT];
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        const Pack p = *reinterpret_cast<const Pack*>(
-            queries + (int64_t)(row * q_heads + kv_head * REP + r) * D + lane * VPT);
+        const P p = load_pack<T, VPT>(
+            queries + row * queries_strides[0] + (kv_head * REP + r) * queries_strides[1]
+            + lane * VPT * queries_strides[3], queries_strides[3], queries_packed);
         #pragma unroll
         for (int i = 0; i < VPT; ++i) {
             q[r][i] = scale_log2 * static_cast<float>(p.x[i]);
@@ -66,21 +97,26 @@ _SPLIT_SOURCE = """
         top[r] = -1e30f;
         total[r] = 0.f;
     }
-    const bool* live_at = mask + (int64_t)row * n_keys;
-    const T* key_at = keys + (int64_t)(row * kv_heads + kv_head) * key_rows * D + lane * VPT;
-    const T* value_at = values + (int64_t)(row * kv_heads + kv_head) * value_rows * D + lane * VPT;
+    const bool* live_at = mask + row * mask_strides[0];
+    const int64_t live_step = mask_strides[3];
+    const T* key_at = keys + row * keys_strides[0] + kv_head * keys_strides[1]
+        + lane * VPT * keys_strides[3];
+    const T* value_at = values + row * values_strides[0] + kv_head * values_strides[1]
+        + lane * VPT * values_strides[3];
 
     for (int base = first + warp; base < last; base += WARPS * KEYS_PER_LOAD) {
-        Pack kp[KEYS_PER_LOAD] = {};
-        Pack vp[KEYS_PER_LOAD] = {};
+        P kp[KEYS_PER_LOAD] = {};
+        P vp[KEYS_PER_LOAD] = {};
         bool live[KEYS_PER_LOAD];
         #pragma unroll
         for (int u = 0; u < KEYS_PER_LOAD; ++u) {
             const int i = base + u * WARPS;
-            live[u] = i < last && live_at[i];
+            live[u] = i < last && live_at[i * live_step];
             if (live[u]) {
-                kp[u] = *reinterpret_cast<const Pack*>(key_at + (int64_t)i * D);
-                vp[u] = *reinterpret_cast<const Pack*>(value_at + (int64_t)i * D);
+                kp[u] = load_pack<T, VPT>(key_at + i * keys_strides[2], keys_strides[3],
+                                          keys_packed);
+                vp[u] = load_pack<T, VPT>(value_at + i * values_strides[2],
+                                          values_strides[3], values_packed);
             }
         }
         float score[KEYS_PER_LOAD][REP];
@@ -203,7 +239,8 @@ def _made(mx) -> _Kernels:
     if _kernels.split is None:
         _kernels.split = mx.fast.cuda_kernel(
             name="masked_decode_split", input_names=["queries", "keys", "values", "mask"],
-            output_names=["split_values", "split_top", "split_total"], source=_SPLIT_SOURCE)
+            output_names=["split_values", "split_top", "split_total"], source=_SPLIT_SOURCE,
+            header=_HEADER, ensure_row_contiguous=False)
         _kernels.merge = mx.fast.cuda_kernel(
             name="masked_decode_merge", input_names=["split_values", "split_top", "split_total"],
             output_names=["attended"], source=_MERGE_SOURCE)

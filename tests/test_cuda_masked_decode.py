@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 
 from runtime.cuda_attention import install_prefill_attention
-from runtime.cuda_decode_attention import decode_attention, install_masked_decode
+from runtime.cuda_decode_attention import (
+    decode_attention,
+    install_masked_decode,
+    warm_masked_decode,
+)
 from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
 
 
@@ -101,6 +105,28 @@ def test_a_masked_step_goes_to_the_kernel_only_where_it_is_installed_and_applies
         install_masked_decode(mx, "rows")
 
 
+def test_a_kernel_that_cannot_build_turns_its_route_off_and_the_grouped_one_stays(
+        monkeypatch, caplog):
+    """Off CUDA (faked available) the kernel cannot run, as a kernel that fails to build
+    on a GPU: warming it logs that, and masked decode steps go as ``grouped``."""
+    import mlx.core as mx
+
+    if _on_cuda():
+        pytest.skip("the kernel builds here")
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_masked_decode(mx, "kernel")
+    q, k, v, _ = _case(mx, 2, 4, 2, 64, 1, 1, mx.bfloat16)
+    assert not warm_masked_decode(mx, q[:1], k[:1], v[:1], scale=0.125)  # one row: no mask
+    assert mx.fast.scaled_dot_product_attention.decode_kernel
+    with caplog.at_level("WARNING"):
+        assert not warm_masked_decode(mx, q, k, v, scale=0.125)
+    assert "did not build or run" in caplog.text
+    installed = mx.fast.scaled_dot_product_attention
+    assert installed.grouped_decode and not installed.decode_kernel
+
+
 def _on_cuda() -> bool:
     import mlx.core as mx
 
@@ -142,3 +168,20 @@ def test_a_row_with_nothing_in_its_mask_gets_zeros_and_the_others_are_unchanged(
     assert mx.array_equal(got[1], mx.zeros_like(got[1])).item()
     kept = masked_decode_attention(mx, q, k, v, mask, scale=0.1)
     assert mx.array_equal(got[::2], kept[::2]).item()
+
+
+@cuda
+def test_the_kernel_reads_strided_buffers_and_a_broadcast_mask_as_they_lie():
+    """Keys and values as views: a window of a longer buffer (the engine's trimmed
+    caches), and keys stored with the head dimension outermost (no two of a lane's
+    elements adjacent); the mask broadcast over the rows."""
+    import mlx.core as mx
+
+    q, k, v, _ = _case(mx, 3, 8, 4, 128, 1_100, 1_100, mx.bfloat16)
+    window_k, window_v = k[..., 150:1_050, :], v[..., 150:1_050, :]
+    one_mask = mx.broadcast_to((mx.arange(900) >= 333)[None, None, None, :], (3, 1, 1, 900))
+    transposed_k = mx.contiguous(window_k.swapaxes(2, 3)).swapaxes(2, 3)
+    expected = _expected(mx, q, window_k, window_v, one_mask, 0.09)
+    for keys in (window_k, transposed_k):
+        got = masked_decode_attention(mx, q, keys, window_v, one_mask, scale=0.09)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
