@@ -308,30 +308,33 @@ class TuningSettings:
         group=TUNING,
     )
     decode_attention: str = setting(
-        "grouped",
-        help="on CUDA, the attention of a decode step of several rows as products that read "
-        "each KV head's keys once (grouped) or as MLX computes it",
+        "kernel",
+        help="on CUDA, the attention of a decode step of several rows: one kernel of ours "
+        "(kernel), products that read each KV head's keys once (grouped), or as MLX "
+        "computes it (mlx)",
         choices=DECODE_ATTENTION_MODES,
         ours=True,
         notes="mlx-lm decodes a batch of several rows under a mask (its rows padded on the "
         "left to one length), and MLX's CUDA kernel for one query a row takes no mask: its "
-        "fallback reads each KV head's keys and values once per query head, twice on "
-        "Qwen3-0.6B and four times on Llama-3-8B, while `grouped` reads them once, over the "
-        "cache's buffer to a multiple of 64 keys. At depth the step is that read: on an "
-        "H100, a decode step of 16 rows at 12k tokens of context took 31 ms under MLX's "
-        "fallback against 10.8 ms grouped (`bench/decode_memory.py`). "
-        "A step takes the grouped products only where a layer's reads under the fallback "
-        "come to --decode-grouped-min-mib (on Qwen3-0.6B's shape 512 MiB is 16 rows at 4k "
-        "tokens of context, 4 at 16k); below it the step is bound by its host. `mlx`: "
-        "MLX's way, for comparison. No effect on one row (no mask), on Apple silicon or the "
-        "CPU ([performance.md](performance.md)).",
+        "fallback runs several operations a layer and reads each KV head's keys and values "
+        "once per query head, twice on Qwen3-0.6B and four times on Llama-3-8B. A step of "
+        "2-16 rows is then bound by the host's cost per operation. `kernel` computes a "
+        "layer's masked attention in one kernel and a reduction, the keys and values read "
+        "once and in place (head sizes 64, 128 and 256, at most 8 query heads a KV head; "
+        "other models go as `grouped`): on an H100, Qwen3-0.6B's shape, a decode step of 4 "
+        "rows at 12k tokens of context took 6.1 ms against 10.0 as `grouped`, and four 12k "
+        "agent sessions made 380.9 tokens/s against 245.5. `grouped` reads them once as "
+        "two matrix products over the cache's buffer to a multiple of 64 keys, where a "
+        "step's reads come to --decode-grouped-min-mib (below it, MLX's fallback); "
+        "`mlx`: MLX's way, for comparison. No effect on one row (no mask), on Apple silicon "
+        "or the CPU ([performance.md](performance.md#h100-a-masked-decode-steps-attention-as-one-kernel-of-ours)).",
         group=TUNING,
     )
     decode_grouped_min_mib: int = setting(
         512,
-        help="with --decode-attention grouped, a decode step takes the grouped products only "
-        "where MLX's fallback would read at least this many MiB of a layer's keys and values "
-        "(0: every masked decode step)",
+        help="a decode step going as --decode-attention grouped (that route, or a model our "
+        "kernel does not take) takes the grouped products only where MLX's fallback would "
+        "read at least this many MiB of a layer's keys and values (0: every masked step)",
         minimum=0,
         maximum=1 << 20,
         ours=True,
