@@ -11,9 +11,10 @@ device), with MLX's active memory after the step and its peak during it. Systems
   shared passes, decode lanes) with the server's attention routes on CUDA;
   ``ours-mlx``: the same with a masked decode step's attention left to MLX
   (``--decode-attention mlx``); ``ours-grouped``: every masked decode step through the
-  grouped products (``--decode-grouped-min-mib 0``), however shallow; ``ours-kernel``:
-  every masked decode step through our kernel (``--decode-attention kernel``,
-  ``runtime.cuda_masked_decode``). Run after another
+  grouped products (``--decode-attention grouped --decode-grouped-min-mib 0``), however
+  shallow; ``ours-grouped-route``: ``--decode-attention grouped`` (the grouped products
+  from 512 MiB of reads, MLX's fallback below); ``ours-kernel``: every masked decode step
+  through our kernel (``runtime.cuda_masked_decode``), however deep. Run after another
   system in one process, a system's active memory also counts what the one before left.
 * ``buffers``: no model, only a KV cache's update and attention per layer
   (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
@@ -189,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             # "ours-mlx": a masked decode step's attention left to MLX; "ours-grouped":
             # every one grouped; "ours-kernel": every one through our kernel.
             install_prefill_attention(mx, full_chunk=PREFILL_STEP_SIZES["gpu"])
-            if install_masked_decode(mx, "kernel" if system == "ours-kernel" else "grouped",
-                                     min_bytes=0 if system == "ours-grouped"
-                                     else DECODE_GROUPED_MIN_BYTES):
+            least = {"ours-grouped": 0, "ours-kernel": 1 << 50}.get(
+                system, DECODE_GROUPED_MIN_BYTES)
+            mode = "grouped" if system in ("ours-grouped", "ours-grouped-route") else "kernel"
+            if install_masked_decode(mx, mode, min_bytes=least):
                 mx.fast.scaled_dot_product_attention.grouped_decode = system != "ours-mlx"
             install_compiled_decode(model)
             trace_batch_sizes(model, range(1, ns.rows + 2))

@@ -26,14 +26,14 @@ from typing import Any
 
 # Keys one block of the first kernel reads: a 12k-token row makes 47 blocks per KV head.
 KEYS_PER_SPLIT = 256
-# Threads a block of the first kernel runs (four warps), and keys a lane loads at once.
+# Threads a block of the first kernel runs (four warps), and keys a warp loads at once.
 THREADS = 128
-KEYS_PER_LOAD = 2
+KEYS_PER_LOAD = 4
 HEAD_DIMS = (64, 128, 256)
 # Query heads per KV head the first kernel keeps in registers at most.
 MOST_QUERIES_PER_KV_HEAD = 8
 
-# Pack: a lane's EPL elements of one head's vector, loaded at once where they lie
+# Pack: a lane's VPT elements of one head's vector, loaded at once where they lie
 # contiguous and aligned; else one by one along their stride.
 _HEADER = """
 template <typename T, int N>
@@ -63,18 +63,12 @@ __device__ inline bool packs(const T* base, const mlx::core::cu::Strides& stride
 """
 
 _SPLIT_SOURCE = """
-    // A lane holds EPL elements of a head's vector; LPK lanes hold one key, so a warp
-    // reads GROUPS keys at once, and a lane KEYS_PER_LOAD keys a pass.
-    constexpr int LPK = D / EPL;
-    constexpr int GROUPS = 32 / LPK;
+    constexpr int VPT = D / 32;
     constexpr int WARPS = THREADS / 32;
-    constexpr int STRIDE = WARPS * GROUPS;
-    using P = Pack<T, EPL>;
+    using P = Pack<T, VPT>;
     const float scale_log2 = __int_as_float(SCALE_BITS) * 1.44269504089f;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int group = lane / LPK;
-    const int part = lane % LPK;
     const int split = blockIdx.x;
     const int splits = gridDim.x;
     const int kv_head = blockIdx.y;
@@ -84,21 +78,21 @@ _SPLIT_SOURCE = """
     const int q_heads = kv_heads * REP;
     const int first = split * KEYS_PER_SPLIT;
     const int last = min(first + KEYS_PER_SPLIT, n_keys);
-    const bool queries_packed = packs<T, EPL>(queries, queries_strides);
-    const bool keys_packed = packs<T, EPL>(keys, keys_strides);
-    const bool values_packed = packs<T, EPL>(values, values_strides);
+    const bool queries_packed = packs<T, VPT>(queries, queries_strides);
+    const bool keys_packed = packs<T, VPT>(keys, keys_strides);
+    const bool values_packed = packs<T, VPT>(values, values_strides);
 
-    float q[REP][EPL];
-    float top[REP], total[REP], acc[REP][EPL];
+    float q[REP][VPT];
+    float top[REP], total[REP], acc[REP][VPT];
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        const P p = load_pack<T, EPL>(
+        const P p = load_pack<T, VPT>(
             queries + row * queries_strides[0] + (kv_head * REP + r) * queries_strides[1]
-            + part * EPL * queries_strides[3], queries_strides[3], queries_packed);
+            + lane * VPT * queries_strides[3], queries_strides[3], queries_packed);
         #pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            q[r][e] = scale_log2 * static_cast<float>(p.x[e]);
-            acc[r][e] = 0.f;
+        for (int i = 0; i < VPT; ++i) {
+            q[r][i] = scale_log2 * static_cast<float>(p.x[i]);
+            acc[r][i] = 0.f;
         }
         top[r] = -1e30f;
         total[r] = 0.f;
@@ -106,24 +100,22 @@ _SPLIT_SOURCE = """
     const bool* live_at = mask + row * mask_strides[0];
     const int64_t live_step = mask_strides[3];
     const T* key_at = keys + row * keys_strides[0] + kv_head * keys_strides[1]
-        + part * EPL * keys_strides[3];
+        + lane * VPT * keys_strides[3];
     const T* value_at = values + row * values_strides[0] + kv_head * values_strides[1]
-        + part * EPL * values_strides[3];
+        + lane * VPT * values_strides[3];
 
-    // The pass count is the warp's own (the shuffles need every lane); a lane past the
-    // split's end reads nothing.
-    for (int base = first + warp * GROUPS; base < last; base += STRIDE * KEYS_PER_LOAD) {
+    for (int base = first + warp; base < last; base += WARPS * KEYS_PER_LOAD) {
         P kp[KEYS_PER_LOAD] = {};
         P vp[KEYS_PER_LOAD] = {};
         bool live[KEYS_PER_LOAD];
         #pragma unroll
         for (int u = 0; u < KEYS_PER_LOAD; ++u) {
-            const int i = base + group + u * STRIDE;
+            const int i = base + u * WARPS;
             live[u] = i < last && live_at[i * live_step];
             if (live[u]) {
-                kp[u] = load_pack<T, EPL>(key_at + i * keys_strides[2], keys_strides[3],
+                kp[u] = load_pack<T, VPT>(key_at + i * keys_strides[2], keys_strides[3],
                                           keys_packed);
-                vp[u] = load_pack<T, EPL>(value_at + i * values_strides[2],
+                vp[u] = load_pack<T, VPT>(value_at + i * values_strides[2],
                                           values_strides[3], values_packed);
             }
         }
@@ -134,11 +126,11 @@ _SPLIT_SOURCE = """
             for (int r = 0; r < REP; ++r) {
                 float dot = 0.f;
                 #pragma unroll
-                for (int e = 0; e < EPL; ++e) {
-                    dot += q[r][e] * static_cast<float>(kp[u].x[e]);
+                for (int i = 0; i < VPT; ++i) {
+                    dot += q[r][i] * static_cast<float>(kp[u].x[i]);
                 }
                 #pragma unroll
-                for (int offset = LPK / 2; offset > 0; offset >>= 1) {
+                for (int offset = 16; offset > 0; offset >>= 1) {
                     dot += __shfl_xor_sync(0xffffffffu, dot, offset);
                 }
                 score[u][r] = live[u] ? dot : -1e30f;
@@ -154,8 +146,8 @@ _SPLIT_SOURCE = """
             const float keep = exp2f(top[r] - most);
             total[r] *= keep;
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                acc[r][e] *= keep;
+            for (int i = 0; i < VPT; ++i) {
+                acc[r][i] *= keep;
             }
             top[r] = most;
             #pragma unroll
@@ -163,47 +155,25 @@ _SPLIT_SOURCE = """
                 const float weight = live[u] ? exp2f(score[u][r] - most) : 0.f;
                 total[r] += weight;
                 #pragma unroll
-                for (int e = 0; e < EPL; ++e) {
-                    acc[r][e] += weight * static_cast<float>(vp[u].x[e]);
+                for (int i = 0; i < VPT; ++i) {
+                    acc[r][i] += weight * static_cast<float>(vp[u].x[i]);
                 }
             }
-        }
-    }
-
-    // The warp's groups merged: after this every group holds the warp's whole sums.
-    #pragma unroll
-    for (int offset = LPK; offset < 32; offset <<= 1) {
-        #pragma unroll
-        for (int r = 0; r < REP; ++r) {
-            const float their_top = __shfl_xor_sync(0xffffffffu, top[r], offset);
-            const float their_total = __shfl_xor_sync(0xffffffffu, total[r], offset);
-            const float most = fmaxf(top[r], their_top);
-            const float mine = exp2f(top[r] - most);
-            const float theirs = exp2f(their_top - most);
-            total[r] = total[r] * mine + their_total * theirs;
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                const float their_acc = __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
-                acc[r][e] = acc[r][e] * mine + their_acc * theirs;
-            }
-            top[r] = most;
         }
     }
 
     __shared__ float warp_top[WARPS][REP];
     __shared__ float warp_total[WARPS][REP];
     __shared__ float warp_acc[WARPS][REP][D];
-    if (group == 0) {
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) {
+            warp_top[warp][r] = top[r];
+            warp_total[warp][r] = total[r];
+        }
         #pragma unroll
-        for (int r = 0; r < REP; ++r) {
-            if (part == 0) {
-                warp_top[warp][r] = top[r];
-                warp_total[warp][r] = total[r];
-            }
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                warp_acc[warp][r][part * EPL + e] = acc[r][e];
-            }
+        for (int i = 0; i < VPT; ++i) {
+            warp_acc[warp][r][lane * VPT + i] = acc[r][i];
         }
     }
     __syncthreads();
@@ -296,15 +266,6 @@ def kernel_applies(mx, queries, keys, values, mask) -> bool:
             and 0 < mask.shape[3] <= min(keys.shape[2], values.shape[2]))
 
 
-def elements_per_lane(dim: int, queries_per_kv_head: int) -> int:
-    """Elements of a head's vector one lane of the first kernel holds: 16 (a key read by
-    a few lanes, whose dot products then take few shuffles) where the lane's queries and
-    sums stay in registers, fewer for more query heads a KV head; never fewer than a
-    warp's share of the head."""
-    wanted = 16 if queries_per_kv_head <= 2 else 8 if queries_per_kv_head <= 4 else 4
-    return max(wanted, dim // 32)
-
-
 def masked_decode_attention(mx, queries, keys, values, mask, *, scale: float):
     """The attention of ``queries`` (rows, query heads, 1, head dim) over the first
     ``mask.shape[-1]`` keys and values of the buffers ``keys`` and ``values`` (rows, KV
@@ -320,7 +281,6 @@ def masked_decode_attention(mx, queries, keys, values, mask, *, scale: float):
     split_values, split_top, split_total = kernels.split(
         inputs=[queries, keys, values, mask],
         template=[("T", queries.dtype), ("D", dim), ("REP", q_heads // kv_heads),
-                  ("EPL", elements_per_lane(dim, q_heads // kv_heads)),
                   ("SCALE_BITS", scale_bits), ("THREADS", THREADS),
                   ("KEYS_PER_LOAD", KEYS_PER_LOAD), ("KEYS_PER_SPLIT", KEYS_PER_SPLIT)],
         grid=(splits * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),

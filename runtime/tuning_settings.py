@@ -321,20 +321,22 @@ class TuningSettings:
         "2-16 rows is then bound by the host's cost per operation. `kernel` computes a "
         "layer's masked attention in one kernel and a reduction, the keys and values read "
         "once and in place (head sizes 64, 128 and 256, at most 8 query heads a KV head; "
-        "other models go as `grouped`): on an H100, Qwen3-0.6B's shape, a decode step of 4 "
-        "rows at 12k tokens of context took 6.1 ms against 10.0 as `grouped`, and four 12k "
-        "agent sessions made 380.9 tokens/s against 245.5. `grouped` reads them once as "
-        "two matrix products over the cache's buffer to a multiple of 64 keys, where a "
-        "step's reads come to --decode-grouped-min-mib (below it, MLX's fallback); "
-        "`mlx`: MLX's way, for comparison. No effect on one row (no mask), on Apple silicon "
-        "or the CPU ([performance.md](performance.md#h100-a-masked-decode-steps-attention-as-one-kernel-of-ours)).",
+        "other models get MLX's fallback): on an H100, Qwen3-0.6B's shape, a decode step of "
+        "4 rows at 12k tokens of context took 6.1-7.1 ms against 8.7-10.0, and four 12k "
+        "agent sessions made 322.4-380.9 tokens/s against 237.2-245.5 under `grouped`. "
+        "Under either, a step whose reads reach --decode-grouped-min-mib takes the grouped "
+        "products: two matrix products over the cache's buffer to a multiple of 64 keys, "
+        "each KV head's keys read once (16 rows at 12k: 10.4 ms a step, 16.8 through the "
+        "kernel). `grouped`: MLX's fallback below that bound; `mlx`: MLX's way throughout, "
+        "for comparison. No effect on one row (no mask), on Apple silicon or the CPU "
+        "([performance.md](performance.md#h100-a-masked-decode-steps-attention-as-one-kernel-of-ours)).",
         group=TUNING,
     )
     decode_grouped_min_mib: int = setting(
         512,
-        help="a decode step going as --decode-attention grouped (that route, or a model our "
-        "kernel does not take) takes the grouped products only where MLX's fallback would "
-        "read at least this many MiB of a layer's keys and values (0: every masked step)",
+        help="a masked decode step takes the grouped products where MLX's fallback would read "
+        "at least this many MiB of a layer's keys and values (0: every masked step); below "
+        "it, our kernel or MLX's fallback (--decode-attention)",
         minimum=0,
         maximum=1 << 20,
         ours=True,

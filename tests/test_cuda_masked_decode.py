@@ -60,10 +60,11 @@ def test_the_kernel_takes_half_precision_decode_steps_of_the_head_sizes_it_was_b
 
 
 def test_a_masked_step_goes_to_the_kernel_only_where_it_is_installed_and_applies(monkeypatch):
-    """With CUDA's availability faked: installed as ``kernel``, a masked decode step's
-    attention is the kernel's over the cache's own buffers (here a stand-in that
-    computes MLX's attention, the kernel itself needing CUDA) under mlx-lm's mask; as
-    ``grouped``, or where the kernel does not apply, it is not."""
+    """With CUDA's availability faked: installed as ``kernel``, a masked decode step
+    below the grouped products' bound gets the kernel's attention over the cache's own
+    buffers (here a stand-in that computes MLX's attention, the kernel itself needing
+    CUDA) under mlx-lm's mask; at the bound the grouped products'; as ``grouped``, or
+    where the kernel does not apply, not the kernel's."""
     import mlx.core as mx
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import BatchKVCache
@@ -93,11 +94,15 @@ def test_a_masked_step_goes_to_the_kernel_only_where_it_is_installed_and_applies
     assert install_masked_decode(mx, "grouped")
     assert decode_attention(mx, q, cache, scale=0.125, mask=mask) is None  # too shallow
     assert not calls
+    assert install_masked_decode(mx, "kernel", min_bytes=0)  # every step deep enough
+    grouped = decode_attention(mx, q, cache, scale=0.125, mask=mask)
+    assert not calls
     assert install_masked_decode(mx, "kernel")
     got = decode_attention(mx, q, cache, scale=0.125, mask=mask)
     (buffers_keys, buffers_values, n_keys), = calls
     assert buffers_keys is cache.keys and buffers_values is cache.values and n_keys == 70
-    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    for attended in (got, grouped):
+        assert mx.allclose(attended.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
     # Not half precision: neither route.
     assert decode_attention(mx, q.astype(mx.float32), cache, scale=0.125, mask=mask) is None
     assert len(calls) == 1
