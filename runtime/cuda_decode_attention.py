@@ -21,12 +21,13 @@ from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
 
 log = logging.getLogger(__name__)
 
-# ``decode_attention`` takes a step only where a layer's keys and values as MLX's fallback
-# reads them (once per query head) come to at least this many bytes
-# (``--decode-grouped-min-mib``); below it the step is bound by its host, and the grouped
-# products' operations cost the host more than they save the device (an H100, Qwen3-0.6B's
-# shape: 2 and 4 rows at 12k, 4 at 4k and 16 at 2k were 0.5-2.9 ms a step slower grouped,
-# bench/decode_memory.py). On that shape 512 MiB is 65,536 keys over the batch's rows
+# ``decode_attention`` gives a step the grouped products only where a layer's keys and
+# values as MLX's fallback reads them (once per query head) come to at least this many
+# bytes (``--decode-grouped-min-mib``); below it a step is bound by its host, and the
+# grouped products' operations cost the host more than they save the device (an H100,
+# Qwen3-0.6B's shape: 2 and 4 rows at 12k, 4 at 4k and 16 at 2k were 0.5-2.9 ms a step
+# slower grouped than under the fallback, bench/decode_memory.py), so those steps go to
+# our kernel or the fallback. On that shape 512 MiB is 65,536 keys over the batch's rows
 # (16 rows at 4k, 4 at 16k).
 DECODE_GROUPED_MIN_BYTES = 512 << 20
 # ``install_masked_decode``'s routes below the grouped products' bound: our kernel where
