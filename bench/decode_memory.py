@@ -25,7 +25,9 @@ device), with MLX's active memory after the step and its peak during it. Systems
   ``KEY_ALIGNMENT`` keys, as ``decode_attention`` reads it; ``buffers-rows``: each row
   through MLX's kernel with no mask, over its own keys (a slice past its padding), the
   rows' outputs concatenated; ``buffers-kernel``: the mask through
-  ``runtime.cuda_masked_decode.masked_decode_attention``, the buffers read in place.
+  ``runtime.cuda_masked_decode.masked_decode_attention``, the buffers read in place;
+  ``buffers-kernel-warp``: the same with a key read by a whole warp (32 lanes) instead of
+  the few lanes ``elements_per_lane`` gives it.
 
 A step that copies the batch's KV cache instead of writing its new token in place
 would show as a peak of about twice the cache. ``--pipelined``: the generators' steps
@@ -77,7 +79,8 @@ def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int,
 
 
 def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
-                 grouped: str = "", by_row: bool = False, kernel: bool = False) -> list[dict]:
+                 grouped: str = "", by_row: bool = False, kernel: bool = False,
+                 lane_elements: int | None = None) -> list[dict]:
     """``decode_steps`` for a bare KV cache: each step writes one token into every layer's
     buffers (``BatchKVCache``'s slice assignment) and attends over them; ``masked``: under
     a boolean mask (rows, 1, 1, keys) as mlx-lm's ``BatchKVCache`` makes for rows of
@@ -86,7 +89,8 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
     MLX's, its keys as they are ("unaligned") or read from the buffer up to a multiple of
     ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked). ``by_row``: no mask, each
     row's attention over its own keys (past its padding) through MLX's kernel.
-    ``kernel``: the masked attention through our kernel, over the buffers in place."""
+    ``kernel``: the masked attention through our kernel, over the buffers in place, each
+    lane reading ``lane_elements`` of a key (default: the kernel's own choice)."""
     from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
     from runtime.cuda_masked_decode import masked_decode_attention
 
@@ -118,7 +122,8 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
                     values[r:r + 1, :, pads[r]:seen, :], scale=dim ** -0.5)
                     for r in range(rows)])
             elif kernel:
-                x = masked_decode_attention(mx, x, keys, values, mask, scale=dim ** -0.5)
+                x = masked_decode_attention(mx, x, keys, values, mask, scale=dim ** -0.5,
+                                            lane_elements=lane_elements)
             elif grouped:
                 x = grouped_attention(mx, x, keys[..., :seen, :], values[..., :seen, :],
                                       scale=dim ** -0.5, mask=mask, align=False)
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = buffer_steps(mx, ns.rows, ns.tokens, ns.steps,
                                  masked=system not in ("buffers", "buffers-rows"),
                                  by_row=system == "buffers-rows",
-                                 kernel=system == "buffers-kernel",
+                                 kernel=system.startswith("buffers-kernel"),
+                                 lane_elements=4 if system == "buffers-kernel-warp" else None,
                                  grouped=(system.removeprefix("buffers-grouped").strip("-")
                                           or "unaligned")
                                  if system.startswith("buffers-grouped") else "")

@@ -13,8 +13,10 @@ bound by the host's cost per operation (docs/performance.md, "H100: a masked dec
 step's route by shape"). Here a layer's masked attention is two launches, split over the
 keys (flash decoding): the first gives each block of ``KEYS_PER_SPLIT`` keys, per row and
 KV head, its running maximum, sum and weighted values for each of that KV head's query
-heads (the keys and values read once per KV head, masked keys not read), the second
-merges the blocks. The buffers are read in place up to the mask's length, so nothing is
+heads, the second merges the blocks. The keys and values are read once per KV head, a
+few lanes a key (``elements_per_lane``); a block wholly masked (a row's left padding)
+is not read, and in the others a masked key is read with the rest, so that no load waits
+for the mask's answer. The buffers are read in place up to the mask's length, so nothing is
 copied or padded first.
 """
 
@@ -26,14 +28,20 @@ from typing import Any
 
 # Keys one block of the first kernel reads: a 12k-token row makes 47 blocks per KV head.
 KEYS_PER_SPLIT = 256
-# Threads a block of the first kernel runs (four warps), and keys a warp loads at once.
+# Threads a block of the first kernel runs (four warps), and keys each group of lanes
+# (one key's reader, ``elements_per_lane``) loads at once.
 THREADS = 128
-KEYS_PER_LOAD = 4
+KEYS_PER_LOAD = 2
+# Elements of a key a lane reads at most (16 half-precision values: two 16-byte loads),
+# and the query elements a lane keeps in registers per key at most (its query heads'
+# slices, and as many running sums).
+MOST_ELEMENTS_PER_LANE = 16
+QUERY_ELEMENTS_PER_LANE = 32
 HEAD_DIMS = (64, 128, 256)
 # Query heads per KV head the first kernel keeps in registers at most.
 MOST_QUERIES_PER_KV_HEAD = 8
 
-# Pack: a lane's VPT elements of one head's vector, loaded at once where they lie
+# Pack: a lane's EPL elements of one head's vector, loaded at once where they lie
 # contiguous and aligned; else one by one along their stride.
 _HEADER = """
 template <typename T, int N>
@@ -63,12 +71,15 @@ __device__ inline bool packs(const T* base, const mlx::core::cu::Strides& stride
 """
 
 _SPLIT_SOURCE = """
-    constexpr int VPT = D / 32;
+    constexpr int LANES_PER_KEY = D / EPL;
     constexpr int WARPS = THREADS / 32;
-    using P = Pack<T, VPT>;
+    constexpr int GROUPS = THREADS / LANES_PER_KEY;
+    using P = Pack<T, EPL>;
     const float scale_log2 = __int_as_float(SCALE_BITS) * 1.44269504089f;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int part = lane % LANES_PER_KEY;
+    const int group = threadIdx.x / LANES_PER_KEY;
     const int split = blockIdx.x;
     const int splits = gridDim.x;
     const int kv_head = blockIdx.y;
@@ -78,19 +89,19 @@ _SPLIT_SOURCE = """
     const int q_heads = kv_heads * REP;
     const int first = split * KEYS_PER_SPLIT;
     const int last = min(first + KEYS_PER_SPLIT, n_keys);
-    const bool queries_packed = packs<T, VPT>(queries, queries_strides);
-    const bool keys_packed = packs<T, VPT>(keys, keys_strides);
-    const bool values_packed = packs<T, VPT>(values, values_strides);
+    const bool queries_packed = packs<T, EPL>(queries, queries_strides);
+    const bool keys_packed = packs<T, EPL>(keys, keys_strides);
+    const bool values_packed = packs<T, EPL>(values, values_strides);
 
-    float q[REP][VPT];
-    float top[REP], total[REP], acc[REP][VPT];
+    float q[REP][EPL];
+    float top[REP], total[REP], acc[REP][EPL];
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        const P p = load_pack<T, VPT>(
+        const P p = load_pack<T, EPL>(
             queries + row * queries_strides[0] + (kv_head * REP + r) * queries_strides[1]
-            + lane * VPT * queries_strides[3], queries_strides[3], queries_packed);
+            + part * EPL * queries_strides[3], queries_strides[3], queries_packed);
         #pragma unroll
-        for (int i = 0; i < VPT; ++i) {
+        for (int i = 0; i < EPL; ++i) {
             q[r][i] = scale_log2 * static_cast<float>(p.x[i]);
             acc[r][i] = 0.f;
         }
@@ -100,22 +111,33 @@ _SPLIT_SOURCE = """
     const bool* live_at = mask + row * mask_strides[0];
     const int64_t live_step = mask_strides[3];
     const T* key_at = keys + row * keys_strides[0] + kv_head * keys_strides[1]
-        + lane * VPT * keys_strides[3];
+        + part * EPL * keys_strides[3];
     const T* value_at = values + row * values_strides[0] + kv_head * values_strides[1]
-        + lane * VPT * values_strides[3];
+        + part * EPL * values_strides[3];
 
-    for (int base = first + warp; base < last; base += WARPS * KEYS_PER_LOAD) {
+    // A block whose keys are all masked (a row's left padding) reads none of them.
+    bool any_live = false;
+    for (int i = first + threadIdx.x; i < last; i += THREADS) {
+        any_live = any_live || live_at[i * live_step];
+    }
+    const int end = __syncthreads_or(any_live) ? last : first;
+    // A group of LANES_PER_KEY lanes reads one key (each lane EPL elements of it), the
+    // block's groups KEYS_PER_LOAD keys each at once: the mask, key and value loads of
+    // a pass are all in flight together (none waits for another's answer). The passes
+    // are the same for every lane, as the shuffles below need.
+    for (int base = first; base < end; base += GROUPS * KEYS_PER_LOAD) {
         P kp[KEYS_PER_LOAD] = {};
         P vp[KEYS_PER_LOAD] = {};
         bool live[KEYS_PER_LOAD];
         #pragma unroll
         for (int u = 0; u < KEYS_PER_LOAD; ++u) {
-            const int i = base + u * WARPS;
-            live[u] = i < last && live_at[i * live_step];
-            if (live[u]) {
-                kp[u] = load_pack<T, VPT>(key_at + i * keys_strides[2], keys_strides[3],
+            const int i = base + group + u * GROUPS;
+            live[u] = false;
+            if (i < end) {
+                live[u] = live_at[i * live_step];
+                kp[u] = load_pack<T, EPL>(key_at + i * keys_strides[2], keys_strides[3],
                                           keys_packed);
-                vp[u] = load_pack<T, VPT>(value_at + i * values_strides[2],
+                vp[u] = load_pack<T, EPL>(value_at + i * values_strides[2],
                                           values_strides[3], values_packed);
             }
         }
@@ -126,11 +148,11 @@ _SPLIT_SOURCE = """
             for (int r = 0; r < REP; ++r) {
                 float dot = 0.f;
                 #pragma unroll
-                for (int i = 0; i < VPT; ++i) {
+                for (int i = 0; i < EPL; ++i) {
                     dot += q[r][i] * static_cast<float>(kp[u].x[i]);
                 }
                 #pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) {
+                for (int offset = LANES_PER_KEY / 2; offset > 0; offset >>= 1) {
                     dot += __shfl_xor_sync(0xffffffffu, dot, offset);
                 }
                 score[u][r] = live[u] ? dot : -1e30f;
@@ -146,34 +168,58 @@ _SPLIT_SOURCE = """
             const float keep = exp2f(top[r] - most);
             total[r] *= keep;
             #pragma unroll
-            for (int i = 0; i < VPT; ++i) {
+            for (int i = 0; i < EPL; ++i) {
                 acc[r][i] *= keep;
             }
             top[r] = most;
             #pragma unroll
             for (int u = 0; u < KEYS_PER_LOAD; ++u) {
-                const float weight = live[u] ? exp2f(score[u][r] - most) : 0.f;
-                total[r] += weight;
-                #pragma unroll
-                for (int i = 0; i < VPT; ++i) {
-                    acc[r][i] += weight * static_cast<float>(vp[u].x[i]);
+                if (live[u]) {  // a masked key's values are never summed, whatever they hold
+                    const float weight = exp2f(score[u][r] - most);
+                    total[r] += weight;
+                    #pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        acc[r][i] += weight * static_cast<float>(vp[u].x[i]);
+                    }
                 }
             }
+        }
+    }
+
+    // A warp's groups merged into each of its groups (lanes LANES_PER_KEY apart).
+    #pragma unroll
+    for (int offset = LANES_PER_KEY; offset < 32; offset <<= 1) {
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            const float other_top = __shfl_xor_sync(0xffffffffu, top[r], offset);
+            const float other_total = __shfl_xor_sync(0xffffffffu, total[r], offset);
+            const float most = fmaxf(top[r], other_top);
+            const float mine = exp2f(top[r] - most);
+            const float theirs = exp2f(other_top - most);
+            total[r] = total[r] * mine + other_total * theirs;
+            #pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                const float other = __shfl_xor_sync(0xffffffffu, acc[r][i], offset);
+                acc[r][i] = acc[r][i] * mine + other * theirs;
+            }
+            top[r] = most;
         }
     }
 
     __shared__ float warp_top[WARPS][REP];
     __shared__ float warp_total[WARPS][REP];
     __shared__ float warp_acc[WARPS][REP][D];
-    #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-        if (lane == 0) {
-            warp_top[warp][r] = top[r];
-            warp_total[warp][r] = total[r];
-        }
+    if (lane < LANES_PER_KEY) {
         #pragma unroll
-        for (int i = 0; i < VPT; ++i) {
-            warp_acc[warp][r][lane * VPT + i] = acc[r][i];
+        for (int r = 0; r < REP; ++r) {
+            if (lane == 0) {
+                warp_top[warp][r] = top[r];
+                warp_total[warp][r] = total[r];
+            }
+            #pragma unroll
+            for (int i = 0; i < EPL; ++i) {
+                warp_acc[warp][r][part * EPL + i] = acc[r][i];
+            }
         }
     }
     __syncthreads();
@@ -247,6 +293,16 @@ def _made(mx) -> _Kernels:
     return _kernels
 
 
+def elements_per_lane(dim: int, queries_per_kv_head: int) -> int:
+    """How many of a key's ``dim`` elements one lane of the first kernel reads: as many
+    as fit ``QUERY_ELEMENTS_PER_LANE`` over the KV head's query heads (a power of two), at most
+    ``MOST_ELEMENTS_PER_LANE``, at least ``dim / 32`` (a warp a key). Fewer lanes a key
+    mean wider loads and a shorter sum of each score across lanes: with Qwen3-0.6B's
+    shape (head size 128, two query heads a KV head) 16 elements, eight lanes a key."""
+    wanted = min(MOST_ELEMENTS_PER_LANE, QUERY_ELEMENTS_PER_LANE // queries_per_kv_head)
+    return max(dim // 32, 1 << (wanted.bit_length() - 1))  # a power of two
+
+
 def kernel_applies(mx, queries, keys, values, mask) -> bool:
     """Whether ``masked_decode_attention`` takes these: one query a row, half precision
     throughout, a head dimension of 64, 128 or 256 for both keys and values, at most
@@ -266,21 +322,29 @@ def kernel_applies(mx, queries, keys, values, mask) -> bool:
             and 0 < mask.shape[3] <= min(keys.shape[2], values.shape[2]))
 
 
-def masked_decode_attention(mx, queries, keys, values, mask, *, scale: float):
+def masked_decode_attention(mx, queries, keys, values, mask, *, scale: float,
+                            lane_elements: int | None = None):
     """The attention of ``queries`` (rows, query heads, 1, head dim) over the first
     ``mask.shape[-1]`` keys and values of the buffers ``keys`` and ``values`` (rows, KV
     heads, at least that many, head dim), each key where ``mask`` (rows, 1, 1, keys) is
     True; as MLX's ``scaled_dot_product_attention`` under that mask computes it, in
     float32 inside. A row with no key in its mask gets zeros. CUDA only; the caller
-    checks ``kernel_applies`` first."""
+    checks ``kernel_applies`` first. ``lane_elements``: a key's elements a lane reads,
+    a power of two from ``dim / 32`` to ``dim`` (default ``elements_per_lane``; for
+    benchmarks comparing layouts)."""
     rows, q_heads, _, dim = queries.shape
     kv_heads = keys.shape[1]
     splits = -(-mask.shape[-1] // KEYS_PER_SPLIT)
+    rep = q_heads // kv_heads
+    lane_elements = lane_elements or elements_per_lane(dim, rep)
+    if lane_elements * 32 < dim or dim % lane_elements or lane_elements & (lane_elements - 1):
+        raise ValueError(f"lane_elements must be a power of two from {dim // 32} to "
+                         f"{dim}, not {lane_elements}")
     kernels = _made(mx)
     scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
     split_values, split_top, split_total = kernels.split(
         inputs=[queries, keys, values, mask],
-        template=[("T", queries.dtype), ("D", dim), ("REP", q_heads // kv_heads),
+        template=[("T", queries.dtype), ("D", dim), ("REP", rep), ("EPL", lane_elements),
                   ("SCALE_BITS", scale_bits), ("THREADS", THREADS),
                   ("KEYS_PER_LOAD", KEYS_PER_LOAD), ("KEYS_PER_SPLIT", KEYS_PER_SPLIT)],
         grid=(splits * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),

@@ -13,7 +13,11 @@ from runtime.cuda_decode_attention import (
     install_masked_decode,
     warm_masked_decode,
 )
-from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
+from runtime.cuda_masked_decode import (
+    elements_per_lane,
+    kernel_applies,
+    masked_decode_attention,
+)
 
 
 def _case(mx, rows, q_heads, kv_heads, dim, n_keys, buffer, dtype, seed=0):
@@ -57,6 +61,29 @@ def test_the_kernel_takes_half_precision_decode_steps_of_the_head_sizes_it_was_b
     assert not kernel_applies(mx, q, k, v, mask)  # 16 query heads a KV head
     q, k, v, mask = _case(mx, 2, 6, 4, 64, 40, 64, mx.bfloat16)
     assert not kernel_applies(mx, q, k, v, mask)  # KV heads not a divisor
+
+
+def test_a_key_is_read_by_fewer_lanes_the_fewer_query_heads_share_it():
+    assert elements_per_lane(128, 2) == 16  # Qwen3-0.6B: eight lanes a key
+    assert elements_per_lane(128, 4) == 8  # Llama-3-8B: sixteen
+    assert elements_per_lane(128, 8) == 4  # a warp a key
+    assert elements_per_lane(64, 1) == 16
+    assert elements_per_lane(256, 8) == 8  # never more than 32 lanes a key
+    for dim in (64, 128, 256):
+        for rep in range(1, 9):
+            lanes = dim // elements_per_lane(dim, rep)
+            assert lanes * elements_per_lane(dim, rep) == dim and lanes <= 32
+            assert lanes & (lanes - 1) == 0
+
+
+def test_a_layout_the_kernel_cannot_run_is_refused_before_it_is_built():
+    import mlx.core as mx
+
+    q, k, v, mask = _case(mx, 2, 4, 2, 128, 40, 64, mx.bfloat16)
+    for lane_elements in (2, 3, 256):
+        with pytest.raises(ValueError, match="lane_elements"):
+            masked_decode_attention(mx, q, k, v, mask, scale=0.1,
+                                    lane_elements=lane_elements)
 
 
 def test_a_masked_step_goes_to_the_kernel_only_where_it_is_installed_and_applies(monkeypatch):
@@ -152,15 +179,34 @@ cuda = pytest.mark.skipif(not _on_cuda(), reason="the kernel runs on CUDA")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_kernel_computes_mlx_s_masked_attention(rows, q_heads, kv_heads, dim, n_keys,
                                                    buffer, dtype):
+    """In every layout: the default one, a warp a key, and all but one lane idle."""
     import mlx.core as mx
 
     q, k, v, mask = _case(mx, rows, q_heads, kv_heads, dim, n_keys, buffer,
                           getattr(mx, dtype))
     scale = dim ** -0.5
-    got = masked_decode_attention(mx, q, k, v, mask, scale=scale)
-    assert got.dtype == q.dtype and got.shape == q.shape
     expected = _expected(mx, q, k, v, mask, scale)
-    assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    for lane_elements in (None, dim // 32, dim):
+        got = masked_decode_attention(mx, q, k, v, mask, scale=scale,
+                                      lane_elements=lane_elements)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+@cuda
+def test_whatever_a_masked_key_holds_it_counts_for_nothing():
+    """Keys and values that are NaN or infinite where the mask is False, within the
+    blocks the kernel reads and in blocks wholly masked, change nothing."""
+    import mlx.core as mx
+
+    q, k, v, mask = _case(mx, 3, 16, 8, 128, 1_000, 1_024, mx.bfloat16)
+    clean = masked_decode_attention(mx, q, k, v, mask, scale=0.1)
+    masked = ~mask[:, 0, 0, :, None][:, None]  # (rows, 1, keys, 1)
+    masked = mx.pad(masked, [(0, 0), (0, 0), (0, 24), (0, 0)])
+    poisoned_k = mx.where(masked, mx.array(float("nan"), mx.bfloat16), k)
+    poisoned_v = mx.where(masked, mx.array(float("inf"), mx.bfloat16), v)
+    got = masked_decode_attention(mx, q, poisoned_k, poisoned_v, mask, scale=0.1)
+    assert mx.array_equal(got, clean).item()
 
 
 @cuda
