@@ -14,8 +14,8 @@ device), with MLX's active memory after the step and its peak during it. Systems
   grouped products (``--decode-attention grouped --decode-grouped-min-mib 0``), however
   shallow; ``ours-grouped-route``: ``--decode-attention grouped`` (the grouped products
   from 512 MiB of reads, MLX's fallback below); ``ours-kernel``: every masked decode step
-  through our kernel (``runtime.cuda_masked_decode``), however deep. Run after another
-  system in one process, a system's active memory also counts what the one before left.
+  through our kernel (``runtime.cuda_masked_decode``), however deep. Each system's
+  generator is collected before the next one starts.
 * ``buffers``: no model, only a KV cache's update and attention per layer
   (Qwen3-0.6B's 28 layers of 8 KV heads of 128), pipelined as mlx-lm's decode is (the
   next step queued before the last one's output is read); ``buffers-mask``: under the
@@ -42,6 +42,7 @@ Writes JSON with ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         if not system.startswith("buffers"):
             steps = decode_steps(mx, gen, ns.rows, prompts, ns.steps, pipelined=ns.pipelined)
             del gen
+        # The generator's KV cache sits in reference cycles: collected now, or the next
+        # system runs beside it (its active memory doubled, its steps slower).
+        gc.collect()
         mx.clear_cache()
         ms = [s["ms"] for s in steps]
         results[system] = {"steps": steps, "p50_ms": statistics.median(ms), "max_ms": max(ms),

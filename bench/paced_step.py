@@ -33,6 +33,7 @@ Prints one line per path, depth and chunk; writes them as JSON (``--json-out``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -124,6 +125,7 @@ def run_path(model, path: str, decoders: int, depths: list[int], chunks: list[in
                       f"{row['step_ms']:7.2f} ms (max {row['max_ms']:7.2f}, host {row['host_ms']:6.2f})"
                       f"  decode-only {row['decode_only_ms']}", flush=True)
         del gen
+        gc.collect()  # its KV cache sits in reference cycles; freed before the next pass
     finally:
         mx.fast.scaled_dot_product_attention = fused
         mixed_step.chunk_attention, environment.KEPT_MASK_ELEMENTS = in_place, kept
