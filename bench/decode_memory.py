@@ -81,7 +81,7 @@ def decode_steps(mx, gen, rows: int, prompts: list[list[int]], steps: int,
 
 def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
                  grouped: str = "", by_row: bool = False, kernel: bool = False,
-                 lane_elements: int | None = None) -> list[dict]:
+                 warp_per_key: bool = False) -> list[dict]:
     """``decode_steps`` for a bare KV cache: each step writes one token into every layer's
     buffers (``BatchKVCache``'s slice assignment) and attends over them; ``masked``: under
     a boolean mask (rows, 1, 1, keys) as mlx-lm's ``BatchKVCache`` makes for rows of
@@ -90,8 +90,8 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
     MLX's, its keys as they are ("unaligned") or read from the buffer up to a multiple of
     ``KEY_ALIGNMENT`` ("aligned", the keys past the end masked). ``by_row``: no mask, each
     row's attention over its own keys (past its padding) through MLX's kernel.
-    ``kernel``: the masked attention through our kernel, over the buffers in place, each
-    lane reading ``lane_elements`` of a key (default: the kernel's own choice)."""
+    ``kernel``: the masked attention through our kernel, over the buffers in place, in its
+    own layout or (``warp_per_key``) with each key read by a whole warp."""
     from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention
     from runtime.cuda_masked_decode import masked_decode_attention
 
@@ -124,7 +124,7 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
                     for r in range(rows)])
             elif kernel:
                 x = masked_decode_attention(mx, x, keys, values, mask, scale=dim ** -0.5,
-                                            lane_elements=lane_elements)
+                                            lane_elements=dim // 32 if warp_per_key else None)
             elif grouped:
                 x = grouped_attention(mx, x, keys[..., :seen, :], values[..., :seen, :],
                                       scale=dim ** -0.5, mask=mask, align=False)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                  masked=system not in ("buffers", "buffers-rows"),
                                  by_row=system == "buffers-rows",
                                  kernel=system.startswith("buffers-kernel"),
-                                 lane_elements=4 if system == "buffers-kernel-warp" else None,
+                                 warp_per_key=system == "buffers-kernel-warp",
                                  grouped=(system.removeprefix("buffers-grouped").strip("-")
                                           or "unaligned")
                                  if system.startswith("buffers-grouped") else "")
