@@ -84,7 +84,13 @@ sys.path.insert(0, str(BENCH))
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # runtime.tiny_model when the package is not installed
 
-from loadgen import PromptBuilder, ServerProcess, percentile, proc_tree_stats  # noqa: E402
+from loadgen import (  # noqa: E402
+    PromptBuilder,
+    ServerProcess,
+    percentile,
+    proc_tree_stats,
+    variant_environment,
+)
 from loadgen import setup_logging as _setup_logging  # noqa: E402
 from side_by_side import free_port, server_argv, versions  # noqa: E402
 
@@ -949,7 +955,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="NAME[@TREE]=FLAGS",
         help="another configuration of ours, run as system NAME with --server-args and "
-        "FLAGS (e.g. 'no-reuse=--decode-row-reuse-steps 0'), from the source tree TREE if "
+        "FLAGS (e.g. 'no-reuse=--decode-row-reuse-steps 0'; leading VARIABLE=VALUE words "
+        "go to its environment), from the source tree TREE if "
         "given (another build's checkout), alternated with the systems in each round; "
         "ratios of ours to it are printed as to the others",
     )
@@ -996,7 +1003,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--variant {spec!r}: want NAME[@TREE]=FLAGS, NAME new, not one of {SYSTEMS}")
         if tree and not (Path(tree) / "api" / "cli.py").is_file():
             p.error(f"--variant {spec!r}: {tree} holds no api/cli.py")
-        ns.variants[name] = (Path(tree).resolve() if tree else REPO, flags)
+        environment, words = variant_environment(flags)
+        ns.variants[name] = (Path(tree).resolve() if tree else REPO, shlex.join(words),
+                             environment)
     ns.systems += list(ns.variants)
     return ns
 
@@ -1066,8 +1075,9 @@ def run_server(
         probe = str(Path(ns.probe_dir) / f"{system}-r{rnd}-n{w.sessions}")
         Path(ns.probe_dir).mkdir(parents=True, exist_ok=True)
     # ``python -m api.cli`` from the repository root (a variant's own tree)
-    tree = ns.variants[system][0] if system in ns.variants else REPO
-    server.start(cwd=tree, env={PROBE_ENV: probe} if probe else None)
+    tree, _, environment = ns.variants.get(system, (REPO, "", {}))
+    environment = {**environment, **({PROBE_ENV: probe} if probe else {})}
+    server.start(cwd=tree, env=environment or None)
     try:
         startup = server.wait_healthy()
         t = time.perf_counter()
@@ -1140,8 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
         "systems": ns.systems,
         "rounds": ns.rounds,
         "commands": {s: server_command(s, model, 0, ns) for s in ns.systems if s != "engine"},
-        "variants": {name: {"tree": str(tree), "flags": flags}
-                     for name, (tree, flags) in ns.variants.items()},
+        "variants": {name: {"tree": str(tree), "flags": flags, "environment": environment}
+                     for name, (tree, flags, environment) in ns.variants.items()},
         "engine": {
             "decode_concurrency": DECODE_CONCURRENCY,
             "prompt_concurrency": PROMPT_CONCURRENCY,

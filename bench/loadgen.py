@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import random
+import re
 import resource
 import shlex
 import signal
@@ -742,6 +743,17 @@ class ServerProcess:
 
 
 # --------------------------------------------------------------------------- CLI
+
+
+def variant_environment(args: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's leading ``VARIABLE=VALUE`` words (upper-case names: the server's
+    environment) and the flags after them."""
+    words = args.split()
+    environment = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        environment[name] = value
+    return environment, words
 
 
 def setup_logging(level: int = logging.INFO) -> None:

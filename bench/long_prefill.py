@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import random
-import re
 import statistics
 import sys
 import time
@@ -49,7 +48,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import PromptBuilder, ServerProcess, percentile, setup_logging  # noqa: E402
+from bench.loadgen import (  # noqa: E402
+    PromptBuilder,
+    ServerProcess,
+    percentile,
+    setup_logging,
+    variant_environment,
+)
 
 log = logging.getLogger("bench.long_prefill")
 
@@ -218,17 +223,6 @@ def summarize(streams, long_rec, probe_rec, ns) -> dict[str, Any]:
 
 def _ms(v: float | None) -> float | None:
     return None if v is None else 1000 * v
-
-
-def variant_environment(args: str) -> tuple[dict[str, str], list[str]]:
-    """A variant's leading ``VARIABLE=VALUE`` words (upper-case names: the server's
-    environment) and the flags after them."""
-    words = args.split()
-    environment = {}
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
-        name, value = words.pop(0).split("=", 1)
-        environment[name] = value
-    return environment, words
 
 
 def main(argv: list[str] | None = None) -> int:
