@@ -134,7 +134,9 @@ def buffer_steps(mx, rows: int, tokens: int, steps: int, masked: bool = False,
         end += 1
         mx.async_eval(x)
         if previous is not None:
-            previous.sum().item()
+            # Waits for the step before only: an operation on it would be queued
+            # behind this step and wait for both.
+            mx.eval(previous)
         previous = x
         out.append({"ms": round(1000 * (time.perf_counter() - began), 2),
                     "active_gb": round(mx.get_active_memory() / GB, 2),

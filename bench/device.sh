@@ -23,7 +23,8 @@
 #                                  flags for ours (e.g. '--decode-row-reuse-steps 0'), its
 #                                  JSON named with an "-alt" suffix; AGENTS_VARIANTS: more
 #                                  configurations of ours, 'NAME[@TREE]=FLAGS' joined by '|'
-#                                  (TREE: another build's checkout, e.g. .before, carried),
+#                                  (TREE: another build's checkout, e.g. .before, carried;
+#                                  FLAGS's leading VARIABLE=VALUE words are its environment),
 #                                  alternated with the systems (named in the JSON); AGENTS_ROUNDS: rounds
 #                                  (default 1); AGENTS_PROBE=1: each server of ours's engine
 #                                  step trace (agent_sessions.py --probe-dir)
