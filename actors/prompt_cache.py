@@ -138,6 +138,7 @@ class PromptCachePolicy:
     ):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self._configured_max_bytes = max_bytes  # None: the engine's default (device_budget)
         self.min_reuse = min_reuse
         self.model: str | None = None  # the engine whose entries the index holds
         self.bytes = 0
@@ -277,6 +278,12 @@ class PromptCachePolicy:
         self._order = new_eviction_order()
         self.model = model
 
+    def device_budget(self, nbytes: int) -> None:
+        """The byte limit an engine gives the cache by default (``ModelInfo``'s
+        ``prompt_cache_budget``, 0: none), in force where none was configured."""
+        if self._configured_max_bytes is None:
+            self.max_bytes = nbytes or None
+
     def on_step(self, outputs: StepOutputs) -> tuple[StepOutputs, tuple[int, ...]]:
         """Account for one engine step; returns it with the miss reasons filled in,
         and the entries to evict (in order)."""
@@ -295,6 +302,9 @@ class PromptCachePolicy:
                 evicted += self._evict_to(entries=self.max_entries, nbytes=self.max_bytes)
             elif isinstance(event, CacheEntryRemoved) and event.entry_id in self._entries:
                 self._remove(event.entry_id, ghost=None)
+        if self.max_bytes is not None and outputs.stats.batch_kv_bytes:
+            # Entries stored while the batch holds its KV caches give way to them too.
+            evicted += self._evict_to(nbytes=self.max_bytes - outputs.stats.batch_kv_bytes)
         for request_id in outputs.terminal_ids():
             self._requests.pop(request_id, None)
         if outputs.started:

@@ -162,6 +162,9 @@ class PromptCachePort(Protocol):
     def engine_changed(self, model: str | None) -> None:
         """A new engine (its model key) or none: the old one's cache is gone."""
 
+    def device_budget(self, nbytes: int) -> None:
+        """The byte limit the new engine gives the cache where none was configured."""
+
 
 @attrs.frozen(kw_only=True)
 class SchedulerFigures:
@@ -274,6 +277,7 @@ class Scheduler:
             self._core.kv_budget = info.kv_budget
         self._gone = None
         self._engine_inbox = ready.inbox
+        self._prompt_cache.device_budget(info.prompt_cache_budget)
         self._prompt_cache.engine_changed(info.model_key)
         self._start_waiting()
 

@@ -41,6 +41,7 @@ class ModelInfo:
     batchable: bool = True
     kv_bytes_per_token: int = 0  # K and V, all layers: the admission estimate's unit
     kv_budget: int = 0  # bytes of KV cache the Scheduler may admit (0: no limit)
+    prompt_cache_budget: int = 0  # the prompt cache's default byte limit (0: none)
     engine_pid: int | None = None  # the process that runs the engine (None: this one)
     ranks: int = 1  # distributed: how many processes share the model
     parallel: str | None = None  # distributed: "tensor" or "pipeline"

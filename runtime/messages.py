@@ -304,6 +304,7 @@ class EngineStats:
     busy_seconds: float = 0.0  # time spent stepping (the rest: idle or waiting for commands)
     prompt_cache_entries: int = 0
     prompt_cache_bytes: int = 0
+    batch_kv_bytes: int = 0  # the running batch's KV caches after the step
     prompt_cache_hits: int = 0
     prompt_cache_cached_tokens: int = 0
     # Aborts of running sequences: inbox waits, and waits for a step in progress (at most one)

@@ -200,6 +200,24 @@ def default_kv_budget(mx, weights_bytes: int = 0) -> int:
     return int(max(memory - weights_bytes, memory // 4) * KV_BUDGET_SHARE)
 
 
+# The prompt cache's default byte limit, a share of the memory the weights leave, shared
+# with the running sequences (the cache gives way to the batch's KV caches: it holds at
+# most this share less what the batch holds). With the batch at most KV_BUDGET_SHARE
+# and its copy as long again, the KV caches stay within 0.45 + 0.35 = 80 % of that
+# memory; the rest holds MLX's freed buffers and the steps' activations. With only an
+# entry count (ten), sixteen agent sessions of 24k tokens on an 80 GB H100 held the
+# batch, its copy and ten 2.9 GB entries at once and ran out of memory, after which
+# CUDA's state was broken (an illegal memory access in the next step).
+PROMPT_CACHE_BUDGET_SHARE = 0.45
+
+
+def default_prompt_cache_budget(mx, weights_bytes: int = 0) -> int:
+    """``PROMPT_CACHE_BUDGET_SHARE`` of the accelerator's memory (the machine's RAM on the
+    CPU) less ``weights_bytes`` (at least a quarter of it)."""
+    memory = memory_bytes(mx)
+    return int(max(memory - weights_bytes, memory // 4) * PROMPT_CACHE_BUDGET_SHARE)
+
+
 def weights_bytes(model) -> int:
     """The bytes of ``model``'s parameters."""
     from mlx.utils import tree_flatten

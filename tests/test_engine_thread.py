@@ -243,6 +243,32 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
     assert [f.request_id for f in core.close("broken").failed] == [5]
 
 
+def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once():
+    """CUDA's sticky errors (an illegal memory access) fail every later step of the
+    process: the first such step ends the engine, its requests told to retry."""
+    from runtime.engine.core import EngineCore
+    from runtime.engine.failures import EngineBroken
+    from runtime.lifecycle import ModelInfo
+    from runtime.loaded_model import LoadedModel
+    from runtime.messages import Submit
+
+    failure = ("cudaLaunchHostFunc(signal_stream_, signal, this) failed: an illegal memory "
+               "access was encountered")
+    core = EngineCore(
+        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=64)),
+        batch_generator_factory=FakeBatchGeneratorFactory(fail_on_step=1, failure=failure),
+        prompt_cache=FakePromptCache(),
+    )
+    core.handle_command(Submit(request_id=1, prompt=(5, 6, 7), segments=((5, 6, 7),),
+                               segment_types=("user",), sampling=SamplingParams(),
+                               max_tokens=5))
+    with pytest.raises(EngineBroken, match="the device failed"):
+        core.step()
+    (failed,) = core.close("broken").failed
+    assert failed.request_id == 1 and failed.retryable
+    assert "the engine restarts, retry shortly" in failed.message
+
+
 @pytest.mark.parametrize("failure,retryable", [
     ("cudaMallocAsync(&data, size, stream) failed: out of memory", True),
     ("[metal::malloc] Attempting to allocate 9 bytes which is greater than the maximum "

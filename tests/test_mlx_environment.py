@@ -159,6 +159,29 @@ def test_the_default_kv_budget_leaves_room_for_a_batch_copied_whole():
     assert default_kv_budget(_CacheLimits(memory=0, limit=0)) == int(ram * KV_BUDGET_SHARE)
 
 
+def test_the_default_prompt_cache_budget_and_a_full_batch_copied_fit_the_memory():
+    """The cache holds at most its share less the batch's caches; with the batch at the
+    KV budget and copied once, the KV caches and the weights stay well under the memory."""
+    from runtime.mlx_environment import (
+        PROMPT_CACHE_BUDGET_SHARE,
+        default_kv_budget,
+        default_prompt_cache_budget,
+    )
+
+    memory = 80 << 30
+    device = _CacheLimits(memory=memory, limit=memory)
+    weights = 2 << 30
+    cache = default_prompt_cache_budget(device, weights_bytes=weights)
+    assert cache == int((memory - weights) * PROMPT_CACHE_BUDGET_SHARE)
+    batch = default_kv_budget(device, weights_bytes=weights)
+    assert cache > batch  # a full batch still leaves the cache some room
+    # the cache given way to a full batch, the batch, its copy, the weights
+    assert (cache - batch) + 2 * batch + weights < memory * 0.85
+    assert default_prompt_cache_budget(device, weights_bytes=79 << 30) == int(
+        memory // 4 * PROMPT_CACHE_BUDGET_SHARE
+    )
+
+
 def test_the_weights_bytes_are_the_parameters_bytes(tiny_model_path):
     from mlx.utils import tree_flatten
     from mlx_lm import load

@@ -31,6 +31,7 @@ from runtime.messages import (
     CacheEntryRemoved,
     CacheEntryStored,
     CacheMissReason,
+    EngineStats,
     EvictCache,
     SamplingParams,
     SequenceStarted,
@@ -126,6 +127,9 @@ class PolicyMachine(RuleBasedStateMachine):
                 event(f"stored {e.cache_type}")
             else:
                 event(f"removed: {e.reason}")
+        if self.max_bytes is not None and out.stats.batch_kv_bytes:
+            # After each step too, the cache gives way to the batch's KV caches.
+            self.reference.trim_to(n_bytes=self.max_bytes - out.stats.batch_kv_bytes)
         passed_over = self.engine.cache_entries.passed_over
         if passed_over:
             event("passed over")
@@ -272,6 +276,32 @@ def test_the_byte_budget_gives_way_to_the_running_sequences():
     assert evicted == (1,) and core.bytes == 20  # 50 - 25 left for the cache: the older goes
 
 
+def test_entries_stored_while_the_batch_holds_its_caches_give_way_to_it():
+    core = core_with(max_bytes=50)
+    feed(core, stored(1, A))
+    # A step that stores an entry while the batch holds 25 bytes: 20 + 20 > 50 - 25.
+    _, evicted = core.on_step(
+        StepOutputs(cache_events=(stored(2, B),), stats=EngineStats(batch_kv_bytes=25))
+    )
+    assert evicted == (1,) and core.bytes == 20
+    # Once the batch is gone the limit is the whole budget again.
+    assert feed(core, stored(3, (9,) * 20)) == () and core.bytes == 40
+
+
+def test_the_engines_default_byte_limit_holds_where_none_was_configured():
+    core = core_with()
+    assert core.max_bytes is None
+    core.device_budget(30)
+    assert core.max_bytes == 30 and core.figures()["max_bytes"] == 30
+    feed(core, stored(1, A), stored(2, B))
+    assert list(core.entries()) == [2]  # 40 bytes > 30: the older goes
+    core.device_budget(0)  # an engine with no default: no limit
+    assert core.max_bytes is None
+    configured = core_with(max_bytes=50)
+    configured.device_budget(30)
+    assert configured.max_bytes == 50
+
+
 def test_other_template_args_for_the_same_conversation_explain_the_miss():
     core = core_with()
     core.open(1, MODEL, A, template_key="t1", conversation_keys=("c1",))
@@ -364,6 +394,17 @@ def test_the_scheduler_sends_a_steps_evictions_as_one_command():
     assert inbox == [EvictCache(entry_ids=(1, 2))]
     scheduler.on_step(StepOutputs())  # nothing to evict: no command
     assert len(inbox) == 1
+
+
+def test_a_new_engine_gives_the_policy_its_default_byte_limit():
+    policy = core_with()
+    send, _ = trio.open_memory_channel(4)
+    scheduler = Scheduler(
+        SchedulerCore(max_in_engine=2, max_waiting=2), to_detokenizer=send, prompt_cache=policy
+    )
+    info = ModelInfo(model_key=MODEL, vocab_size=VOCAB, prompt_cache_budget=30)
+    scheduler.on_model_ready(ModelReady(info=info, inbox=ListInbox()))
+    assert policy.max_bytes == 30
 
 
 def test_the_policy_logs_its_figures_after_a_step_at_most_every_period(caplog):

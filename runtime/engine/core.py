@@ -350,6 +350,8 @@ class EngineCore:
                 message, retryable = failures.failed_step(exc)  # out of memory: 503, retry shortly
                 self._fail_all(message, retryable=retryable)
                 self._failed_steps += 1
+                if failures.device_lost(exc):  # no later step of this process would run
+                    raise EngineBroken(f"the device failed: {exc}") from exc
                 if self._failed_steps >= FAILED_STEPS_TO_RESTART:  # its failures go at close()
                     raise EngineBroken(f"{self._failed_steps} steps in a row failed: {exc}") from exc
         self.counters.stepped(
@@ -484,7 +486,8 @@ class EngineCore:
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
         )
-        stats = attrs.evolve(stats, **lane_stats(self._batch))
+        stats = attrs.evolve(stats, **lane_stats(self._batch),
+                             batch_kv_bytes=int(self._batch.prompt_cache_nbytes))
         return stats if self._disk is None else attrs.evolve(stats, **self._disk.stats())
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:

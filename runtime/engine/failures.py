@@ -6,7 +6,10 @@ exception fails every sequence in the batch and the ``EngineCore`` goes on
 with a new generator. A batch that failed because the device's memory ran out
 (``out_of_memory``) was not failed by its requests: they may be retried once
 the batch's memory is free. After ``FAILED_STEPS_TO_RESTART`` such steps in a
-row the core raises ``EngineBroken``, which ends the engine loop as a crash.
+row the core raises ``EngineBroken``, which ends the engine loop as a crash; it
+raises it at once where the device itself failed (``device_lost``: a CUDA error
+that stays with the process, such as an illegal memory access), whose requests
+may be retried on the engine that replaces it.
 Owns no state; the core counts the failed steps.
 """
 
@@ -23,13 +26,33 @@ OUT_OF_MEMORY_MARKS = ("out of memory", "insufficient memory", "maximum allowed 
                        "unable to allocate")
 
 
+# CUDA's errors that stay with the process once raised (every later call fails with
+# them), lower-cased as the runtime words them: an illegal address, a device-side
+# assertion, a bad instruction or address space, a launch that failed. Seen after a
+# step ran an 80 GB H100 out of memory: the next step raised the first.
+DEVICE_LOST_MARKS = ("illegal memory access", "device-side assert", "illegal instruction",
+                     "misaligned address", "invalid program counter",
+                     "not supported on global/shared address space",
+                     "unspecified launch failure", "hardware stack error")
+
+
 def failed_step(error: Exception) -> tuple[str, bool]:
     """What the requests of a step that raised ``error`` are told, and whether they may
     retry (503 with Retry-After): they may where the device's memory ran out, since the
-    failed batch's memory is free again once its generator is dropped."""
+    failed batch's memory is free again once its generator is dropped, and where the
+    device failed, since a new engine takes over."""
     if out_of_memory(error):
         return f"the engine ran out of memory in a step ({error}); retry shortly", True
+    if device_lost(error):
+        return f"the engine's device failed ({error}); the engine restarts, retry shortly", True
     return f"engine step failed: {error}", False
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether ``error`` is one of CUDA's errors that no later step in this process
+    escapes (``DEVICE_LOST_MARKS``): the engine must be replaced, not given a new batch."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(mark in text for mark in DEVICE_LOST_MARKS)
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -55,11 +78,13 @@ class SequenceError(Exception):
 
 
 class EngineBroken(RuntimeError):
-    """``FAILED_STEPS_TO_RESTART`` steps in a row failed every sequence they held.
+    """``FAILED_STEPS_TO_RESTART`` steps in a row failed every sequence they held, or
+    one step met an error of the device that stays with the process (``device_lost``).
 
     A step that raises fails its batch and the engine goes on with a new one,
     which is right when one batch was bad. When the batches that follow fail
     too, MLX itself is in a state no new batch mends (a sticky CUDA error, a
     cache past a limit): this ends the engine loop as a crash, so /health turns
     503 and the ModelLoader starts a fresh engine (a fresh process by default).
+    A sticky CUDA error that names itself ends it at its first step.
     """

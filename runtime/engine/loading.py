@@ -56,6 +56,7 @@ from runtime.mlx_environment import (
     default_decode_lane_padding,
     default_kv_budget,
     default_prefill_step_size,
+    default_prompt_cache_budget,
     large_batch_bytes,
     prefill_score_budget,
     server_defaults,
@@ -121,13 +122,15 @@ def load_model(
     text_model = model.language_model if family is not None else model
     batchable = family is None and all(hasattr(c, "merge") for c in make_prompt_cache(model))
     vocab_size = _vocab_size(text_model, tokenizer)
+    weights = weights_bytes(model)
     info = ModelInfo(
         model_key=model_path,
         vocab_size=vocab_size,
         batchable=batchable,
         # Each rank holds 1/size of the KV cache (heads or layers split).
         kv_bytes_per_token=kv_bytes_per_token(text_model) // (group.size if group else 1),
-        kv_budget=default_kv_budget(mx, weights_bytes(model)),
+        kv_budget=default_kv_budget(mx, weights),
+        prompt_cache_budget=default_prompt_cache_budget(mx, weights),
         ranks=group.size if group else 1,
         parallel=group.mode if group else None,
         context_window=context_window(text_model, tokenizer, config.max_model_len),
