@@ -243,17 +243,14 @@ def test_a_step_that_succeeds_between_failures_keeps_the_engine():
     assert [f.request_id for f in core.close("broken").failed] == [5]
 
 
-def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once():
-    """CUDA's sticky errors (an illegal memory access) fail every later step of the
-    process: the first such step ends the engine, its requests told to retry."""
+def _core_failing_its_first_step(failure: str):
+    """An engine core whose generator raises ``failure`` at its first step, with one
+    request submitted."""
     from runtime.engine.core import EngineCore
-    from runtime.engine.failures import EngineBroken
     from runtime.lifecycle import ModelInfo
     from runtime.loaded_model import LoadedModel
     from runtime.messages import Submit
 
-    failure = ("cudaLaunchHostFunc(signal_stream_, signal, this) failed: an illegal memory "
-               "access was encountered")
     core = EngineCore(
         LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=64)),
         batch_generator_factory=FakeBatchGeneratorFactory(fail_on_step=1, failure=failure),
@@ -262,6 +259,17 @@ def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once(
     core.handle_command(Submit(request_id=1, prompt=(5, 6, 7), segments=((5, 6, 7),),
                                segment_types=("user",), sampling=SamplingParams(),
                                max_tokens=5))
+    return core
+
+
+def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once():
+    """CUDA's sticky errors (an illegal memory access) fail every later step of the
+    process: the first such step ends the engine, its requests told to retry."""
+    from runtime.engine.failures import EngineBroken
+
+    core = _core_failing_its_first_step(
+        "cudaLaunchHostFunc(signal_stream_, signal, this) failed: an illegal memory "
+        "access was encountered")
     with pytest.raises(EngineBroken, match="the device failed"):
         core.step()
     (failed,) = core.close("broken").failed
@@ -278,20 +286,7 @@ def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once(
 def test_a_step_that_ran_out_of_memory_fails_its_requests_as_retryable(failure, retryable):
     """A step that raised one of MLX's failed allocations fails its batch with a message
     that says so, retryable (the API's 503 with Retry-After); another error does not."""
-    from runtime.engine.core import EngineCore
-    from runtime.lifecycle import ModelInfo
-    from runtime.loaded_model import LoadedModel
-    from runtime.messages import Submit
-
-    core = EngineCore(
-        LoadedModel(model=None, tokenizer=None, info=ModelInfo(model_key="fake", vocab_size=64)),
-        batch_generator_factory=FakeBatchGeneratorFactory(fail_on_step=1, failure=failure),
-        prompt_cache=FakePromptCache(),
-    )
-    core.handle_command(Submit(request_id=1, prompt=(5, 6, 7), segments=((5, 6, 7),),
-                               segment_types=("user",), sampling=SamplingParams(),
-                               max_tokens=5))
-    (failed,) = core.step().failed
+    (failed,) = _core_failing_its_first_step(failure).step().failed
     assert failed.request_id == 1 and failed.retryable is retryable
     assert failure in failed.message
     assert ("ran out of memory" in failed.message) is retryable
