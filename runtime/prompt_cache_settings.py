@@ -37,8 +37,8 @@ class PromptCacheSettings(TuningSettings):
         "step the cache is trimmed to this value minus the bytes of the batch's KV caches, so "
         "that the batch, the copy of it mlx-lm makes as sequences join or leave, and the cache "
         "fit the device's memory together (the default, with the default KV budget: 80 % of "
-        "what the weights leave). Without it, sixteen agent sessions of 24k tokens ran an 80 GB "
-        "H100 out of memory. Raise it only with `--kv-cache-budget-bytes` in mind; a size above the "
+        "what the weights leave). With no byte limit, sixteen agent sessions of 24k tokens run "
+        "an 80 GB H100 out of memory. Raise it only with `--kv-cache-budget-bytes` in mind; a size above the "
         "memory is no limit. The prompt-cache policy decides the evictions (in mlx-lm's order) "
         "and the engine applies them between steps; in a distributed launch every rank evicts "
         "what rank 0's byte counts decide.",
