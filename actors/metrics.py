@@ -303,6 +303,11 @@ class RuntimeCollector(Collector):
             "Bytes of the prompt-cache entries evicted",
             cache.get("evicted_bytes", 0),
         )
+        yield gauge(
+            "prompt_cache_max_bytes",
+            "The prompt cache's byte limit, shared with the running sequences (0: none)",
+            cache.get("max_bytes") or 0,
+        )
         yield counter(
             "engine_aborts",
             "Running sequences removed because their client left or their deadline passed",

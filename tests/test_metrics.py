@@ -11,6 +11,8 @@ valid exposition format.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -147,6 +149,18 @@ async def test_a_repeated_prompt_is_a_prompt_cache_hit(tiny_model_path):
         assert delta(before, after, "mlx_trio_prompt_cache_hit_tokens_total") == cached
         assert value(after, "mlx_trio_prompt_cache_entries") >= 1
         assert value(after, "mlx_trio_prompt_cache_bytes") > 0
+        # No --prompt-cache-bytes: the engine's default, 45 % of the RAM less the weights.
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert 0.44 * ram < value(after, "mlx_trio_prompt_cache_max_bytes") <= 0.45 * ram
+
+
+async def test_a_configured_prompt_cache_byte_limit_is_the_one_in_force(tiny_model_path):
+    app = create_app(ServerConfig(model=tiny_model_path, prompt_cache_bytes=5_000_000))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        metrics, _ = await scrape(client)
+        assert value(metrics, "mlx_trio_prompt_cache_max_bytes") == 5_000_000
 
 
 def test_each_runtime_has_its_own_registry():
