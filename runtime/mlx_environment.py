@@ -205,9 +205,9 @@ def default_kv_budget(mx, weights_bytes: int = 0) -> int:
 # most this share less what the batch holds). With the batch at most KV_BUDGET_SHARE
 # and its copy as long again, the KV caches stay within 0.45 + 0.35 = 80 % of that
 # memory; the rest holds MLX's freed buffers and the steps' activations. With only an
-# entry count (ten), sixteen agent sessions of 24k tokens on an 80 GB H100 held the
-# batch, its copy and ten 2.9 GB entries at once and ran out of memory, after which
-# CUDA's state was broken (an illegal memory access in the next step).
+# entry count (ten), sixteen agent sessions of 24k tokens on an 80 GB H100 could hold
+# the batch, its copy and ten 2.9 GB entries at once, and ran out of memory, after
+# which CUDA's state was broken (an illegal memory access in the next step).
 PROMPT_CACHE_BUDGET_SHARE = 0.45
 
 
