@@ -747,8 +747,8 @@ class ServerProcess:
 
 def variant_environment(args: str) -> tuple[dict[str, str], list[str]]:
     """A variant's leading ``VARIABLE=VALUE`` words (upper-case names: the server's
-    environment) and the flags after them."""
-    words = args.split()
+    environment) and the flags after them, split as a shell would."""
+    words = shlex.split(args)
     environment = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         name, value = words.pop(0).split("=", 1)

@@ -122,11 +122,11 @@ def test_variants_are_more_systems_of_ours_with_their_flags_and_tree(tmp_path):
     ns = bench.parse_args(["--systems", "ours,mlx_lm", "--server-args", "--a 1",
                            "--variant", "no-reuse=--decode-row-reuse-steps 0",
                            "--variant", f"before@{tree}=",
-                           "--variant", "small-graphs=MLX_MAX_OPS_PER_BUFFER=20 --b 2"])
+                           "--variant", "small-graphs=MLX_MAX_OPS_PER_BUFFER=20 --b '2 3'"])
     assert ns.systems == ["ours", "mlx_lm", "no-reuse", "before", "small-graphs"]
     assert ns.variants["before"] == (tree.resolve(), "", {})
-    assert ns.variants["small-graphs"][1:] == ("--b 2", {"MLX_MAX_OPS_PER_BUFFER": "20"})
-    assert bench.server_command("small-graphs", "M", 1, ns)[-2:] == ["--b", "2"]
+    assert ns.variants["small-graphs"][2] == {"MLX_MAX_OPS_PER_BUFFER": "20"}
+    assert bench.server_command("small-graphs", "M", 1, ns)[-2:] == ["--b", "2 3"]
     command = bench.server_command("no-reuse", "M", 1, ns)
     assert command[-4:] == ["--a", "1", "--decode-row-reuse-steps", "0"]
     assert "--decode-row-reuse-steps" not in bench.server_command("ours", "M", 1, ns)
