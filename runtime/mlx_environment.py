@@ -193,11 +193,16 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
 KV_BUDGET_SHARE = 0.35
 
 
-def default_kv_budget(mx, weights_bytes: int = 0) -> int:
-    """``KV_BUDGET_SHARE`` of the accelerator's memory (the machine's RAM on the CPU)
-    less ``weights_bytes`` (at least a quarter of it)."""
+def _share_beside_weights(mx, weights_bytes: int, share: float) -> int:
+    """``share`` of the accelerator's memory (the machine's RAM on the CPU) less
+    ``weights_bytes`` (at least a quarter of it)."""
     memory = memory_bytes(mx)
-    return int(max(memory - weights_bytes, memory // 4) * KV_BUDGET_SHARE)
+    return int(max(memory - weights_bytes, memory // 4) * share)
+
+
+def default_kv_budget(mx, weights_bytes: int = 0) -> int:
+    """``KV_BUDGET_SHARE`` of the memory the weights leave (``_share_beside_weights``)."""
+    return _share_beside_weights(mx, weights_bytes, KV_BUDGET_SHARE)
 
 
 # The prompt cache's default byte limit, a share of the memory the weights leave, shared
@@ -212,10 +217,9 @@ PROMPT_CACHE_BUDGET_SHARE = 0.45
 
 
 def default_prompt_cache_budget(mx, weights_bytes: int = 0) -> int:
-    """``PROMPT_CACHE_BUDGET_SHARE`` of the accelerator's memory (the machine's RAM on the
-    CPU) less ``weights_bytes`` (at least a quarter of it)."""
-    memory = memory_bytes(mx)
-    return int(max(memory - weights_bytes, memory // 4) * PROMPT_CACHE_BUDGET_SHARE)
+    """``PROMPT_CACHE_BUDGET_SHARE`` of the memory the weights leave
+    (``_share_beside_weights``)."""
+    return _share_beside_weights(mx, weights_bytes, PROMPT_CACHE_BUDGET_SHARE)
 
 
 def weights_bytes(model) -> int:

@@ -51,17 +51,20 @@ def failed_step(error: Exception) -> tuple[str, bool]:
 def device_lost(error: BaseException) -> bool:
     """Whether ``error`` is one of CUDA's errors that no later step in this process
     escapes (``DEVICE_LOST_MARKS``): the engine must be replaced, not given a new batch."""
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(mark in text for mark in DEVICE_LOST_MARKS)
+    return _says(error, DEVICE_LOST_MARKS)
 
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether a step failed because the device's memory ran out: a ``MemoryError``, or a
     ``RuntimeError`` whose message is one of MLX's failed allocations."""
-    if isinstance(error, MemoryError):
-        return True
+    return isinstance(error, MemoryError) or _says(error, OUT_OF_MEMORY_MARKS)
+
+
+def _says(error: BaseException, marks: tuple[str, ...]) -> bool:
+    """Whether ``error`` is a ``RuntimeError`` (what MLX raises) whose message, lower-cased,
+    holds one of ``marks``."""
     text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(mark in text for mark in OUT_OF_MEMORY_MARKS)
+    return isinstance(error, RuntimeError) and any(mark in text for mark in marks)
 
 
 class SequenceError(Exception):
