@@ -273,7 +273,18 @@ class RuntimeCollector(Collector):
             s.generated_tokens,
         )
         yield gauge("prompt_cache_entries", "KV caches in the prompt cache", s.prompt_cache_entries)
-        yield gauge("prompt_cache_bytes", "Bytes of the prompt cache", s.prompt_cache_bytes)
+        cache = f.prompt_cache if f is not None else {}
+        yield gauge(
+            "prompt_cache_bytes",
+            "Bytes the prompt cache holds: a KV span several entries share counted once "
+            "(the byte limit applies to these)",
+            cache.get("bytes", s.prompt_cache_bytes),
+        )
+        yield gauge(
+            "prompt_cache_entry_bytes",
+            "Bytes of the prompt cache's entries each counted whole, as if they shared nothing",
+            cache.get("entry_bytes", s.prompt_cache_bytes),
+        )
         yield counter(
             "prompt_cache_hits",
             "Requests whose prompt started from a prompt-cache entry",
@@ -284,7 +295,6 @@ class RuntimeCollector(Collector):
             "Prompt tokens taken from the prompt cache instead of computed",
             s.prompt_cache_cached_tokens,
         )
-        cache = f.prompt_cache if f is not None else {}
         misses = CounterMetricFamily(
             PREFIX + "prompt_cache_misses",
             "Requests that reused nothing from the prompt cache, by reason (docs/api.md)",

@@ -13,9 +13,12 @@ The policy decides the rest:
   ``StepOutputs`` carries;
 * what to keep: the count limit (``--prompt-cache-size``) after every store,
   the byte limit (``--prompt-cache-bytes``) after every store and, shared with
-  the running sequences, after every admission, in mlx-lm's eviction order
-  (``runtime.mlx_lm_internals.new_eviction_order``: one LRU per segment type,
-  as ``LRUPromptCache`` evicts). Evicted ids
+  the running sequences, after every admission and every step, in mlx-lm's
+  eviction order (``runtime.mlx_lm_internals.new_eviction_order``: one LRU per
+  segment type, as ``LRUPromptCache`` evicts). The bytes are those the
+  entries hold in memory: a span of KV that several entries lie in (a system
+  prompt sixteen sessions share, ``CacheEntryStored.spans``) counts once, and
+  evicting an entry frees only the spans no other entry uses. Evicted ids
   go back to the engine as one ``EvictCache`` command, applied between steps
   (distributed: on every rank alike);
 * the explanation of each lookup (``PromptCacheOutlook``): predicted when a
@@ -84,10 +87,11 @@ def scoped(model: str, scope: str) -> str:
 @attrs.define
 class _Entry:
     model: str
-    nbytes: int
+    nbytes: int  # its KV counted whole, as if it shared nothing
     cache_type: str
     template_key: str | None
     conversation_key: str | None
+    spans: tuple[tuple[int, int], ...] = ()  # CacheEntryStored.spans
 
 
 @attrs.define
@@ -141,7 +145,11 @@ class PromptCachePolicy:
         self._configured_max_bytes = max_bytes  # None: the engine's default (device_budget)
         self.min_reuse = min_reuse
         self.model: str | None = None  # the engine whose entries the index holds
+        # The memory the entries hold: a span several entries lie in counted once. The
+        # limits apply to it; ``entry_bytes`` counts every entry whole, as mlx-lm would.
         self.bytes = 0
+        self.entry_bytes = 0
+        self._spans: dict[int, list[int]] = {}  # span id -> [entries using it, bytes]
         self.stats = PromptCacheStats()
         self._live = TokenTrie()
         self._entries: dict[int, _Entry] = {}
@@ -223,6 +231,7 @@ class PromptCachePolicy:
         return {
             "entries": len(self._entries),
             "bytes": self.bytes,
+            "entry_bytes": self.entry_bytes,
             "hits": s.hits,
             "cached_tokens": s.cached_tokens,
             "misses": {reason.value: s.misses[reason] for reason in CacheMissReason},
@@ -349,10 +358,20 @@ class PromptCachePolicy:
             cache_type=event.cache_type,
             template_key=request.template_key if request else None,
             conversation_key=conversation,
+            spans=event.spans,
         )
         self._live.add(model, event.tokens, event.entry_id, event.trimmable)
         self._order.push(model, event.entry_id, event.cache_type)
-        self.bytes += event.nbytes
+        self.entry_bytes += event.nbytes
+        if not event.spans:
+            self.bytes += event.nbytes
+        for span_id, nbytes in event.spans:
+            held = self._spans.get(span_id)
+            if held is None:
+                self._spans[span_id] = [1, nbytes]
+                self.bytes += nbytes
+            else:
+                held[0] += 1
         if conversation is not None:
             self._by_conversation[conversation].add(event.entry_id)
 
@@ -376,9 +395,17 @@ class PromptCachePolicy:
         if ordered:
             self._order.remove(entry.model, entry_id)
         model, tokens = self._live.remove(entry_id)
-        self.bytes -= entry.nbytes
+        self.entry_bytes -= entry.nbytes
+        freed = 0 if entry.spans else entry.nbytes
+        for span_id, _ in entry.spans:
+            held = self._spans[span_id]
+            held[0] -= 1
+            if not held[0]:
+                freed += held[1]
+                del self._spans[span_id]
+        self.bytes -= freed
         if ghost is CacheMissReason.EVICTED:
-            self.stats.evicted_bytes += entry.nbytes
+            self.stats.evicted_bytes += freed
         if entry.conversation_key is not None:
             keep = self._by_conversation[entry.conversation_key]
             keep.discard(entry_id)

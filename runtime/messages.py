@@ -282,6 +282,10 @@ class CacheEntryStored:
     nbytes: int
     cache_type: str  # "system", "user" or "assistant": the eviction order's classes
     trimmable: bool  # its cache can be cut to a shorter prefix
+    # The shared spans its KV lies in, as (span id, bytes), first to last: entries over
+    # one system prompt name the same first span, held once. (): whole arrays of its
+    # own, ``nbytes`` of them.
+    spans: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -29,8 +29,9 @@ stored, its end is remembered, and a later entry that repeats those tokens
 links to that span and copies only what follows. A fetch gives a plain
 ``KVCache`` (``FetchedKVLayer``) made from the spans its reused prefix reaches,
 when first read: where that is one span, its arrays as views, no copy.
-The byte counts stay those of whole entries, so ``--prompt-cache-bytes`` and
-the prompt-cache policy's decisions hold as before, now with memory to spare.
+Each ``CacheEntryStored`` names the spans its entry lies in (``entry_spans``),
+so the prompt-cache policy counts a shared span once against
+``--prompt-cache-bytes`` and knows what evicting an entry frees.
 
 ``CacheEntries``: the ledger ``EngineCore`` goes through. It gives every
 stored entry an id, reports ``CacheEntryStored`` and ``CacheEntryRemoved``
@@ -102,14 +103,18 @@ def _end_forgetter(ends: RadixPromptTrie, model: Any, tokens: list[int]):
 class SharedSpan:
     """The KV of tokens ``[start, end)`` in every layer (``keys[i]``, ``values[i]``: the
     layer's arrays, batch 1), after the span ``prev`` (None: it starts at 0);
-    ``system``: stored as a system segment's entry."""
+    ``system``: stored as a system segment's entry; ``span_id``: its number in the
+    store (insertion order); ``nbytes``: its arrays' bytes."""
 
-    __slots__ = ("keys", "values", "start", "end", "prev", "system", "__weakref__")
+    __slots__ = ("keys", "values", "start", "end", "prev", "system", "span_id", "nbytes",
+                 "__weakref__")
 
     def __init__(self, keys: list, values: list, start: int, end: int, prev: SharedSpan | None,
-                 system: bool = False):
+                 system: bool = False, span_id: int = 0):
         self.keys, self.values = keys, values
         self.start, self.end, self.prev, self.system = start, end, prev, system
+        self.span_id = span_id
+        self.nbytes = sum(int(a.nbytes) for a in keys) + sum(int(a.nbytes) for a in values)
 
     def chain(self) -> list[SharedSpan]:
         spans, span = [], self
@@ -163,6 +168,7 @@ class PromptCacheStore(LRUPromptCache):
         # uses it); a radix trie, so that finding the longest that a new entry repeats
         # is one walk along it, however many sessions left their segments' ends.
         self._shared_ends = RadixPromptTrie()
+        self._next_span_id = 1
 
     def insert_cache(
         self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"
@@ -193,8 +199,9 @@ class PromptCacheStore(LRUPromptCache):
             last = SharedSpan(
                 [mx.contiguous(layer.keys[..., start:n, :]) for layer in cache],
                 [mx.contiguous(layer.values[..., start:n, :]) for layer in cache],
-                start, n, before, system=cache_type == "system",
+                start, n, before, system=cache_type == "system", span_id=self._next_span_id,
             )
+            self._next_span_id += 1
         if cache_type in SHARED_TYPES and n >= MIN_SHARED_TOKENS:
             ends.add(model, tokens, weakref.ref(last, _end_forgetter(ends, model, tokens)))
         return [SharedKVLayer(last, i, layer.nbytes) for i, layer in enumerate(cache)]
@@ -222,6 +229,14 @@ class PromptCacheStore(LRUPromptCache):
     def remove_entry(self, model: Any, tokens: list[int]) -> int | None:
         """Drop the entry for exactly ``tokens``; its bytes, or None if there was none."""
         return remove_prompt_cache_entry(self, model, tokens)
+
+
+def entry_spans(layers: list | None) -> tuple[tuple[int, int], ...]:
+    """The shared spans a stored entry's layers lie in, first to last, as ``(span_id,
+    nbytes)``; () for an entry stored as whole arrays (it shares nothing)."""
+    if not layers or type(layers[0]) is not SharedKVLayer:
+        return ()
+    return tuple((span.span_id, span.nbytes) for span in layers[0].span.chain())
 
 
 def cache_arrays(cache: list) -> list:
@@ -380,8 +395,10 @@ class CacheEntries:
                 self.store.remove_entry(model, list(key))
             self._events.append(CacheEntryRemoved(entry_id=replaced, reason="replaced"))
         trimmable = can_trim_prompt_cache(cache)
+        spans: tuple[tuple[int, int], ...] = ()
         if not doomed:
             stored = self.store.insert_cache(model, list(tokens), cache, cache_type=cache_type)
+            spans = entry_spans(stored)
             self._unowned.extend(cache_arrays(stored if stored is not None else cache))
             if self.disk is not None:
                 self.disk.kept(model, key, stored if stored is not None else cache, cache_type)
@@ -409,6 +426,7 @@ class CacheEntries:
                 nbytes=sum(int(layer.nbytes) for layer in cache),
                 cache_type=cache_type,
                 trimmable=trimmable,
+                spans=spans,
             )
         )
 

@@ -149,6 +149,9 @@ async def test_a_repeated_prompt_is_a_prompt_cache_hit(tiny_model_path):
         assert delta(before, after, "mlx_trio_prompt_cache_hit_tokens_total") == cached
         assert value(after, "mlx_trio_prompt_cache_entries") >= 1
         assert value(after, "mlx_trio_prompt_cache_bytes") > 0
+        # Held bytes count a shared span once: never more than the entries counted whole.
+        assert value(after, "mlx_trio_prompt_cache_entry_bytes") >= value(
+            after, "mlx_trio_prompt_cache_bytes")
         # No --prompt-cache-bytes: the engine's default, 45 % of the RAM less the weights.
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         assert 0.44 * ram < value(after, "mlx_trio_prompt_cache_max_bytes") <= 0.45 * ram

@@ -192,7 +192,9 @@ TestPolicy = PolicyMachine.TestCase
 # ------------------------------------------------------------- miss reasons
 
 
-def stored(entry_id, tokens, *, request_id=None, cache_type="assistant", trimmable=True):
+def stored(
+    entry_id, tokens, *, request_id=None, cache_type="assistant", trimmable=True, spans=()
+):
     return CacheEntryStored(
         entry_id=entry_id,
         request_id=request_id,
@@ -200,6 +202,7 @@ def stored(entry_id, tokens, *, request_id=None, cache_type="assistant", trimmab
         nbytes=len(tokens),
         cache_type=cache_type,
         trimmable=trimmable,
+        spans=spans,
     )
 
 
@@ -286,6 +289,31 @@ def test_entries_stored_while_the_batch_holds_its_caches_give_way_to_it():
     assert evicted == (1,) and core.bytes == 20
     # Once the batch is gone the limit is the whole budget again.
     assert feed(core, stored(3, (9,) * 20)) == () and core.bytes == 40
+
+
+def test_a_span_several_entries_lie_in_counts_once_and_goes_with_the_last_of_them():
+    system = tuple(range(300, 316))  # 16 tokens: span 1, 16 bytes
+    a, b = system + (1, 2, 3, 4), system + (5, 6, 7, 8)  # their own 4 tokens: spans 2, 3
+    core = core_with(max_bytes=34)
+    # Counted whole they are 40 bytes, over the limit; held, 16 + 4 + 4.
+    assert feed(core, stored(1, a, spans=((1, 16), (2, 4))),
+                stored(2, b, spans=((1, 16), (3, 4)))) == ()
+    assert (core.bytes, core.entry_bytes) == (24, 40)
+    figures = core.figures()
+    assert (figures["bytes"], figures["entry_bytes"]) == (24, 40)
+    # A third session's entry of 10 tokens of its own fits (34); a fourth's does not,
+    # and the oldest goes, freeing its own span only.
+    c, d = system + tuple(range(10)), system + (20, 21, 22, 23)
+    assert feed(core, stored(3, c, spans=((1, 16), (4, 10)))) == ()
+    assert core.bytes == 34 and core.figures()["evictions"] == 0
+    assert feed(core, stored(4, d, spans=((1, 16), (5, 4)))) == (1,)
+    assert core.bytes == 16 + 4 + 10 + 4 and core.stats.evicted_bytes == 4
+    # The system prompt's span goes only with the last entry that lies in it.
+    for entry_id in (2, 3):
+        feed(core, CacheEntryRemoved(entry_id=entry_id, reason="superseded"))
+    assert (core.bytes, core.entry_bytes) == (20, 20)
+    feed(core, CacheEntryRemoved(entry_id=4, reason="superseded"))
+    assert (core.bytes, core.entry_bytes) == (0, 0)
 
 
 def test_the_engines_default_byte_limit_holds_where_none_was_configured():

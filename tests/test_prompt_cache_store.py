@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
+from runtime.messages import CacheEntryStored, EngineStats, StepOutputs
 from runtime.prompt_cache_store import CacheEntries, PromptCacheStore
 
 MODEL = "m"
@@ -375,6 +376,40 @@ def test_entries_that_repeat_a_stored_segment_share_its_arrays_and_fetch_whole()
     again = copy.deepcopy(cache)
     assert type(again[0]) is KVCache and again[0].offset == s
     assert mx.array_equal(again[0].keys, cache[0].keys)
+
+
+def test_the_ledger_names_each_entrys_spans_and_the_policy_counts_what_is_held():
+    from actors.prompt_cache import PromptCachePolicy
+    from runtime.prompt_cache_store import MIN_SHARED_TOKENS
+
+    entries = CacheEntries(PromptCacheStore())
+    system = list(range(MIN_SHARED_TOKENS + 44))
+    s = len(system)
+    full = sequence_kv(s + 50, seed=3)
+    entries.insert(MODEL, system, entry(full, s), cache_type="system", request_id=1)
+    sessions = [system + [7] * 50, system + [7] * 20 + [8] * 30, system + [9] * 40]
+    for i, tokens in enumerate(sessions):
+        entries.insert(MODEL, tokens, entry(full, len(tokens)), cache_type="user",
+                       request_id=2 + i)
+    all_events = entries.take_events()
+    events = [e for e in all_events if isinstance(e, CacheEntryStored)]
+    per_token = sum(k[:, :, :1].nbytes + v[:, :, :1].nbytes for k, v in full)
+    system_span = events[0].spans[0]
+    assert events[0].spans == (system_span,) and system_span[1] == s * per_token
+    for event, tokens in zip(events[1:], sessions, strict=True):
+        own = (len(tokens) - s) * per_token
+        assert event.spans[0] == system_span and event.spans[1][1] == own
+        assert event.nbytes == len(tokens) * per_token  # counted whole, as mlx-lm does
+    # The sessions' entries cover the system entry, which mlx-lm drops; its span stays.
+    assert entries.held().keys() == {2, 3, 4}
+    policy = PromptCachePolicy(max_entries=10, max_bytes=(s + 50 + 50 + 40) * per_token)
+    policy.engine_changed(MODEL)
+    _, evicted = policy.on_step(StepOutputs(cache_events=all_events))
+    assert evicted == () and policy.bytes == (s + 50 + 50 + 40) * per_token
+    assert policy.entry_bytes == sum(e.nbytes for e in events[1:])
+    # A batch that needs a byte of it: the oldest session goes, freeing its own span alone.
+    _, evicted = policy.on_step(StepOutputs(stats=EngineStats(batch_kv_bytes=1)))
+    assert evicted == (2,) and policy.bytes == (s + 50 + 40) * per_token
 
 
 def test_short_segments_and_other_caches_are_stored_as_they_are():
