@@ -7,7 +7,10 @@ starts with everything the previous one ended with, the reply the server generat
 included (sent back as text), so a prompt cache that keeps a session's last turn
 can skip all but the new user turn. All N sessions share the system prompt and
 start together (turn 1's TTFT is the "sessions that start together" case); each
-session sends its next turn as soon as its reply has finished (closed loop).
+session sends its next turn as soon as its reply has finished (closed loop), or
+``--tool-seconds`` later, as an agent that runs a tool between turns does: then
+other sessions' turns finish and are stored meanwhile, and a cache that keeps
+fewer entries than there are sessions loses their histories.
 Replies are fixed-length (``max_tokens`` = G; a random-weight model may stop
 earlier at EOS: the counts come from the usage).
 
@@ -43,9 +46,9 @@ tokens / wall time), TTFT p50/p99 for turn 1 and later turns, ITL, cached fracti
 reusable tokens over turns 2 and on, the share a cache could have given that it
 did give).
 
-Caveats: both servers keep 10 prompt caches by default (``--prompt-cache-size``
-sets all three systems'): past 10 sessions a session's last turn may be evicted
-before its next turn arrives. A random-weight model's reply, decoded and
+Caveats: mlx_lm.server and the bare engine keep 10 prompt caches by default, ours
+64 (``--prompt-cache-size`` sets all three systems'): past 10 sessions their
+sessions' last turns may be evicted before their next turns arrive. A random-weight model's reply, decoded and
 re-encoded, need not give back the tokens it generated (the cached tokens then
 stop where they part), and one whose vocabulary is larger than its tokenizer's
 (``make_shaped_model.py``) mostly generates ids that decode to nothing. A
@@ -117,7 +120,7 @@ PROBE_ENV = "MLX_TRIO_ENGINE_PROBE"  # runtime.engine.host_speed: the engine's s
 # (--decode-concurrency 64) and their default prompt concurrency (8).
 DECODE_CONCURRENCY = 64
 PROMPT_CONCURRENCY = 8
-DEFAULT_PROMPT_CACHE_SIZE = 10  # both servers' default (LRUPromptCache max_size)
+DEFAULT_PROMPT_CACHE_SIZE = 10  # mlx_lm.server's default (LRUPromptCache max_size), the engine's
 MAX_RETRIES = 3  # a turn whose connection is refused or reset before any answer
 TINY_CONTEXT = 65536  # the tiny model's window, widened so that long histories fit
 
@@ -156,12 +159,21 @@ class AgentWorkload:
     max_tokens: tuple[int, int] = (64, 64)  # each turn's max_tokens drawn from this range
     seed: int = 0
     system_lead: str = SYSTEM_LEAD
+    # Seconds between a reply and the session's next turn (an agent running a tool),
+    # each drawn from this range; (0, 0): the next turn is sent at once.
+    tool_seconds: tuple[float, float] = (0.0, 0.0)
 
     def user_length(self, session: int, turn: int) -> int:
         return random.Random(f"{self.seed}-user-len-{session}-{turn}").randint(*self.user_tokens)
 
     def max_tokens_of(self, session: int, turn: int) -> int:
         return random.Random(f"{self.seed}-max-tokens-{session}-{turn}").randint(*self.max_tokens)
+
+    def tool_seconds_of(self, session: int, turn: int) -> float:
+        """The pause before ``turn`` (turn 1: none)."""
+        if turn == 1 or self.tool_seconds[1] <= 0:
+            return 0.0
+        return random.Random(f"{self.seed}-tool-{session}-{turn}").uniform(*self.tool_seconds)
 
 
 class Prompts:
@@ -374,6 +386,7 @@ async def _run_http_async(
         conv = Conversation(prompts.system())
         prev: TurnRecord | None = None
         for turn in range(1, w.turns + 1):
+            await trio.sleep(w.tool_seconds_of(session, turn))
             rec = TurnRecord(
                 system,
                 rnd,
@@ -528,11 +541,19 @@ class EngineSessions:
                 "times": [],
             }
 
+        pending: list[tuple[float, int, int]] = []  # (due, session, turn): after a tool's time
         with mx.stream(engine.stream):
             start = time.perf_counter() - t0
             for session in range(w.sessions):  # all sessions arrive together
                 submit(session, 1, start)
-            while live:
+            while live or pending:
+                now = time.perf_counter() - t0
+                for due, session, turn in sorted(p for p in pending if p[0] <= now):
+                    pending.remove((due, session, turn))
+                    submit(session, turn, due)
+                if not live:
+                    time.sleep(max(0.0, min(pending)[0] - now))
+                    continue
                 prompt_responses, responses = gen.next()
                 now = time.perf_counter() - t0
                 # the system segment cached when its prefill ends, as _generate does
@@ -571,7 +592,11 @@ class EngineSessions:
                     convs[rec.session].reply(state["messages"], text)
                     last[rec.session] = (rec, list(r.all_tokens))
                     if rec.turn < w.turns:
-                        submit(rec.session, rec.turn + 1, rec.end_s)
+                        pause = w.tool_seconds_of(rec.session, rec.turn + 1)
+                        if pause:
+                            pending.append((rec.end_s + pause, rec.session, rec.turn + 1))
+                        else:
+                            submit(rec.session, rec.turn + 1, rec.end_s)
             wall = time.perf_counter() - t0
         gen.close()
         gc.collect()
@@ -812,9 +837,11 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 def run_title(meta: dict[str, Any]) -> str:
     w = meta["workload"]
     u, g = w["user_tokens"], w["max_tokens"]
+    tool = w.get("tool_seconds") or (0, 0)
+    tools = f", tools {tool[0]:g}-{tool[1]:g} s" if tool[1] else ""
     return (
         f"{Path(str(meta['model'])).name}: {w['turns']} turns, system {w['system_tokens']} tok, "
-        f"user {u[0]}-{u[1]} tok, max_tokens {g[0]}-{g[1]}, {meta['rounds']} round(s), "
+        f"user {u[0]}-{u[1]} tok, max_tokens {g[0]}-{g[1]}{tools}, {meta['rounds']} round(s), "
         f"{meta.get('machine', {}).get('cpus')} CPUs, {meta['timestamp']}"
     )
 
@@ -896,6 +923,17 @@ def parse_range(text: str) -> tuple[int, int]:
     return pair
 
 
+def parse_seconds(text: str) -> tuple[float, float]:
+    lo, _, hi = text.partition("-")
+    try:
+        pair = (float(lo), float(hi or lo))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected S or LO-HI seconds, got {text!r}") from exc
+    if pair[0] < 0 or pair[1] < pair[0]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
+    return pair
+
+
 def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
@@ -937,6 +975,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="G: each reply's max_tokens, N or LO-HI (default 64)",
     )
+    p.add_argument(
+        "--tool-seconds",
+        type=parse_seconds,
+        default=(0.0, 0.0),
+        help="seconds between a reply and the session's next turn, S or LO-HI (an agent "
+        "running a tool; default 0: at once). Sessions whose turns arrive at once are "
+        "looked up right after their last turn was stored; with a pause, other sessions' "
+        "turns are stored between, as with a real agent's tools",
+    )
     p.add_argument("--rounds", type=int, default=None, help="rounds of all systems (default 2)")
     p.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
                    help="before the first round, run each level once unmeasured so that the "
@@ -966,7 +1013,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="--prompt-cache-size for both servers and the engine's LRUPromptCache "
-        f"(default: their default, {DEFAULT_PROMPT_CACHE_SIZE})",
+        f"(default: each one's default: ours 64, mlx_lm.server's {DEFAULT_PROMPT_CACHE_SIZE}, "
+        f"the engine {DEFAULT_PROMPT_CACHE_SIZE})",
     )
     p.add_argument(
         "--out",
@@ -1021,6 +1069,7 @@ def warm_up_workload(w: AgentWorkload) -> AgentWorkload:
         max_tokens=(min(8, w.max_tokens[0]),) * 2,
         seed=w.seed + 1000,
         system_lead=WARM_UP_LEAD,
+        tool_seconds=(0.0, 0.0),
     )
 
 
@@ -1127,6 +1176,7 @@ def main(argv: list[str] | None = None) -> int:
         user_tokens=tuple(ns.user_tokens),
         max_tokens=tuple(ns.max_tokens),
         seed=ns.seed,
+        tool_seconds=tuple(ns.tool_seconds),
     )
     window = model_window(model)
     if window is not None and longest_prompt(base) > window:

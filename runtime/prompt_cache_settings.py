@@ -22,9 +22,14 @@ class PromptCacheSettings(TuningSettings):
     through them the Advanced tuning ones)."""
 
     prompt_cache_size: int = setting(
-        10,
+        64,
         help="most KV caches kept in the prompt cache (LRUPromptCache max_size)",
-        notes="0 keeps none (every response says `miss; reason=disabled`).",
+        notes="Each conversation's latest turn needs its entry for the next turn to reuse it, "
+        "so this should stay above the number of sessions running at once; the byte limit "
+        "(`--prompt-cache-bytes`) bounds the memory they take. mlx_lm.server keeps 10, which "
+        "evicts the histories of sixteen agent sessions before their next turns. Lower it "
+        "only to hold fewer entries whatever their size. 0 keeps none (every response says "
+        "`miss; reason=disabled`).",
         group=PROMPT_CACHE,
     )
     prompt_cache_bytes: int | None = setting(

@@ -58,6 +58,23 @@ def test_ranges_and_levels_parse():
             bench.parse_range(bad)
 
 
+def test_a_tool_s_pause_comes_before_every_turn_but_the_first():
+    assert bench.parse_seconds("2") == (2.0, 2.0)
+    assert bench.parse_seconds("0.5-3") == (0.5, 3.0)
+    for bad in ("-1", "3-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_seconds(bad)
+    w = bench.AgentWorkload(sessions=4, turns=6, tool_seconds=(1.0, 3.0))
+    pauses = [w.tool_seconds_of(s, t) for s in range(4) for t in range(2, 7)]
+    assert all(1.0 <= p <= 3.0 for p in pauses) and len(set(pauses)) > 1
+    assert [w.tool_seconds_of(s, 1) for s in range(4)] == [0.0] * 4
+    assert pauses == [w.tool_seconds_of(s, t) for s in range(4) for t in range(2, 7)]
+    assert bench.AgentWorkload().tool_seconds_of(0, 3) == 0.0  # none by default
+    ns = bench.parse_args(["--quick", "--tool-seconds", "1-2"])
+    assert ns.tool_seconds == (1.0, 2.0)
+    assert bench.warm_up_workload(w).tool_seconds == (0.0, 0.0)
+
+
 def test_quick_fills_only_what_is_not_given():
     ns = bench.parse_args(["--quick", "--turns", "5", "--systems", "engine,ours"])
     assert ns.turns == 5 and ns.system_tokens == 1500 and ns.sessions == [1, 4]

@@ -19,7 +19,7 @@ def test_cli_defaults_match_mlx_lm_server():
     config = parse_config([])
     assert config == ServerConfig()
     assert (config.port, config.max_tokens, config.decode_concurrency) == (8080, 512, 32)
-    assert (config.prompt_concurrency, config.prefill_step_size, config.prompt_cache_size) == (8, None, 10)
+    assert (config.prompt_concurrency, config.prefill_step_size, config.prompt_cache_size) == (8, None, 64)
 
 
 def test_cli_and_env_give_the_same_config():
