@@ -912,26 +912,24 @@ def longest_prompt(w: AgentWorkload) -> int:
 # ------------------------------------------------------------------------- CLI
 
 
-def parse_range(text: str) -> tuple[int, int]:
+def _parse_pair(text: str, number: type, lowest: float, form: str) -> tuple:
+    """``N`` or ``LO-HI`` as a pair of ``number``s with ``lowest <= LO <= HI``."""
     lo, _, hi = text.partition("-")
     try:
-        pair = (int(lo), int(hi or lo))
+        pair = (number(lo), number(hi or lo))
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from exc
-    if pair[0] < 1 or pair[1] < pair[0]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}") from exc
+    if pair[0] < lowest or pair[1] < pair[0]:
+        raise argparse.ArgumentTypeError(f"expected {lowest:g} <= LO <= HI, got {text!r}")
     return pair
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    return _parse_pair(text, int, 1, "N or LO-HI")
 
 
 def parse_seconds(text: str) -> tuple[float, float]:
-    lo, _, hi = text.partition("-")
-    try:
-        pair = (float(lo), float(hi or lo))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected S or LO-HI seconds, got {text!r}") from exc
-    if pair[0] < 0 or pair[1] < pair[0]:
-        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= HI, got {text!r}")
-    return pair
+    return _parse_pair(text, float, 0, "S or LO-HI seconds")
 
 
 def parse_levels(text: str) -> list[int]:
