@@ -156,6 +156,35 @@ async def test_an_evicted_entry_misses_with_evicted(one_entry_client):
     assert f"mlx_trio_prompt_cache_evictions_total {float(figures['evictions'])}" in scrape
 
 
+@pytest.fixture
+async def byte_limited_client(tiny_model_path):
+    # 600 kB: four of the entries below counted whole (about 185 kB each) pass it; what
+    # they hold (one system prompt and four short tails, about 230 kB) fits it beside a
+    # running request's KV cache.
+    async for c in app_client(tiny_model_path, prompt_cache_bytes=600_000):
+        yield c
+
+
+async def test_sessions_over_one_system_prompt_hold_and_count_it_once(byte_limited_client):
+    client = byte_limited_client
+    # About 330 tokens: past the 256 a segment needs to be shared.
+    system = {"role": "system", "content": "You are a coding agent; keep every answer short. " * 10}
+    for city in ("Paris", "Rome", "Oslo", "Lima"):
+        messages = [system, {"role": "user", "content": f"what is the weather in {city}"}]
+        status, _, _ = await post(client, CHAT, {"messages": messages})
+        assert status == 200
+    figures = (await (await client.get("/health")).get_json())["prompt_cache"]
+    assert figures["evictions"] == 0 and figures["entries"] >= 4
+    # Counted whole, every entry repeats the system prompt; held, it is there once.
+    assert figures["entry_bytes"] > figures["max_bytes"] > figures["bytes"]
+    assert figures["bytes"] * 2 < figures["entry_bytes"]
+    # The first session's next turn still finds its entry.
+    messages = [system, {"role": "user", "content": "what is the weather in Paris"}]
+    _, body, response = await post(client, CHAT, {"messages": messages})
+    _, _, cached = reported(body, response)
+    assert cached >= body["usage"]["prompt_tokens"] - 1
+
+
 async def test_the_agent_apis_carry_the_header(client):
     long = "Tell me about the weather in Paris today, please. " * 6
     body = {"model": "default_model", "max_tokens": 4, "messages": [{"role": "user", "content": long}]}
