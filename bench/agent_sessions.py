@@ -47,8 +47,9 @@ reusable tokens over turns 2 and on, the share a cache could have given that it
 did give).
 
 Caveats: mlx_lm.server and the bare engine keep 10 prompt caches by default, ours
-64 (``--prompt-cache-size`` sets all three systems'): past 10 sessions their
-sessions' last turns may be evicted before their next turns arrive. A random-weight model's reply, decoded and
+64 (``--prompt-cache-size`` sets all three systems'): past 10 sessions whose turns
+wait (for a tool, for a place in the batch), theirs evict a session's last turn
+before its next one arrives. A random-weight model's reply, decoded and
 re-encoded, need not give back the tokens it generated (the cached tokens then
 stop where they part), and one whose vocabulary is larger than its tokenizer's
 (``make_shaped_model.py``) mostly generates ids that decode to nothing. A
