@@ -54,6 +54,7 @@ from runtime.messages import (
     StepOutputs,
 )
 from runtime.mlx_lm_internals import new_eviction_order
+from runtime.token_runs import FIRST_SPAN_REACH
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,13 @@ class PromptCachePolicy:
         # limits apply to it; ``entry_bytes`` counts every entry whole, as mlx-lm would.
         self.bytes = 0
         self.entry_bytes = 0
-        self._spans: dict[int, list[int]] = {}  # span id -> [entries using it, bytes]
+        # span id -> [entries using it, bytes, the token it ends at (0: not known), whether
+        # a system segment's entry made it]
+        self._spans: dict[int, list] = {}
+        # Spans freed in this step's events, kept to the step's end: an entry that covers
+        # another is reported after the entry it supersedes is removed, and lies in its
+        # spans, whose ends and kind only the first entry's event told.
+        self._freed_spans: dict[int, list] = {}
         self.stats = PromptCacheStats()
         self._live = TokenTrie()
         self._entries: dict[int, _Entry] = {}
@@ -201,12 +208,29 @@ class PromptCachePolicy:
         prompt = tokens_array(tokens)
         walk = self._live.walk(model, prompt)
         reused = predicted_reuse(walk, len(prompt), self.min_reuse)
+        if reused and walk.exact is None and walk.beyond and walk.depth > walk.prefix:
+            reused = self._at_first_span(walk.nearest, reused)
         if reused:
             return PromptCacheOutlook(
                 reused_tokens=reused, miss_reason=None, shared_tokens=walk.depth
             )
         reason = self._miss_reason(model, prompt, walk, template_key, conversation_keys)
         return PromptCacheOutlook(reused_tokens=0, miss_reason=reason, shared_tokens=walk.depth)
+
+    def _at_first_span(self, entry_id: int | None, reused: int) -> int:
+        """What the engine's fetch reuses of a longer entry trimmed to ``reused`` tokens:
+        where that is at most ``FIRST_SPAN_REACH`` tokens past the entry's first span, a
+        stored system prompt, and does not end its second span, the span alone
+        (``runtime.fetched_kv.at_first_span``: the few tokens after it are computed with
+        the rest)."""
+        entry = self._entries.get(entry_id) if entry_id is not None else None
+        if entry is None or len(entry.spans) < 2:
+            return reused
+        _, _, first, system = self._spans[entry.spans[0][0]]
+        second = self._spans[entry.spans[1][0]][2]
+        if system and first < reused <= first + FIRST_SPAN_REACH and reused != second:
+            return first
+        return reused
 
     def _miss_reason(self, model, prompt, walk: Walk, template_key, conversation_keys):
         if template_key is not None:
@@ -284,6 +308,7 @@ class PromptCachePolicy:
         """A new engine (empty cache), or none: every indexed entry is gone with the old one."""
         for entry_id in list(self._entries):
             self._remove(entry_id, ghost=CacheMissReason.ENGINE_RESTARTED)
+        self._freed_spans.clear()
         self._order = new_eviction_order()
         self.model = model
 
@@ -316,6 +341,7 @@ class PromptCachePolicy:
             evicted += self._evict_to(nbytes=self.max_bytes - outputs.stats.batch_kv_bytes)
         for request_id in outputs.terminal_ids():
             self._requests.pop(request_id, None)
+        self._freed_spans.clear()
         if outputs.started:
             outputs = attrs.evolve(outputs, started=tuple(started))
         self._log_if_due()
@@ -365,10 +391,17 @@ class PromptCachePolicy:
         self.entry_bytes += event.nbytes
         if not event.spans:
             self.bytes += event.nbytes
-        for span_id, nbytes in event.spans:
+        last = len(event.spans) - 1
+        for i, (span_id, nbytes) in enumerate(event.spans):
             held = self._spans.get(span_id)
             if held is None:
-                self._spans[span_id] = [1, nbytes]
+                if span_id in self._freed_spans:
+                    _, _, end, system = self._freed_spans.pop(span_id)
+                elif i == last:  # new: it ends with the entry's tokens
+                    end, system = len(event.tokens), event.cache_type == "system"
+                else:
+                    end, system = 0, False
+                self._spans[span_id] = [1, nbytes, end, system]
                 self.bytes += nbytes
             else:
                 held[0] += 1
@@ -402,7 +435,7 @@ class PromptCachePolicy:
             held[0] -= 1
             if not held[0]:
                 freed += held[1]
-                del self._spans[span_id]
+                self._freed_spans[span_id] = self._spans.pop(span_id)
         self.bytes -= freed
         if ghost is CacheMissReason.EVICTED:
             self.stats.evicted_bytes += freed

@@ -18,6 +18,8 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from runtime.token_runs import FIRST_SPAN_REACH
+
 
 class FetchedKVLayer(KVCache):
     """A fetched entry's layer (``SharedKVLayer``'s deep copy): a plain ``KVCache`` whose
@@ -82,9 +84,6 @@ class FetchedKVLayer(KVCache):
         return cache
 
 
-# A fetch that reuses at most this many tokens past its entry's first span reuses
-# the span alone (``at_first_span``).
-FIRST_SPAN_REACH = 64
 
 
 def at_first_span(cache, tokens: list[int], rest: list[int]):

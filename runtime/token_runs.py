@@ -2,13 +2,20 @@
 
 Owns ``tokens_array`` and ``common_run``, used by the engine's radix trie
 (``runtime.prompt_trie``) and by the prompt-cache policy's index
-(``actors.prompt_cache_index``). Receives token sequences; emits nothing.
+(``actors.prompt_cache_index``), and ``FIRST_SPAN_REACH``, which the engine's
+fetch and the policy's prediction of it share. Receives token sequences; emits
+nothing.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+
+# A fetch that reuses at most this many tokens past its entry's first span, a stored
+# system prompt, reuses the span alone (``runtime.fetched_kv.at_first_span``; the
+# prompt-cache policy predicts the same).
+FIRST_SPAN_REACH = 64
 
 
 def tokens_array(tokens: Sequence[int]) -> array:

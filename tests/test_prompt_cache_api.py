@@ -183,6 +183,10 @@ async def test_sessions_over_one_system_prompt_hold_and_count_it_once(byte_limit
     _, body, response = await post(client, CHAT, {"messages": messages})
     _, _, cached = reported(body, response)
     assert cached >= body["usage"]["prompt_tokens"] - 1
+    # Every reuse was what the index predicted when the request came in (the new
+    # sessions': the system prompt alone, without the user turn's opening tokens).
+    figures = (await (await client.get("/health")).get_json())["prompt_cache"]
+    assert figures["hits"] == 4 and figures["header_mismatches"] == 0
 
 
 async def test_the_agent_apis_carry_the_header(client):

@@ -316,6 +316,30 @@ def test_a_span_several_entries_lie_in_counts_once_and_goes_with_the_last_of_the
     assert (core.bytes, core.entry_bytes) == (0, 0)
 
 
+def test_a_new_session_is_predicted_to_reuse_the_system_prompt_alone():
+    system = tuple(range(1000, 1100))  # 100 tokens, a stored system segment: span 1
+    session = system + tuple(range(2000, 2080))  # its own 80 tokens: span 2
+    core = core_with()
+    # The system entry comes first; the session's entry, which covers it, supersedes it
+    # (reported after it), and lies in its span.
+    feed(core, stored(1, system, cache_type="system", spans=((1, 100),)),
+         CacheEntryRemoved(entry_id=1, reason="superseded"),
+         stored(2, session, spans=((1, 100), (2, 80))))
+    # Another session shares the system prompt and a user turn's few opening tokens:
+    # the engine's fetch reuses the system prompt's span alone, and so says the index.
+    opening = session[:105] + (7,) * 40
+    assert core.explain(MODEL, opening).reused_tokens == 100
+    # Sharing more than FIRST_SPAN_REACH (64) tokens past it: all of them.
+    far = session[:170] + (7,) * 5
+    assert core.explain(MODEL, far).reused_tokens == 170
+    # The session's next turn reuses its whole entry, the span not in the way.
+    assert core.explain(MODEL, session + (9,) * 5).reused_tokens == 180
+    # A system entry that no other entry lies in (too short to be shared): no trim.
+    plain = core_with()
+    feed(plain, stored(1, session, spans=((1, 180),)))
+    assert plain.explain(MODEL, opening).reused_tokens == 105
+
+
 def test_the_engines_default_byte_limit_holds_where_none_was_configured():
     core = core_with()
     assert core.max_bytes is None
