@@ -178,7 +178,7 @@ async def test_sessions_over_one_system_prompt_hold_and_count_it_once(byte_limit
     # Counted whole, every entry repeats the system prompt; held, it is there once.
     assert figures["entry_bytes"] > figures["max_bytes"] > figures["bytes"]
     assert figures["bytes"] * 2 < figures["entry_bytes"]
-    # The first session's next turn still finds its entry.
+    # The Paris conversation's next turn still finds its entry.
     messages = [system, {"role": "user", "content": "what is the weather in Paris"}]
     _, body, response = await post(client, CHAT, {"messages": messages})
     _, _, cached = reported(body, response)

@@ -301,7 +301,7 @@ def test_a_span_several_entries_lie_in_counts_once_and_goes_with_the_last_of_the
     assert (core.bytes, core.entry_bytes) == (24, 40)
     figures = core.figures()
     assert (figures["bytes"], figures["entry_bytes"]) == (24, 40)
-    # A third session's entry of 10 tokens of its own fits (34); a fourth's does not,
+    # A third conversation's entry of 10 tokens of its own fits (34); a fourth's does not,
     # and the oldest goes, freeing its own span only.
     c, d = system + tuple(range(10)), system + (20, 21, 22, 23)
     assert feed(core, stored(3, c, spans=((1, 16), (4, 10)))) == ()
@@ -316,7 +316,7 @@ def test_a_span_several_entries_lie_in_counts_once_and_goes_with_the_last_of_the
     assert (core.bytes, core.entry_bytes) == (0, 0)
 
 
-def test_a_new_session_is_predicted_to_reuse_the_system_prompt_alone():
+def test_a_new_conversation_is_predicted_to_reuse_the_system_prompt_alone():
     system = tuple(range(1000, 1100))  # 100 tokens, a stored system segment: span 1
     session = system + tuple(range(2000, 2080))  # its own 80 tokens: span 2
     core = core_with()
