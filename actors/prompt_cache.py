@@ -96,6 +96,16 @@ class _Entry:
 
 
 @attrs.define
+class _Span:
+    """A run of KV that stored entries lie in (``CacheEntryStored.spans``)."""
+
+    users: int  # the entries that lie in it
+    nbytes: int
+    end: int  # the token it ends at (0: not known)
+    system: bool  # a system segment's entry made it
+
+
+@attrs.define
 class _Ghost:
     """An entry that is gone: why, and what the explanation compares."""
 
@@ -150,13 +160,11 @@ class PromptCachePolicy:
         # limits apply to it; ``entry_bytes`` counts every entry whole, as mlx-lm would.
         self.bytes = 0
         self.entry_bytes = 0
-        # span id -> [entries using it, bytes, the token it ends at (0: not known), whether
-        # a system segment's entry made it]
-        self._spans: dict[int, list] = {}
+        self._spans: dict[int, _Span] = {}
         # Spans freed in this step's events, kept to the step's end: an entry that covers
         # another is reported after the entry it supersedes is removed, and lies in its
         # spans, whose ends and kind only the first entry's event told.
-        self._freed_spans: dict[int, list] = {}
+        self._freed_spans: dict[int, _Span] = {}
         self.stats = PromptCacheStats()
         self._live = TokenTrie()
         self._entries: dict[int, _Entry] = {}
@@ -226,10 +234,11 @@ class PromptCachePolicy:
         entry = self._entries.get(entry_id) if entry_id is not None else None
         if entry is None or len(entry.spans) < 2:
             return reused
-        _, _, first, system = self._spans[entry.spans[0][0]]
-        second = self._spans[entry.spans[1][0]][2]
-        if system and first < reused <= first + FIRST_SPAN_REACH and reused != second:
-            return first
+        first = self._spans[entry.spans[0][0]]
+        second = self._spans[entry.spans[1][0]].end
+        if first.system and first.end < reused <= first.end + FIRST_SPAN_REACH \
+                and reused != second:
+            return first.end
         return reused
 
     def _miss_reason(self, model, prompt, walk: Walk, template_key, conversation_keys):
@@ -394,17 +403,18 @@ class PromptCachePolicy:
         last = len(event.spans) - 1
         for i, (span_id, nbytes) in enumerate(event.spans):
             held = self._spans.get(span_id)
-            if held is None:
-                if span_id in self._freed_spans:
-                    _, _, end, system = self._freed_spans.pop(span_id)
-                elif i == last:  # new: it ends with the entry's tokens
-                    end, system = len(event.tokens), event.cache_type == "system"
-                else:
-                    end, system = 0, False
-                self._spans[span_id] = [1, nbytes, end, system]
-                self.bytes += nbytes
+            if held is not None:
+                held.users += 1
+                continue
+            if span_id in self._freed_spans:
+                held = self._freed_spans.pop(span_id)
+                held.users = 1
+            elif i == last:  # new: it ends with the entry's tokens
+                held = _Span(1, nbytes, len(event.tokens), event.cache_type == "system")
             else:
-                held[0] += 1
+                held = _Span(1, nbytes, 0, False)
+            self._spans[span_id] = held
+            self.bytes += nbytes
         if conversation is not None:
             self._by_conversation[conversation].add(event.entry_id)
 
@@ -432,9 +442,9 @@ class PromptCachePolicy:
         freed = 0 if entry.spans else entry.nbytes
         for span_id, _ in entry.spans:
             held = self._spans[span_id]
-            held[0] -= 1
-            if not held[0]:
-                freed += held[1]
+            held.users -= 1
+            if not held.users:
+                freed += held.nbytes
                 self._freed_spans[span_id] = self._spans.pop(span_id)
         self.bytes -= freed
         if ghost is CacheMissReason.EVICTED:
