@@ -98,7 +98,6 @@ class _Entry:
 @attrs.define
 class _Span:
     """A run of KV that stored entries lie in (``CacheEntryStored.spans``)."""
-
     users: int  # the entries that lie in it
     nbytes: int
     end: int  # the token it ends at (0: not known)
@@ -156,14 +155,12 @@ class PromptCachePolicy:
         self._configured_max_bytes = max_bytes  # None: the engine's default (device_budget)
         self.min_reuse = min_reuse
         self.model: str | None = None  # the engine whose entries the index holds
-        # The memory the entries hold: a span several entries lie in counted once. The
-        # limits apply to it; ``entry_bytes`` counts every entry whole, as mlx-lm would.
+        # Held: a span several entries lie in counted once (the limits apply to it).
         self.bytes = 0
-        self.entry_bytes = 0
+        self.entry_bytes = 0  # every entry counted whole, as mlx-lm would
         self._spans: dict[int, _Span] = {}
-        # Spans freed in this step's events, kept to the step's end: an entry that covers
-        # another is reported after the entry it supersedes is removed, and lies in its
-        # spans, whose ends and kind only the first entry's event told.
+        # Spans freed in this step's events, kept to its end: an entry is reported after the
+        # one it supersedes left, and lies in spans whose ends only that one's event told.
         self._freed_spans: dict[int, _Span] = {}
         self.stats = PromptCacheStats()
         self._live = TokenTrie()
