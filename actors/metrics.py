@@ -193,6 +193,7 @@ class RuntimeFigures:
     kv_reserved_bytes: int
     kv_budget_bytes: int
     engine_restarts: int
+    preemptions: int = 0
     stats: EngineStats
     prompt_cache: dict = attrs.field(factory=dict)  # the prompt-cache policy's figures
 
@@ -244,6 +245,12 @@ class RuntimeCollector(Collector):
             get("kv_reserved_bytes"),
         )
         yield gauge("kv_budget_bytes", "The KV-cache budget (0: none)", get("kv_budget_bytes"))
+        yield counter(
+            "preemptions",
+            "Sequences taken out of the engine as the KV budget ran short, each resumed "
+            "from its tokens so far (--kv-reply-reserve-tokens)",
+            get("preemptions"),
+        )
         yield counter(
             "engine_restarts", "Engine restarts after a crash", get("engine_restarts")
         )

@@ -9,11 +9,15 @@ round trip); at most ``max_waiting`` wait behind them, and beyond that
 
 Memory: each request carries an estimate of its KV cache at its longest
 (prompt + max_tokens). With a ``kv_budget``, a request larger than the whole
-budget is refused (413), and a waiting request starts only when the estimates
-of the sequences in the engine plus its own fit the budget, so the engine is
-never asked to hold more KV cache than the budget allows. Requests wait here,
-not in the engine, so a client that leaves while queued costs the engine
-nothing, and the prompt-cache lookup happens when the request is started.
+budget is refused (413), and a waiting request starts only when what the
+sequences in the engine reserve plus what it needs fit the budget, so the engine
+is never asked to hold more KV cache than the budget allows. What a sequence
+reserves, and how one that outgrows it is preempted and resumed, is
+``actors.kv_reservations``: a preempted sequence's ``SequenceAborted`` (and its
+resumption's ``SequenceStarted`` and prompt progress) stay here, so the client
+sees one stream. Requests wait here, not in the engine, so a client that leaves
+while queued costs the engine nothing, and the prompt-cache lookup happens when
+the request is started.
 
 The ``Scheduler`` actor receives each engine step's ``StepOutputs`` (and the
 ModelLoader's ``ModelReady`` / ``ModelLost``, in order with them) from the
@@ -40,6 +44,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from actors.kv_reservations import KvReservations
 from runtime.errors import Overloaded, PayloadTooLarge, Unavailable
 from runtime.handover import HandedOver
 from runtime.lifecycle import EngineInbox, ModelLost, ModelReady
@@ -57,7 +62,14 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerCore:
-    def __init__(self, *, max_in_engine: int, max_waiting: int, kv_budget: int | None = None):
+    def __init__(
+        self,
+        *,
+        max_in_engine: int,
+        max_waiting: int,
+        kv_budget: int | None = None,
+        reply_reserve_tokens: int = 0,
+    ):
         if max_in_engine <= 0 or max_waiting < 0:
             raise ValueError("max_in_engine must be > 0 and max_waiting >= 0")
         self.max_in_engine = max_in_engine
@@ -65,12 +77,18 @@ class SchedulerCore:
         self.kv_budget = kv_budget
         self.waiting: collections.OrderedDict[int, Submit] = collections.OrderedDict()
         self.in_engine: set[int] = set()
-        self._reserved: dict[int, int] = {}
+        self.reservations = KvReservations(reply_reserve_tokens)
+        # A preempted sequence resumes as a new one in the engine, but its client has
+        # one stream: its SequenceStarted passes once (``_shown``: the requests whose
+        # start has passed), and its prefill's progress not at all (``_resuming``: the
+        # resumed ones).
+        self._shown: set[int] = set()
+        self._resuming: set[int] = set()
         self._next_id = 1
 
     @property
     def kv_reserved(self) -> int:
-        return sum(self._reserved.values())
+        return self.reservations.total
 
     def allocate_id(self) -> int:
         request_id = self._next_id
@@ -116,16 +134,15 @@ class SchedulerCore:
             if not self._fits(head):
                 break  # FIFO: the head waits for memory, and so do those behind it
             self.waiting.popitem(last=False)
-            for request_id in ids:
-                self.in_engine.add(request_id)
-                self._reserved[request_id] = head.kv_bytes // len(ids)
+            self.in_engine.update(ids)
+            self.reservations.start(head)
             started.append(head)
         return started
 
     def _fits(self, submit: Submit) -> bool:
         if self.kv_budget is None or not self.in_engine:
             return True
-        return self.kv_reserved + submit.kv_bytes <= self.kv_budget
+        return self.kv_reserved + self.reservations.needed(submit) <= self.kv_budget
 
     def abort(self, request_id: int, reason: AbortReason) -> Abort | None:
         """Forget a request; returns the ``Abort`` the engine needs, if any.
@@ -133,23 +150,61 @@ class SchedulerCore:
         A waiting request with several choices is aborted by its first id
         (the Session aborts all of them together)."""
         if self.waiting.pop(request_id, None) is not None:
+            self._forget(request_id)
             return None
         if request_id in self.in_engine:
             self.in_engine.discard(request_id)
-            self._reserved.pop(request_id, None)
+            self._forget(request_id)
             return Abort(request_id=request_id, reason=reason)
         return None
 
-    def on_outputs(self, outputs: StepOutputs) -> None:
-        for request_id in outputs.terminal_ids():
+    def on_outputs(self, outputs: StepOutputs) -> tuple[StepOutputs, list[Abort]]:
+        """Account for one step: the step as the client side gets it, and the
+        sequences to preempt (their ``Abort``s) when the budget runs short."""
+        reservations = self.reservations
+        reservations.count(outputs.tokens)
+        resumed = {e.request_id for e in outputs.aborted if reservations.is_preempting(e.request_id)}
+        ended = outputs.terminal_ids() - resumed
+        shown, resuming = self._shown, self._resuming
+        if resumed or resuming or any(e.request_id in shown for e in outputs.started):
+            outputs = attrs.evolve(
+                outputs,
+                aborted=tuple(e for e in outputs.aborted if e.request_id not in resumed),
+                started=tuple(e for e in outputs.started if e.request_id not in shown),
+                progress=tuple(e for e in outputs.progress if e.request_id not in resuming),
+            )
+        shown.update(e.request_id for e in outputs.started)
+        for request_id in ended:
             self.in_engine.discard(request_id)
-            self._reserved.pop(request_id, None)
+            self._forget(request_id)
+        for request_id in sorted(resumed, reverse=True):
+            self.in_engine.discard(request_id)
+            # At the head of the queue: it was in the engine before those waiting.
+            self.waiting[request_id] = reservations.resumed(request_id)
+            self.waiting.move_to_end(request_id, last=False)
+            resuming.add(request_id)
+        victims = reservations.preempt(self.kv_budget)
+        return outputs, [Abort(request_id=i, reason=AbortReason.PREEMPTED) for i in victims]
+
+    def drop_waiting(self) -> list[int]:
+        """No engine is coming back: forget the waiting requests. Returns their ids."""
+        ids = [i for submit in self.waiting.values() for i in submit.request_ids]
+        self.waiting.clear()
+        for request_id in ids:
+            self._forget(request_id)
+        return ids
+
+    def _forget(self, request_id: int) -> None:
+        self.reservations.release(request_id)
+        self._shown.discard(request_id)
+        self._resuming.discard(request_id)
 
     def engine_lost(self) -> list[int]:
         """The engine died: everything inside it is gone. Returns those ids."""
         lost = sorted(self.in_engine)
         self.in_engine.clear()
-        self._reserved.clear()
+        for request_id in lost:
+            self._forget(request_id)
         return lost
 
 
@@ -175,6 +230,7 @@ class SchedulerFigures:
     waiting: int
     kv_reserved_bytes: int
     kv_budget_bytes: int | None
+    preemptions: int  # sequences taken out of the engine to resume later (KV budget)
     stats: EngineStats  # the engine's latest snapshot
 
 
@@ -238,6 +294,7 @@ class Scheduler:
             waiting=len(core.waiting),
             kv_reserved_bytes=core.kv_reserved,
             kv_budget_bytes=core.kv_budget,
+            preemptions=core.reservations.preemptions,
             stats=self._last_stats,
         )
 
@@ -288,8 +345,7 @@ class Scheduler:
         ids = self._core.engine_lost()
         if lost.permanent:
             self._gone = lost.reason
-            ids += [i for submit in self._core.waiting.values() for i in submit.request_ids]
-            self._core.waiting.clear()
+            ids += self._core.drop_waiting()
         self._last_stats = EngineStats()  # the dead engine's figures are not the truth
         return StepOutputs(
             failed=tuple(
@@ -302,7 +358,10 @@ class Scheduler:
 
     def on_step(self, outputs: StepOutputs) -> StepOutputs:
         """Account for one engine step; returns it as the Detokenizer gets it."""
-        self._core.on_outputs(outputs)
+        outputs, preempted = self._core.on_outputs(outputs)
+        if self._engine_inbox is not None:
+            for abort in preempted:
+                self._engine_inbox.put(abort)
         outputs, evicted = self._prompt_cache.on_step(outputs)
         if evicted and self._engine_inbox is not None:
             # Before new submits: they are looked up after it.

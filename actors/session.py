@@ -289,6 +289,7 @@ class Session:
             logprobs=self._logprobs or self._top_logprobs > 0,
             top_logprobs=self._top_logprobs,
             kv_bytes=handle.info.kv_bytes_per_token * (prompt_tokens + max_tokens) * self.n,
+            kv_bytes_per_token=handle.info.kv_bytes_per_token,
             num_draft_tokens=self._num_draft_tokens,
             constraint=constraint,
             cache_scope=self._cache_scope,

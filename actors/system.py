@@ -130,6 +130,7 @@ class Runtime:
             SchedulerCore(
                 max_in_engine=config.decode_concurrency + config.prompt_concurrency,
                 max_waiting=config.max_queued_requests,
+                reply_reserve_tokens=config.kv_reply_reserve_tokens,
             ),
             to_detokenizer=self._detok_send,
             prompt_cache=self.prompt_cache,
@@ -342,6 +343,7 @@ class Runtime:
             kv_reserved_bytes=scheduler.kv_reserved_bytes,
             kv_budget_bytes=scheduler.kv_budget_bytes or 0,
             engine_restarts=loader.restarts,
+            preemptions=scheduler.preemptions,
             stats=scheduler.stats,
             prompt_cache=self.prompt_cache_figures(),
         )
@@ -358,6 +360,11 @@ class Runtime:
             "requests_in_flight": scheduler.in_flight,
             "waiting": scheduler.waiting,
             "engine_restarts": loader.restarts,
+            "kv_cache": {
+                "budget_bytes": scheduler.kv_budget_bytes,
+                "reserved_bytes": scheduler.kv_reserved_bytes,
+                "preemptions": scheduler.preemptions,
+            },
             "prompt_cache": self.prompt_cache_figures(),
         }
         stats = scheduler.stats

@@ -254,6 +254,22 @@ class ServerConfig(PromptCacheSettings):
         "mind.",
         group=LIMITS,
     )
+    kv_reply_reserve_tokens: int = setting(
+        4096,
+        help="reply tokens a request reserves of the KV budget as it starts, grown by as many "
+        "each time its reply fills them; 0 reserves max_tokens whole",
+        minimum=0,
+        ours=True,
+        notes="Coding agents ask for 32,000 or more tokens a reply and use a few thousand at "
+        "most, so reserving `max_tokens` whole holds most of the budget idle and makes their "
+        "sessions wait. When replies outgrow the budget, the most recently started requests "
+        "leave the engine and resume at the head of the queue from their tokens so far, the "
+        "client seeing one stream (requests with n > 1, a constraint, images or a seed "
+        "reserve `max_tokens` whole and are never preempted). Lower it where replies are "
+        "short and many sessions share the budget; 0 where preemption is unwanted "
+        "([agents.md](agents.md#context-windows)).",
+        group=LIMITS,
+    )
     max_choices: int = setting(
         8,
         help="largest n a request may ask for (choices generated from one prompt)",

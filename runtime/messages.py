@@ -139,6 +139,7 @@ class Submit:
     logprobs: bool = False
     top_logprobs: int = 0
     kv_bytes: int = 0  # the Scheduler's estimate of this sequence's KV cache at its longest
+    kv_bytes_per_token: int = 0  # one choice's KV cache per token (0: unknown)
     num_draft_tokens: int | None = None  # speculative decoding: None means the server's
     # Structured outputs / tool choice (picklable), or None: free output
     constraint: ConstraintSpec | None = None
@@ -167,6 +168,8 @@ class AbortReason(enum.StrEnum):
     DEADLINE = "deadline"  # its timeout passed: it finishes with "length"
     SHUTDOWN = "shutdown"  # the server is stopping: it fails with a 503
     STOP_STRING = "stop_string"  # its text reached a stop string: it finishes with "stop"
+    # The KV budget ran short: it resumes from its tokens so far (actors.kv_reservations)
+    PREEMPTED = "preempted"
 
 
 @attrs.frozen(kw_only=True)

@@ -199,6 +199,7 @@ TEXT_VALUES = {
     "prompt_cache_bytes": "4GB", "kv_bits": "4", "kv_group_size": "32",
     "quantized_kv_start": "100", "max_queued_requests": "9", "max_request_bytes": "1000",
     "tokenizer_threads": "3", "request_timeout": "2.5", "kv_cache_budget_bytes": "512M",
+    "kv_reply_reserve_tokens": "1024",
     "distributed_backend": "ring", "distributed_timeout": "30", "engine_mode": "thread",
     "prefill_attention": "mlx",
     "decode_attention": "mlx",

@@ -1,0 +1,82 @@
+"""Preemption end to end, on the real tiny model: requests asking for long replies
+start within the KV budget on a reply reserve, and when their replies outgrow it the
+latest leave the engine and resume from their tokens so far. Each client still gets
+its whole reply in one stream, the same as when it ran alone (greedy), with usage
+and one terminal event (docs/operations.md#admission)."""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from api.server import create_app
+from runtime.config import ServerConfig
+from tests.conftest import wait_ready
+from tests.test_api import chat_body, parse_sse, post, stream_post
+
+CHAT = "/v1/chat/completions"
+BYTES_PER_TOKEN = 512  # the tiny model: 2 layers x 2 kv heads x 16 dims x (K, V) x 4 bytes
+REPLY = 90
+
+
+def question(i: int, never_end: dict) -> dict:
+    return chat_body(f"question {i}: tell me a long story", max_tokens=REPLY,
+                     logit_bias=never_end)
+
+
+async def test_replies_that_outgrow_the_budget_are_preempted_and_resumed_whole(
+    tiny_model_path, tiny_tokenizer
+):
+    never_end = {str(e): -100 for e in tiny_tokenizer.eos_token_ids}
+    # 200 tokens of KV cache: each request (about 25 prompt tokens + 90) fits alone, and
+    # three start together on a reserve of 16 reply tokens each, then outgrow it.
+    config = ServerConfig(
+        model=tiny_model_path,
+        kv_cache_budget_bytes=200 * BYTES_PER_TOKEN,
+        kv_reply_reserve_tokens=16,
+    )
+    app = create_app(config)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        alone = []
+        for i in range(3):
+            status, body, _ = await post(client, CHAT, question(i, never_end))
+            assert status == 200
+            alone.append(body)
+        health = await (await client.get("/health")).get_json()
+        assert health["kv_cache"]["preemptions"] == 0  # one at a time: nothing to preempt
+
+        together: list = [None] * 3
+
+        async def ask(i: int) -> None:
+            body = dict(question(i, never_end), stream=True,
+                        stream_options={"include_usage": True})
+            together[i] = await stream_post(client, CHAT, body)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(ask, i)
+
+        health = await (await client.get("/health")).get_json()
+        assert health["kv_cache"]["preemptions"] >= 1
+        assert health["kv_cache"]["reserved_bytes"] == 0
+        for i, (status, _, raw) in enumerate(together):
+            assert status == 200
+            payloads, _, done = parse_sse(raw)
+            assert done
+            text = "".join(
+                p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"]
+            )
+            finishes = [p["choices"][0]["finish_reason"] for p in payloads
+                        if p["choices"] and p["choices"][0]["finish_reason"]]
+            usage = payloads[-1]["usage"]
+            assert text == alone[i]["choices"][0]["message"]["content"], i
+            assert finishes == ["length"]
+            assert usage["completion_tokens"] == REPLY
+            assert usage["prompt_tokens"] == alone[i]["usage"]["prompt_tokens"]
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+        line = next(x for x in metrics.splitlines() if x.startswith("mlx_trio_preemptions_total"))
+        assert float(line.split()[-1]) == health["kv_cache"]["preemptions"]
+        json.dumps(health)  # /health stays plain JSON
