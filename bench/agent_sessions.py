@@ -12,7 +12,12 @@ session sends its next turn as soon as its reply has finished (closed loop), or
 other sessions' turns finish and are stored meanwhile, and a cache that keeps
 fewer entries than there are sessions loses their histories.
 Replies are fixed-length (``max_tokens`` = G; a random-weight model may stop
-earlier at EOS: the counts come from the usage).
+earlier at EOS: the counts come from the usage). With ``--ask-tokens A`` (HTTP
+systems), each request asks for ``max_tokens`` = A, as agents do (Claude Code asks
+for 64,000), and the client closes the stream after G tokens' chunks, where an
+agent's reply would have ended: what a server reserves for a reply then matters.
+Such a turn has no usage chunk: its tokens are its content chunks, and its prompt
+and cached tokens are unknown.
 
 Three systems, same workload, same prompts:
 
@@ -163,6 +168,9 @@ class AgentWorkload:
     # Seconds between a reply and the session's next turn (an agent running a tool),
     # each drawn from this range; (0, 0): the next turn is sent at once.
     tool_seconds: tuple[float, float] = (0.0, 0.0)
+    # HTTP systems: the max_tokens each request asks for (None: its reply's length);
+    # the client closes the stream after the reply's length.
+    ask_tokens: int | None = None
 
     def user_length(self, session: int, turn: int) -> int:
         return random.Random(f"{self.seed}-user-len-{session}-{turn}").randint(*self.user_tokens)
@@ -298,7 +306,9 @@ def _payload(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _http_turn(client, messages, rec: TurnRecord, t0: float) -> str:
+async def _http_turn(
+    client, messages, rec: TurnRecord, t0: float, ask_tokens: int | None = None
+) -> str:
     """Stream one turn into ``rec``; returns the reply's content (the history's text)."""
     import httpx
     import trio
@@ -309,7 +319,9 @@ async def _http_turn(client, messages, rec: TurnRecord, t0: float) -> str:
     try:
         while True:
             try:
-                reply = await _stream(client, messages, rec, headers, content, chunk_times, t0)
+                reply = await _stream(
+                    client, messages, rec, headers, content, chunk_times, t0, ask_tokens
+                )
                 break
             except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
                 # A connection refused or reset before any answer (mlx_lm.server's
@@ -329,12 +341,16 @@ async def _http_turn(client, messages, rec: TurnRecord, t0: float) -> str:
     return reply
 
 
-async def _stream(client, messages, rec: TurnRecord, headers, content, chunk_times, t0) -> str:
-    """One attempt at a turn: its content chunks into ``content`` and ``chunk_times``."""
+async def _stream(
+    client, messages, rec: TurnRecord, headers, content, chunk_times, t0, ask_tokens=None
+) -> str:
+    """One attempt at a turn: its content chunks into ``content`` and ``chunk_times``.
+    With ``ask_tokens``: the request asks for that many, and the stream is closed after
+    ``rec.max_tokens`` chunks (the turn's tokens)."""
     async with client.stream(
         "POST",
         "/v1/chat/completions",
-        json=_payload(messages, rec.max_tokens),
+        json=_payload(messages, ask_tokens or rec.max_tokens),
         headers=headers,
     ) as resp:
         if resp.status_code != 200:
@@ -369,6 +385,10 @@ async def _stream(client, messages, rec: TurnRecord, headers, content, chunk_tim
                     chunk_times.append(now)
                 if choice.get("finish_reason"):
                     rec.finish_reason = choice["finish_reason"]
+            if ask_tokens and len(chunk_times) >= rec.max_tokens and not rec.finish_reason:
+                rec.completion_tokens = len(chunk_times)
+                rec.finish_reason = "closed"  # where the agent's reply would have ended
+                break
     return "".join(content)
 
 
@@ -400,7 +420,7 @@ async def _run_http_async(
             messages = conv.request(prompts.user(session, turn))
             rec.reusable_tokens = reusable_after(prev)
             rec.start_s = time.perf_counter() - t0
-            reply = await _http_turn(client, messages, rec, t0)
+            reply = await _http_turn(client, messages, rec, t0, w.ask_tokens)
             records.append(rec)
             if rec.error is not None:
                 log.warning("%s session %d turn %d: %s", system, session, turn, rec.error)
@@ -826,9 +846,13 @@ def plot(summary: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ax_cache.set_xlabel(f"turn ({top} sessions)")
     ax_cache.set_ylabel("cached / prompt tokens")
     ax_cache.set_ylim(-0.02, 1.02)
+    if not ax_cache.lines:  # streams closed before their usage chunk (--ask-tokens)
+        ax_cache.text(0.5, 0.5, "no usage reported: each stream closed\nwhere its reply ended",
+                      ha="center", va="center", transform=ax_cache.transAxes, fontsize=9)
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -840,9 +864,10 @@ def run_title(meta: dict[str, Any]) -> str:
     u, g = w["user_tokens"], w["max_tokens"]
     tool = w.get("tool_seconds") or (0, 0)
     tools = f", tools {tool[0]:g}-{tool[1]:g} s" if tool[1] else ""
+    asked = f" (asking {w['ask_tokens']})" if w.get("ask_tokens") else ""
     return (
         f"{Path(str(meta['model'])).name}: {w['turns']} turns, system {w['system_tokens']} tok, "
-        f"user {u[0]}-{u[1]} tok, max_tokens {g[0]}-{g[1]}{tools}, {meta['rounds']} round(s), "
+        f"user {u[0]}-{u[1]} tok, max_tokens {g[0]}-{g[1]}{asked}{tools}, {meta['rounds']} round(s), "
         f"{meta.get('machine', {}).get('cpus')} CPUs, {meta['timestamp']}"
     )
 
@@ -982,6 +1007,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "running a tool; default 0: at once). Sessions whose turns arrive at once are "
         "looked up right after their last turn was stored; with a pause, other sessions' "
         "turns are stored between, as with a real agent's tools",
+    )
+    p.add_argument(
+        "--ask-tokens",
+        type=int,
+        default=None,
+        help="A: HTTP systems ask for max_tokens A in every request, as agents do (Claude "
+        "Code: 64000), and close the stream after G tokens' chunks, where the reply would "
+        "have ended (default: ask for G)",
     )
     p.add_argument("--rounds", type=int, default=None, help="rounds of all systems (default 2)")
     p.add_argument("--warm-up-pass", action=argparse.BooleanOptionalAction, default=True,
@@ -1176,6 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=tuple(ns.max_tokens),
         seed=ns.seed,
         tool_seconds=tuple(ns.tool_seconds),
+        ask_tokens=ns.ask_tokens,
     )
     window = model_window(model)
     if window is not None and longest_prompt(base) > window:

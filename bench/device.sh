@@ -30,7 +30,10 @@
 #                                  step trace (agent_sessions.py --probe-dir);
 #                                  AGENTS_TOOL_SECONDS=LO-HI: a tool's pause between a
 #                                  session's turns (--tool-seconds; JSON named "-tools");
-#                                  AGENTS_NO_WARM_UP=1: no warm-up pass (saves its time)
+#                                  AGENTS_NO_WARM_UP=1: no warm-up pass (saves its time);
+#                                  AGENTS_ASK_TOKENS=A: requests ask for max_tokens A, as
+#                                  agents do, each stream closed where its reply ends
+#                                  (--ask-tokens; JSON named "-ask")
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS[:LEVELS[:SPREAD[:VARIANTS]]]  a cold prompt alone and in a wave of 8 (LEVELS,
@@ -195,12 +198,13 @@ for scenario in "$@"; do
       [ -n "${AGENTS_PROBE:-}" ] && extra+=(--probe-dir "$OUT/agents-probe-$SECONDS")
       [ -n "${AGENTS_TOOL_SECONDS:-}" ] && extra+=(--tool-seconds "$AGENTS_TOOL_SECONDS")
       [ -n "${AGENTS_NO_WARM_UP:-}" ] && extra+=(--no-warm-up-pass)
+      [ -n "${AGENTS_ASK_TOKENS:-}" ] && extra+=(--ask-tokens "$AGENTS_ASK_TOKENS")
       named=$(printf '%s' "${AGENTS_VARIANTS:-}" | sed 's/[@=][^|]*//g; s/|/-/g')
       timeout -s INT -k 10 "$(limit 540)" python3 bench/agent_sessions.py --model "$dir" \
         --systems "${p4:-ours,mlx_lm,engine}" --system-tokens "$p1" --sessions "${p2:-1,4,16}" \
         --turns "${p3:-6}" --user-tokens 200-500 --max-tokens 64-256 \
         --rounds "${AGENTS_ROUNDS:-1}" --server-args "${AGENTS_SERVER_ARGS:-}" "${extra[@]}" \
-        --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}${named:+-$named}${AGENTS_TOOL_SECONDS:+-tools}.json" \
+        --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}${named:+-$named}${AGENTS_TOOL_SECONDS:+-tools}${AGENTS_ASK_TOKENS:+-ask}.json" \
         2>&1 | grep -v "httpx\|HTTP/1.1" | tail -24
       ;;
     trace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -165,3 +166,40 @@ def test_a_variant_has_its_own_rows_ratio_and_colour():
         "reused_of_reusable")}, "errors": 0} for s, t in (("ours", 200.0), ("no-reuse", 100.0))}}
     table = bench.render_table(summary)
     assert "ours/no-reuse" in table and " 2.00 " in table
+
+
+async def test_asking_for_more_closes_the_stream_where_the_reply_ends():
+    """--ask-tokens: the request asks for A tokens, and the client stops reading after
+    the turn's own length, counting the chunks it read as the reply's tokens."""
+    import httpx
+
+    sent: list[dict] = []
+
+    class Chunks(httpx.AsyncByteStream):
+        def __init__(self) -> None:
+            self.read = 0
+
+        async def __aiter__(self):
+            for i in range(50):
+                self.read += 1
+                delta = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+                yield f"data: {json.dumps(delta)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+    streams: list[Chunks] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        streams.append(Chunks())
+        return httpx.Response(200, stream=streams[-1])
+
+    w = bench.AgentWorkload(ask_tokens=32000)
+    rec = bench.TurnRecord("ours", 1, 1, 0, 1, 7, 200)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://x") as c:
+        reply = await bench._http_turn(c, [{"role": "user", "content": "hi"}], rec, 0.0,
+                                       w.ask_tokens)
+    assert sent[0]["max_tokens"] == 32000
+    assert reply == "".join(f"t{i} " for i in range(7))
+    assert rec.completion_tokens == 7 and rec.finish_reason == "closed" and rec.error is None
+    assert streams[0].read < 50  # it stopped reading
+    assert bench.parse_args(["--quick", "--ask-tokens", "64000"]).ask_tokens == 64000
