@@ -16,8 +16,9 @@ their sessions waiting. When the sequences' growth takes the total over the
 budget, the most recently started preemptible sequences leave the engine (an
 ``Abort`` with ``AbortReason.PREEMPTED``), and each resumes at the head of the
 queue as a request whose prompt is its prompt and the tokens it has generated,
-with the tokens left of its ``max_tokens`` (vLLM's preemption by recomputation;
-SGLang's retraction). The prompt cache serves the resumed prompt's prefix.
+with the tokens left of its ``max_tokens`` (vLLM's preemption, SGLang's
+retraction). The engine leaves a preempted sequence's KV, its reply's included, in
+the prompt cache, so the resumption computes at most what was evicted meanwhile.
 
 Preemptible: one choice, no constraint, no images, no seed (a resumed sequence
 draws from a new random state), and a known KV size per token. The others

@@ -5,7 +5,8 @@ chunks stores its computed part; the same prompt sent again starts from it,
 reports it as cached and produces the very tokens it produces computed whole;
 a request waiting behind the aborted one's prefix starts from it too; nothing
 is kept below the floor, with the setting off, or for a request aborted before
-its prompt began.
+its prompt began. A sequence preempted for the KV budget leaves its prompt and
+reply so far, whatever the floor, and its resumption starts from them.
 """
 
 from __future__ import annotations
@@ -140,3 +141,46 @@ def test_a_request_waiting_behind_an_aborted_prefix_starts_from_what_it_computed
     assert cached[41] == 3 * STEP
     # Its answer is the one it gives computed whole.
     assert started_cached(cores[0], submit(42, system, tail)) == (0, tokens)
+
+
+def test_a_preempted_sequence_leaves_its_prompt_and_reply_cached_and_resumes_from_them(cores):
+    """The KV budget's preemption: the sequence's KV, its reply so far included, goes to
+    the prompt cache whatever the floor, and the request that resumes it (its prompt and
+    reply as the prompt) starts from it and goes on as the whole sequence would."""
+    from runtime.messages import AbortReason
+
+    core = cores[0]  # aborted prefills are not kept here: a preempted sequence is
+    eos = core.handle.tokenizer.eos_token_ids
+    never_end = SamplingParams(logit_bias=tuple((e, -100.0) for e in eos))
+
+    def request(request_id, prompt, reply=(), max_tokens=30):
+        segments = (prompt, tuple(reply)) if reply else (prompt,)
+        return Submit(
+            request_id=request_id, prompt=prompt + tuple(reply), segments=segments,
+            segment_types=("user", "assistant")[: len(segments)], max_tokens=max_tokens,
+            sampling=never_end,
+        )
+
+    def reply_then_abort(request_id, prompt, reason):
+        core.handle_command(request(request_id, prompt))
+        reply = []
+        while len(reply) < 10:
+            reply += [e.token for e in core.step().tokens if e.request_id == request_id]
+        core.handle_command(Abort(request_id=request_id, reason=reason))
+        out = core.step()
+        assert [a.request_id for a in out.aborted] == [request_id]
+        return tuple(reply)
+
+    prompt = tokens_of(core, 300, seed=7)
+    reply = reply_then_abort(60, prompt, AbortReason.PREEMPTED)
+    cached, rest = started_cached(core, request(61, prompt, reply, max_tokens=30 - len(reply)))
+    assert cached == len(prompt) + len(reply) - 1  # all of it: the last token is fed again
+    # Its reply goes on as the sequence's own would have (greedy), computed whole.
+    whole_core = cores[100]
+    assert started_cached(whole_core, request(62, prompt))[1] == list(reply) + rest
+
+    # A client that left (any other reason) leaves no reply in the cache.
+    other = tokens_of(core, 300, seed=8)
+    reply = reply_then_abort(63, other, AbortReason.CLOSED)
+    cached, _ = started_cached(core, request(64, other, reply, max_tokens=30 - len(reply)))
+    assert cached <= len(other)

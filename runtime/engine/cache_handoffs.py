@@ -97,25 +97,33 @@ class CacheHandoffs:
             self.entries.insert(seq.cache_key, list(response.all_tokens), response.prompt_cache,
                                 cache_type="assistant", request_id=seq.request_id)
 
-    def aborted(self, batch: Any, seq: SequenceRecord) -> None:
+    def aborted(self, batch: Any, seq: SequenceRecord, preempted: bool = False) -> None:
         """``seq`` is being aborted. Still in its prompt, with at least
         ``aborted_prefill_min_tokens`` tokens computed that the cache did not hold,
         its KV so far is stored: a client that timed out during a long prefill and
         sends the same request again (agents retry) resumes from there, and so do the
-        requests that waited behind its prefix."""
+        requests that waited behind its prefix. ``preempted`` (the KV budget ran
+        short; it resumes from its prompt and reply so far): whatever KV it holds
+        once its prompt has begun, its reply's included, so that it resumes from it."""
         done, total = seq.prompt_progress
-        floor = self._aborted_floor
-        if not floor or not seq.save_final or not floor <= done < total:
+        if preempted:
+            keep = done > 0
+        else:
+            floor = self._aborted_floor
+            keep = floor and floor <= done < total
+        if not keep or not seq.save_final:
             return
         extracted = batch.extract_cache([seq.uid]).get(seq.uid)
         if extracted is None:  # a generator that cannot hand it over (one at a time)
             return
-        cache, tokens = extracted
-        # The type of the segment it was in (segment_types is reversed).
+        cache, tokens = extracted  # a decoding row's: its prompt and every token reported
+        # The type of the segment it was in (segment_types is reversed), or its reply.
         cache_type = seq.segment_types[-1] if seq.segment_types else "user"
-        self.entries.insert(seq.cache_key, list(tokens), cache, cache_type=cache_type,
+        self.entries.insert(seq.cache_key, list(tokens), cache,
+                            cache_type="assistant" if done >= total else cache_type,
                             request_id=seq.request_id)
-        self._counters.kept_aborted_prefill(done)
+        if not preempted:
+            self._counters.kept_aborted_prefill(done)
 
     def spill(self, seconds: float) -> int:
         """As the engine stops: write the entries memory holds to disk, the newest first,

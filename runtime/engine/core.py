@@ -60,6 +60,7 @@ from runtime.engine.shared_prefill import SharedPrefills, save_points
 from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
+    AbortReason,
     EngineCommand,
     EngineStats,
     EvictCache,
@@ -216,7 +217,7 @@ class EngineCore:
             ):
                 self._submit(command)
         elif isinstance(command, Abort):
-            if self._abort(command.request_id):
+            if self._abort(command.request_id, command.reason is AbortReason.PREEMPTED):
                 self.counters.aborted(command.posted_at)
         elif isinstance(command, EvictCache):
             self.cache_entries.evict(command.entry_ids)
@@ -295,9 +296,9 @@ class EngineCore:
         )
         return uid, cached, types, int(self._batch.prompt_cache_nbytes)
 
-    def _abort(self, request_id: int) -> bool:
-        """Remove a sequence now; returns whether there was one to remove. A first
-        choice takes with it the choices still waiting for its prompt."""
+    def _abort(self, request_id: int, preempted: bool = False) -> bool:
+        """Remove a sequence now (a first choice with the choices waiting for its prompt;
+        a preempted one leaves its KV cached); returns whether there was one to remove."""
         ended = (
             abort_waiting(self.admission.held, self._clones, request_id)
             or self._shared.drop(request_id)
@@ -309,7 +310,7 @@ class EngineCore:
         seq = self._by_request.get(request_id)
         if seq is None:
             return False  # already finished: its terminal event has been emitted
-        self._cache.aborted(self._batch, seq)  # before its followers look the cache up
+        self._cache.aborted(self._batch, seq, preempted)  # before its followers look it up
         self._forget(seq)
         self._batch.remove([seq.uid])
         self._aborted.append(SequenceAborted(request_id=request_id))
@@ -436,12 +437,8 @@ class EngineCore:
 
     def _fail_sequence(self, error: SequenceError) -> None:
         seq = self._by_uid.get(error.uid)
-        log.error(
-            "request %s failed: %s",
-            seq.request_id if seq else f"(uid {error.uid})",
-            error.message,
-            exc_info=error.__cause__ or error,
-        )
+        log.error("request %s failed: %s", seq.request_id if seq else f"(uid {error.uid})",
+                  error.message, exc_info=error.__cause__ or error)
         if seq is not None:
             self._forget(seq)
             self._failed.append(SequenceFailed(request_id=seq.request_id, message=error.message))
