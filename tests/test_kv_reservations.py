@@ -160,13 +160,20 @@ def test_a_sequence_that_outgrows_the_budget_preempts_the_latest_and_it_resumes(
     assert seen.tokens == tokens(2, 1, 2006)
 
 
-def test_a_client_that_leaves_while_its_sequence_is_preempted_gets_no_resumption():
+def two_started_the_second_preempted() -> SchedulerCore:
+    """A budget of 330 tokens, two requests of 100 + 50 reserved started; the first's
+    reply fills its room before the second has any: the second is preempted."""
     core = core_with_budget(330)
     core.admit(make_submit(1, max_tokens=230))
     core.admit(make_submit(2, max_tokens=230))
     core.to_start()
     _, preempt = core.on_outputs(StepOutputs(tokens=tokens(1, 50)))
     assert [a.request_id for a in preempt] == [2]
+    return core
+
+
+def test_a_client_that_leaves_while_its_sequence_is_preempted_gets_no_resumption():
+    core = two_started_the_second_preempted()
     assert core.abort(2, AbortReason.CLOSED) == Abort(request_id=2, reason=AbortReason.CLOSED)
     seen, _ = core.on_outputs(StepOutputs(aborted=(SequenceAborted(request_id=2),)))
     assert seen.aborted == (SequenceAborted(request_id=2),)
@@ -174,12 +181,7 @@ def test_a_client_that_leaves_while_its_sequence_is_preempted_gets_no_resumption
 
 
 def test_one_preempted_before_its_start_was_seen_shows_its_resumed_start():
-    core = core_with_budget(330)
-    core.admit(make_submit(1, max_tokens=230))
-    core.admit(make_submit(2, max_tokens=230))
-    core.to_start()
-    _, preempt = core.on_outputs(StepOutputs(tokens=tokens(1, 50)))
-    assert [a.request_id for a in preempt] == [2]
+    core = two_started_the_second_preempted()
     core.on_outputs(StepOutputs(aborted=(SequenceAborted(request_id=2),)))
     assert core.waiting[2].prompt == make_submit(2).prompt  # nothing generated: as sent
     core.on_outputs(StepOutputs(tokens=tokens(1, 1, finish="length")))
