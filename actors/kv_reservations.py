@@ -116,9 +116,9 @@ class KvReservations:
         """The sequences to take out of the engine so that the rest fit ``budget``: the
         most recently started preemptible ones, never the last one left. They keep
         their bytes until they have left (``resumed``)."""
-        if budget is None:
+        excess = 0 if budget is None else self.total - budget
+        if excess <= 0:
             return []
-        excess = self.total - budget
         staying = [i for i, held in self._held.items() if not held.preempting]
         chosen: list[int] = []
         for request_id in reversed(staying):
