@@ -246,8 +246,10 @@ class ServerConfig(PromptCacheSettings):
         above=0,
         ours=True,
         default_text="35 % of the accelerator's memory less the weights (CPU: of the RAM)",
-        notes="Estimated per request as bytes per token times (prompt tokens + `max_tokens`). "
-        "A request larger than the budget gets 413; others wait until they fit. The default "
+        notes="A request reserves bytes per token times its prompt tokens plus `max_tokens`, "
+        "or plus `--kv-reply-reserve-tokens` where it can be preempted (grown as its reply "
+        "fills them). A prompt that cannot fit the budget gets 413, `max_tokens` is lowered "
+        "to what it leaves, and a request waits until what it reserves fits. The default "
         "applies only when the model's bytes per token are known (non-zero). It leaves room "
         "for a second copy of the decoding batch's KV cache, which mlx-lm makes whenever a "
         "sequence joins or leaves it, and for the prompt cache; raise it only with both in "
