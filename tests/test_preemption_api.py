@@ -84,6 +84,39 @@ async def test_replies_that_outgrow_the_budget_are_preempted_and_resumed_whole(
         json.dumps(health)  # /health stays plain JSON
 
 
+async def two_agent_requests(tiny_model_path, body: dict, reserve: int) -> tuple[int, list]:
+    """Two ``body`` requests at once on a 200-token budget: the most that ran at once,
+    and the answers."""
+    config = ServerConfig(
+        model=tiny_model_path,
+        kv_cache_budget_bytes=200 * BYTES_PER_TOKEN,
+        kv_reply_reserve_tokens=reserve,
+    )
+    app = create_app(config)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        scheduler = app.extensions["runtime"].scheduler
+        running, answers = [], []
+
+        async def watch():
+            while True:
+                running.append(scheduler.figures().running)
+                await trio.lowlevel.checkpoint()
+
+        async def ask():
+            response = await client.post("/v1/messages", json=body)
+            answers.append((response.status_code, await response.get_json()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask)
+                inner.start_soon(ask)
+            nursery.cancel_scope.cancel()
+    return max(running), answers
+
+
 async def test_claude_code_s_max_tokens_no_longer_holds_the_whole_budget(tiny_model_path):
     """Claude Code asks /v1/messages for 64,000 tokens a reply. With a budget of 200
     tokens, reserving max_tokens whole (as lowered to the budget) lets one such request
@@ -91,34 +124,8 @@ async def test_claude_code_s_max_tokens_no_longer_holds_the_whole_budget(tiny_mo
     body = {"model": "default_model", "max_tokens": 64000,
             "messages": [{"role": "user", "content": "write the function, please"}]}
     for reserve, together in ((0, 1), (16, 2)):
-        config = ServerConfig(
-            model=tiny_model_path,
-            kv_cache_budget_bytes=200 * BYTES_PER_TOKEN,
-            kv_reply_reserve_tokens=reserve,
-        )
-        app = create_app(config)
-        async with app.test_app() as test_app:
-            client = test_app.test_client()
-            await wait_ready(client)
-            scheduler = app.extensions["runtime"].scheduler
-            running, answers = [], []
-
-            async def watch():
-                while True:
-                    running.append(scheduler.figures().running)
-                    await trio.lowlevel.checkpoint()
-
-            async def ask():
-                response = await client.post("/v1/messages", json=body)
-                answers.append((response.status_code, await response.get_json()))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch)
-                async with trio.open_nursery() as inner:
-                    inner.start_soon(ask)
-                    inner.start_soon(ask)
-                nursery.cancel_scope.cancel()
-            assert max(running) == together, reserve
-            assert [status for status, _ in answers] == [200, 200]
-            assert all(a["type"] == "message" and a["usage"]["output_tokens"] > 0
-                       for _, a in answers)
+        most, answers = await two_agent_requests(tiny_model_path, body, reserve)
+        assert most == together, reserve
+        assert [status for status, _ in answers] == [200, 200]
+        assert all(a["type"] == "message" and a["usage"]["output_tokens"] > 0
+                   for _, a in answers)
