@@ -84,8 +84,6 @@ class FetchedKVLayer(KVCache):
         return cache
 
 
-
-
 def at_first_span(cache, tokens: list[int], rest: list[int]):
     """A fetch (``cache``, ``rest``) whose reused prefix ends at most
     ``FIRST_SPAN_REACH`` tokens past its entry's first span, a stored system

@@ -117,10 +117,11 @@ class CacheHandoffs:
         if extracted is None:  # a generator that cannot hand it over (one at a time)
             return
         cache, tokens = extracted  # a decoding row's: its prompt and every token reported
-        # The type of the segment it was in (segment_types is reversed), or its reply.
-        cache_type = seq.segment_types[-1] if seq.segment_types else "user"
-        self.entries.insert(seq.cache_key, list(tokens), cache,
-                            cache_type="assistant" if done >= total else cache_type,
+        if done >= total:  # past its prompt: its reply
+            cache_type = "assistant"
+        else:  # the type of the segment it was in (segment_types is reversed)
+            cache_type = seq.segment_types[-1] if seq.segment_types else "user"
+        self.entries.insert(seq.cache_key, list(tokens), cache, cache_type=cache_type,
                             request_id=seq.request_id)
         if not preempted:
             self._counters.kept_aborted_prefill(done)
