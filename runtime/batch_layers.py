@@ -18,6 +18,16 @@ copy and the result). Sixteen agent sessions of 14k tokens reached 77 GB of an H
 80 in steps where rows joined, and 60-63 GB once joins were made this way
 (docs/performance.md). Here each layer's result is allocated once and both sides are
 written into it: held twice, copied once.
+
+A large batch (``large_batch_bytes``) holds itself once and one layer more: its copies
+are evaluated a layer at a time (``layers_evaluated_in_turn``), and a layer that would
+grow in the next pass (mlx-lm concatenates a new block onto it inside the model's
+pass, every layer's old and new arrays held until the pass ends) grows before it, a
+layer at a time (``room_made``). MLX frees an array's inputs once it is evaluated, so
+evaluated together a batch's copies hold the old arrays and the new ones whole: 268 MB
+of layers copied on this repository's CPU peaked 303 MB above them, and 53 MB a layer
+at a time. Sixteen 24k-token first turns over a shared system prompt (43 GB of KV on
+an H100) ran it out of memory as their prompt batch grew.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from runtime.mlx_environment import kv_bytes, large_batch_bytes
 from runtime.mlx_lm_internals import filter_layers, joined_paddings
 
 
@@ -38,7 +49,10 @@ def layers_filtered(batch: Any, keep: list[int]) -> Iterator[None]:
     if not keep:  # mlx-lm clears the list itself
         yield
         return
+    rows = len(batch.uids)
     filter_layers(caches, keep)
+    if len(keep) < rows:  # the kept rows copied
+        layers_evaluated_in_turn(caches)
     batch.prompt_cache = []
     try:
         yield
@@ -119,6 +133,51 @@ def extend_layers(caches: list, others: list, mine: list, theirs: list) -> bool:
     return True
 
 
+def layers_evaluated_in_turn(caches: list) -> bool:
+    """Where ``caches`` hold a large batch's KV (at least ``large_batch_bytes``): each
+    layer's keys and values evaluated in turn, so that a copy of the batch made lazily
+    (a join, a leave, a roll) frees each layer's old arrays before the next layer's new
+    ones are made. Whether it evaluated them (each evaluation waits for the device)."""
+    import mlx.core as mx
+
+    if kv_bytes(caches) < large_batch_bytes(mx):
+        return False
+    for c in caches:
+        arrays = [a for a in (getattr(c, "keys", None), getattr(c, "values", None))
+                  if a is not None]
+        if arrays:
+            mx.eval(arrays)
+    return True
+
+
+def room_made(caches: list, tokens: int) -> bool:
+    """Where ``caches`` hold a large batch's KV: each plain ``BatchKVCache`` layer without
+    room for ``tokens`` more keys grown now as mlx-lm's ``update_and_fetch`` would grow it
+    in the next pass (its keys cut to ``_idx`` where that is not a whole block, then
+    enough blocks of its ``step`` concatenated on), and evaluated before the next layer
+    grows. Whether any layer grew."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    short = [c for c in caches if type(c) is BatchKVCache and c.keys is not None
+             and c._idx + tokens > c.keys.shape[2]]
+    if not short or kv_bytes(caches) < large_batch_bytes(mx):
+        return False
+    for c in short:
+        blocks = (c.step + tokens - 1) // c.step
+        grown = []
+        for array in (c.keys, c.values):
+            if c._idx % c.step:
+                array = array[..., : c._idx, :]
+            rows, heads, _, dim = array.shape
+            block = mx.zeros((rows, heads, blocks * c.step, dim), dtype=array.dtype)
+            grown.append(mx.concatenate([array, block], axis=2))
+        del array, block  # the old layer goes with its evaluation
+        c.keys, c.values = grown
+        mx.eval(grown)
+    return True
+
+
 @contextlib.contextmanager
 def rows_aligned_by_slices(caches: list, tokens: Sequence[Sequence[int]]) -> Iterator[None]:
     """Around mlx-lm's ``PromptProcessingBatch.prompt`` of ``tokens`` (one list a row):
@@ -137,11 +196,13 @@ def rows_aligned_by_slices(caches: list, tokens: Sequence[Sequence[int]]) -> Ite
     2k)."""
     lengths = [len(t) for t in tokens]
     shifts = [max(lengths, default=0) - n for n in lengths]
+    import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
     plain = [c for c in caches if type(c) is BatchKVCache] if any(shifts) else []
+    in_turn = bool(plain) and kv_bytes(caches) >= large_batch_bytes(mx)
     for c in plain:
-        c.finalize = functools.partial(_finalize_rolled, c, shifts)
+        c.finalize = functools.partial(_finalize_rolled, c, shifts, in_turn)
     try:
         yield
     finally:
@@ -149,8 +210,10 @@ def rows_aligned_by_slices(caches: list, tokens: Sequence[Sequence[int]]) -> Ite
             c.__dict__.pop("finalize", None)
 
 
-def _finalize_rolled(cache: Any, shifts: list[int]) -> None:
-    """mlx-lm's ``BatchKVCache.finalize`` with its rows rolled by ``rolled_rows``."""
+def _finalize_rolled(cache: Any, shifts: list[int], in_turn: bool) -> None:
+    """mlx-lm's ``BatchKVCache.finalize`` with its rows rolled by ``rolled_rows``; the
+    layer's rolled rows evaluated at once where ``in_turn`` (a large batch,
+    ``layers_evaluated_in_turn``), mlx-lm finalizing its layers one after another."""
     padding = cache._right_padding
     if padding is None:
         return
@@ -159,6 +222,8 @@ def _finalize_rolled(cache: Any, shifts: list[int]) -> None:
     if cache.keys is not None:
         cache.keys = rolled_rows(mx, cache.keys, shifts)
         cache.values = rolled_rows(mx, cache.values, shifts)
+        if in_turn:
+            mx.eval(cache.keys, cache.values)
     cache.offset = cache.offset - padding
     cache.left_padding += padding
     cache._right_padding = None

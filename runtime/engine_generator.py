@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from runtime.batch_layers import room_made
 from runtime.decode_lanes import decoding_batch
 from runtime.mixed_step import MixedStepModel, chunk_tail_padding, on_ladder
 from runtime.mlx_lm_prefill import coming_prefill, coming_split, joiners, lone_prompt
@@ -125,6 +126,14 @@ class ChunkGoesFirst:
 
 class EngineBatchGenerator(ChunkGoesFirst, ShortFirstGenerator):
     """mlx-lm's ``BatchGenerator`` with short prompts first and chunks first."""
+
+    def _next(self):
+        # A large decoding batch grows before the step's pass, a layer at a time, not
+        # in it (runtime.batch_layers).
+        generation = self._generation_batch
+        for lane in getattr(generation, "lanes", (generation,)):
+            room_made(lane.prompt_cache, 1)
+        return super()._next()
 
     @property
     def completion_batch_size(self) -> int:

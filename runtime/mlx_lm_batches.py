@@ -35,13 +35,15 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime import vacant_rows
-from runtime.batch_layers import layers_extended, layers_filtered, rows_aligned_by_slices
-from runtime.mlx_environment import wait_before_batch_copy
-from runtime.mlx_lm_internals import (
-    evals_queued,
-    layer_paddings,
-    queue_evals_in_generate,
+from runtime.batch_layers import (
+    layers_evaluated_in_turn,
+    layers_extended,
+    layers_filtered,
+    room_made,
+    rows_aligned_by_slices,
 )
+from runtime.mlx_environment import wait_before_batch_copy
+from runtime.mlx_lm_internals import evals_queued, layer_paddings, queue_evals_in_generate
 from runtime.mlx_lm_prefill import tokens_to_come
 from runtime.plain_masks import plain_masks
 
@@ -122,6 +124,8 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         with _room_reserved(self.prompt_cache, tokens, self.tokens_to_come), \
                 plain_masks(self.prompt_cache, len(tokens), several=not queued), \
                 rows_aligned_by_slices(self.prompt_cache, tokens):
+            if tokens:  # a large batch grows before the pass, a layer at a time
+                room_made(self.prompt_cache, max(len(t) for t in tokens))
             if not queued:
                 return super().prompt(tokens)
             with evals_queued():
@@ -147,7 +151,10 @@ class RowAwarePromptBatch(PromptProcessingBatch):
         # leaves into the generation batch, which pads every row to its longest layer.
         # (A lone prompt's room is its own size when it leaves.)
         _room_given_back(self.prompt_cache)
+        copied = len(self.uids) > 0
         super().extend(batch)
+        if copied:
+            layers_evaluated_in_turn(self.prompt_cache)
 
     def generate(self, tokens):
         with plain_masks(self.prompt_cache, len(tokens)):
@@ -208,8 +215,10 @@ def _room_given_back(caches: list) -> None:
 class RowAwareGenerationBatch(GenerationBatch):
     """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
     and whose ``filter`` reads the layers' paddings at once. A large batch keeps a
-    leaving row's place for a joining one (``runtime.vacant_rows``), and waits for the
-    device before a copy of its layers (``wait_before_batch_copy``)."""
+    leaving row's place for a joining one (``runtime.vacant_rows``), waits for the
+    device before a copy of its layers (``wait_before_batch_copy``), evaluates that
+    copy a layer at a time, and grows before a pass, not in it
+    (``runtime.batch_layers``)."""
 
     def _step(self):
         with plain_masks(self.prompt_cache, len(self.uids)):
@@ -248,7 +257,11 @@ class RowAwareGenerationBatch(GenerationBatch):
             wait_before_batch_copy(mx, self.prompt_cache)  # an empty batch holds nothing
             with layers_extended(self, batch, mine, theirs):
                 super().extend(batch)
+            if rows:
+                layers_evaluated_in_turn(self.prompt_cache)
             vacant_rows.joined_vacant(self, batch, rows)
+        # This step's prefill chunk may carry the batch's next decode (runtime.mixed_step).
+        room_made(self.prompt_cache, 1)
         self._queue_next_tokens()
 
     def filter(self, keep):

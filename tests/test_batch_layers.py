@@ -10,6 +10,7 @@ import mlx_lm
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache
 
 from runtime import batch_layers, mlx_lm_batches
@@ -185,12 +186,21 @@ def test_rows_rolled_by_slices_are_mlx_lms_dynamic_roll(shifts, length):
     assert batch_layers.rolled_rows(mx, array, shifts).tolist() == want.tolist()
 
 
-def test_a_prompt_batch_of_rows_of_different_lengths_rolls_them_by_slices(monkeypatch):
+@pytest.mark.parametrize("large", [False, True])
+def test_a_prompt_batch_of_rows_of_different_lengths_rolls_them_by_slices(monkeypatch, large):
     """Rows that join a prompt batch with cached prefixes and chunks of different
     lengths: the batch's layers after the prompt are mlx-lm's, with no gather of the
-    whole cache (``dynamic_roll``) on the way; a batch of equal chunks rolls nothing."""
+    whole cache (``dynamic_roll``) on the way, a large batch's grown and rolled a layer
+    at a time; a batch of equal chunks rolls nothing."""
     import mlx_lm.models.cache as cache_module
     from mlx_lm.generate import PromptProcessingBatch
+
+    if large:
+        monkeypatch.setattr(batch_layers, "large_batch_bytes", lambda mx_: 0)
+    evaluated = []  # the arrays of each evaluation
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (evaluated.append(len(tree_flatten(a))),
+                                                real_eval(*a))[1])
 
     with tempfile.TemporaryDirectory() as folder:
         model, _ = mlx_lm.load(str(build_tiny_model(folder)))
@@ -214,8 +224,12 @@ def test_a_prompt_batch_of_rows_of_different_lengths_rolls_them_by_slices(monkey
     real_roll = cache_module.dynamic_roll
     monkeypatch.setattr(cache_module, "dynamic_roll",
                         lambda *a, **k: (rolls.append(a), real_roll(*a, **k))[1])
+    evaluated.clear()
     ours.prompt(chunks)
     assert not rolls
+    # each layer's keys and values grown (its prefix at 40 keys, the chunk padded to 7)
+    # and rolled on their own
+    assert evaluated.count(2) == (2 * len(model.layers) if large else 0)
     for got, want in zip(ours.prompt_cache, reference.prompt_cache, strict=True):
         assert _state(got) == _state(want)
         assert "finalize" not in got.__dict__  # the class's own again
