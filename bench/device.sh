@@ -83,6 +83,9 @@
 #                                  leaves (its kept rows selected by an index array, or as runs
 #                                  of rows concatenated; with the padding trimmed or not) and
 #                                  as one joins (mlx-lm's extend), 16 rows of 12000 by default
+#   batch-memory[=ROWS[:TOKENS]]  bench/batch_memory.py: what a batch's copies (a join, a
+#                                  leave, a growth, an alignment) hold at their peak, evaluated
+#                                  at once or a layer at a time; 16 rows of 12,000 tokens
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
 #                                  idle included, 25 Hz): 16 streams' decode-only steps, then
 #                                  their steps beside a prompt of TOKENS (16000), in-process;
@@ -334,6 +337,10 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     batch-copies)
       timeout -s INT -k 10 "$(limit 120)" python3 bench/batch_copies.py --rows "${shape:-16}" \
         --tokens "${p1:-12000}" --out "$OUT/batch-copies-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
+      ;;
+    batch-memory)
+      timeout -s INT -k 10 "$(limit 180)" python3 bench/batch_memory.py --rows "${shape:-16}" \
+        --tokens "${p1:-12000}" --out "$OUT/batch-memory-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
       ;;
     chunk-attention)
       # shellcheck disable=SC2086  # the options, split at spaces
