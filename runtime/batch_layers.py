@@ -24,10 +24,12 @@ are evaluated a layer at a time (``layers_evaluated_in_turn``), and a layer that
 grow in the next pass (mlx-lm concatenates a new block onto it inside the model's
 pass, every layer's old and new arrays held until the pass ends) grows before it, a
 layer at a time (``room_made``). MLX frees an array's inputs once it is evaluated, so
-evaluated together a batch's copies hold the old arrays and the new ones whole: 268 MB
-of layers copied on this repository's CPU peaked 303 MB above them, and 53 MB a layer
-at a time. Sixteen 24k-token first turns over a shared system prompt (43 GB of KV on
-an H100) ran it out of memory as their prompt batch grew.
+a layer's old arrays go before the next layer's new ones are made, where evaluated
+together the copies hold the old arrays and the new at once: as a row joined 16 rows of
+2,000 keys in Qwen3-0.6B's shape (3.67 GB), 1.76 GB beyond the batch on this
+repository's CPU, and 0.14 GB a layer at a time (bench/batch_memory.py). With a 36 GB
+KV budget, sixteen 24k-token first turns (a prompt batch holding the system prompt a
+row) ran an 80 GB H100 out of memory.
 """
 
 from __future__ import annotations
