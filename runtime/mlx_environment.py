@@ -141,7 +141,8 @@ def bound_buffer_cache(mx) -> int | None:
 
 
 # A decoding batch whose KV cache holds at least this share of the device's memory
-# waits for the device before a row joins it or leaves it (``wait_before_batch_copy``).
+# waits for the device before a row joins it or leaves it (``wait_before_batch_copy``),
+# and a batch that large copies and grows a layer at a time (``runtime.batch_layers``).
 BATCH_COPY_WAIT_SHARE = 1 / 8
 
 
@@ -185,11 +186,14 @@ def wait_before_batch_copy(mx, caches: list) -> bool:
 
 
 # The default KV budget's share of the memory the weights leave (the accelerator's,
-# or the machine's RAM on the CPU). A decoding batch's KV cache is copied whole as
-# rows join or leave it (mlx-lm's BatchKVCache), so for a moment the device holds it
-# twice (``wait_before_batch_copy`` keeps it to twice); the rest holds the weights'
-# neighbours: the prompt cache, MLX's freed buffers and the steps' activations. At
-# half the memory, the budget let a batch and its copies alone fill the device.
+# or the machine's RAM on the CPU). A decoding batch's KV cache is copied as rows join
+# or leave it and as it grows (mlx-lm's BatchKVCache): a batch below
+# ``BATCH_COPY_WAIT_SHARE`` of the memory is held twice for a moment, a larger one once
+# and a layer more (``runtime.batch_layers``). The rest holds the weights' neighbours:
+# the prompt cache, MLX's freed buffers and the steps' activations. At half the memory,
+# the budget let a batch and its copies alone fill the device; on an 80 GB H100 a
+# budget of 59 % ran sixteen 24k-token agent sessions out of memory in their first
+# turns even with the copies a layer at a time (docs/performance.md).
 KV_BUDGET_SHARE = 0.35
 
 
@@ -208,8 +212,8 @@ def default_kv_budget(mx, weights_bytes: int = 0) -> int:
 # The prompt cache's default byte limit, a share of the memory the weights leave, shared
 # with the running sequences (the cache gives way to the batch's KV caches: it holds at
 # most this share less what the batch holds). With the batch at most KV_BUDGET_SHARE
-# and its copy as long again, the KV caches stay within 0.45 + 0.35 = 80 % of that
-# memory; the rest holds MLX's freed buffers and the steps' activations. With only an
+# and its copy as long again at most, the KV caches stay within 0.45 + 0.35 = 80 % of
+# that memory; the rest holds MLX's freed buffers and the steps' activations. With only an
 # entry count (ten), sixteen agent sessions of 24k tokens on an 80 GB H100 could hold
 # the batch, its copy and ten 2.9 GB entries at once, and ran out of memory, after
 # which CUDA's state was broken (an illegal memory access in the next step).

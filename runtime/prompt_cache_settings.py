@@ -40,9 +40,9 @@ class PromptCacheSettings(TuningSettings):
         default_text="45 % of the accelerator's memory less the weights (CPU: of the RAM)",
         notes="The limit is shared with the running sequences: after each admission and each "
         "step the cache is trimmed to this value minus the bytes of the batch's KV caches, so "
-        "that the batch, the copy of it mlx-lm makes as sequences join or leave, and the cache "
-        "fit the device's memory together (the default, with the default KV budget: 80 % of "
-        "what the weights leave). The bytes counted are those held: sessions over one system "
+        "that the batch, its copies as sequences join or leave, and the cache fit the "
+        "device's memory together (the default, with the default KV budget: 80 % of what "
+        "the weights leave, at most). The bytes counted are those held: sessions over one system "
         "prompt hold its KV once, and it counts once. With no byte limit, sixteen agent sessions of 24k tokens run "
         "an 80 GB H100 out of memory. Raise it only with `--kv-cache-budget-bytes` in mind; a size above the "
         "memory is no limit. The prompt-cache policy decides the evictions (in mlx-lm's order) "
