@@ -182,18 +182,12 @@ def test_the_engine_answers_the_same_with_every_batch_large(tiny_model_path, mon
     import runtime.engine_generator as engine_generator
     import runtime.mlx_lm_batches as mlx_lm_batches
     from runtime.config import ServerConfig
-    from runtime.messages import SamplingParams, Submit
-    from tests.test_vacant_rows import engine_run
+    from runtime.messages import SamplingParams
+    from tests.test_vacant_rows import engine_run, user_submit
 
     def waves(core):
-        tok = core.handle.tokenizer
-
         def submit(i, text, max_tokens, **fields):
-            prompt = tuple(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                   add_generation_prompt=True, enable_thinking=False))
-            fields.setdefault("sampling", SamplingParams())
-            return Submit(request_id=i, prompt=prompt, segments=(prompt,), segment_types=("user",),
-                          max_tokens=max_tokens, **fields)
+            return user_submit(core.handle.tokenizer, i, text, max_tokens, **fields)
 
         return {
             0: [submit(0, "alpha beta " * 110, 40), submit(1, "gamma " * 150, 120),

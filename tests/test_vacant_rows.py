@@ -178,6 +178,17 @@ def test_decode_lanes_give_their_new_lanes_the_setting(model_path):
 
 # ----------------------------------------------------------------- the engine
 
+def user_submit(tokenizer, request_id: int, text: str, max_tokens: int, **fields):
+    """A Submit of one user message ``text``, greedy unless ``fields`` say otherwise."""
+    from runtime.messages import SamplingParams, Submit
+
+    prompt = tuple(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True, enable_thinking=False))
+    fields.setdefault("sampling", SamplingParams())
+    return Submit(request_id=request_id, prompt=prompt, segments=(prompt,),
+                  segment_types=("user",), max_tokens=max_tokens, **fields)
+
+
 def engine_run(core, waves: dict[int, list], abort_at: dict[int, int]) -> dict:
     """Submit ``waves`` (step -> Submits) and ``abort_at`` (step -> request id); each
     request's tokens, finish reason and failure."""
@@ -212,7 +223,7 @@ def test_the_engine_answers_the_same_with_vacant_rows(tiny_model_path, monkeypat
     import runtime.engine.loading as loading
     from runtime.config import ServerConfig
     from runtime.grammar import compile_constraint
-    from runtime.messages import SamplingParams, Submit
+    from runtime.messages import SamplingParams
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -220,11 +231,7 @@ def test_the_engine_answers_the_same_with_vacant_rows(tiny_model_path, monkeypat
         tok = core.handle.tokenizer
 
         def submit(i, text, max_tokens, **fields):
-            prompt = tuple(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                   add_generation_prompt=True, enable_thinking=False))
-            fields.setdefault("sampling", SamplingParams())
-            return Submit(request_id=i, prompt=prompt, segments=(prompt,), segment_types=("user",),
-                          max_tokens=max_tokens, **fields)
+            return user_submit(tok, i, text, max_tokens, **fields)
 
         constraint = compile_constraint(tok, response_format={
             "type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
