@@ -33,7 +33,8 @@
 #                                  AGENTS_NO_WARM_UP=1: no warm-up pass (saves its time);
 #                                  AGENTS_ASK_TOKENS=A: requests ask for max_tokens A, as
 #                                  agents do, each stream closed where its reply ends
-#                                  (--ask-tokens; JSON named "-ask")
+#                                  (--ask-tokens; JSON named "-ask"); the servers' logs come
+#                                  back as agents-server-logs-*.tgz
 #   trace=SHAPE:S:SESSIONS[:ARGS]  ours alone, two turns, with its engine process's step
 #                                  trace and cProfile (MLX_TRIO_ENGINE_PROBE / _PROFILE)
 #   cold=SHAPE:TOKENS[:LEVELS[:SPREAD[:VARIANTS]]]  a cold prompt alone and in a wave of 8 (LEVELS,
@@ -209,6 +210,10 @@ for scenario in "$@"; do
         --rounds "${AGENTS_ROUNDS:-1}" --server-args "${AGENTS_SERVER_ARGS:-}" "${extra[@]}" \
         --out "$OUT/agents-$shape-$p1-${p2:-all}${AGENTS_SERVER_ARGS:+-alt}${named:+-$named}${AGENTS_TOOL_SECONDS:+-tools}${AGENTS_ASK_TOKENS:+-ask}.json" \
         2>&1 | grep -v "httpx\|HTTP/1.1" | tail -24
+      # Each server's own log (its engine's failures and memory lines), compressed.
+      logs=(bench/results/logs/agent-*.log)
+      [ -e "${logs[0]}" ] && tar czf "$OUT/agents-server-logs-$SECONDS.tgz" "${logs[@]}" \
+        && rm -f "${logs[@]}"
       ;;
     trace)
       # Our engine process's steps (time inside the generator's next()) and its

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -283,10 +284,16 @@ def test_a_device_error_that_stays_with_the_process_restarts_the_engine_at_once(
      "allowed buffer size of 8 bytes.", True),
     ("[matmul] Last dimension of first input with shape (1,4) must match ...", False),
 ])
-def test_a_step_that_ran_out_of_memory_fails_its_requests_as_retryable(failure, retryable):
+def test_a_step_that_ran_out_of_memory_fails_its_requests_as_retryable(failure, retryable,
+                                                                        caplog):
     """A step that raised one of MLX's failed allocations fails its batch with a message
-    that says so, retryable (the API's 503 with Retry-After); another error does not."""
-    (failed,) = _core_failing_its_first_step(failure).step().failed
+    that says so, retryable (the API's 503 with Retry-After); another error does not.
+    The log line says what MLX's memory held."""
+    with caplog.at_level("ERROR", logger="runtime.engine.core"):
+        (failed,) = _core_failing_its_first_step(failure).step().failed
+    (record,) = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert re.search(r"MLX memory: active [\d.]+ GB, peak [\d.]+ GB, cached [\d.]+ GB",
+                     record.getMessage())
     assert failed.request_id == 1 and failed.retryable is retryable
     assert failure in failed.message
     assert ("ran out of memory" in failed.message) is retryable

@@ -347,7 +347,8 @@ class EngineCore:
             except SequenceError as exc:
                 self._fail_sequence(exc)
             except Exception as exc:
-                log.exception("engine step failed; failing its %d sequences", len(self._by_uid))
+                log.exception("engine step failed; failing its %d sequences (%s)",
+                              len(self._by_uid), failures.memory_text())
                 message, retryable = failures.failed_step(exc)  # out of memory: 503, retry shortly
                 self._fail_all(message, retryable=retryable)
                 self._failed_steps += 1

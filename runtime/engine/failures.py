@@ -48,6 +48,19 @@ def failed_step(error: Exception) -> tuple[str, bool]:
     return f"engine step failed: {error}", False
 
 
+def memory_text() -> str:
+    """MLX's memory as a failed step leaves it (active, peak since the process started,
+    freed buffers kept), for its log line: what the batch, its copies and the prompt
+    cache held when a device ran out."""
+    try:
+        import mlx.core as mx
+
+        return (f"MLX memory: active {mx.get_active_memory() / 1e9:.2f} GB, peak "
+                f"{mx.get_peak_memory() / 1e9:.2f} GB, cached {mx.get_cache_memory() / 1e9:.2f} GB")
+    except Exception as exc:  # a device that failed may fail these too
+        return f"MLX memory unknown ({exc})"
+
+
 def device_lost(error: BaseException) -> bool:
     """Whether ``error`` is one of CUDA's errors that no later step in this process
     escapes (``DEVICE_LOST_MARKS``): the engine must be replaced, not given a new batch."""
