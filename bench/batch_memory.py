@@ -52,56 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache
 
-    def layers(rows: int, tokens: int, buffer: int | None = None) -> list:
-        """``rows`` rows of ``tokens`` keys a layer, in a buffer of ``buffer`` keys."""
-        made = []
-        for _ in range(LAYERS):
-            c = BatchKVCache([0] * rows)
-            size = buffer or tokens
-            c.keys = mx.zeros((rows, HEADS, size, DIM), dtype=mx.bfloat16)
-            c.values = mx.zeros((rows, HEADS, size, DIM), dtype=mx.bfloat16)
-            c._idx, c.offset = tokens, mx.array([tokens] * rows)
-            made.append(c)
-        mx.eval([c.state for c in made])
-        return made
-
-    def held(caches: list) -> int:
-        return sum(c.keys.nbytes + c.values.nbytes for c in caches)
-
-    rows, tokens = ns.rows, ns.tokens
-    keep = [i for i in range(rows) if i % 3]
-    shifts = [(37 * i) % 461 for i in range(rows)]
-
-    def copy(case: str, caches: list, one_by_one: bool) -> None:
-        """The case's lazy copy of ``caches``, then evaluated as ``one_by_one`` says."""
-        if case == "join":
-            joining = layers(1, tokens + 64)
-            batch_layers.extend_layers(caches, joining, layer_paddings(caches),
-                                       layer_paddings(joining))
-            del joining
-        elif case == "leave":
-            filter_layers(caches, keep)
-        elif case == "grow":
-            if one_by_one:
-                batch_layers.room_made(caches, 1)
-            step = mx.zeros((rows, HEADS, 1, DIM), dtype=mx.bfloat16)
-            for c in caches:
-                c.update_and_fetch(step, step)
-        elif case == "align":
-            for c in caches:
-                c.keys = batch_layers.rolled_rows(mx, c.keys, shifts)
-                c.values = batch_layers.rolled_rows(mx, c.values, shifts)
-        if one_by_one:
-            batch_layers.layers_evaluated_in_turn(caches)
-        mx.eval([c.state for c in caches])
-
-    results = {"rows": rows, "tokens": tokens, "device": str(mx.default_device()), "cases": {}}
+    results = {"rows": ns.rows, "tokens": ns.tokens, "device": str(mx.default_device()),
+               "cases": {}}
     large = batch_layers.large_batch_bytes
     batch_layers.large_batch_bytes = lambda mx_: 0  # a layer at a time wherever asked
     try:
-        measure(ns.cases.split(","), layers, held, copy, ns.reps, results)
+        for case in ns.cases.split(","):
+            for way in WAYS:
+                row = measure(case, way == "layer-at-a-time", ns.rows, ns.tokens, ns.reps)
+                results["cases"].setdefault(case, {})[way] = row
+                print(f"{case:6s} {way:16s} batch {row['batch_gb']:6.2f} GB  held beyond it "
+                      f"{row['excess_gb']:6.2f} GB  {row['ms']:8.1f} ms", flush=True)
     finally:
         batch_layers.large_batch_bytes = large
     if ns.out:
@@ -109,33 +71,76 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(cases: list[str], layers, held, copy, reps: int, results: dict) -> None:
-    """Each case each way, ``reps`` times on a fresh batch, into ``results``."""
+def measure(case: str, one_by_one: bool, rows: int, tokens: int, reps: int) -> dict:
+    """``case``'s copy, ``reps`` times on a fresh batch: the batch's GB, the most held
+    beyond it, and the median milliseconds."""
     import mlx.core as mx
 
-    rows, tokens = results["rows"], results["tokens"]
-    for case in cases:
-        for way in WAYS:
-            excess, times = [], []
-            for _ in range(reps):
-                caches = layers(rows, tokens, buffer=tokens if case == "grow" else None)
-                batch_gb = held(caches) / 1e9
-                mx.synchronize()
-                mx.clear_cache()
-                mx.reset_peak_memory()
-                before = mx.get_active_memory()
-                began = time.perf_counter()
-                copy(case, caches, way == "layer-at-a-time")
-                mx.synchronize()
-                times.append(1000 * (time.perf_counter() - began))
-                after = mx.get_active_memory()
-                excess.append((mx.get_peak_memory() - max(before, after)) / 1e9)
-                del caches
-            row = {"batch_gb": round(batch_gb, 3), "excess_gb": round(max(excess), 3),
-                   "ms": round(statistics.median(times), 1)}
-            results["cases"].setdefault(case, {})[way] = row
-            print(f"{case:6s} {way:16s} batch {batch_gb:6.2f} GB  held beyond it "
-                  f"{max(excess):6.2f} GB  {row['ms']:8.1f} ms", flush=True)
+    excess, times = [], []
+    for _ in range(reps):
+        caches = batch(rows, tokens)
+        batch_gb = held(caches) / 1e9
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        began = time.perf_counter()
+        copy(case, caches, one_by_one)
+        mx.synchronize()
+        times.append(1000 * (time.perf_counter() - began))
+        after = mx.get_active_memory()
+        excess.append((mx.get_peak_memory() - max(before, after)) / 1e9)
+        del caches
+    return {"batch_gb": round(batch_gb, 3), "excess_gb": round(max(excess), 3),
+            "ms": round(statistics.median(times), 1)}
+
+
+def batch(rows: int, tokens: int) -> list:
+    """A batch's layers: ``rows`` rows of ``tokens`` keys each, the buffer full."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    made = []
+    for _ in range(LAYERS):
+        c = BatchKVCache([0] * rows)
+        c.keys = mx.zeros((rows, HEADS, tokens, DIM), dtype=mx.bfloat16)
+        c.values = mx.zeros((rows, HEADS, tokens, DIM), dtype=mx.bfloat16)
+        c._idx, c.offset = tokens, mx.array([tokens] * rows)
+        made.append(c)
+    mx.eval([c.state for c in made])
+    return made
+
+
+def held(caches: list) -> int:
+    return sum(c.keys.nbytes + c.values.nbytes for c in caches)
+
+
+def copy(case: str, caches: list, one_by_one: bool) -> None:
+    """The case's lazy copy of ``caches``, then evaluated at once or a layer at a time."""
+    import mlx.core as mx
+
+    rows, tokens = caches[0].keys.shape[0], caches[0]._idx
+    if case == "join":
+        joining = batch(1, tokens + 64)
+        batch_layers.extend_layers(caches, joining, layer_paddings(caches),
+                                   layer_paddings(joining))
+        del joining
+    elif case == "leave":
+        filter_layers(caches, [i for i in range(rows) if i % 3])
+    elif case == "grow":
+        if one_by_one:
+            batch_layers.room_made(caches, 1)
+        step = mx.zeros((rows, HEADS, 1, DIM), dtype=mx.bfloat16)
+        for c in caches:
+            c.update_and_fetch(step, step)
+    elif case == "align":
+        shifts = [(37 * i) % 461 for i in range(rows)]  # user turns of up to 461 tokens
+        for c in caches:
+            c.keys = batch_layers.rolled_rows(mx, c.keys, shifts)
+            c.values = batch_layers.rolled_rows(mx, c.values, shifts)
+    if one_by_one:
+        batch_layers.layers_evaluated_in_turn(caches)
+    mx.eval([c.state for c in caches])
 
 
 if __name__ == "__main__":
