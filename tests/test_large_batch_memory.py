@@ -176,8 +176,9 @@ def test_the_engine_answers_the_same_with_every_batch_large(tiny_model_path, mon
     """The engine as ``make_engine_core`` wires it, prefilling 64 tokens a chunk: prompts
     of different lengths prefilled together (their rows rolled), replies that cross
     the 256-key blocks, rows joining and leaving, one request aborted. With every batch
-    counted large (copies and growth a layer at a time) each request gets the tokens it
-    gets without, and the prompt batch and the decoding batch each grew before a pass."""
+    counted large (copies and growth a layer at a time, leaving rows' places kept) each
+    request gets the tokens it gets without, and the prompt batch and the decoding batch
+    each grew before a pass."""
     import runtime.engine.loading as loading
     import runtime.engine_generator as engine_generator
     import runtime.mlx_lm_batches as mlx_lm_batches
@@ -210,6 +211,9 @@ def test_the_engine_answers_the_same_with_every_batch_large(tiny_model_path, mon
     monkeypatch.setattr(engine_generator, "room_made", counted("decode"))
     results = {}
     for is_large in (False, True):
+        # counted large, a batch also keeps leaving rows' places (runtime.vacant_rows)
+        monkeypatch.setattr(loading, "large_batch_bytes",
+                            (lambda mx_: 0) if is_large else (lambda mx_: 1 << 62))
         if is_large:
             monkeypatch.setattr(batch_layers, "large_batch_bytes", lambda mx_: 0)
         else:
@@ -217,8 +221,13 @@ def test_the_engine_answers_the_same_with_every_batch_large(tiny_model_path, mon
         config = ServerConfig(model=tiny_model_path, prefill_step_size=64)
         core = loading.make_engine_core(config, tiny_model_path)
         results[is_large] = engine_run(core, waves(core), abort_at={40: 1})
-        if not is_large:
+        batch = core._batch._generation_batch
+        reuse = (batch.lanes[0] if hasattr(batch, "lanes") else batch).row_reuse
+        if is_large:
+            assert reuse is not None and reuse.vacated >= 1
+        else:
             assert grown == {"prompt": 0, "decode": 0}
+            assert reuse is None or reuse.vacated == 0
     assert results[True] == results[False]
     assert all(r["failed"] is None for r in results[True].values())
     assert len(results[True][3]["tokens"]) == 60
