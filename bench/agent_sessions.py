@@ -49,7 +49,8 @@ new prompt does repeat. Per run and sessions level: tokens/s (all generated
 tokens / wall time), TTFT p50/p99 for turn 1 and later turns, ITL, cached fraction
 (cached / prompt tokens; ``later``: turns 2 and on; ``of reusable``: cached /
 reusable tokens over turns 2 and on, the share a cache could have given that it
-did give).
+did give), and the rows decoding at a time on average (each turn's seconds from its
+first token to its end, over the wall time).
 
 Caveats: mlx_lm.server and the bare engine keep 10 prompt caches by default, ours
 64 (``--prompt-cache-size`` sets all three systems'): past 10 sessions whose turns
@@ -652,6 +653,10 @@ def summarize(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
         return sum(r["cached_tokens"] for r in both), sum(r["prompt_tokens"] for r in both)
 
     itl = [g for r in ok for g in r.get("itl_s") or ()]
+    # seconds each turn streamed, from its first token to its end: over the wall time,
+    # the rows decoding at a time on average (more rows, longer steps, wider gaps)
+    streaming = sum(r["end_s"] - r["start_s"] - r["ttft_s"] for r in ok
+                    if r.get("ttft_s") is not None and r.get("end_s") is not None)
     cached_all, prompt_all = cached(ok)
     cached_later, prompt_later = cached(later)
     reusable = [r for r in later if r.get("reusable_tokens") and r["cached_tokens"] is not None]
@@ -683,6 +688,7 @@ def summarize(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
         "ttft_later_p99_ms": ttft(later, 99),
         "itl_p50_ms": _ms(percentile(itl, 50)),
         "itl_p99_ms": _ms(percentile(itl, 99)),
+        "decoding_rows_mean": round(streaming / wall, 2) if wall > 0 else None,
         "prompt_tokens": prompt_all,
         "cached_tokens": cached_all,
         "cached_fraction": _fraction(cached_all, prompt_all),
@@ -742,7 +748,7 @@ def render_table(summary: dict[str, dict[str, Any]]) -> str:
     header = (
         f"{'sessions':>8} | {'system':<11} | {'tok/s':>7} | {'TTFT t1 p50/p99 ms':>19} | "
         f"{'TTFT later p50/p99 ms':>21} | {'ITL p50/p99 ms':>15} | {'cached %':>8} | "
-        f"{'later %':>7} | {'of reusable %':>13} | errors/retries"
+        f"{'later %':>7} | {'of reusable %':>13} | {'rows':>5} | errors/retries"
     )
     lines = [header, "-" * len(header)]
 
@@ -761,7 +767,8 @@ def render_table(summary: dict[str, dict[str, Any]]) -> str:
                 f"{n:>8} | {system:<11} | {_f(s['tok_s'], '.1f'):>7} | "
                 f"{pair('ttft_turn1'):>19} | {pair('ttft_later'):>21} | {pair('itl'):>15} | "
                 f"{pct(s['cached_fraction']):>8} | {pct(s['cached_fraction_later']):>7} | "
-                f"{pct(s['reused_of_reusable']):>13} | {s['errors']}/{s.get('retries', 0)}"
+                f"{pct(s['reused_of_reusable']):>13} | {_f(s.get('decoding_rows_mean'), '.1f'):>5} | "
+                f"{s['errors']}/{s.get('retries', 0)}"
             )
         ours = by.get("ours")
         for other in by:
@@ -778,7 +785,7 @@ def render_table(summary: dict[str, dict[str, Any]]) -> str:
                 f"{r('ttft_later_p50_ms') + '/' + r('ttft_later_p99_ms'):>21} | "
                 f"{r('itl_p50_ms') + '/' + r('itl_p99_ms'):>15} | "
                 f"{r('cached_fraction'):>8} | {r('cached_fraction_later'):>7} | "
-                f"{r('reused_of_reusable'):>13} |"
+                f"{r('reused_of_reusable'):>13} | {r('decoding_rows_mean'):>5} |"
             )
     return "\n".join(lines)
 

@@ -108,6 +108,8 @@ def test_summary_of_synthetic_turns():
     assert s["reused_of_reusable"] == round(2010 / 2020, 4)
     assert s["itl_p50_ms"] == 15.0  # gaps of 10 and 20 ms in every turn
     assert s["cpu_ms_per_token"] == 10.0
+    # four turns streamed 30 ms each from their first token, over 4 s of wall time
+    assert s["decoding_rows_mean"] == 0.03
     assert s["by_turn"]["2"]["cached_fraction"] == round(2010 / 2400, 4)
     assert "3" not in s["by_turn"]  # the failed turn counts as an error only
 
@@ -122,6 +124,7 @@ def test_summaries_per_level_and_the_table():
     assert set(summary["2"]) == {"ours", "mlx_lm", "engine"}
     table = bench.render_table(summary)
     assert "ours/mlx_lm" in table and "ours/engine" in table
+    assert "|  rows |" in table.splitlines()[0]
 
 
 def test_reuse_helpers():
