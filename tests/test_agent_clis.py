@@ -1,4 +1,5 @@
-"""Real coding-agent CLIs against a real server: Claude Code (Anthropic Messages) and Codex (Responses).
+"""Real coding-agent CLIs against a real server: Claude Code (Anthropic Messages), Codex
+(Responses) and opencode (Chat Completions).
 
 Each test installs the CLI from npm into a cache folder (once), starts the
 server on loopback with a scripted model (tests/scripted_model.py) whose
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.server  # starts a hypercorn subprocess and the agent C
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.171.0"
+OPENCODE = "opencode-ai@1.18.33"
 ANSWER = "The file says hello."
 MARKER = "hello from mlx-trio 7f3a"  # the file's text: seen by us only if the tool ran
 
@@ -152,5 +154,45 @@ def test_codex_exec_runs_our_tool_call(tmp_path, workdir):
         assert run.stdout.strip() == ANSWER  # the last message, once the tool result was back
         assert "cat hello.txt" in run.stderr and MARKER in run.stderr  # the command ran
         assert responses_served(base, "/v1/responses") == {"200": 2}
+    finally:
+        stop_server(proc)
+
+
+def test_opencode_run_runs_our_tool_call(tmp_path, workdir):
+    """opencode with the provider docs/agents.md gives it: a title request, the agent's
+    turn (its tools offered, our call of its ``read``) and the turn after the tool's
+    result, which starts from the agent turn's cached prompt."""
+    opencode = install_cli(OPENCODE, "opencode")
+    proc, base = serve_scripted(
+        tmp_path, {"name": "read", "arguments": {"filePath": str(workdir / "hello.txt")}}
+    )
+    try:
+        home = tmp_path / "opencode-home"
+        home.mkdir()
+        (workdir / "opencode.json").write_text(json.dumps({
+            "$schema": "https://opencode.ai/config.json",
+            "provider": {"mlx": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "mlx-trio-server",
+                "options": {"baseURL": f"{base}/v1"},
+                "models": {"default_model": {
+                    "name": "mlx-trio-server", "limit": {"context": 131072, "output": 1024}}},
+            }},
+            "model": "mlx/default_model",
+        }))
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(home),
+               "OPENCODE_DISABLE_AUTOUPDATE": "1"}
+        run = subprocess.run(
+            [str(opencode), "run", "Read hello.txt"],
+            cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert run.stdout.strip() == ANSWER  # given only once the tool's result was back
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", run.stderr).splitlines()
+        assert "\u2192 Read hello.txt" in shown  # the tool call it ran, as it shows one
+        assert responses_served(base, "/v1/chat/completions") == {"200": 3}
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        assert health["prompt_cache"]["cached_tokens"] > 5_000  # the follow-up's history
     finally:
         stop_server(proc)
