@@ -87,6 +87,10 @@
 #   batch-memory[=ROWS[:TOKENS]]  bench/batch_memory.py: what a batch's copies (a join, a
 #                                  leave, a growth, an alignment) hold at their peak, evaluated
 #                                  at once or a layer at a time; 16 rows of 12,000 tokens
+#   shared-prefix[=ROWS[:PREFIX[:OWN[:OPTIONS]]]]  bench/shared_prefix_attention.py: a decode
+#                                  step's attention over ROWS (16) rows with a PREFIX (24000)
+#                                  held once and OWN (3000) tokens each, against each row
+#                                  holding the prefix (grouped, our kernel, MLX's)
 #   paced-profile=SHAPE[:TOKENS[:STREAMS]]  bench/paced_step_profile.py under py-spy (native,
 #                                  idle included, 25 Hz): 16 streams' decode-only steps, then
 #                                  their steps beside a prompt of TOKENS (16000), in-process;
@@ -342,6 +346,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     batch-copies)
       timeout -s INT -k 10 "$(limit 120)" python3 bench/batch_copies.py --rows "${shape:-16}" \
         --tokens "${p1:-12000}" --out "$OUT/batch-copies-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
+      ;;
+    shared-prefix)
+      # shellcheck disable=SC2086  # more options, split at spaces
+      timeout -s INT -k 10 "$(limit 180)" python3 bench/shared_prefix_attention.py \
+        --rows "${shape:-16}" --prefix "${p1:-24000}" --own "${p2:-3000}" ${p3:-} \
+        --out "$OUT/shared-prefix-${shape:-16}-${p1:-24000}-${p2:-3000}-$SECONDS.json" 2>&1 | tail -8
       ;;
     batch-memory)
       timeout -s INT -k 10 "$(limit 180)" python3 bench/batch_memory.py --rows "${shape:-16}" \
