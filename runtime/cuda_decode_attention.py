@@ -18,6 +18,8 @@ from typing import Any
 
 from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_attention
 from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention
+from runtime.held_prefix import held_prefix
+from runtime.shared_prefix_attention import shared_prefix_attention
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     ``BatchKVCache`` layer, this step's keys already in it) under mlx-lm's boolean
     ``mask`` (rows, 1, 1, keys); None where the caller should keep MLX's own: no route
     installed (``install_masked_decode``), no array mask, not half precision, or another
-    cache.
+    cache. A layer holding its rows' shared prefix once (``runtime.held_prefix``) goes to
+    ``shared_prefix_attention`` on every backend.
 
     A step whose layers MLX's fallback would read at least the ``min_bytes`` it was
     installed with goes as ``grouped_attention`` computes it over the cache's buffer up
@@ -71,6 +74,11 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     bound by the host (``bench/decode_memory.py``). The kernel reads them once in two
     launches: 4 rows at 12k took 6.1-7.1 ms a step against 8.7-10.0 under the fallback,
     while 16 rows at 12k took 16.8 ms against 10.4 grouped."""
+    held = held_prefix(cache)
+    if held is not None:  # on every backend: MLX's own would miss the prefix
+        keys, values = cache.keys_and_values()
+        return shared_prefix_attention(mx, queries, *held, keys, values, scale=scale,
+                                       mask=mask)
     attention = mx.fast.scaled_dot_product_attention
     if (not getattr(attention, "grouped_decode", False)
             or not isinstance(mask, mx.array) or mask.dtype != mx.bool_ or mask.ndim != 4
