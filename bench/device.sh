@@ -87,6 +87,9 @@
 #   batch-memory[=ROWS[:TOKENS]]  bench/batch_memory.py: what a batch's copies (a join, a
 #                                  leave, a growth, an alignment) hold at their peak, evaluated
 #                                  at once or a layer at a time; 16 rows of 12,000 tokens
+#   held-step=SHAPE[:ROWS[:PREFIX[:OWN]]]  bench/held_prefix_step.py: the model's decode step
+#                                  over ROWS (16) rows holding a PREFIX (24000) once and OWN
+#                                  (3000) tokens each, against each row holding the prefix
 #   shared-prefix[=ROWS[:PREFIX[:OWN[:OPTIONS]]]]  bench/shared_prefix_attention.py: a decode
 #                                  step's attention over ROWS (16) rows with a PREFIX (24000)
 #                                  held once and OWN (3000) tokens each, against each row
@@ -346,6 +349,12 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     batch-copies)
       timeout -s INT -k 10 "$(limit 120)" python3 bench/batch_copies.py --rows "${shape:-16}" \
         --tokens "${p1:-12000}" --out "$OUT/batch-copies-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
+      ;;
+    held-step)
+      dir=$(model "$shape")
+      timeout -s INT -k 10 "$(limit 240)" python3 bench/held_prefix_step.py --model "$dir" \
+        --rows "${p1:-16}" --prefix "${p2:-24000}" --own "${p3:-3000}" \
+        --out "$OUT/held-step-$shape-${p1:-16}-${p2:-24000}-${p3:-3000}.json" 2>&1 | tail -6
       ;;
     shared-prefix)
       # shellcheck disable=SC2086  # more options, split at spaces
