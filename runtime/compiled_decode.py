@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.cuda_decode_attention import decode_attention, warm_masked_decode
+from runtime.held_prefix import held_prefix
 
 log = logging.getLogger(__name__)
 
@@ -338,17 +339,23 @@ def trace_mixed_shapes(model: Any, sizes: Any, lengths: Any) -> int:
 def _compiled_subclass(base: type, mx: Any, attention: Callable) -> type:
     """``base`` with a ``__call__`` that takes the compiled path for a batched decode step."""
 
+    def uncompiled(self, x, mask, cache):
+        if held_prefix(cache) is not None:  # mlx-lm's attention would miss the prefix
+            raise RuntimeError("a KV layer holding its rows' prefix once needs the compiled "
+                               "decode path, and this layer's has failed")
+        return base.__call__(self, x, mask, cache)
+
     def __call__(self, x, mask=None, cache=None):
         if x.shape[1] != 1 or cache is None or not isinstance(cache.offset, mx.array):
-            return base.__call__(self, x, mask, cache)
+            return uncompiled(self, x, mask, cache)
         pair, weights = self._compiled_decode, self._compiled_weights
         if pair.broken:
-            return base.__call__(self, x, mask, cache)
+            return uncompiled(self, x, mask, cache)
         try:
             queries, keys, values = pair.before_cache(x, cache.offset, *weights)
         except Exception as exc:  # a trace that fails: this step, and every later one, uncompiled
             pair.give_up(exc)
-            return base.__call__(self, x, mask, cache)
+            return uncompiled(self, x, mask, cache)
         keys, values = cache.update_and_fetch(keys, values)
         scale = self.self_attn.scale
         attended = decode_attention(mx, queries, cache, scale=scale, mask=mask)

@@ -129,10 +129,26 @@ class DecodeLanes:
         if not len(self.primary) or length is None or None in lengths:
             self.primary.extend(batch)
             return
-        chosen = choose_lane([(len(lane), lane_length)
-                              for lane, lane_length in zip(self.lanes, lengths, strict=True)],
-                             len(batch.uids), length,
-                             padding_limit=self.padding_limit, max_lanes=self.max_lanes)
+        # A lane holding a prefix these rows begin with takes them: they join it without
+        # that prefix, whatever the padding. Rows that do not begin with a lane's held
+        # prefix would make it give the prefix back (a copy): they go elsewhere while
+        # another lane may open (runtime.held_prefix).
+        open_to = []
+        for i, lane in enumerate(self.lanes):
+            holding = getattr(lane, "prefix_holding", None)
+            if holding is not None and holding.shares(batch.tokens):
+                lane.extend(batch)
+                return
+            if holding is None or holding.tokens is None or self.padding_limit <= 0:
+                open_to.append(i)
+        chosen = choose_lane([(len(self.lanes[i]), lengths[i]) for i in open_to],
+                             len(batch.uids), length, padding_limit=self.padding_limit,
+                             max_lanes=self.max_lanes - len(self.lanes) + len(open_to))
+        chosen = open_to[chosen] if chosen is not None else None
+        if chosen is None and len(self.lanes) >= self.max_lanes:
+            chosen = choose_lane([(len(lane), n) for lane, n in zip(self.lanes, lengths,
+                                                                    strict=True)],
+                                 len(batch.uids), length, padding_limit=0)
         if chosen is not None:
             self.lanes[chosen].extend(batch)
             return
@@ -140,6 +156,9 @@ class DecodeLanes:
         reuse = getattr(self.primary, "row_reuse", None)  # runtime.vacant_rows
         if reuse is not None:
             lane.row_reuse = reuse.fresh()
+        holding = getattr(self.primary, "prefix_holding", None)  # runtime.held_prefix
+        if holding is not None:
+            lane.prefix_holding = holding.fresh()
         lane.extend(batch)
         self.lanes.append(lane)
         self.opened += 1

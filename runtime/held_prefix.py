@@ -19,8 +19,13 @@ sessions do not share.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import types
+from collections.abc import Iterator
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def held_prefix(cache: Any) -> tuple[Any, Any] | None:
@@ -91,3 +96,170 @@ def _extend_holding_the_same(cache: Any, other: Any) -> None:
     if theirs is None or theirs[0] is not ours[0] or theirs[1] is not ours[1]:
         raise ValueError("a layer holding a prefix once takes rows holding the same prefix only")
     BatchKVCache.extend(cache, other)
+
+
+def let_go(caches: list) -> None:
+    """Layers that held a prefix once answer as plain ``BatchKVCache``s again (their rows
+    gone, or every row given the prefix back by ``prefix_released``)."""
+    for cache in caches:
+        for name in ("held_prefix", "extract", "extend"):
+            cache.__dict__.pop(name, None)
+
+
+def take_holding(caches: list, holders: list) -> None:
+    """``caches``' layers hold the very prefix arrays that ``holders``' do (rows stripped
+    of that prefix: ``hold_prefix_once``, or a batch with no rows of its own)."""
+    for cache, holder in zip(caches, holders, strict=True):
+        cache.held_prefix = holder.held_prefix
+        cache.extract = types.MethodType(_extract_whole_row, cache)
+        cache.extend = types.MethodType(_extend_holding_the_same, cache)
+
+
+def prefix_released(mx, caches: list) -> None:
+    """Every row of each layer given its prefix back: the layers hold each row's whole KV
+    again, as plain ``BatchKVCache``s, a layer at a time: each layer one prefix longer,
+    row ``i``'s prefix right before its own keys, its left padding as it was."""
+    for cache in caches:
+        held = held_prefix(cache)
+        if held is None:
+            continue
+        prefix_keys, prefix_values = held
+        length = prefix_keys.shape[2]
+        rows = cache.keys.shape[0]
+        # Laid out as [prefix][own keys], row i's own keys begin at ``length + padding[i]``
+        # and its prefix at 0: a gather moves each row's prefix up to its own keys.
+        laid = [mx.concatenate([mx.broadcast_to(p, (rows, *p.shape[1:])), own], axis=2)
+                for p, own in ((prefix_keys, cache.keys), (prefix_values, cache.values))]
+        positions = mx.arange(laid[0].shape[2])[None]
+        gap = cache.left_padding[:, None]
+        moved = mx.where(positions < length + gap, mx.maximum(positions - gap, 0), positions)
+        index = moved[:, None, :, None]
+        cache.keys, cache.values = (mx.take_along_axis(a, index, axis=2) for a in laid)
+        cache._idx += length
+        mx.eval(cache.keys, cache.values, cache.left_padding)
+    let_go(caches)
+
+
+def shared_length(token_lists: list) -> int:
+    """How many tokens every list in ``token_lists`` begins with alike."""
+    if not token_lists:
+        return 0
+    first = token_lists[0]
+    length = min(len(tokens) for tokens in token_lists)
+    for tokens in token_lists[1:]:
+        n = 0
+        while n < length and tokens[n] == first[n]:
+            n += 1
+        length = n
+    return length
+
+
+def rows_hold_more_than(caches: list, length: int) -> bool:
+    """Whether every row of the first layer of ``caches`` holds more than ``length`` keys."""
+    cache = caches[0] if caches else None
+    if cache is None or cache.keys is None or not cache.keys.shape[0]:
+        return False
+    return cache._idx - max(cache.left_padding.tolist()) > length
+
+
+class PrefixHolding:
+    """One decoding batch's prefix held once, and the setting it follows.
+
+    ``min_tokens``: the batch holds a prefix once when at least two of its rows and
+    every row it has begin with that many tokens alike or more (0: never). ``tokens``:
+    the prefix it holds, or None. The generation batch calls ``before_join`` and
+    ``after_join`` around a join (``runtime.mlx_lm_batches.RowAwareGenerationBatch``);
+    a lane opened beside it takes a ``fresh`` one."""
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = min_tokens
+        self.tokens: list[int] | None = None
+
+    def fresh(self) -> PrefixHolding:
+        return PrefixHolding(self.min_tokens)
+
+    def shares(self, token_lists: list) -> bool:
+        """Whether rows of ``token_lists`` would join this batch without a release: it
+        holds a prefix, and every one of them begins with it and goes on past it."""
+        held = self.tokens
+        return held is not None and all(
+            len(tokens) > len(held) and tokens[:len(held)] == held for tokens in token_lists)
+
+    def before_join(self, mx, batch: Any, joining: Any) -> None:
+        """Make ``batch`` (a generation batch) and ``joining`` agree before the join: both
+        holding the same prefix arrays (the joining rows stripped of this batch's
+        prefix), or neither holding one (a prefix given back to every row)."""
+        mine, theirs = batch.prompt_cache, joining.prompt_cache
+        their_holding = getattr(joining, "prefix_holding", None)
+        their_tokens = their_holding.tokens if their_holding is not None else None
+        if their_tokens is not None and (not theirs or held_prefix(theirs[0]) is None):
+            their_tokens = None
+        if not mine:  # no rows: the batch takes the joining layers as they are
+            self.tokens = their_tokens
+            return
+        if self.tokens is not None and held_prefix(mine[0]) is None:
+            self.tokens = None  # the layers were cleared and remade
+        if self.tokens is not None and their_tokens is not None and \
+                held_prefix(theirs[0])[0] is held_prefix(mine[0])[0]:
+            return
+        if self.tokens is not None and theirs and self.shares(joining.tokens):
+            if their_tokens is not None:
+                prefix_released(mx, theirs)
+            if rows_hold_more_than(theirs, len(self.tokens)):
+                hold_prefix_once(mx, theirs, len(self.tokens))
+                take_holding(theirs, mine)
+                return
+        if self.tokens is not None:
+            log.info("a decode batch gives its %d-token prefix back to its %d rows: rows "
+                     "without it join", len(self.tokens), len(batch.uids))
+            prefix_released(mx, mine)
+            self.tokens = None
+        if their_tokens is not None:
+            prefix_released(mx, theirs)
+            their_holding.tokens = None
+
+    def after_join(self, mx, batch: Any) -> None:
+        """Hold the prefix that ``batch``'s rows now share once, where it holds none and
+        they share at least ``min_tokens``."""
+        caches = batch.prompt_cache
+        if self.min_tokens <= 0 or self.tokens is not None or not caches:
+            return
+        from mlx_lm.models.cache import BatchKVCache
+
+        if not all(type(c) is BatchKVCache and c.keys is not None for c in caches):
+            return
+        rows = [list(tokens) for uid, tokens in zip(batch.uids, batch.tokens, strict=True)
+                if uid >= 0]
+        if len(rows) < 2 or len(rows) < len(batch.uids):  # vacant rows share no tokens
+            return
+        length = shared_length(rows)
+        if length < self.min_tokens or not rows_hold_more_than(caches, length):
+            return
+        hold_prefix_once(mx, caches, length)
+        self.tokens = rows[0][:length]
+        log.info("a decode batch holds its %d rows' %d-token prefix once", len(rows), length)
+
+
+@contextlib.contextmanager
+def prefix_kept(mx, batch: Any, joining: Any) -> Iterator[None]:
+    """Around a generation batch's join of ``joining``: its ``PrefixHolding``'s
+    ``before_join`` and ``after_join`` (nothing for a batch without one)."""
+    holding = getattr(batch, "prefix_holding", None)
+    if holding is not None:
+        holding.before_join(mx, batch, joining)
+    yield
+    if holding is not None:
+        holding.after_join(mx, batch)
+
+
+def install_prefix_holding(generator: Any, min_tokens: int) -> bool:
+    """Give ``generator``'s decoding batch (its first lane, where it has lanes) a
+    ``PrefixHolding``; new lanes take a fresh one. ``min_tokens`` 0: none. Call it only
+    where every layer of the model takes the compiled decode path, whose attention
+    (``decode_attention``) reads a held prefix. Returns whether it did."""
+    if min_tokens <= 0:
+        return False
+    batch = generator._generation_batch
+    first = batch.lanes[0] if hasattr(batch, "lanes") else batch
+    first.prefix_holding = PrefixHolding(min_tokens)
+    return True

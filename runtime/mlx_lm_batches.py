@@ -15,10 +15,10 @@ docs/upgrading-mlx-lm.md: what to do when an upgrade changes them).
   lone prompt (``_room_reserved``) and, with ``queue_prefill_chunks``, queues
   its chunks while sequences decode. Both batches give one unpadded row's
   attention no mask array (``runtime.plain_masks``).
-* ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps
-  (which prompts join, what the coming step prefills), checked here too;
-  ``runtime.vacant_rows`` takes over ``RowAwareGenerationBatch``'s per-row lists
-  where a large batch keeps a leaving row's place. Receives and emits nothing.
+* ``runtime.mlx_lm_prefill`` reads the generator's prefill state between steps, checked
+  here too; ``runtime.vacant_rows`` takes over ``RowAwareGenerationBatch``'s per-row lists
+  where a large batch keeps a leaving row's place, and ``runtime.held_prefix`` holds its
+  rows' shared prefix once around a join. Receives and emits nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from runtime.batch_layers import (
     room_made,
     rows_aligned_by_slices,
 )
+from runtime.held_prefix import prefix_kept
 from runtime.mlx_environment import wait_before_batch_copy
 from runtime.mlx_lm_internals import evals_queued, layer_paddings, queue_evals_in_generate
 from runtime.mlx_lm_prefill import tokens_to_come
@@ -49,7 +50,6 @@ from runtime.plain_masks import plain_masks
 
 # ------------------------------------------------- batch generator rows
 # Every use of mlx-lm's private ``BatchGenerator`` internals, in one place.
-#
 # Owns the hook that tells a row-aware sampler which rows it is sampling. mlx-lm
 # 0.32 calls a sampler as ``sampler(logprobs)``, with no row identity, from two
 # places: ``GenerationBatch._step`` (every decode step of the running batch) and
@@ -100,20 +100,19 @@ class RowAwarePromptBatch(PromptProcessingBatch):
     """A prompt batch whose ``generate`` tells the sampler the rows of their first
     sample, whose ``filter`` (of a ``split``) reads the layers' paddings at once, and
     whose layers, while it prefills one prompt, grow once for the rest of it
-    (``tokens_to_come`` set, ``_room_reserved``) and, its rows unpadded, give
-    the mask as ``"causal"`` (``runtime.plain_masks``).
+    (``tokens_to_come`` set, ``_room_reserved``) and, its rows unpadded, give the mask
+    as ``"causal"`` (``runtime.plain_masks``).
 
     The generator's lasting prompt batch may also queue its chunks (``decoding`` set,
-    ``queue_prefill_chunks``): while ``decoding()`` says sequences are
-    generating, ``prompt`` evaluates the chunk without waiting for the device, so the
-    next step's decode is built while the device runs the chunk (mlx-lm waits, and the
-    device then idles while the host builds). The decode step's own wait for its
-    tokens, queued before the chunk, bounds what is in flight to one chunk; with
-    nothing decoding, chunks are waited for as mlx-lm does."""
+    ``queue_prefill_chunks``): while ``decoding()`` says sequences are generating,
+    ``prompt`` evaluates the chunk without waiting for the device, so the next step's
+    decode is built while the device runs the chunk (mlx-lm waits, and the device then
+    idles while the host builds). The decode step's own wait for its tokens, queued
+    before the chunk, bounds what is in flight to one chunk; with nothing decoding,
+    chunks are waited for as mlx-lm does."""
 
     decoding = None  # a callable, on the generator's lasting prompt batch only
-    # On the lasting prompt batch: the prompt tokens its member has still to prefill
-    # after the chunk being processed (``install_row_hooks``).
+    # On the lasting prompt batch: its member's tokens to prefill after this chunk.
     tokens_to_come = None
 
     def prompt(self, tokens):
@@ -214,11 +213,11 @@ def _room_given_back(caches: list) -> None:
 
 class RowAwareGenerationBatch(GenerationBatch):
     """A generation batch whose ``_step`` tells the sampler its rows and their inputs,
-    and whose ``filter`` reads the layers' paddings at once. A large batch keeps a
-    leaving row's place for a joining one (``runtime.vacant_rows``), waits for the
-    device before a copy of its layers (``wait_before_batch_copy``), evaluates that
-    copy a layer at a time, and grows before a pass, not in it
-    (``runtime.batch_layers``)."""
+    and whose ``filter`` reads the layers' paddings at once. A large batch keeps a leaving
+    row's place for a joining one (``runtime.vacant_rows``), waits for the device before a
+    copy of its layers (``wait_before_batch_copy``), evaluates that copy a layer at a
+    time, and grows before a pass, not in it (``runtime.batch_layers``). Its rows'
+    shared prefix may be held once (``runtime.held_prefix``)."""
 
     def _step(self):
         with plain_masks(self.prompt_cache, len(self.uids)):
@@ -228,19 +227,19 @@ class RowAwareGenerationBatch(GenerationBatch):
             with hook(self.uids, self._next_tokens):
                 return super()._step()
 
-    # mlx-lm leaves the rows' next inputs lazy when rows join (a concatenation) or
-    # leave (a selection); evaluated at the next step, they would wait behind this
-    # step's prefill chunk on the device. A step with constrained rows reads them
-    # before building its own graph (the masks need them), so they are queued at
-    # once: it then waits for the decode tokens only, not for the prefill.
-    #
+    # mlx-lm leaves the rows' next inputs lazy when rows join (a concatenation) or leave
+    # (a selection); evaluated at the next step, they would wait behind this step's
+    # prefill chunk on the device. A step with constrained rows reads them before building
+    # its own graph (the masks need them), so they are queued at once: it then waits for
+    # the decode tokens only, not for the prefill.
     # The joined layers' paddings, which a row's leave reads, are made on the host
-    # (``joined_paddings``). Reading both sides' first waits for nothing: this batch's
-    # are the host's (a filter's or an earlier join's), and a joining batch's were
-    # read as its prompt batch was split (``filter_layers``). (A prompt batch's own
-    # may be a padded chunk's still in flight, so it extends as mlx-lm does.)
+    # (``joined_paddings``). Reading both sides' first waits for nothing: this batch's are
+    # the host's (a filter's or an earlier join's), and a joining batch's were read as its
+    # prompt batch was split (``filter_layers``). (A prompt batch's own may be a padded
+    # chunk's still in flight, so it extends as mlx-lm does.)
 
     row_reuse = None  # runtime.vacant_rows: a large batch's leaving rows kept for joining ones
+    prefix_holding = None  # runtime.held_prefix: the rows' shared prefix held once
 
     def next(self):
         if (keep := vacant_rows.age_vacant(self)) is not None:
@@ -249,17 +248,18 @@ class RowAwareGenerationBatch(GenerationBatch):
         return responses if self.row_reuse is None else [r for r in responses if r.uid >= 0]
 
     def extend(self, batch):
-        mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
-        if not vacant_rows.fill(self, batch, mine, theirs):
-            rows = len(self.uids)
-            if vacant_rows.margin_for_longer(self, batch):
-                theirs = layer_paddings(batch.prompt_cache)
-            wait_before_batch_copy(mx, self.prompt_cache)  # an empty batch holds nothing
-            with layers_extended(self, batch, mine, theirs):
-                super().extend(batch)
-            if rows:
-                layers_evaluated_in_turn(self.prompt_cache)
-            vacant_rows.joined_vacant(self, batch, rows)
+        with prefix_kept(mx, self, batch):
+            mine, theirs = layer_paddings(self.prompt_cache), layer_paddings(batch.prompt_cache)
+            if not vacant_rows.fill(self, batch, mine, theirs):
+                rows = len(self.uids)
+                if vacant_rows.margin_for_longer(self, batch):
+                    theirs = layer_paddings(batch.prompt_cache)
+                wait_before_batch_copy(mx, self.prompt_cache)  # an empty batch holds nothing
+                with layers_extended(self, batch, mine, theirs):
+                    super().extend(batch)
+                if rows:
+                    layers_evaluated_in_turn(self.prompt_cache)
+                vacant_rows.joined_vacant(self, batch, rows)
         # This step's prefill chunk may carry the batch's next decode (runtime.mixed_step).
         room_made(self.prompt_cache, 1)
         self._queue_next_tokens()

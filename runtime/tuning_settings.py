@@ -254,6 +254,29 @@ class TuningSettings:
         "with KV caches other than mlx-lm's BatchKVCache.",
         group=TUNING,
     )
+    decode_shared_prefix_tokens: int = setting(
+        0,
+        help="a decode batch (or lane) whose sequences all begin with at least this many "
+        "tokens alike holds those tokens' KV cache once for all of them, not once per "
+        "sequence; sequences that begin with it join without it (0: every sequence holds "
+        "its whole KV cache, as in mlx-lm)",
+        minimum=0,
+        ours=True,
+        notes="Coding agents' sessions share a system prompt of 10-30k tokens: sixteen "
+        "sessions over a 24k-token prompt hold it sixteen times in the decode batch, about "
+        "44 of 50 GB on Qwen3-0.6B's shape, and every decode step reads each copy. Held "
+        "once, each step reads it once, and a decode step's attention merges the shared "
+        "part's and each sequence's own part's softmaxes "
+        "([performance.md](performance.md#a-prefix-held-once-in-a-decoding-batch-its-attention-and-a-decode-step)). "
+        "A sequence that does not begin with the held prefix gives it back to every "
+        "sequence of the batch before it joins (a copy of the batch), so set it above "
+        "the chat template's opening: to about the length of the system prompts your "
+        "clients share (4096 for coding agents). Needs the compiled decode path "
+        "(`--decode-path compiled`, llama / qwen2 / qwen3 / qwen3_moe layers); otherwise, "
+        "and with KV caches other than mlx-lm's BatchKVCache, no effect. The KV budget "
+        "still counts each sequence's whole cache.",
+        group=TUNING,
+    )
     stream_interval_ms: float = setting(
         0.0,
         help="send a streaming response's chunks at most this often, merging the tokens "

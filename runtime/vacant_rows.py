@@ -34,6 +34,7 @@ import itertools
 import sys
 from typing import Any
 
+from runtime.held_prefix import held_prefix
 from runtime.mlx_environment import kv_bytes
 
 # The per-row lists of mlx-lm's ``GenerationBatch`` a vacant row resets and a joining
@@ -228,9 +229,12 @@ def fill(batch: Any, joining: Any, mine: list, theirs: list) -> bool:
             c.values[s:s + 1, :, start:idx, :] = o.values[j:j + 1, :, their_paddings[j]:their_idx, :]
             paddings[s] = start
         # Made on the host, as every generation batch's paddings are (joined_paddings);
-        # a BatchKVCache row's offset is its tokens: _idx less its left padding.
+        # a BatchKVCache row's offset is its tokens: _idx less its left padding, plus a
+        # prefix the layer holds once for its rows (runtime.held_prefix).
+        held = held_prefix(c)
+        shared = held[0].shape[2] if held is not None else 0
         c.left_padding = mx.array(paddings, dtype=c.left_padding.dtype)
-        c.offset = mx.array([idx - p for p in paddings], dtype=c.offset.dtype)
+        c.offset = mx.array([idx - p + shared for p in paddings], dtype=c.offset.dtype)
     for j, s in enumerate(slots):
         for name in ROW_LISTS:
             getattr(batch, name)[s] = getattr(joining, name)[j]

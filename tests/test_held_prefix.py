@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
 from runtime.compiled_decode import install_compiled_decode
-from runtime.held_prefix import held_prefix, hold_prefix_once
+from runtime.held_prefix import held_prefix, hold_prefix_once, prefix_released, shared_length
 
 PREFIX = [(7 * i + 3) % 200 + 1 for i in range(40)]
 OWN = [[5, 9, 12, 40, 41, 7], [3, 3, 8], [17, 2, 99, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -89,6 +89,33 @@ def test_a_row_extracted_is_its_whole_kv(model):
                                        rtol=1e-4, atol=1e-4)
 
 
+def test_a_prefix_given_back_leaves_each_row_holding_it(model):
+    """``prefix_released``: each row's prefix right before its own keys again (rows of
+    different lengths, one gone), and decode steps give the plain batch's logits."""
+    plain, held = prefilled(model), prefilled(model)
+    hold_prefix_once(mx, held, len(PREFIX))
+    decode(model, plain, 2, 3)
+    decode(model, held, 2, 3)
+    for c in plain + held:
+        c.filter(mx.array([1, 2]))
+    prefix_released(mx, held)
+    assert all(held_prefix(c) is None and "extract" not in c.__dict__ for c in held)
+    for p, h in zip(plain, held, strict=True):
+        assert h.offset.tolist() == p.offset.tolist()
+        for row in range(2):
+            np.testing.assert_allclose(np.array(h.extract(row).keys),
+                                       np.array(p.extract(row).keys), rtol=1e-4, atol=1e-4)
+    for got, want in zip(decode(model, held, 3, 2), decode(model, plain, 3, 2), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_shared_length_is_the_tokens_all_lists_begin_with():
+    assert shared_length([[1, 2, 3, 4], [1, 2, 3], [1, 2, 9, 4]]) == 2
+    assert shared_length([[5, 6], [5, 6]]) == 2
+    assert shared_length([[1], [2]]) == 0
+    assert shared_length([]) == 0
+
+
 def test_only_rows_holding_the_same_prefix_join(model):
     held, plain = prefilled(model), prefilled(model, OWN[:1])
     hold_prefix_once(mx, held, len(PREFIX))
@@ -118,3 +145,87 @@ def test_what_cannot_hold_a_prefix_is_refused(model):
         hold_prefix_once(mx, held, 4)
     with pytest.raises(ValueError, match="BatchKVCache"):
         hold_prefix_once(mx, [BatchKVCache([0])], 4)
+
+
+def _session_submit(tokenizer, request_id: int, system: str, user: str, max_tokens: int):
+    """A Submit of a system prompt and one user message, greedy, in two segments."""
+    from runtime.messages import SamplingParams, Submit
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    prompt = tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 enable_thinking=False))
+    head = tuple(tokenizer.apply_chat_template(messages[:1], enable_thinking=False))
+    cut = len(head) if prompt[:len(head)] == head else 0
+    segments = (prompt[:cut], prompt[cut:]) if cut else (prompt,)
+    return Submit(request_id=request_id, prompt=prompt, segments=segments,
+                  segment_types=("system", "user")[-len(segments):], max_tokens=max_tokens,
+                  sampling=SamplingParams())
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "one-batch"])
+@pytest.mark.parametrize("is_large", [False, True], ids=["small", "large"])
+def test_the_engine_answers_the_same_holding_a_shared_prefix_once(tiny_model_path,
+                                                                  monkeypatch, is_large,
+                                                                  lanes):
+    """The engine as ``make_engine_core`` wires it: sessions over one system prompt arrive
+    in waves (the prompt cache hands the later ones its KV), rows leave and join, one is
+    aborted, and a request over another system prompt arrives while the batch holds the
+    prefix. With decode lanes it decodes in a lane of its own; in one batch, the batch
+    gives the prefix back to every row before it joins. With the prefix held once each
+    request gets the tokens it gets without. Large: every batch counted large, leaving
+    rows' places kept (and filled) too."""
+    import runtime.engine.loading as loading
+    from runtime import batch_layers, held_prefix
+    from runtime.config import ServerConfig
+    from tests.test_vacant_rows import engine_run
+
+    system = "You are a careful coding agent. Read files before editing them. " * 12
+    other = "Answer in one short sentence, in plain words and no lists. " * 12
+
+    def waves(core):
+        tok = core.handle.tokenizer
+
+        def submit(i, user, max_tokens, prompt=system):
+            return _session_submit(tok, i, prompt, user, max_tokens)
+
+        return {
+            0: [submit(0, "list the files", 40), submit(1, "open main.py", 90)],
+            6: [submit(2, "run the tests please", 70)],
+            48: [submit(3, "fix the bug", 30)],
+            70: [submit(4, "what now", 50, prompt=other)],
+            85: [submit(5, "read the docs folder and summarise it", 60)],
+        }
+
+    counts = {"held": 0, "released": 0}
+
+    def counted(name, inner):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return inner(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(held_prefix, "hold_prefix_once",
+                        counted("held", held_prefix.hold_prefix_once))
+    monkeypatch.setattr(held_prefix, "prefix_released",
+                        counted("released", held_prefix.prefix_released))
+    monkeypatch.setattr(loading, "large_batch_bytes",
+                        (lambda mx_: 0) if is_large else (lambda mx_: 1 << 62))
+    monkeypatch.setattr(batch_layers, "large_batch_bytes",
+                        (lambda mx_: 0) if is_large else (lambda mx_: 1 << 62))
+    results = {}
+    for tokens in (0, 100):
+        config = ServerConfig(model=tiny_model_path, prefill_step_size=64,
+                              decode_shared_prefix_tokens=tokens,
+                              decode_lane_padding=None if lanes else 0)
+        core = loading.make_engine_core(config, tiny_model_path)
+        results[tokens] = engine_run(core, waves(core), abort_at={40: 1})
+        if not tokens:
+            assert counts == {"held": 0, "released": 0}
+    # Held as the first sessions joined, then each later one stripped as it joined.
+    assert counts["held"] >= 2, counts
+    assert counts["released"] == (0 if lanes else 1), counts
+    if lanes:
+        assert core._batch._generation_batch.opened >= 1
+    assert results[100] == results[0]
+    assert all(r["failed"] is None for r in results[100].values())
+    assert len(results[100][5]["tokens"]) == 60

@@ -25,7 +25,7 @@ import time
 import attrs
 
 from runtime.batch_sampling import BatchSampler, make_batch_generator
-from runtime.compiled_decode import install_compiled_decode, trace_batch_sizes
+from runtime.compiled_decode import compiled_layouts, install_compiled_decode, trace_batch_sizes
 from runtime.compiled_decode_check import check_compiled_decode
 from runtime.config import ServerConfig
 from runtime.cuda_attention import in_place_chunk_limit, install_prefill_attention
@@ -48,6 +48,7 @@ from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
+from runtime.held_prefix import install_prefix_holding
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mixed_step import trace_paced_shapes
@@ -316,6 +317,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
     else:
         # One pass for a step's decode and its paced chunk needs the compiled layers.
         chunk_pass = config.chunk_pass if compiled else "separate"
+        every_layer_compiled = compiled and len(compiled_layouts(handle.model)) > 0 and all(
+            hasattr(layer, "_compiled_decode") for layer in handle.model.layers)
         backend = GrammarBackend(grammar) if grammar is not None else None
         batch_sampler = BatchSampler(xtc_special_tokens=xtc_special, constraint_backend=backend)
         constraint_factory = backend.new_constraint if backend is not None else None
@@ -334,6 +337,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
                 chunk_parts=config.prefill_chunk_parts,
             )
             install_row_reuse(generator, config.decode_row_reuse_steps, large_batch_bytes(mx))
+            if every_layer_compiled:  # the held prefix's attention is the compiled path's
+                install_prefix_holding(generator, config.decode_shared_prefix_tokens)
             return generator
 
     return EngineCore(
