@@ -230,7 +230,9 @@ class PrefixHolding:
             return
         rows = [list(tokens) for uid, tokens in zip(batch.uids, batch.tokens, strict=True)
                 if uid >= 0]
-        if len(rows) < 2 or len(rows) < len(batch.uids):  # vacant rows share no tokens
+        # A vacant row (runtime.vacant_rows) has no tokens: its keys are cut as the
+        # others' are, since its replies are dropped and a joining row overwrites it.
+        if len(rows) < 2:
             return
         length = shared_length(rows)
         if length < self.min_tokens or not rows_hold_more_than(caches, length):
