@@ -27,7 +27,9 @@ pass costs about as much as attending over that much padding
 and when the first lane (the one a step's prefill chunk shares its pass with,
 ``runtime.mixed_step``) empties, the next takes its place without a copy.
 A generator whose caches are not all plain ``BatchKVCache`` layers keeps one
-batch.
+batch. Where lanes hold their sessions' shared prefix once (``runtime.held_prefix``),
+rows that begin with a lane's prefix join that lane whatever the padding, and rows
+that do not go to a lane holding none, so that a held prefix is not given back.
 """
 
 from __future__ import annotations
