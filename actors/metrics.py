@@ -365,6 +365,10 @@ class RuntimeCollector(Collector):
         yield counter("decode_lanes_opened",
                       "Decode lanes opened beside the first since the engine's batch generator "
                       "was made", s.decode_lanes_opened)
+        yield gauge("shared_kv_bytes",
+                    "KV bytes that decoding sessions' shared prefixes held once save against "
+                    "each session holding its own copy (--decode-shared-prefix-tokens); the "
+                    "KV budget admits that much more", s.shared_kv_bytes)
         yield gauge("engine_abort_wait_ms_max", "The longest abort wait (ms)", s.abort_wait_ms_max)
         yield gauge(
             "engine_abort_wait_steps_max",

@@ -86,9 +86,14 @@ class SchedulerCore:
         self._resuming: set[int] = set()
         self._next_id = 1
 
+    # What the engine's decoding batches save by holding their sessions' shared prefix
+    # once (``EngineStats.shared_kv_bytes``, as of the last step): the sessions' whole
+    # reservations less this is what their KV holds.
+    shared_kv_bytes = 0
+
     @property
     def kv_reserved(self) -> int:
-        return self.reservations.total
+        return self.reservations.total - self.shared_kv_bytes
 
     def allocate_id(self) -> int:
         request_id = self._next_id
@@ -163,6 +168,7 @@ class SchedulerCore:
         sequences to preempt (their ``Abort``s) when the budget runs short."""
         reservations = self.reservations
         reservations.count(outputs.tokens)
+        self.shared_kv_bytes = outputs.stats.shared_kv_bytes
         resumed = {e.request_id for e in outputs.aborted if reservations.is_preempting(e.request_id)}
         ended = outputs.terminal_ids() - resumed
         shown, resuming = self._shown, self._resuming
@@ -183,7 +189,8 @@ class SchedulerCore:
             self.waiting[request_id] = reservations.resumed(request_id)
             self.waiting.move_to_end(request_id, last=False)
             resuming.add(request_id)
-        victims = reservations.preempt(self.kv_budget)
+        budget = self.kv_budget
+        victims = reservations.preempt(None if budget is None else budget + self.shared_kv_bytes)
         return outputs, [Abort(request_id=i, reason=AbortReason.PREEMPTED) for i in victims]
 
     def drop_waiting(self) -> list[int]:

@@ -265,3 +265,23 @@ def install_prefix_holding(generator: Any, min_tokens: int) -> bool:
     first = batch.lanes[0] if hasattr(batch, "lanes") else batch
     first.prefix_holding = PrefixHolding(min_tokens)
     return True
+
+
+def held_prefix_stats(generator: Any) -> dict[str, int]:
+    """``EngineStats``' held-prefix fields for ``generator``'s decoding batch (each of
+    its lanes): ``held_prefix_bytes``, the prefixes' keys and values held once, and
+    ``shared_kv_bytes``, what holding them once saves against each of their sessions
+    holding its own copy (a prefix's bytes times its batch's sessions less one; vacant
+    rows are no session's)."""
+    batch = getattr(generator, "_generation_batch", None)
+    lanes = getattr(batch, "lanes", None) or ([batch] if batch is not None else [])
+    held = saved = 0
+    for lane in lanes:
+        caches = getattr(lane, "prompt_cache", None) or []
+        if not caches or held_prefix(caches[0]) is None:
+            continue
+        nbytes = sum(k.nbytes + v.nbytes for k, v in filter(None, map(held_prefix, caches)))
+        sessions = sum(1 for uid in lane.uids if uid >= 0)
+        held += nbytes
+        saved += nbytes * max(0, sessions - 1)
+    return {"held_prefix_bytes": held, "shared_kv_bytes": saved}

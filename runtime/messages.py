@@ -333,6 +333,10 @@ class EngineStats:
     # first since the batch generator was made
     decode_lanes: int = 0
     decode_lanes_opened: int = 0
+    # Decoding batches' prefixes held once for their sessions (runtime.held_prefix): their
+    # bytes, and what that saves against each session holding its own copy
+    held_prefix_bytes: int = 0
+    shared_kv_bytes: int = 0
     # Tokens: of the prompts admitted (cached ones included), and generated.
     prompt_tokens: int = 0
     prompt_tokens_computed: int = 0  # of those, fed to the model (not from a cache or a copy)

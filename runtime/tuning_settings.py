@@ -274,7 +274,8 @@ class TuningSettings:
         "clients share (4096 for coding agents). Needs the compiled decode path "
         "(`--decode-path compiled`, llama / qwen2 / qwen3 / qwen3_moe layers); otherwise, "
         "and with KV caches other than mlx-lm's BatchKVCache, no effect. The KV budget "
-        "still counts each sequence's whole cache.",
+        "counts a held prefix once, so it admits more sessions (`/metrics`: "
+        "`mlx_trio_shared_kv_bytes`).",
         group=TUNING,
     )
     stream_interval_ms: float = setting(

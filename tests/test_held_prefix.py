@@ -229,3 +229,21 @@ def test_the_engine_answers_the_same_holding_a_shared_prefix_once(tiny_model_pat
     assert results[100] == results[0]
     assert all(r["failed"] is None for r in results[100].values())
     assert len(results[100][5]["tokens"]) == 60
+
+
+def test_the_engine_stats_count_a_held_prefix_once_and_what_it_saves(model):
+    from types import SimpleNamespace
+
+    from runtime.held_prefix import held_prefix_stats
+
+    held, plain = prefilled(model), prefilled(model)
+    hold_prefix_once(mx, held, len(PREFIX))
+    prefix_bytes = sum(k.nbytes + v.nbytes for k, v in map(held_prefix, held))
+    # Three rows, one of them vacant (a negative uid): two sessions share one copy.
+    lanes = SimpleNamespace(lanes=[SimpleNamespace(prompt_cache=held, uids=[4, -1, 7]),
+                                   SimpleNamespace(prompt_cache=plain, uids=[1, 2, 3]),
+                                   SimpleNamespace(prompt_cache=[], uids=[])])
+    assert held_prefix_stats(SimpleNamespace(_generation_batch=lanes)) == {
+        "held_prefix_bytes": prefix_bytes, "shared_kv_bytes": prefix_bytes}
+    assert held_prefix_stats(SimpleNamespace(_generation_batch=None)) == {
+        "held_prefix_bytes": 0, "shared_kv_bytes": 0}

@@ -347,3 +347,25 @@ def test_the_setting_reaches_the_scheduler():
     assert ServerConfig().kv_reply_reserve_tokens == 4096
     with pytest.raises(ValueError):
         KvReservations(-1)
+
+
+def test_a_prefix_held_once_admits_more_and_its_loss_preempts():
+    """The engine's decoding batch holds its sessions' shared prefix once
+    (``EngineStats.shared_kv_bytes``): the budget admits what that saves, and when the
+    saving goes (the prefix given back to every row) the latest sequence is preempted."""
+    from runtime.messages import EngineStats
+
+    core = core_with_budget(360)
+    for request_id in (1, 2, 3):
+        core.admit(make_submit(request_id, max_tokens=230))
+    assert [s.request_id for s in core.to_start()] == [1, 2]  # 150 + 150 of 360
+    # Both decode over a 100-token prefix held once: one copy saved.
+    saving = EngineStats(shared_kv_bytes=PER_TOKEN * 100)
+    _, preempt = core.on_outputs(StepOutputs(stats=saving))
+    assert preempt == [] and core.kv_reserved == PER_TOKEN * 200
+    assert [s.request_id for s in core.to_start()] == [3]  # 200 + 150 of 360
+    _, preempt = core.on_outputs(StepOutputs(stats=EngineStats(shared_kv_bytes=PER_TOKEN * 200)))
+    assert preempt == [] and core.kv_reserved == PER_TOKEN * 250
+    # The prefix given back: 450 of 360, the latest leaves.
+    _, preempt = core.on_outputs(StepOutputs(stats=EngineStats()))
+    assert preempt == [Abort(request_id=3, reason=AbortReason.PREEMPTED)]

@@ -57,6 +57,7 @@ from runtime.engine.sequences import (
     without_thinking_tail,
 )
 from runtime.engine.shared_prefill import SharedPrefills, save_points
+from runtime.held_prefix import held_prefix_stats
 from runtime.loaded_model import LoadedModel
 from runtime.messages import (
     Abort,
@@ -484,8 +485,9 @@ class EngineCore:
             prompt_cache_entries=len(self.prompt_cache),
             prompt_cache_bytes=int(self.prompt_cache.nbytes),
         )
-        stats = attrs.evolve(stats, **lane_stats(self._batch),
-                             batch_kv_bytes=int(self._batch.prompt_cache_nbytes))
+        held = held_prefix_stats(self._batch)  # the prefixes held once: not in the layers' nbytes
+        stats = attrs.evolve(stats, **lane_stats(self._batch), **held, batch_kv_bytes=int(
+            self._batch.prompt_cache_nbytes) + held["held_prefix_bytes"])
         return stats if self._disk is None else attrs.evolve(stats, **self._disk.stats())
 
     def close(self, reason: str = "the engine is shutting down") -> StepOutputs:
