@@ -147,10 +147,17 @@ def shared_length(token_lists: list) -> int:
     first = token_lists[0]
     length = min(len(tokens) for tokens in token_lists)
     for tokens in token_lists[1:]:
-        n = 0
-        while n < length and tokens[n] == first[n]:
-            n += 1
-        length = n
+        # Slices compared in C, halving the span (24k-token prompts, a row a join).
+        if tokens[:length] == first[:length]:
+            continue
+        alike, differ = 0, length  # tokens[:alike] == first[:alike]; not so at differ
+        while differ - alike > 1:
+            middle = (alike + differ) // 2
+            if tokens[:middle] == first[:middle]:
+                alike = middle
+            else:
+                differ = middle
+        length = alike
     return length
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
@@ -109,10 +111,13 @@ def test_a_prefix_given_back_leaves_each_row_holding_it(model):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_shared_length_is_the_tokens_all_lists_begin_with():
-    assert shared_length([[1, 2, 3, 4], [1, 2, 3], [1, 2, 9, 4]]) == 2
-    assert shared_length([[5, 6], [5, 6]]) == 2
-    assert shared_length([[1], [2]]) == 0
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=12), min_size=1, max_size=5))
+def test_shared_length_is_the_tokens_all_lists_begin_with(token_lists):
+    got = shared_length(token_lists)
+    assert all(tokens[:got] == token_lists[0][:got] for tokens in token_lists)
+    assert got == min(map(len, token_lists)) or len(
+        {tuple(tokens[:got + 1]) for tokens in token_lists}) > 1
     assert shared_length([]) == 0
 
 
