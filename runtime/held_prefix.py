@@ -34,19 +34,21 @@ def held_prefix(cache: Any) -> tuple[Any, Any] | None:
     return getattr(cache, "held_prefix", None)
 
 
-def hold_prefix_once(mx, caches: list, length: int) -> None:
+def hold_prefix_once(mx, caches: list, length: int, holders: list | None = None) -> None:
     """Hold the first ``length`` keys and values of every row of each layer in ``caches``
     once: the rows must all begin with the same ``length`` tokens (the caller's check,
     by their tokens) and hold more than that. Each layer's arrays are copied down to the
     rows' own keys and evaluated before the next layer is, so that the batch is never
-    held twice. Raises ValueError for a layer that is not a plain ``BatchKVCache`` with
-    keys, that holds a prefix already, or whose rows are not all longer than ``length``.
+    held twice. ``holders``: layers holding those tokens' prefix already (a batch the
+    rows join), whose very arrays each layer takes instead of a copy of its own. Raises
+    ValueError for a layer that is not a plain ``BatchKVCache`` with keys, that holds a
+    prefix already, or whose rows are not all longer than ``length``.
     """
     from mlx_lm.models.cache import BatchKVCache
 
     if length <= 0:
         raise ValueError(f"a held prefix is at least one token, not {length}")
-    for cache in caches:
+    for i, cache in enumerate(caches):
         if type(cache) is not BatchKVCache or cache.keys is None:
             raise ValueError("only a BatchKVCache layer holding keys can hold a prefix once")
         if held_prefix(cache) is not None:
@@ -56,8 +58,11 @@ def hold_prefix_once(mx, caches: list, length: int) -> None:
             raise ValueError(f"every row must hold more than the {length}-token prefix")
         first = padding.index(min(padding))
         start = padding[first]
-        prefix_keys = mx.contiguous(cache.keys[first:first + 1, :, start:start + length])
-        prefix_values = mx.contiguous(cache.values[first:first + 1, :, start:start + length])
+        if holders is not None:
+            prefix_keys, prefix_values = holders[i].held_prefix
+        else:
+            prefix_keys = mx.contiguous(cache.keys[first:first + 1, :, start:start + length])
+            prefix_values = mx.contiguous(cache.values[first:first + 1, :, start:start + length])
         # Every row's prefix becomes left padding; what all rows now have in front of
         # their own keys is cut, as is the buffer's room past them (the next key grows
         # it by a block, as mlx-lm grows it), and the rest copied (a slice would keep
@@ -213,8 +218,7 @@ class PrefixHolding:
             if their_tokens is not None:
                 prefix_released(mx, theirs)
             if rows_hold_more_than(theirs, len(self.tokens)):
-                hold_prefix_once(mx, theirs, len(self.tokens))
-                take_holding(theirs, mine)
+                hold_prefix_once(mx, theirs, len(self.tokens), holders=mine)
                 return
         if self.tokens is not None:
             log.info("a decode batch gives its %d-token prefix back to its %d rows: rows "
