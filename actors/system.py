@@ -364,6 +364,7 @@ class Runtime:
                 "budget_bytes": scheduler.kv_budget_bytes,
                 "reserved_bytes": scheduler.kv_reserved_bytes,
                 "preemptions": scheduler.preemptions,
+                "shared_bytes": scheduler.stats.shared_kv_bytes,
             },
             "prompt_cache": self.prompt_cache_figures(),
         }
