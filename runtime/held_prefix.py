@@ -1,8 +1,13 @@
 """A decoding batch's KV layers holding the prefix that its rows share once.
 
-Owns ``hold_prefix_once``: a decoding batch's mlx-lm ``BatchKVCache`` layers whose rows
-all begin with the same ``length`` tokens in; each layer left holding those tokens' keys
-and values once (``held_prefix``) and, per row, only what follows them. Emits nothing.
+Owns ``hold_prefix_once`` (a decoding batch's mlx-lm ``BatchKVCache`` layers whose rows
+all begin with the same tokens in; each layer left holding those tokens' keys and values
+once, ``held_prefix``, and per row only what follows them), ``prefix_released`` (the
+way back), ``PrefixHolding`` (a decoding batch's policy around each join, which
+``install_prefix_holding`` gives a generator under ``--decode-shared-prefix-tokens``)
+and ``held_prefix_stats`` (what the held prefixes hold and save, for ``EngineStats``).
+Receives the batches and their layers; emits nothing but log lines.
+
 A layer so held answers mlx-lm's calls as it did: ``update_and_fetch``, ``make_mask``,
 ``filter`` and ``trim`` act on the rows' own keys (the prefix's positions count as each
 row's left padding, so the mask hides them and RoPE's offsets stay each row's whole
@@ -13,8 +18,8 @@ layer holding the same prefix. A decode step's attention over such a layer is
 
 Why: sixteen coding-agent sessions over one 24k-token system prompt hold it sixteen
 times in a decoding batch (44 of about 50 GB on Qwen3-0.6B's shape), and each decode
-step reads every copy. Held once, it is read once a step, and the batch holds what the
-sessions do not share.
+step reads every copy. Held once, it is read once a step, the batch holds what the
+sessions do not share, and the KV budget (``actors.scheduler``) counts it once.
 """
 
 from __future__ import annotations
