@@ -7,7 +7,9 @@ engine calls before its first step (``runtime.engine.loading.make_engine_core``)
 receives a layer's queries, its ``BatchKVCache`` and mlx-lm's mask, and returns the
 attention, or None where the caller should keep MLX's own; nothing else. The kernel is
 ``runtime.cuda_masked_decode``'s; the grouped products, and the wrapper the route is
-installed on, are ``runtime.cuda_attention``'s.
+installed on, are ``runtime.cuda_attention``'s. A layer holding its rows' shared prefix
+once (``runtime.held_prefix``) goes, on every backend, to
+``runtime.shared_prefix_attention``.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ for all rows, and the KV budget holds the sessions' own tokens only.
 How: the two parts are two softmaxes merged by their log-sum-exps, as flash decoding
 merges its splits (and FlashInfer's cascade attention a shared prefix). The prefix's
 part folds every row's query heads of a KV head into one matrix product, so its keys
-and values are read once for the whole batch; the rows' part is the grouped products of
-``runtime.cuda_attention`` over each row's own keys under its mask. Both compute their
-products in the inputs' precision and their softmax in float32, as MLX's fallback does.
+and values are read once for the whole batch; the rows' part folds each KV head's query
+heads into its rows over each row's own keys under its mask, as the grouped products of
+``runtime.cuda_attention`` do. Both compute their products in the inputs' precision and
+their softmax in float32, as MLX's fallback does.
 """
 
 from __future__ import annotations
