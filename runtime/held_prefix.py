@@ -116,15 +116,6 @@ def let_go(caches: list) -> None:
             cache.__dict__.pop(name, None)
 
 
-def take_holding(caches: list, holders: list) -> None:
-    """``caches``' layers hold the very prefix arrays that ``holders``' do (rows stripped
-    of that prefix: ``hold_prefix_once``, or a batch with no rows of its own)."""
-    for cache, holder in zip(caches, holders, strict=True):
-        cache.held_prefix = holder.held_prefix
-        cache.extract = types.MethodType(_extract_whole_row, cache)
-        cache.extend = types.MethodType(_extend_holding_the_same, cache)
-
-
 def prefix_released(mx, caches: list) -> None:
     """Every row of each layer given its prefix back: the layers hold each row's whole KV
     again, as plain ``BatchKVCache``s, a layer at a time: each layer one prefix longer,
