@@ -87,6 +87,8 @@
 #   batch-memory[=ROWS[:TOKENS]]  bench/batch_memory.py: what a batch's copies (a join, a
 #                                  leave, a growth, an alignment) hold at their peak, evaluated
 #                                  at once or a layer at a time; 16 rows of 12,000 tokens
+#   cuda-tests[=FILES]             the CUDA-only tests (pytest, no conftest: they build no
+#                                  model), tests/test_cuda_masked_decode.py by default
 #   held-step=SHAPE[:ROWS[:PREFIX[:OWN]]]  bench/held_prefix_step.py: the model's decode step
 #                                  over ROWS (16) rows holding a PREFIX (24000) once and OWN
 #                                  (3000) tokens each, against each row holding the prefix
@@ -349,6 +351,11 @@ pstats.Stats(sys.argv[1]).sort_stats("tottime").print_stats(12)' "$slow" 2>&1 | 
     batch-copies)
       timeout -s INT -k 10 "$(limit 120)" python3 bench/batch_copies.py --rows "${shape:-16}" \
         --tokens "${p1:-12000}" --out "$OUT/batch-copies-${shape:-16}-${p1:-12000}.json" 2>&1 | tail -8
+      ;;
+    cuda-tests)
+      # shellcheck disable=SC2086  # test files, split at spaces
+      timeout -s INT -k 10 "$(limit 180)" python3 -m pytest -q --noconftest \
+        -p no:cacheprovider ${arg:-tests/test_cuda_masked_decode.py} 2>&1 | tail -15
       ;;
     held-step)
       dir=$(model "$shape")

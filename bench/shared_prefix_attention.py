@@ -10,7 +10,10 @@ from half of it to all of it, left-padded as mlx-lm's batch holds them), and tim
 each route's step (one evaluation of every layer's attention), the routes alternated
 ``--reps`` times after one warm-up each:
 
-- ``shared``: the prefix held once, ``shared_prefix_attention``;
+- ``shared``: the prefix held once, ``shared_prefix_attention`` (its operations, on
+  every backend);
+- ``held-kernel``: the prefix held once, our masked decode kernel's variant over a held
+  prefix (CUDA only; the server's route for a held layer where it applies);
 - ``grouped``: each row holding the prefix, the grouped products the server's decode
   route takes for a large batch (``runtime.cuda_attention.grouped_attention`` over keys
   aligned to 64, as ``decode_attention`` reads them);
@@ -37,10 +40,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention  # noqa: E402
-from runtime.cuda_masked_decode import kernel_applies, masked_decode_attention  # noqa: E402
+from runtime.cuda_masked_decode import (  # noqa: E402
+    held_prefix_decode_attention,
+    kernel_applies,
+    masked_decode_attention,
+)
 from runtime.shared_prefix_attention import shared_prefix_attention  # noqa: E402
 
-ROUTES = ("shared", "grouped", "kernel", "mlx")
+ROUTES = ("shared", "held-kernel", "grouped", "kernel", "mlx")
+KERNEL_ROUTES = ("held-kernel", "kernel")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--routes: unknown {sorted(unknown)}; choose from {ROUTES}")
     step = Step(mx, ns)
-    if "kernel" in routes and not step.kernel_applies():
-        print("kernel: not on this device (CUDA only)", file=sys.stderr)
-        routes.remove("kernel")
+    if not step.kernel_applies():
+        for route in set(KERNEL_ROUTES) & set(routes):
+            print(f"{route}: not on this device (CUDA only)", file=sys.stderr)
+            routes.remove(route)
     times: dict[str, list[float]] = {route: [] for route in routes}
     for route in routes:  # warm-up: builds, traces and the allocator's first buffers
         step.run(route)
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             for route, t in times.items()},
     }
     for route, r in results["routes"].items():
-        print(f"{route:8s} step {r['step_ms_median']:9.2f} ms median "
+        print(f"{route:11s} step {r['step_ms_median']:9.2f} ms median "
               f"({r['step_ms_fastest']:.2f} fastest)  KV {r['kv_gb']:.2f} GB")
     if ns.out:
         Path(ns.out).write_text(json.dumps(results, indent=1) + "\n")
@@ -141,7 +150,7 @@ class Step:
 
     def kv_bytes(self, route: str) -> int:
         names = (("prefix_keys", "prefix_values", "own_keys", "own_values")
-                 if route == "shared" else ("whole_keys", "whole_values"))
+                 if route in ("shared", "held-kernel") else ("whole_keys", "whole_values"))
         return sum(layer[name].nbytes for layer in self.layers for name in names)
 
     def attention(self, route: str, layer: dict):
@@ -150,6 +159,10 @@ class Step:
             return shared_prefix_attention(
                 mx, layer["queries"], layer["prefix_keys"], layer["prefix_values"],
                 layer["own_keys"], layer["own_values"], scale=self.scale, mask=self.own_mask)
+        if route == "held-kernel":
+            return held_prefix_decode_attention(
+                mx, layer["queries"], layer["prefix_keys"], layer["prefix_values"],
+                layer["own_keys"], layer["own_values"], self.own_mask, scale=self.scale)
         if route == "grouped":
             return grouped_attention(mx, layer["queries"], layer["whole_keys"],
                                      layer["whole_values"], scale=self.scale,

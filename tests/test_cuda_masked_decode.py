@@ -15,9 +15,12 @@ from runtime.cuda_decode_attention import (
 )
 from runtime.cuda_masked_decode import (
     elements_per_lane,
+    held_kernel_applies,
+    held_prefix_decode_attention,
     kernel_applies,
     masked_decode_attention,
 )
+from runtime.shared_prefix_attention import shared_prefix_attention
 
 
 def _case(mx, rows, q_heads, kv_heads, dim, n_keys, buffer, dtype, seed=0):
@@ -157,6 +160,7 @@ def test_a_kernel_that_cannot_build_turns_its_route_off_and_the_grouped_one_stay
     assert "did not build or run" in caplog.text
     installed = mx.fast.scaled_dot_product_attention
     assert installed.grouped_decode and not installed.decode_kernel
+    assert not installed.held_kernel
 
 
 def _on_cuda() -> bool:
@@ -236,3 +240,146 @@ def test_the_kernel_reads_strided_buffers_and_a_broadcast_mask_as_they_lie():
     for keys in (window_k, transposed_k):
         got = masked_decode_attention(mx, q, keys, window_v, one_mask, scale=0.09)
         assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+def _held_case(mx, rows, q_heads, kv_heads, dim, prefix, own, dtype, seed=0):
+    """Queries, a prefix of ``prefix`` keys held once, each row's own keys (a buffer of
+    ``own`` keys plus 40 huge ones past the mask's end, each row padded on the left by a
+    different amount) and their mask; and the same keys as each row would hold them,
+    the prefix in front of its own, with the mask over both."""
+    mx.random.seed(seed)
+    q = mx.random.normal((rows, q_heads, 1, dim)).astype(dtype)
+    prefix_k = mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype)
+    prefix_v = mx.random.normal((1, kv_heads, prefix, dim)).astype(dtype)
+    stale = (mx.arange(own + 40) >= own)[None, None, :, None]
+    k = mx.where(stale, 1e4, mx.random.normal((rows, kv_heads, own + 40, dim))).astype(dtype)
+    v = mx.where(stale, 1e4, mx.random.normal((rows, kv_heads, own + 40, dim))).astype(dtype)
+    pads = mx.array([min(own - 1, (r * 37) % own) for r in range(rows)])
+    mask = (mx.arange(own)[None, :] >= pads[:, None])[:, None, None, :]
+    whole_k = mx.concatenate([mx.broadcast_to(prefix_k, (rows, *prefix_k.shape[1:])),
+                              k[..., :own, :]], axis=2)
+    whole_v = mx.concatenate([mx.broadcast_to(prefix_v, (rows, *prefix_v.shape[1:])),
+                              v[..., :own, :]], axis=2)
+    whole_mask = mx.concatenate([mx.ones((rows, 1, 1, prefix), dtype=mx.bool_), mask], axis=3)
+    return (q, prefix_k, prefix_v, k, v, mask), (whole_k, whole_v, whole_mask)
+
+
+def test_the_held_prefix_kernel_takes_a_prefix_held_once_alike_the_rows_own_keys():
+    import mlx.core as mx
+
+    (q, pk, pv, k, v, mask), _ = _held_case(mx, 3, 8, 4, 128, 300, 50, mx.bfloat16)
+    assert held_kernel_applies(mx, q, pk, pv, k, v, mask)
+    assert not held_kernel_applies(mx, q, mx.concatenate([pk, pk]), pv, k, v, mask)  # 2 rows
+    assert not held_kernel_applies(mx, q, pk[:, :2], pv[:, :2], k, v, mask)  # KV heads
+    assert not held_kernel_applies(mx, q, pk[..., :64], pv[..., :64], k, v, mask)  # head size
+    assert not held_kernel_applies(mx, q, pk.astype(mx.float16), pv, k, v, mask)  # dtype
+    assert not held_kernel_applies(mx, q, pk[:, :, :0], pv[:, :, :0], k, v, mask)  # empty
+    assert not held_kernel_applies(mx, q.astype(mx.float32), pk, pv, k, v, mask)
+
+
+def test_a_held_layer_goes_to_the_held_kernel_where_it_is_installed_else_to_the_operations(
+        monkeypatch):
+    """With CUDA's availability faked and the held kernel a stand-in (it needs CUDA): a
+    decode step over a layer holding its rows' prefix once (``hold_prefix_once``) gets
+    the held kernel's attention over the prefix and the cache's own buffers under
+    mlx-lm's mask, installed as ``kernel``; as ``grouped``, the operations'
+    (``shared_prefix_attention``); both as the same layer holding the prefix in every row."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    import runtime.cuda_decode_attention as route
+    from runtime.held_prefix import hold_prefix_once
+
+    calls = []
+
+    def stand_in(mx_, queries, prefix_keys, prefix_values, keys, values, mask, *, scale):
+        calls.append((prefix_keys, keys, values, mask.shape[-1]))
+        return shared_prefix_attention(mx_, queries, prefix_keys, prefix_values,
+                                       keys[..., :mask.shape[-1], :],
+                                       values[..., :mask.shape[-1], :], scale=scale,
+                                       mask=mask)
+
+    monkeypatch.setattr(route, "held_prefix_decode_attention", stand_in)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx)
+
+    mx.random.seed(3)
+    prefix_k, prefix_v = (mx.random.normal((1, 2, 40, 64)) for _ in range(2))
+    own = [mx.random.normal((1, 2, n, 64)) for n in (24, 29, 24, 29)]
+
+    def row(prefix, mine, pad):
+        return mx.concatenate([mx.zeros((1, 2, pad, 64)), prefix, mine], axis=2)
+
+    k = mx.concatenate([row(prefix_k, own[0], 5), row(prefix_k, own[1], 0)]).astype(mx.bfloat16)
+    v = mx.concatenate([row(prefix_v, own[2], 5), row(prefix_v, own[3], 0)]).astype(mx.bfloat16)
+    held, whole = BatchKVCache(left_padding=[5, 0]), BatchKVCache(left_padding=[5, 0])
+    for cache in (held, whole):
+        cache.update_and_fetch(k, v)
+    hold_prefix_once(mx, [held], 40)
+    q, new_k, new_v, _ = _case(mx, 2, 4, 2, 64, 1, 1, mx.bfloat16, seed=1)
+    masks = {}
+    for name, cache in (("held", held), ("whole", whole)):
+        masks[name] = create_attention_mask(q[:, 0, :, :1], cache)
+        cache.update_and_fetch(new_k, new_v)
+    keys, values = whole.keys_and_values()
+    expected = _expected(mx, q, keys, values, masks["whole"], 0.125)
+
+    assert install_masked_decode(mx, "grouped")
+    by_operations = decode_attention(mx, q, held, scale=0.125, mask=masks["held"])
+    assert not calls
+    assert install_masked_decode(mx, "kernel")
+    by_kernel = decode_attention(mx, q, held, scale=0.125, mask=masks["held"])
+    (prefix_keys, buffer_keys, buffer_values, n_keys), = calls
+    assert prefix_keys is held.held_prefix[0]
+    assert buffer_keys is held.keys and buffer_values is held.values and n_keys == 30
+    for attended in (by_operations, by_kernel):
+        assert mx.allclose(attended.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+@cuda
+@pytest.mark.parametrize(("rows", "q_heads", "kv_heads", "dim", "prefix", "own"), [
+    (16, 16, 8, 128, 3_000, 700),  # Qwen3-0.6B's shape, a prefix not a whole split
+    (4, 32, 8, 128, 256, 1),  # Llama-3-8B's: a prefix of one split, one own key
+    (1, 8, 8, 64, 1, 300),  # one row, a one-key prefix
+    (5, 64, 8, 64, 777, 257),  # eight query heads a KV head
+    (3, 8, 2, 256, 513, 100),  # the largest head size
+])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_held_kernel_computes_mlx_s_attention_over_each_row_holding_the_prefix(
+        rows, q_heads, kv_heads, dim, prefix, own, dtype):
+    import mlx.core as mx
+
+    held, (whole_k, whole_v, whole_mask) = _held_case(
+        mx, rows, q_heads, kv_heads, dim, prefix, own, getattr(mx, dtype))
+    q = held[0]
+    scale = dim ** -0.5
+    expected = _expected(mx, q, whole_k, whole_v, whole_mask, scale)
+    for lane_elements in (None, dim // 32):
+        got = held_prefix_decode_attention(mx, *held, scale=scale,
+                                           lane_elements=lane_elements)
+        assert got.dtype == q.dtype and got.shape == q.shape
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+
+
+@cuda
+def test_the_held_kernel_reads_a_prefix_view_and_ignores_what_masked_own_keys_hold():
+    """The prefix as a window of a longer buffer (a slice, not copied), and NaN or
+    infinite own keys and values where the mask is False: the same attention."""
+    import mlx.core as mx
+
+    (q, pk, pv, k, v, mask), _ = _held_case(mx, 4, 16, 8, 128, 1_000, 600, mx.bfloat16)
+    clean = held_prefix_decode_attention(mx, q, pk[:, :, 100:900], pv[:, :, 100:900],
+                                         k, v, mask, scale=0.1)
+    copied = held_prefix_decode_attention(mx, q, mx.contiguous(pk[:, :, 100:900]),
+                                          mx.contiguous(pv[:, :, 100:900]), k, v, mask,
+                                          scale=0.1)
+    assert mx.array_equal(clean, copied).item()
+    masked = mx.pad(~mask[:, 0, 0, :, None][:, None], [(0, 0), (0, 0), (0, 40), (0, 0)])
+    poisoned_k = mx.where(masked, mx.array(float("nan"), mx.bfloat16), k)
+    poisoned_v = mx.where(masked, mx.array(float("inf"), mx.bfloat16), v)
+    got = held_prefix_decode_attention(mx, q, pk[:, :, 100:900], pv[:, :, 100:900],
+                                       poisoned_k, poisoned_v, mask, scale=0.1)
+    assert mx.array_equal(got, clean).item()
