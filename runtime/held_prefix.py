@@ -4,7 +4,8 @@ Owns ``hold_prefix_once`` (a decoding batch's mlx-lm ``BatchKVCache`` layers who
 all begin with the same tokens in; each layer left holding those tokens' keys and values
 once, ``held_prefix``, and per row only what follows them), ``prefix_released`` (the
 way back), ``PrefixHolding`` (a decoding batch's policy around each join, which
-``install_prefix_holding`` gives a generator under ``--decode-shared-prefix-tokens``)
+``install_prefix_holding`` gives a generator under ``--decode-shared-prefix-tokens``
+and ``--decode-shared-prefix-budget-share``, ``shared_prefix_min_saving``)
 and ``held_prefix_stats`` (what the held prefixes hold and save, for ``EngineStats``).
 Receives the batches and their layers; emits nothing but log lines.
 
@@ -12,9 +13,10 @@ A layer so held answers mlx-lm's calls as it did: ``update_and_fetch``, ``make_m
 ``filter`` and ``trim`` act on the rows' own keys (the prefix's positions count as each
 row's left padding, so the mask hides them and RoPE's offsets stay each row's whole
 length); ``extract`` gives a row's whole KV, the prefix first; ``extend`` takes only a
-layer holding the same prefix. A decode step's attention over such a layer is
-``runtime.shared_prefix_attention``'s, which ``decode_attention``
-(``runtime.cuda_decode_attention``) gives it, on every backend.
+layer holding the same prefix. A decode step's attention over such a layer is our CUDA
+kernel's variant over a held prefix (``runtime.cuda_masked_decode``) where it is
+installed, else ``runtime.shared_prefix_attention``'s, which ``decode_attention``
+(``runtime.cuda_decode_attention``) gives it.
 
 Why: sixteen coding-agent sessions over one 24k-token system prompt hold it sixteen
 times in a decoding batch (44 of about 50 GB on Qwen3-0.6B's shape), and each decode
@@ -171,20 +173,22 @@ def rows_hold_more_than(caches: list, length: int) -> bool:
 
 
 class PrefixHolding:
-    """One decoding batch's prefix held once, and the setting it follows.
+    """One decoding batch's prefix held once, and the settings it follows.
 
     ``min_tokens``: the batch holds a prefix once when at least two of its rows and
-    every row it has begin with that many tokens alike or more (0: never). ``tokens``:
+    every row it has begin with that many tokens alike or more (0: never), and its
+    sessions' copies of it less one come to at least ``min_saving_bytes``. ``tokens``:
     the prefix it holds, or None. The generation batch calls ``before_join`` and
     ``after_join`` around a join (``runtime.mlx_lm_batches.RowAwareGenerationBatch``);
     a lane opened beside it takes a ``fresh`` one."""
 
-    def __init__(self, min_tokens: int):
+    def __init__(self, min_tokens: int, min_saving_bytes: int = 0):
         self.min_tokens = min_tokens
+        self.min_saving_bytes = min_saving_bytes
         self.tokens: list[int] | None = None
 
     def fresh(self) -> PrefixHolding:
-        return PrefixHolding(self.min_tokens)
+        return PrefixHolding(self.min_tokens, self.min_saving_bytes)
 
     def shares(self, token_lists: list) -> bool:
         """Whether rows of ``token_lists`` would join this batch without a release: it
@@ -244,9 +248,19 @@ class PrefixHolding:
         length = shared_length(rows)
         if length < self.min_tokens or not rows_hold_more_than(caches, length):
             return
+        saving = (len(rows) - 1) * length * kv_bytes_per_token(caches)
+        if saving < self.min_saving_bytes:
+            return
         hold_prefix_once(mx, caches, length)
         self.tokens = rows[0][:length]
-        log.info("a decode batch holds its %d rows' %d-token prefix once", len(rows), length)
+        log.info("a decode batch holds its %d rows' %d-token prefix once (%.2f GB saved)",
+                 len(rows), length, saving / 1e9)
+
+
+def kv_bytes_per_token(caches: list) -> int:
+    """One row's bytes of keys and values a token over the layers ``caches``."""
+    return sum(c.keys.shape[1] * (c.keys.shape[3] * c.keys.dtype.size
+                                  + c.values.shape[3] * c.values.dtype.size) for c in caches)
 
 
 @contextlib.contextmanager
@@ -261,17 +275,28 @@ def prefix_kept(mx, batch: Any, joining: Any) -> Iterator[None]:
         holding.after_join(mx, batch)
 
 
-def install_prefix_holding(generator: Any, min_tokens: int) -> bool:
+def install_prefix_holding(generator: Any, min_tokens: int, min_saving_bytes: int = 0) -> bool:
     """Give ``generator``'s decoding batch (its first lane, where it has lanes) a
-    ``PrefixHolding``; new lanes take a fresh one. ``min_tokens`` 0: none. Call it only
+    ``PrefixHolding`` (``min_tokens``, ``min_saving_bytes``); new lanes take a fresh
+    one. ``min_tokens`` 0: none. Call it only
     where every layer of the model takes the compiled decode path, whose attention
     (``decode_attention``) reads a held prefix. Returns whether it did."""
     if min_tokens <= 0:
         return False
     batch = generator._generation_batch
     first = batch.lanes[0] if hasattr(batch, "lanes") else batch
-    first.prefix_holding = PrefixHolding(min_tokens)
+    first.prefix_holding = PrefixHolding(min_tokens, min_saving_bytes)
     return True
+
+
+def shared_prefix_min_saving(config: Any, info: Any) -> int:
+    """The bytes a batch's held prefix must save at least under ``config``'s
+    ``decode_shared_prefix_budget_share`` of the KV budget the Scheduler admits by:
+    ``kv_cache_budget_bytes``, else the model's default (``info``, a ``ModelInfo``;
+    none where its bytes per token are unknown)."""
+    budget = config.kv_cache_budget_bytes or (
+        info.kv_budget if info.kv_bytes_per_token else 0)
+    return int(config.decode_shared_prefix_budget_share * budget)
 
 
 def held_prefix_stats(generator: Any) -> dict[str, int]:

@@ -215,7 +215,7 @@ TEXT_VALUES = {
     "cuda_graphs": "ops",
     "decode_lane_padding": "0",
     "decode_row_reuse_steps": "0",
-    "decode_shared_prefix_tokens": "4096",
+    "decode_shared_prefix_tokens": "8192", "decode_shared_prefix_budget_share": "0.25",
     "aborted_prefill_min_tokens": "0", "prompt_cache_dir": "/var/cache/mlx-trio/kv",
     "prompt_cache_dir_bytes": "4GB",
     "stream_interval_ms": "40",

@@ -221,6 +221,7 @@ def test_the_engine_answers_the_same_holding_a_shared_prefix_once(tiny_model_pat
     for tokens in (0, 100):
         config = ServerConfig(model=tiny_model_path, prefill_step_size=64,
                               decode_shared_prefix_tokens=tokens,
+                              decode_shared_prefix_budget_share=0,
                               decode_lane_padding=None if lanes else 0)
         core = loading.make_engine_core(config, tiny_model_path)
         results[tokens] = engine_run(core, waves(core), abort_at={40: 1})
@@ -252,3 +253,45 @@ def test_the_engine_stats_count_a_held_prefix_once_and_what_it_saves(model):
         "held_prefix_bytes": prefix_bytes, "shared_kv_bytes": prefix_bytes}
     assert held_prefix_stats(SimpleNamespace(_generation_batch=None)) == {
         "held_prefix_bytes": 0, "shared_kv_bytes": 0}
+
+
+def test_a_batch_holds_its_prefix_once_only_where_that_saves_enough_of_the_budget(model):
+    """``after_join`` over three sessions sharing the prefix: it holds it where their
+    copies less one (two) reach ``min_saving_bytes``, and not a byte short of that; the
+    minimum follows the setting's share of the budget the Scheduler admits by."""
+    from types import SimpleNamespace
+
+    from runtime.config import ServerConfig
+    from runtime.held_prefix import PrefixHolding, kv_bytes_per_token, shared_prefix_min_saving
+
+    def batch():
+        caches = prefilled(model)
+        tokens = [PREFIX + own for own in OWN]
+        return SimpleNamespace(prompt_cache=caches, uids=[0, 1, 2], tokens=tokens)
+
+    copies = 2 * len(PREFIX) * kv_bytes_per_token(batch().prompt_cache)
+    assert copies == 2 * sum(k.nbytes + v.nbytes for k, v in
+                             map(held_prefix, _held_copy(model))) > 0
+    short, enough = batch(), batch()
+    refusing = PrefixHolding(len(PREFIX), min_saving_bytes=copies + 1)
+    refusing.after_join(mx, short)
+    assert refusing.tokens is None and held_prefix(short.prompt_cache[0]) is None
+    holding = PrefixHolding(len(PREFIX), min_saving_bytes=copies)
+    holding.after_join(mx, enough)
+    assert holding.tokens == PREFIX and held_prefix(enough.prompt_cache[0]) is not None
+    assert holding.fresh().min_saving_bytes == copies
+
+    config = ServerConfig(model="m", kv_cache_budget_bytes=10_000,
+                          decode_shared_prefix_budget_share=0.25)
+    known = SimpleNamespace(kv_budget=40_000, kv_bytes_per_token=8)
+    assert shared_prefix_min_saving(config, known) == 2_500  # the setting's budget
+    config = ServerConfig(model="m", decode_shared_prefix_budget_share=0.5)
+    assert shared_prefix_min_saving(config, known) == 20_000  # the model's default
+    unknown = SimpleNamespace(kv_budget=40_000, kv_bytes_per_token=0)
+    assert shared_prefix_min_saving(config, unknown) == 0  # no budget: held wherever shared
+
+
+def _held_copy(model) -> list:
+    held = prefilled(model)
+    hold_prefix_once(mx, held, len(PREFIX))
+    return held

@@ -66,7 +66,8 @@ async def test_the_budget_counts_a_prefix_held_once_once(tiny_model_path, tiny_t
     for tokens in (0, 200):
         config = ServerConfig(model=tiny_model_path, kv_reply_reserve_tokens=0,
                               kv_cache_budget_bytes=int(2.5 * whole) * BYTES_PER_TOKEN,
-                              decode_shared_prefix_tokens=tokens)
+                              decode_shared_prefix_tokens=tokens,
+                              decode_shared_prefix_budget_share=0)
         results[tokens] = await sessions_at_once(tiny_model_path, config, never_end)
     (most, shared, plain), (most_held, shared_held, held) = results[0], results[200]
     assert most == 2 and shared == 0

@@ -48,7 +48,7 @@ from runtime.engine.vision_generator import VisionGenerator
 from runtime.grammar import GrammarTokenizer, grammar_tokenizer
 from runtime.grammar.backend import GrammarBackend, constraint_processor
 from runtime.harmony import harmony_stop_ids, is_harmony_tokenizer
-from runtime.held_prefix import install_prefix_holding
+from runtime.held_prefix import install_prefix_holding, shared_prefix_min_saving
 from runtime.lifecycle import ModelInfo
 from runtime.loaded_model import LoadedModel
 from runtime.mixed_step import trace_paced_shapes
@@ -338,7 +338,8 @@ def make_engine_core(config: ServerConfig, model_path: str) -> EngineCore:
             )
             install_row_reuse(generator, config.decode_row_reuse_steps, large_batch_bytes(mx))
             if every_layer_compiled:  # the held prefix's attention is the compiled path's
-                install_prefix_holding(generator, config.decode_shared_prefix_tokens)
+                install_prefix_holding(generator, config.decode_shared_prefix_tokens,
+                                       shared_prefix_min_saving(config, handle.info))
             return generator
 
     return EngineCore(
