@@ -289,7 +289,7 @@ class TuningSettings:
         ours=True,
         notes="Holding a prefix once pays where the KV budget, not the decode step, limits "
         "how many sessions decode at once. On an H100 (Qwen3-0.6B's shape, the default "
-        "budget of about 27 GB), over a 24k-token system prompt, four sessions held it at "
+        "budget of about 28 GB), over a 24k-token system prompt, four sessions held it at "
         "0.72x the tokens/s of each holding its own (their copies 31 % of the budget), "
         "eight were even (70 %), sixteen made 1.78x; the default holds it for eight and "
         "sixteen, not four. Lower it where memory is short and many sessions share a "
