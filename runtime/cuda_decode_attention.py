@@ -88,10 +88,14 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     attention = mx.fast.scaled_dot_product_attention
     held = held_prefix(cache)
     if held is not None:  # on every backend: MLX's own would miss the prefix
-        if (getattr(attention, "held_kernel", False) and isinstance(mask, mx.array)
-                and held_kernel_applies(mx, queries, *held, cache.keys, cache.values, mask)):
-            return held_prefix_decode_attention(mx, queries, *held, cache.keys,
-                                                cache.values, mask, scale=scale)
+        if getattr(attention, "held_kernel", False) and queries.shape[2] == 1:
+            # One row with no padding left has no mask (runtime.plain_masks): all of
+            # its own keys are visible.
+            own = mask if isinstance(mask, mx.array) else _every_key_visible(
+                mx, queries.shape[0], cache._idx)
+            if held_kernel_applies(mx, queries, *held, cache.keys, cache.values, own):
+                return held_prefix_decode_attention(mx, queries, *held, cache.keys,
+                                                    cache.values, own, scale=scale)
         keys, values = cache.keys_and_values()
         return shared_prefix_attention(mx, queries, *held, keys, values, scale=scale,
                                        mask=mask)
@@ -123,6 +127,24 @@ def decode_attention(mx, queries, cache, *, scale, mask):
     return grouped_attention(mx, queries, cache.keys[..., :n_keys, :],
                              cache.values[..., :n_keys, :], scale=scale, mask=kept.mask,
                              align=False)
+
+
+class _KeptFullMask(threading.local):
+    """The last mask ``_every_key_visible`` made on this thread: a step's layers share it."""
+
+    shape: tuple = ()
+    mask: Any = None
+
+
+_kept_full_mask = _KeptFullMask()
+
+
+def _every_key_visible(mx, rows: int, n_keys: int):
+    """A decode step's boolean mask (rows, 1, 1, keys) with every key visible."""
+    kept = _kept_full_mask
+    if kept.shape != (rows, n_keys):
+        kept.shape, kept.mask = (rows, n_keys), mx.ones((rows, 1, 1, n_keys), dtype=mx.bool_)
+    return kept.mask
 
 
 def install_masked_decode(mx, mode: str, min_bytes: int = DECODE_GROUPED_MIN_BYTES) -> bool:

@@ -383,3 +383,48 @@ def test_the_held_kernel_reads_a_prefix_view_and_ignores_what_masked_own_keys_ho
     got = held_prefix_decode_attention(mx, q, pk[:, :, 100:900], pv[:, :, 100:900],
                                        poisoned_k, poisoned_v, mask, scale=0.1)
     assert mx.array_equal(got, clean).item()
+
+
+def test_a_held_row_with_no_mask_goes_to_the_held_kernel_with_every_own_key_visible(
+        monkeypatch):
+    """One row with no padding decodes with no mask (``runtime.plain_masks``): over a
+    layer holding its prefix once, the held kernel (a stand-in, as above) gets a mask
+    with every own key visible, and the attention is that over the whole row."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    import runtime.cuda_decode_attention as route
+    from runtime.held_prefix import hold_prefix_once
+
+    masks = []
+
+    def stand_in(mx_, queries, prefix_keys, prefix_values, keys, values, mask, *, scale):
+        masks.append(mask)
+        n_keys = mask.shape[-1]
+        return shared_prefix_attention(mx_, queries, prefix_keys, prefix_values,
+                                       keys[..., :n_keys, :], values[..., :n_keys, :],
+                                       scale=scale, mask=mask)
+
+    monkeypatch.setattr(route, "held_prefix_decode_attention", stand_in)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert install_prefill_attention(mx) and install_masked_decode(mx, "kernel")
+    mx.random.seed(5)
+    k, v = (mx.random.normal((1, 2, 69, 64)).astype(mx.bfloat16) for _ in range(2))
+    held, whole = BatchKVCache(left_padding=[0]), BatchKVCache(left_padding=[0])
+    for cache in (held, whole):
+        cache.update_and_fetch(k, v)
+    hold_prefix_once(mx, [held], 40)
+    q, new_k, new_v, _ = _case(mx, 1, 4, 2, 64, 1, 1, mx.bfloat16, seed=2)
+    for cache in (held, whole):
+        cache.update_and_fetch(new_k, new_v)
+    for mask in (None, "causal"):
+        got = decode_attention(mx, q, held, scale=0.125, mask=mask)
+        assert masks[-1].shape == (1, 1, 1, 30) and masks[-1].all().item()
+        keys, values = whole.keys_and_values()
+        expected = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32), keys.astype(mx.float32), values.astype(mx.float32),
+            scale=0.125)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    assert len(masks) == 2
