@@ -264,36 +264,31 @@ class TuningSettings:
         minimum=0,
         ours=True,
         notes="Coding agents' sessions share a system prompt of 10-30k tokens: sixteen "
-        "sessions over a 24k-token prompt hold it sixteen times in the decode batch, about "
-        "44 of 50 GB on Qwen3-0.6B's shape, and the KV budget then admits about ten of "
-        "them at once. Held once, the budget counts it once and every decode step reads it "
-        "once "
+        "sessions over a 24k-token prompt hold it sixteen times in the decode batch (44 of "
+        "50 GB on Qwen3-0.6B's shape), and the KV budget admits about ten of them. Held "
+        "once, the budget counts it once and each decode step reads it once "
         "([performance.md](performance.md#a-prefix-held-once-in-a-decoding-batch)): on an "
         "H100, sixteen such sessions made 1.78x the tokens/s, their later turns' first "
-        "token 0.04x the wait. A sequence that does not begin with the held prefix gives "
-        "it back to every sequence of the batch before it joins (a copy of the batch), or "
-        "goes to a decode lane of its own, so keep it above the chat template's opening: "
-        "about the length of the system prompts your clients share (the default suits "
-        "coding agents). Needs the compiled decode path (`--decode-path compiled`, llama / "
-        "qwen2 / qwen3 / qwen3_moe layers); otherwise, and with KV caches other than "
-        "mlx-lm's BatchKVCache, no effect (`/metrics`: `mlx_trio_shared_kv_bytes`).",
+        "token 0.04x the wait. A sequence without the held prefix makes the batch give it "
+        "back (a copy of the batch) or goes to a decode lane of its own, so keep it above "
+        "the chat template's opening: about the length of the system prompts your clients "
+        "share. Needs the compiled decode path (`--decode-path compiled`, llama / qwen2 / "
+        "qwen3 / qwen3_moe layers) and mlx-lm's BatchKVCache; otherwise no effect "
+        "(`/metrics`: `mlx_trio_shared_kv_bytes`).",
         group=TUNING,
     )
     decode_shared_prefix_budget_share: float = setting(
         0.5,
         help="a decode batch holds its sequences' shared prefix once only where their "
-        "copies of it less one come to at least this share of the KV budget (0: wherever "
-        "two sequences share --decode-shared-prefix-tokens)",
+        "copies of it less one come to at least this share of the KV budget (0: always)",
         minimum=0,
         maximum=1,
         ours=True,
-        notes="Holding a prefix once pays where the KV budget, not the decode step, limits "
-        "how many sessions decode at once. On an H100 (Qwen3-0.6B's shape, the default "
-        "budget of about 28 GB), over a 24k-token system prompt, four sessions held it at "
-        "0.72x the tokens/s of each holding its own (their copies 31 % of the budget), "
-        "eight were even (70 %), sixteen made 1.78x; the default holds it for eight and "
-        "sixteen, not four. Lower it where memory is short and many sessions share a "
-        "prompt; 0 holds whenever two do.",
+        notes="Holding a prefix once pays where the KV budget limits how many sessions "
+        "decode at once. On an H100 (Qwen3-0.6B's shape, a budget of about 28 GB), over a "
+        "24k-token system prompt, four sessions held it at 0.72x the tokens/s (their "
+        "copies 31 % of the budget), eight were even (70 %), sixteen made 1.78x. Lower it "
+        "where memory is short and many sessions share a prompt; 0 holds whenever two do.",
         group=TUNING,
     )
     stream_interval_ms: float = setting(
