@@ -278,9 +278,9 @@ def prefix_kept(mx, batch: Any, joining: Any) -> Iterator[None]:
 def install_prefix_holding(generator: Any, min_tokens: int, min_saving_bytes: int = 0) -> bool:
     """Give ``generator``'s decoding batch (its first lane, where it has lanes) a
     ``PrefixHolding`` (``min_tokens``, ``min_saving_bytes``); new lanes take a fresh
-    one. ``min_tokens`` 0: none. Call it only
-    where every layer of the model takes the compiled decode path, whose attention
-    (``decode_attention``) reads a held prefix. Returns whether it did."""
+    one. ``min_tokens`` 0: none. Call it only where every layer of the model takes the
+    compiled decode path, whose attention (``decode_attention``) reads a held prefix.
+    Returns whether it did."""
     if min_tokens <= 0:
         return False
     batch = generator._generation_batch
