@@ -14,6 +14,8 @@ each route's step (one evaluation of every layer's attention), the routes altern
   every backend);
 - ``held-kernel``: the prefix held once, our masked decode kernel's variant over a held
   prefix (CUDA only; the server's route for a held layer where it applies);
+  ``held-kernel@N``: the same with N rows' queries a block over the prefix (1: a row
+  each; the default ``held_rows_per_block``'s);
 - ``grouped``: each row holding the prefix, the grouped products the server's decode
   route takes for a large batch (``runtime.cuda_attention.grouped_attention`` over keys
   aligned to 64, as ``decode_attention`` reads them);
@@ -68,12 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     routes = [r.strip() for r in ns.routes.split(",") if r.strip()]
-    unknown = set(routes) - set(ROUTES)
+    unknown = {r for r in routes if r.split("@")[0] not in ROUTES
+               or ("@" in r and (r.split("@")[0] != "held-kernel"
+                                 or not r.split("@")[1].isdigit()))}
     if unknown:
         p.error(f"--routes: unknown {sorted(unknown)}; choose from {ROUTES}")
     step = Step(mx, ns)
     if not step.kernel_applies():
-        for route in set(KERNEL_ROUTES) & set(routes):
+        for route in [r for r in routes if r.split("@")[0] in KERNEL_ROUTES]:
             print(f"{route}: not on this device (CUDA only)", file=sys.stderr)
             routes.remove(route)
     times: dict[str, list[float]] = {route: [] for route in routes}
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             for route, t in times.items()},
     }
     for route, r in results["routes"].items():
-        print(f"{route:11s} step {r['step_ms_median']:9.2f} ms median "
+        print(f"{route:13s} step {r['step_ms_median']:9.2f} ms median "
               f"({r['step_ms_fastest']:.2f} fastest)  KV {r['kv_gb']:.2f} GB")
     if ns.out:
         Path(ns.out).write_text(json.dumps(results, indent=1) + "\n")
@@ -150,7 +154,8 @@ class Step:
 
     def kv_bytes(self, route: str) -> int:
         names = (("prefix_keys", "prefix_values", "own_keys", "own_values")
-                 if route in ("shared", "held-kernel") else ("whole_keys", "whole_values"))
+                 if route.split("@")[0] in ("shared", "held-kernel")
+                 else ("whole_keys", "whole_values"))
         return sum(layer[name].nbytes for layer in self.layers for name in names)
 
     def attention(self, route: str, layer: dict):
@@ -159,10 +164,12 @@ class Step:
             return shared_prefix_attention(
                 mx, layer["queries"], layer["prefix_keys"], layer["prefix_values"],
                 layer["own_keys"], layer["own_values"], scale=self.scale, mask=self.own_mask)
-        if route == "held-kernel":
+        if route.split("@")[0] == "held-kernel":
+            group = int(route.split("@")[1]) if "@" in route else None
             return held_prefix_decode_attention(
                 mx, layer["queries"], layer["prefix_keys"], layer["prefix_values"],
-                layer["own_keys"], layer["own_values"], self.own_mask, scale=self.scale)
+                layer["own_keys"], layer["own_values"], self.own_mask, scale=self.scale,
+                rows_per_block=group)
         if route == "grouped":
             return grouped_attention(mx, layer["queries"], layer["whole_keys"],
                                      layer["whole_values"], scale=self.scale,

@@ -23,6 +23,7 @@ from runtime.cuda_attention import KEY_ALIGNMENT, grouped_attention, installed_a
 from runtime.cuda_masked_decode import (
     held_kernel_applies,
     held_prefix_decode_attention,
+    held_rows_per_block,
     kernel_applies,
     masked_decode_attention,
 )
@@ -188,9 +189,12 @@ def warm_masked_decode(mx, queries, keys, values, *, scale: float) -> bool:
         attention.decode_kernel = attention.held_kernel = False
         return False
     prefix_keys, prefix_values = keys[:1, :, :1], values[:1, :, :1]
-    try:
-        mx.eval(held_prefix_decode_attention(mx, queries, prefix_keys, prefix_values, keys,
-                                             values, mask, scale=scale))
+    rep = queries.shape[1] // keys.shape[1]
+    try:  # both sizes of its prefix's blocks: a row each, and several where there are
+        for group in sorted({1, held_rows_per_block(queries.shape[3], rep, 1 << 30)}):
+            mx.eval(held_prefix_decode_attention(mx, queries, prefix_keys, prefix_values,
+                                                 keys, values, mask, scale=scale,
+                                                 rows_per_block=group))
     except Exception as exc:  # the held route's kernel off, the other stays
         log.warning("the held-prefix decode kernel did not build or run (%s: %s); a layer "
                     "holding its rows' prefix once goes as runtime.shared_prefix_attention",

@@ -14,9 +14,13 @@ from runtime.cuda_decode_attention import (
     warm_masked_decode,
 )
 from runtime.cuda_masked_decode import (
+    MOST_PREFIX_QUERIES,
+    SHARED_BYTES,
+    THREADS,
     elements_per_lane,
     held_kernel_applies,
     held_prefix_decode_attention,
+    held_rows_per_block,
     kernel_applies,
     masked_decode_attention,
 )
@@ -77,6 +81,24 @@ def test_a_key_is_read_by_fewer_lanes_the_fewer_query_heads_share_it():
             lanes = dim // elements_per_lane(dim, rep)
             assert lanes * elements_per_lane(dim, rep) == dim and lanes <= 32
             assert lanes & (lanes - 1) == 0
+
+
+def test_a_held_prefix_block_takes_several_rows_only_where_the_batch_has_them():
+    """Eight queries a block over a held prefix: four rows of Qwen3-0.6B's two query
+    heads a KV head, two of Llama-3-8B's four; one row a block in a batch with fewer
+    rows, and where the rows' merge would not fit a block's shared memory."""
+    assert held_rows_per_block(128, 2, 16) == 4
+    assert held_rows_per_block(128, 2, 4) == 4
+    assert held_rows_per_block(128, 2, 3) == 1
+    assert held_rows_per_block(128, 4, 16) == 2
+    assert held_rows_per_block(128, 8, 16) == 1
+    assert held_rows_per_block(64, 1, 16) == 8
+    assert held_rows_per_block(256, 3, 16) == 2  # three query heads: two rows, six queries
+    for dim in (64, 128, 256):
+        for rep in (1, 2, 4, 8):
+            group = held_rows_per_block(dim, rep, 64)
+            assert group & (group - 1) == 0 and group * rep <= MOST_PREFIX_QUERIES
+            assert (2 + dim) * (THREADS // 32) * rep * group * 4 <= SHARED_BYTES
 
 
 def test_a_layout_the_kernel_cannot_run_is_refused_before_it_is_built():
@@ -362,6 +384,15 @@ def test_the_held_kernel_computes_mlx_s_attention_over_each_row_holding_the_pref
                                            lane_elements=lane_elements)
         assert got.dtype == q.dtype and got.shape == q.shape
         assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item()
+    rep = q_heads // kv_heads
+    for group in (1, 2, 4, 8, 16):  # a last group short of it where rows do not divide
+        if group * rep > MOST_PREFIX_QUERIES or \
+                (2 + dim) * (THREADS // 32) * rep * group * 4 > SHARED_BYTES:
+            with pytest.raises(ValueError, match="rows_per_block"):
+                held_prefix_decode_attention(mx, *held, scale=scale, rows_per_block=group)
+            continue
+        got = held_prefix_decode_attention(mx, *held, scale=scale, rows_per_block=group)
+        assert mx.allclose(got.astype(mx.float32), expected, atol=2e-2, rtol=2e-2).item(), group
 
 
 @cuda
