@@ -52,6 +52,30 @@ struct KeySpan {
     int first, last;
 };
 
+// Keys [first, last) of row ``row`` and KV head ``kv_head`` of a layer's buffers,
+// unmasked (the caller sets the mask of a row's own keys).
+template <typename T, int EPL>
+__device__ inline KeySpan<T> key_span(
+        const T* keys, const mlx::core::cu::Strides& keys_strides, const T* values,
+        const mlx::core::cu::Strides& values_strides, int row, int kv_head, int first,
+        int last) {
+    KeySpan<T> span;
+    span.keys = keys + row * keys_strides[0] + kv_head * keys_strides[1];
+    span.values = values + row * values_strides[0] + kv_head * values_strides[1];
+    span.key_step = keys_strides[2];
+    span.key_element = keys_strides[3];
+    span.value_step = values_strides[2];
+    span.value_element = values_strides[3];
+    span.keys_packed = packs<T, EPL>(keys, keys_strides);
+    span.values_packed = packs<T, EPL>(values, values_strides);
+    span.masked = false;
+    span.live = nullptr;
+    span.live_step = 0;
+    span.first = first;
+    span.last = last;
+    return span;
+}
+
 // One block of the first kernel: the running maximum, sum and weighted values over the
 // keys of ``span`` for the REP query heads of its KV head of each of ``n_rows`` rows
 // from ``first_row`` (at most ROWS; every one of them sees those keys), written to
@@ -239,20 +263,12 @@ __device__ inline void attend_split(
 
 # A row's own keys, under its mask: the setup both first kernels share.
 OWN_SPAN = """
-    KeySpan<T> own;
-    own.keys = keys + row * keys_strides[0] + kv_head * keys_strides[1];
-    own.values = values + row * values_strides[0] + kv_head * values_strides[1];
-    own.key_step = keys_strides[2];
-    own.key_element = keys_strides[3];
-    own.value_step = values_strides[2];
-    own.value_element = values_strides[3];
-    own.keys_packed = packs<T, EPL>(keys, keys_strides);
-    own.values_packed = packs<T, EPL>(values, values_strides);
+    KeySpan<T> own = key_span<T, EPL>(
+        keys, keys_strides, values, values_strides, row, kv_head,
+        own_split * KEYS_PER_SPLIT, min((own_split + 1) * KEYS_PER_SPLIT, (int)mask_shape[3]));
     own.masked = true;
     own.live = mask + row * mask_strides[0];
     own.live_step = mask_strides[3];
-    own.first = own_split * KEYS_PER_SPLIT;
-    own.last = min(own.first + KEYS_PER_SPLIT, mask_shape[3]);
 """
 
 # The first kernel over each row's keys: a block per split of a row's keys, KV head and
@@ -286,20 +302,10 @@ HELD_SOURCE = """
     if (blockIdx.x < prefix_splits * groups) {
         const int group = blockIdx.x % groups;
         const int split = blockIdx.x / groups;
-        KeySpan<T> prefix;
-        prefix.keys = prefix_keys + kv_head * prefix_keys_strides[1];
-        prefix.values = prefix_values + kv_head * prefix_values_strides[1];
-        prefix.key_step = prefix_keys_strides[2];
-        prefix.key_element = prefix_keys_strides[3];
-        prefix.value_step = prefix_values_strides[2];
-        prefix.value_element = prefix_values_strides[3];
-        prefix.keys_packed = packs<T, HELD_EPL>(prefix_keys, prefix_keys_strides);
-        prefix.values_packed = packs<T, HELD_EPL>(prefix_values, prefix_values_strides);
-        prefix.masked = false;
-        prefix.live = mask;
-        prefix.live_step = 0;
-        prefix.first = split * KEYS_PER_SPLIT;
-        prefix.last = min(prefix.first + KEYS_PER_SPLIT, (int)prefix_keys_shape[2]);
+        const KeySpan<T> prefix = key_span<T, HELD_EPL>(
+            prefix_keys, prefix_keys_strides, prefix_values, prefix_values_strides, 0,
+            kv_head, split * KEYS_PER_SPLIT,
+            min((split + 1) * KEYS_PER_SPLIT, (int)prefix_keys_shape[2]));
         attend_split<T, D, REP, ROWS, HELD_EPL, THREADS, KEYS_PER_LOAD>(
             queries, queries_strides, scale_log2, group * ROWS, min(ROWS, rows - group * ROWS),
             kv_head, q_heads, prefix, shared, split_values, split_top, split_total, split,
