@@ -34,6 +34,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The share of the KV budget a held prefix must save where its attention is operations
+# (runtime.shared_prefix_attention; not measured on Metal): where the budget, not the
+# step, limits how many sessions decode at once.
+DEFAULT_BUDGET_SHARE = 0.5
+
 
 def held_prefix(cache: Any) -> tuple[Any, Any] | None:
     """The keys and values ``(1, KV heads, prefix, head dim)`` that ``cache`` holds once
@@ -293,10 +298,18 @@ def shared_prefix_min_saving(config: Any, info: Any) -> int:
     """The bytes a batch's held prefix must save at least under ``config``'s
     ``decode_shared_prefix_budget_share`` of the KV budget the Scheduler admits by:
     ``kv_cache_budget_bytes``, else the model's default (``info``, a ``ModelInfo``;
-    none where its bytes per token are unknown)."""
+    none where its bytes per token are unknown). The share left unset is 0 where our
+    CUDA kernel reads a held prefix (installed by ``install_masked_decode``; on an H100
+    holding was as fast or faster there), else ``DEFAULT_BUDGET_SHARE``."""
+    import mlx.core as mx
+
+    share = config.decode_shared_prefix_budget_share
+    if share is None:
+        kernel = getattr(mx.fast.scaled_dot_product_attention, "held_kernel", False)
+        share = 0.0 if kernel else DEFAULT_BUDGET_SHARE
     budget = config.kv_cache_budget_bytes or (
         info.kv_budget if info.kv_bytes_per_token else 0)
-    return int(config.decode_shared_prefix_budget_share * budget)
+    return int(share * budget)
 
 
 def held_prefix_stats(generator: Any) -> dict[str, int]:

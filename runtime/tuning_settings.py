@@ -265,30 +265,30 @@ class TuningSettings:
         ours=True,
         notes="Coding agents' sessions share a system prompt of 10-30k tokens: sixteen "
         "sessions over a 24k-token prompt hold it sixteen times in the decode batch (44 of "
-        "50 GB on Qwen3-0.6B's shape), and the KV budget admits about ten of them. Held "
-        "once, the budget counts it once and each decode step reads it once "
-        "([performance.md](performance.md#a-prefix-held-once-in-a-decoding-batch)): on an "
-        "H100, sixteen such sessions made 1.78x the tokens/s, their later turns' first "
-        "token 0.04x the wait. A sequence without the held prefix makes the batch give it "
-        "back (a copy of the batch) or goes to a decode lane of its own, so keep it above "
-        "the chat template's opening: about the length of the system prompts your clients "
-        "share. Needs the compiled decode path (`--decode-path compiled`, llama / qwen2 / "
+        "50 GB on Qwen3-0.6B's shape). Held once, the budget counts it once and each step "
+        "reads it once ([performance.md](performance.md#a-prefix-held-once-in-a-decoding-batch)): on an "
+        "H100, sixteen such sessions made 2.01x the tokens/s, four 1.88x, four over a 12k "
+        "prompt 0.93x. A sequence without the held prefix makes the batch give it back (a "
+        "copy of the batch) or goes to a decode lane of its own, so keep it above the chat "
+        "template's opening: about the length of the system prompts your clients share. "
+        "Needs the compiled decode path (`--decode-path compiled`, llama / qwen2 / "
         "qwen3 / qwen3_moe layers) and mlx-lm's BatchKVCache; otherwise no effect "
         "(`/metrics`: `mlx_trio_shared_kv_bytes`).",
         group=TUNING,
     )
-    decode_shared_prefix_budget_share: float = setting(
-        0.5,
+    decode_shared_prefix_budget_share: float | None = setting(
+        None,
         help="a decode batch holds its sequences' shared prefix once only where their "
         "copies of it less one come to at least this share of the KV budget (0: always)",
         minimum=0,
         maximum=1,
+        default_text="0 where our CUDA kernel reads a held prefix, 0.5 elsewhere",
         ours=True,
-        notes="Holding a prefix once pays where the KV budget limits how many sessions "
-        "decode at once. On an H100 (Qwen3-0.6B's shape, a budget of about 28 GB), over a "
-        "24k-token system prompt, four sessions held it at 0.72x the tokens/s (their "
-        "copies 31 % of the budget), eight were even (70 %), sixteen made 1.78x. Lower it "
-        "where memory is short and many sessions share a prompt; 0 holds whenever two do.",
+        notes="On CUDA a held prefix's decode attention is our kernel: on an H100, holding "
+        "made 0.93-2.01x the tokens/s (2.01x at sixteen 24k sessions, 1.88x at four). "
+        "Elsewhere it is about 30 operations a layer, not measured on Metal, so it holds "
+        "where the copies would take half the budget (where the budget limits how many "
+        "sessions decode at once). Lower it where memory is short.",
         group=TUNING,
     )
     stream_interval_ms: float = setting(

@@ -84,16 +84,17 @@ def test_a_key_is_read_by_fewer_lanes_the_fewer_query_heads_share_it():
 
 
 def test_a_held_prefix_block_takes_several_rows_only_where_the_batch_has_them():
-    """Eight queries a block over a held prefix: four rows of Qwen3-0.6B's two query
-    heads a KV head, two of Llama-3-8B's four; one row a block in a batch with fewer
-    rows, and where the rows' merge would not fit a block's shared memory."""
-    assert held_rows_per_block(128, 2, 16) == 4
-    assert held_rows_per_block(128, 2, 4) == 4
-    assert held_rows_per_block(128, 2, 3) == 1
-    assert held_rows_per_block(128, 4, 16) == 2
+    """Four queries a block over a held prefix: two rows of Qwen3-0.6B's two query heads
+    a KV head, one of Llama-3-8B's four; one row a block in a batch with fewer rows, and
+    where the rows' merge would not fit a block's shared memory."""
+    assert held_rows_per_block(128, 2, 16) == 2
+    assert held_rows_per_block(128, 2, 2) == 2
+    assert held_rows_per_block(128, 2, 1) == 1
+    assert held_rows_per_block(128, 4, 16) == 1
     assert held_rows_per_block(128, 8, 16) == 1
-    assert held_rows_per_block(64, 1, 16) == 8
-    assert held_rows_per_block(256, 3, 16) == 2  # three query heads: two rows, six queries
+    assert held_rows_per_block(64, 1, 16) == 4
+    assert held_rows_per_block(64, 1, 3) == 1
+    assert held_rows_per_block(256, 3, 16) == 1  # three query heads: one row
     for dim in (64, 128, 256):
         for rep in (1, 2, 4, 8):
             group = held_rows_per_block(dim, rep, 64)

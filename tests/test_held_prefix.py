@@ -291,6 +291,30 @@ def test_a_batch_holds_its_prefix_once_only_where_that_saves_enough_of_the_budge
     assert shared_prefix_min_saving(config, unknown) == 0  # no budget: held wherever shared
 
 
+def test_the_budget_share_left_unset_is_none_where_our_kernel_reads_a_held_prefix(
+        monkeypatch):
+    """Unset, the share is half the budget where a held prefix's attention is operations
+    (here, the CPU) and nothing where our CUDA kernel is installed to read it."""
+    from types import SimpleNamespace
+
+    from runtime.config import ServerConfig
+    from runtime.held_prefix import shared_prefix_min_saving
+
+    config = ServerConfig(model="m", kv_cache_budget_bytes=10_000)
+    info = SimpleNamespace(kv_budget=40_000, kv_bytes_per_token=8)
+    assert config.decode_shared_prefix_budget_share is None
+    assert shared_prefix_min_saving(config, info) == 5_000
+
+    def attention(*args, **kwargs):
+        raise AssertionError("not called")
+
+    attention.held_kernel = True
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", attention)
+    assert shared_prefix_min_saving(config, info) == 0
+    attention.held_kernel = False  # the kernel failed to build: the operations again
+    assert shared_prefix_min_saving(config, info) == 5_000
+
+
 def _held_copy(model) -> list:
     held = prefilled(model)
     hold_prefix_once(mx, held, len(PREFIX))
