@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime import cuda_masked_decode as decode  # noqa: E402
-from runtime import cuda_masked_decode_source as source  # noqa: E402
 
 # What MLX's "mlx/backend/cuda/device/utils.cuh" gives a kernel that ours uses.
 PRELUDE = """
@@ -36,20 +35,26 @@ namespace mlx::core::cu {
 using Shape = cuda::std::array<int32_t, 10>;
 using Strides = cuda::std::array<int64_t, 10>;
 """
-SPLIT_OUTPUTS = [("split_values", "float"), ("split_top", "float"), ("split_total", "float")]
 # (head dim, query heads a KV head, rows per block over a held prefix): Qwen3-0.6B's
 # shape at its default and at one row a block, Llama-3-8B's, eight query heads a KV
 # head, the largest head size, one query head with the most rows.
 SHAPES = [(128, 2, None), (128, 2, 1), (128, 4, None), (64, 8, 2), (256, 4, 2), (64, 1, 16)]
 
 
-def kernel(name: str, inputs: list, outputs: list, body: str, values: dict, dtype: str) -> str:
-    params = [f"const {ctype}* {n}, const __grid_constant__ Shape {n}_shape, "
+def kernel(arguments: dict, values: dict, dtype: str) -> str:
+    """One kernel as MLX's ``cuda_kernel`` wraps its ``arguments`` (``KERNELS``): half
+    precision inputs, float32 split outputs, ``dtype`` for the merged one."""
+    def ctype(name: str) -> str:
+        return ("bool" if name == "mask" else "float" if name.startswith("split_")
+                else dtype)
+
+    params = [f"const {ctype(n)}* {n}, const __grid_constant__ Shape {n}_shape, "
               f"const __grid_constant__ Strides {n}_strides, const __grid_constant__ int {n}_ndim"
-              for n, ctype in inputs] + [f"{ctype}* {n}" for n, ctype in outputs]
+              for n in arguments["input_names"]]
+    params += [f"{ctype(n)}* {n}" for n in arguments["output_names"]]
     constants = "\n".join(f"  constexpr int {k} = {v};" for k, v in values.items())
-    return (f"__global__ void {name}({', '.join(params)}) {{\n  using T = {dtype};\n"
-            f"{constants}\n{body}\n}}\n")
+    return (f"__global__ void {arguments['name']}({', '.join(params)}) {{\n"
+            f"  using T = {dtype};\n{constants}\n{arguments['source']}\n}}\n")
 
 
 def program(dim: int, rep: int, rows: int, dtype: str) -> str:
@@ -57,14 +62,9 @@ def program(dim: int, rep: int, rows: int, dtype: str) -> str:
               "SCALE_BITS": 1040187392, "THREADS": decode.THREADS,
               "KEYS_PER_LOAD": decode.KEYS_PER_LOAD, "KEYS_PER_SPLIT": decode.KEYS_PER_SPLIT,
               "ROWS": rows, "HELD_EPL": decode.elements_per_lane(dim, rep * rows)}
-    own = [("queries", dtype), ("keys", dtype), ("values", dtype), ("mask", "bool")]
-    held = own[:1] + [("prefix_keys", dtype), ("prefix_values", dtype)] + own[1:]
-    return (PRELUDE + source.HEADER
-            + kernel("own_split", own, SPLIT_OUTPUTS, source.OWN_SOURCE, values, dtype)
-            + kernel("held_split", held, SPLIT_OUTPUTS, source.HELD_SOURCE, values, dtype)
-            + kernel("merge", SPLIT_OUTPUTS, [("attended", dtype)], source.MERGE_SOURCE,
-                     values, dtype)
-            + "}\n")
+    header = "".join(dict.fromkeys(k.get("header", "") for k in decode.KERNELS.values()))
+    return (PRELUDE + header
+            + "".join(kernel(k, values, dtype) for k in decode.KERNELS.values()) + "}\n")
 
 
 def compiled(nvrtc, text: str, options: list[str]) -> tuple[int, str]:

@@ -73,21 +73,28 @@ class _Kernels(threading.local):
 _kernels = _Kernels()
 
 
+_SPLIT_OUTPUTS = ["split_values", "split_top", "split_total"]
+# What MLX's cuda_kernel is given for each kernel: the attribute of _Kernels it is kept
+# in, then its arguments (bench/cuda_source_check.py compiles the same).
+KERNELS = {
+    "split": {"name": "masked_decode_split",
+              "input_names": ["queries", "keys", "values", "mask"],
+              "output_names": _SPLIT_OUTPUTS, "source": OWN_SOURCE, "header": HEADER,
+              "ensure_row_contiguous": False},
+    "held_split": {"name": "held_prefix_decode_split",
+                   "input_names": ["queries", "prefix_keys", "prefix_values", "keys",
+                                   "values", "mask"],
+                   "output_names": _SPLIT_OUTPUTS, "source": HELD_SOURCE, "header": HEADER,
+                   "ensure_row_contiguous": False},
+    "merge": {"name": "masked_decode_merge", "input_names": _SPLIT_OUTPUTS,
+              "output_names": ["attended"], "source": MERGE_SOURCE},
+}
+
+
 def _made(mx) -> _Kernels:
     if _kernels.split is None:
-        outputs = ["split_values", "split_top", "split_total"]
-        _kernels.split = mx.fast.cuda_kernel(
-            name="masked_decode_split", input_names=["queries", "keys", "values", "mask"],
-            output_names=outputs, source=OWN_SOURCE, header=HEADER,
-            ensure_row_contiguous=False)
-        _kernels.held_split = mx.fast.cuda_kernel(
-            name="held_prefix_decode_split",
-            input_names=["queries", "prefix_keys", "prefix_values", "keys", "values", "mask"],
-            output_names=outputs, source=HELD_SOURCE, header=HEADER,
-            ensure_row_contiguous=False)
-        _kernels.merge = mx.fast.cuda_kernel(
-            name="masked_decode_merge", input_names=outputs,
-            output_names=["attended"], source=MERGE_SOURCE)
+        for attribute, arguments in KERNELS.items():
+            setattr(_kernels, attribute, mx.fast.cuda_kernel(**arguments))
     return _kernels
 
 
