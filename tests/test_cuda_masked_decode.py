@@ -102,6 +102,25 @@ def test_a_held_prefix_block_takes_several_rows_only_where_the_batch_has_them():
             assert (2 + dim) * (THREADS // 32) * rep * group * 4 <= SHARED_BYTES
 
 
+def test_each_kernel_reads_only_its_inputs_and_the_template_values_it_is_given():
+    """What each kernel's source names (inputs' shapes and strides, template values)
+    is what ``KERNELS`` and the calls give it, which only a GPU's build would tell
+    otherwise: the own keys' kernel gets no ``ROWS`` or ``HELD_EPL``."""
+    import re
+
+    from runtime.cuda_masked_decode import KERNELS
+
+    given = {"T", "D", "REP", "EPL", "SCALE_BITS", "THREADS", "KEYS_PER_LOAD",
+             "KEYS_PER_SPLIT"}
+    templates = {"split": given, "held_split": given | {"ROWS", "HELD_EPL"}, "merge": {"T"}}
+    for kernel, arguments in KERNELS.items():
+        source = arguments["source"]
+        read = set(re.findall(r"\b([a-z_]+?)_(?:shape|strides)\b", source))
+        assert read and read <= set(arguments["input_names"]), (kernel, read)
+        named = set(re.findall(r"\b([A-Z][A-Z_]*)\b", source))
+        assert named <= templates[kernel], (kernel, named - templates[kernel])
+
+
 def test_a_layout_the_kernel_cannot_run_is_refused_before_it_is_built():
     import mlx.core as mx
 
