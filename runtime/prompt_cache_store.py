@@ -67,6 +67,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, LRUPromptCache, can_trim_prompt_cache
 
 from runtime.fetched_kv import FetchedKVLayer, at_first_span
+from runtime.held_prefix import row_span
 from runtime.messages import CacheEntryRemoved, CacheEntryStored, CacheEvent
 from runtime.mlx_lm_internals import (
     prompt_cache_entry,
@@ -196,9 +197,10 @@ class PromptCacheStore(LRUPromptCache):
         if start == n:
             last = before
         else:
+            read = [row_span(layer, start, n) for layer in cache]
             last = SharedSpan(
-                [mx.contiguous(layer.keys[..., start:n, :]) for layer in cache],
-                [mx.contiguous(layer.values[..., start:n, :]) for layer in cache],
+                [mx.contiguous(keys) for keys, _ in read],
+                [mx.contiguous(values) for _, values in read],
                 start, n, before, system=cache_type == "system", span_id=self._next_span_id,
             )
             self._next_span_id += 1

@@ -91,6 +91,73 @@ def test_a_row_extracted_is_its_whole_kv(model):
                                        rtol=1e-4, atol=1e-4)
 
 
+def _graph(array) -> str:
+    import io
+
+    out = io.StringIO()
+    mx.export_to_dot(out, array)
+    return out.getvalue()
+
+
+def test_a_row_s_span_is_read_without_the_whole_row_and_alike(model):
+    """``row_span`` of a held layer's extracted row, on either side of the prefix's end
+    and across it, is the same slice of the row's whole KV, and reads it from the
+    prefix's and the row's own arrays; a layer whose arrays were replaced is read as it
+    is now."""
+    from runtime.held_prefix import row_span
+
+    plain, held = prefilled(model), prefilled(model)
+    hold_prefix_once(mx, held, len(PREFIX))
+    decode(model, plain, 2, 3)
+    decode(model, held, 2, 3)
+    n_prefix = len(PREFIX)
+    for row in range(3):
+        whole, ours = plain[0].extract(row), held[0].extract(row)
+        n = whole.offset
+        for start, end in ((0, n), (0, 10), (10, n_prefix), (5, n_prefix + 3), (n_prefix, n),
+                           (n_prefix + 2, n)):
+            keys, values = row_span(ours, start, end)
+            assert keys.shape[2] == end - start
+            np.testing.assert_allclose(np.array(keys), np.array(whole.keys[..., start:end, :]),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.array(values),
+                                       np.array(whole.values[..., start:end, :]),
+                                       rtol=1e-4, atol=1e-4)
+        # Past the prefix, the row's own arrays are read: the concatenation, which its
+        # whole keys are, is not in what computes them.
+        assert "Concatenate" in _graph(ours.keys)
+        assert "Concatenate" not in _graph(row_span(ours, n_prefix + 1, n)[0])
+        ours.keys = ours.keys * 0  # replaced: read as it is now
+        assert not np.array(row_span(ours, n_prefix, n)[0]).any()
+        assert np.array(row_span(whole, 0, n)[0]).shape == np.array(whole.keys).shape
+
+
+def test_a_held_row_stored_in_the_prompt_cache_comes_back_whole(model):
+    """The prompt-cache store keeps a finished held row after the system span it holds
+    (read by ``row_span``), and a later turn fetching the row gets its whole KV."""
+    from runtime.prompt_cache_store import PromptCacheStore
+
+    plain, held = prefilled(model), prefilled(model)
+    hold_prefix_once(mx, held, len(PREFIX))
+    decode(model, plain, 2, 3)
+    decode(model, held, 2, 3)
+    store = PromptCacheStore()
+    system = PREFIX[:30]  # a system span shorter than the held prefix
+    store.insert_cache("m", system, [p.extract(0) for p in plain], cache_type="system")
+    for row in range(3):
+        tokens = PREFIX + OWN[row] + [900 + row, 901 + row]  # the decoded two are stand-ins
+        store.insert_cache("m", tokens, [h.extract(row) for h in held], cache_type="assistant")
+        cache, rest = store.fetch_nearest_cache("m", tokens + [5])
+        assert rest == [5]
+        for layer, p in zip(cache, plain, strict=True):
+            whole = p.extract(row)
+            keys, values = (a[..., :layer.offset, :] for a in (layer.keys, layer.values))
+            np.testing.assert_allclose(np.array(keys), np.array(whole.keys), rtol=1e-4,
+                                       atol=1e-4)
+            np.testing.assert_allclose(np.array(values), np.array(whole.values), rtol=1e-4,
+                                       atol=1e-4)
+
+
 def test_a_prefix_given_back_leaves_each_row_holding_it(model):
     """``prefix_released``: each row's prefix right before its own keys again (rows of
     different lengths, one gone), and decode steps give the plain batch's logits."""
