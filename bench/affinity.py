@@ -77,20 +77,14 @@ from agent_sessions import (  # noqa: E402
     warm_up_workload,
     widen_context,
 )
-from loadgen import PromptBuilder, ServerProcess  # noqa: E402
+from loadgen import PromptBuilder, ServerProcess, progress_reporter  # noqa: E402
 from loadgen import setup_logging as _setup_logging  # noqa: E402
 from side_by_side import free_port, server_argv, versions  # noqa: E402
 
 log = logging.getLogger("bench.affinity")
 
 
-def progress(msg: str) -> None:
-    """On a terminal: a line on stderr; otherwise a log record."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-        sys.stderr.flush()
-    else:
-        log.info("%s", msg)
+progress = progress_reporter(log)
 
 MODES = ("affinity", "round_robin")
 # The headers that carry a session id, in the order nginx's maps look for them:

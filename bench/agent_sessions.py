@@ -99,6 +99,7 @@ from loadgen import (  # noqa: E402
     ServerProcess,
     percentile,
     proc_tree_stats,
+    progress_reporter,
     variant_environment,
 )
 from loadgen import setup_logging as _setup_logging  # noqa: E402
@@ -107,13 +108,7 @@ from side_by_side import free_port, server_argv, versions  # noqa: E402
 log = logging.getLogger("bench.agent_sessions")
 
 
-def progress(msg: str) -> None:
-    """On a terminal: a line on stderr; otherwise a log record."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-        sys.stderr.flush()
-    else:
-        log.info("%s", msg)
+progress = progress_reporter(log)
 
 
 SYSTEMS = ("ours", "mlx_lm", "engine")

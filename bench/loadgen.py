@@ -756,6 +756,20 @@ def variant_environment(args: str) -> tuple[dict[str, str], list[str]]:
     return environment, words
 
 
+def progress_reporter(log: logging.Logger):
+    """A benchmark's progress lines: on a terminal, a timestamped line on stderr;
+    otherwise a record of ``log``."""
+
+    def progress(msg: str) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
+            sys.stderr.flush()
+        else:
+            log.info("%s", msg)
+
+    return progress
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "matplotlib"):

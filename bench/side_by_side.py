@@ -50,6 +50,7 @@ from loadgen import (  # noqa: E402
     add_workload_args,
     default_requests,
     proc_tree_stats,
+    progress_reporter,
     requests_for,
     run_level,
     setup_logging,
@@ -78,13 +79,7 @@ SERVER_FLAGS = ["--decode-concurrency", "64"]
 WARM_UP_FIRST_INDEX = 1_000_000
 
 
-def progress(msg: str) -> None:
-    """On a terminal: a line on stderr; otherwise a log record."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
-        sys.stderr.flush()
-    else:
-        log.info("%s", msg)
+progress = progress_reporter(log)
 
 
 def free_port() -> int:
