@@ -122,6 +122,7 @@ class RequestText:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.cache_miss_reason: CacheMissReason | None = None
+        self.queued_seconds: float | None = None
 
     def add(self, token: int, *, final: str | None) -> tuple[list[tuple[str, str]], bool]:
         """Feed one token. Returns (pieces in text order, stop string hit).
@@ -288,6 +289,7 @@ class DetokenizerCore:
             if entry is not None:
                 entry[0].cached_tokens = started.cached_tokens
                 entry[0].cache_miss_reason = started.miss_reason
+                entry[0].queued_seconds = started.queued_seconds
         for p in outputs.progress:
             entry = self._requests.get(p.request_id)
             if entry is not None:
@@ -373,6 +375,7 @@ class DetokenizerCore:
             completion_tokens=text.completion_tokens,
             cached_tokens=text.cached_tokens,
             cache_miss_reason=text.cache_miss_reason,
+            queued_seconds=text.queued_seconds,
         )
 
     def _parse_tool(self, tokenizer, tool_text: str, tools) -> list[ToolCall] | None:

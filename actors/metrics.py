@@ -86,6 +86,13 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_seconds",
+            "Generation requests that started: time waiting in the queue for a place in the "
+            "engine (--decode-concurrency's slots and the KV budget), after tokenization",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Generation requests with two or more generated tokens: mean time between them "
@@ -153,6 +160,8 @@ class ServerMetrics:
     def observe_request(self, timing: RequestTiming) -> None:
         if timing.time_to_first_output is not None:
             self.time_to_first_token.observe(timing.time_to_first_output)
+        if timing.queued is not None:
+            self.queue_time.observe(timing.queued)
         if timing.inter_token is not None:
             self.inter_token_latency.observe(timing.inter_token)
         if timing.duration is not None:

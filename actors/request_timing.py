@@ -32,6 +32,7 @@ class RequestTiming:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    queued: float | None = None  # seconds it waited for a place in the engine
     outcome: str | None = None
 
     def note(self, items, now: float) -> None:
@@ -48,6 +49,7 @@ class RequestTiming:
                     self.prompt_tokens = item.usage.prompt_tokens
                     self.completion_tokens = item.usage.completion_tokens
                     self.cached_tokens = item.usage.cached_tokens
+                    self.queued = item.usage.queued_seconds
 
     @property
     def time_to_first_output(self) -> float | None:

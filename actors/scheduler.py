@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -69,6 +71,7 @@ class SchedulerCore:
         max_waiting: int,
         kv_budget: int | None = None,
         reply_reserve_tokens: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if max_in_engine <= 0 or max_waiting < 0:
             raise ValueError("max_in_engine must be > 0 and max_waiting >= 0")
@@ -85,6 +88,12 @@ class SchedulerCore:
         self._shown: set[int] = set()
         self._resuming: set[int] = set()
         self._next_id = 1
+        # How long each request waited in the queue: when it was admitted, and its wait
+        # up to its latest start (a sequence preempted before its start was seen waits
+        # again), until its ``SequenceStarted`` carries the wait to the Detokenizer.
+        self._clock = clock
+        self._admitted_at: dict[int, float] = {}
+        self._queued: dict[int, float] = {}
 
     # What the engine's decoding batches save by holding their sessions' shared prefix
     # once (``EngineStats.shared_kv_bytes``, as of the last step): the sessions' whole
@@ -123,6 +132,9 @@ class SchedulerCore:
                 retry_after=1,
             )
         self.waiting[submit.request_id] = submit
+        now = self._clock()
+        for request_id in submit.request_ids:
+            self._admitted_at[request_id] = now
 
     def to_start(self, *, engine_attached: bool = True) -> list[Submit]:
         """Move waiting requests into the engine while it has room.
@@ -142,6 +154,11 @@ class SchedulerCore:
             self.in_engine.update(ids)
             self.reservations.start(head)
             started.append(head)
+            now = self._clock()
+            for request_id in ids:
+                admitted = self._admitted_at.get(request_id)
+                if admitted is not None:  # none once the client has seen it start
+                    self._queued[request_id] = now - admitted
         return started
 
     def _fits(self, submit: Submit) -> bool:
@@ -171,15 +188,21 @@ class SchedulerCore:
         self.shared_kv_bytes = outputs.stats.shared_kv_bytes
         resumed = {e.request_id for e in outputs.aborted if reservations.is_preempting(e.request_id)}
         ended = outputs.terminal_ids() - resumed
-        shown, resuming = self._shown, self._resuming
-        if resumed or resuming or any(e.request_id in shown for e in outputs.started):
+        shown, resuming, queued = self._shown, self._resuming, self._queued
+        if (resumed or resuming or queued
+                or any(e.request_id in shown for e in outputs.started)):
             outputs = attrs.evolve(
                 outputs,
                 aborted=tuple(e for e in outputs.aborted if e.request_id not in resumed),
-                started=tuple(e for e in outputs.started if e.request_id not in shown),
+                started=tuple(
+                    attrs.evolve(e, queued_seconds=queued.get(e.request_id))
+                    for e in outputs.started if e.request_id not in shown),
                 progress=tuple(e for e in outputs.progress if e.request_id not in resuming),
             )
         shown.update(e.request_id for e in outputs.started)
+        for event in outputs.started:
+            queued.pop(event.request_id, None)
+            self._admitted_at.pop(event.request_id, None)
         for request_id in ended:
             self.in_engine.discard(request_id)
             self._forget(request_id)
@@ -205,6 +228,8 @@ class SchedulerCore:
         self.reservations.release(request_id)
         self._shown.discard(request_id)
         self._resuming.discard(request_id)
+        self._admitted_at.pop(request_id, None)
+        self._queued.pop(request_id, None)
 
     def engine_lost(self) -> list[int]:
         """The engine died: everything inside it is gone. Returns those ids."""

@@ -208,6 +208,9 @@ class SequenceStarted:
     cached_tokens: int
     batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
     miss_reason: CacheMissReason | None = None  # set by the prompt-cache policy (trio side)
+    # Seconds it waited in the Scheduler's queue for a place in the engine (its slots
+    # and KV budget); set by the Scheduler (trio side), None for a resumed sequence.
+    queued_seconds: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -414,6 +417,9 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     cache_miss_reason: CacheMissReason | None = None  # why cached_tokens is 0
+    # Seconds it waited for a place in the engine (``SequenceStarted.queued_seconds``):
+    # the access log's and /metrics' figure, not the API's.
+    queued_seconds: float | None = None
 
     @property
     def total_tokens(self) -> int:

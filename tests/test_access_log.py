@@ -45,6 +45,8 @@ async def test_one_line_per_request_with_tokens_and_times(client, caplog):
     assert line["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     assert line["finish"] == body["choices"][0]["finish_reason"]
     assert 0 < line["submit_ms"] < line["ttft_ms"] <= line["duration_ms"]
+    # After the submit, the wait for a place in the engine; both before the first token
+    assert 0 <= line["queued_ms"] and line["submit_ms"] + line["queued_ms"] <= line["ttft_ms"] + 0.2
     text = [r.getMessage() for r in caplog.records if r.name == "mlx_trio.access"][0]
     assert text.startswith(f"request_id={line['request_id']} method=POST endpoint={CHAT} status=200")
     assert f"prompt_tokens={usage['prompt_tokens']}" in text

@@ -101,10 +101,20 @@ def test_requests_that_cannot_resume_reserve_max_tokens_whole():
 # --------------------------------------------------------------- the scheduler
 
 
-def core_with_budget(budget_tokens: int, reply_tokens: int = 50) -> SchedulerCore:
+class Clock:
+    """A clock the test moves: ``now`` seconds."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def core_with_budget(budget_tokens: int, reply_tokens: int = 50,
+                     clock: Clock | None = None) -> SchedulerCore:
     return SchedulerCore(
         max_in_engine=8, max_waiting=8, kv_budget=PER_TOKEN * budget_tokens,
-        reply_reserve_tokens=reply_tokens,
+        reply_reserve_tokens=reply_tokens, clock=clock or Clock(),
     )
 
 
@@ -128,7 +138,8 @@ def test_a_sequence_that_outgrows_the_budget_preempts_the_latest_and_it_resumes(
     started = tuple(SequenceStarted(request_id=i, prompt_tokens=100, cached_tokens=0)
                     for i in (1, 2))
     seen, preempt = core.on_outputs(StepOutputs(started=started))
-    assert seen.started == started and preempt == []
+    assert seen.started == tuple(attrs.evolve(s, queued_seconds=0.0) for s in started)
+    assert preempt == []
     # Both reply; the first fills its room and grows to 200: 350 > 330.
     seen, preempt = core.on_outputs(StepOutputs(tokens=tokens(1, 49) + tokens(2, 5, 2000)))
     assert preempt == [] and len(seen.tokens) == 54
@@ -188,7 +199,52 @@ def test_one_preempted_before_its_start_was_seen_shows_its_resumed_start():
     assert [s.request_id for s in core.to_start()] == [2]
     started = SequenceStarted(request_id=2, prompt_tokens=100, cached_tokens=0)
     seen, _ = core.on_outputs(StepOutputs(started=(started,)))
-    assert seen.started == (started,)
+    assert seen.started == (attrs.evolve(started, queued_seconds=0.0),)
+
+
+def test_each_start_carries_how_long_it_waited_for_a_place():
+    """``SequenceStarted.queued_seconds``: from admission to the start the client sees
+    (the access log's ``queued_ms``); a wait for the KV budget shows in it."""
+    clock = Clock()
+    core = core_with_budget(330, clock=clock)
+    core.admit(make_submit(1, max_tokens=230))
+    clock.now = 0.5
+    core.admit(make_submit(2, max_tokens=230))
+    core.admit(make_submit(3, max_tokens=230))  # 150 x 3 tokens: over the budget
+    clock.now = 1.0
+    assert [s.request_id for s in core.to_start()] == [1, 2]
+    started = tuple(SequenceStarted(request_id=i, prompt_tokens=100, cached_tokens=0)
+                    for i in (1, 2))
+    clock.now = 1.2  # the engine's step: not the queue's
+    seen, _ = core.on_outputs(StepOutputs(started=started))
+    assert [s.queued_seconds for s in seen.started] == [1.0, 0.5]
+    clock.now = 4.0
+    core.on_outputs(StepOutputs(tokens=tokens(1, 1, finish="stop")))
+    assert [s.request_id for s in core.to_start()] == [3]
+    seen, _ = core.on_outputs(StepOutputs(
+        started=(SequenceStarted(request_id=3, prompt_tokens=100, cached_tokens=0),)))
+    assert seen.started[0].queued_seconds == 3.5
+    # Nothing is kept for a request once its start was seen, or once it left the queue.
+    core.admit(make_submit(4, max_tokens=230))
+    core.abort(4, AbortReason.CLOSED)
+    assert core._admitted_at == {} and core._queued == {}
+
+
+def test_a_sequence_preempted_before_its_start_was_seen_reports_its_whole_wait():
+    clock = Clock()
+    core = core_with_budget(330, clock=clock)
+    core.admit(make_submit(1, max_tokens=230))
+    core.admit(make_submit(2, max_tokens=230))
+    core.to_start()  # both at 0
+    _, preempt = core.on_outputs(StepOutputs(tokens=tokens(1, 50)))
+    assert [a.request_id for a in preempt] == [2]
+    core.on_outputs(StepOutputs(aborted=(SequenceAborted(request_id=2),)))
+    clock.now = 2.0
+    core.on_outputs(StepOutputs(tokens=tokens(1, 1, finish="length")))
+    assert [s.request_id for s in core.to_start()] == [2]
+    started = SequenceStarted(request_id=2, prompt_tokens=100, cached_tokens=0)
+    seen, _ = core.on_outputs(StepOutputs(started=(started,)))
+    assert seen.started[0].queued_seconds == 2.0
 
 
 def test_only_preemptible_sequences_leave_and_never_the_last_one():

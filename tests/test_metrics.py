@@ -54,6 +54,7 @@ async def test_the_metrics_have_types_and_help(client):
     assert types["mlx_trio_active_sequences"] == "gauge"
     for histogram in (
         "mlx_trio_time_to_first_token_seconds",
+        "mlx_trio_request_queue_seconds",
         "mlx_trio_inter_token_latency_seconds",
         "mlx_trio_e2e_request_latency_seconds",
         "mlx_trio_engine_step_seconds",
@@ -79,10 +80,13 @@ async def test_a_request_moves_its_counters_and_histograms(client):
     assert delta(before, after, "mlx_trio_http_responses_total", route=route, status="200") == 1
     for name in (
         "mlx_trio_time_to_first_token_seconds_count",
+        "mlx_trio_request_queue_seconds_count",
         "mlx_trio_e2e_request_latency_seconds_count",
         "mlx_trio_inter_token_latency_seconds_count",
     ):
         assert delta(before, after, name) == 1, name
+    assert 0 <= delta(before, after, "mlx_trio_request_queue_seconds_sum") <= delta(
+        before, after, "mlx_trio_time_to_first_token_seconds_sum")
     assert delta(before, after, "mlx_trio_e2e_request_latency_seconds_sum") > 0
     assert delta(before, after, "mlx_trio_time_to_first_token_seconds_sum") <= delta(
         before, after, "mlx_trio_e2e_request_latency_seconds_sum"
@@ -180,13 +184,15 @@ def test_each_runtime_has_its_own_registry():
     one, two = ServerMetrics(figures), ServerMetrics(figures)
     one.http_started()
     one.observe_response("/v1/chat/completions", 200)
-    timing = RequestTiming(started=10.0, first_output=10.5, ended=12.5, completion_tokens=5)
+    timing = RequestTiming(started=10.0, first_output=10.5, ended=12.5, completion_tokens=5,
+                           queued=0.25)
     timing.outcome = "stop"
     one.observe_request(timing)
     text_one, text_two = one.render()[0].decode(), two.render()[0].decode()
     assert 'mlx_trio_http_responses_total{route="/v1/chat/completions",status="200"} 1.0' in text_one
     assert "mlx_trio_http_responses_total{" not in text_two
     assert "mlx_trio_time_to_first_token_seconds_sum 0.5" in text_one
+    assert "mlx_trio_request_queue_seconds_sum 0.25" in text_one
     assert "mlx_trio_inter_token_latency_seconds_sum 0.5" in text_one  # 2 s over 4 gaps
     assert "mlx_trio_e2e_request_latency_seconds_sum 2.5" in text_one
     assert "mlx_trio_time_to_first_token_seconds_count 0.0" in text_two

@@ -129,3 +129,38 @@ async def test_claude_code_s_max_tokens_no_longer_holds_the_whole_budget(tiny_mo
         assert [status for status, _ in answers] == [200, 200]
         assert all(a["type"] == "message" and a["usage"]["output_tokens"] > 0
                    for _, a in answers)
+
+
+async def test_a_request_waiting_for_the_budget_says_so_in_the_access_log(
+    tiny_model_path, tiny_tokenizer, caplog
+):
+    """Reserving max_tokens whole, a 200-token budget runs one of two requests of about 130 tokens
+    at a time: the other waits in the queue until the first has ended, and its access
+    line's ``queued_ms`` (and /metrics' ``mlx_trio_request_queue_seconds``) says how long."""
+    import logging
+
+    never_end = {str(e): -100 for e in tiny_tokenizer.eos_token_ids}
+    config = ServerConfig(model=tiny_model_path, kv_cache_budget_bytes=200 * BYTES_PER_TOKEN,
+                          kv_reply_reserve_tokens=0)
+    app = create_app(config)
+    caplog.set_level(logging.INFO, logger="mlx_trio.access")
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_ready(client)
+        caplog.clear()
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(post, client, CHAT, question(i, never_end))
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    lines = sorted((r.access for r in caplog.records
+                    if r.name == "mlx_trio.access" and r.access["endpoint"] == CHAT),
+                   key=lambda line: line["queued_ms"])
+    first, second = lines
+    assert first["generated_tokens"] == second["generated_tokens"] == REPLY
+    # The second started once the first had ended: it waited at least the first's decode.
+    assert second["queued_ms"] >= first["duration_ms"] - first["ttft_ms"]
+    assert second["submit_ms"] + second["queued_ms"] <= second["ttft_ms"] + 0.2
+    assert first["queued_ms"] < first["duration_ms"] - first["ttft_ms"]
+    count = next(x for x in metrics.splitlines()
+                 if x.startswith("mlx_trio_request_queue_seconds_count"))
+    assert float(count.split()[-1]) == 2

@@ -397,7 +397,8 @@ def test_reasoning_and_tool_markup(tokenizer, pieces, opening, tail, final, data
     core.open(11, TextSpec(initial_state=initial_state, prompt_tokens=4), outbox, tokenizer)
     core.on_outputs(
         StepOutputs(
-            started=(SequenceStarted(request_id=11, prompt_tokens=4, cached_tokens=2),),
+            started=(SequenceStarted(request_id=11, prompt_tokens=4, cached_tokens=2,
+                                     queued_seconds=0.25),),
             progress=(PromptProgress(request_id=11, done=4, total=4),),
         )
     )
@@ -419,6 +420,7 @@ def test_reasoning_and_tool_markup(tokenizer, pieces, opening, tail, final, data
         assert fin.finish_reason == ("tool_calls" if n_calls else "stop")
     assert fin.usage.completion_tokens == len(ids) + (final == "stop")
     assert fin.usage.cached_tokens == 2
+    assert fin.usage.queued_seconds == 0.25  # the Scheduler's figure, for the access log
 
 
 def test_unparsed_tool_call_keeps_content_order():
