@@ -79,6 +79,7 @@ import logging
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import sys
@@ -256,6 +257,9 @@ class TurnRecord:
     reasoning_chars: int = 0  # streamed as reasoning, not sent back in the history
     retries: int = 0  # sent again after a refused or reset connection
     error: str | None = None
+    # ours: how long it waited for a place in the engine (its slots, the KV budget), from
+    # the server's access log (``queued_ms``)
+    queued_s: float | None = None
 
     def finish(self, chunk_times: list[float], end: float) -> None:
         """Latency fields from the content chunks' times (run clock)."""
@@ -302,6 +306,11 @@ def _payload(messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     }
 
 
+def turn_request_id(rec: TurnRecord) -> str:
+    """The ``x-request-id`` a turn is sent with (the servers' access logs name it)."""
+    return f"agent-{rec.sessions}-{rec.session}-{rec.turn}"
+
+
 async def _http_turn(
     client, messages, rec: TurnRecord, t0: float, ask_tokens: int | None = None
 ) -> str:
@@ -309,7 +318,7 @@ async def _http_turn(
     import httpx
     import trio
 
-    headers = {"x-request-id": f"agent-{rec.sessions}-{rec.session}-{rec.turn}"}
+    headers = {"x-request-id": turn_request_id(rec)}
     content: list[str] = []
     chunk_times: list[float] = []
     try:
@@ -648,6 +657,7 @@ def summarize(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
         return sum(r["cached_tokens"] for r in both), sum(r["prompt_tokens"] for r in both)
 
     itl = [g for r in ok for g in r.get("itl_s") or ()]
+    queued = [r["queued_s"] for r in ok if r.get("queued_s") is not None]
     # seconds each turn streamed, from its first token to its end: over the wall time,
     # the rows decoding at a time on average (more rows, longer steps, wider gaps)
     streaming = sum(r["end_s"] - r["start_s"] - r["ttft_s"] for r in ok
@@ -683,6 +693,9 @@ def summarize(records: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict
         "ttft_later_p99_ms": ttft(later, 99),
         "itl_p50_ms": _ms(percentile(itl, 50)),
         "itl_p99_ms": _ms(percentile(itl, 99)),
+        # ours: the turns' wait for a place in the engine, of their TTFT (access log)
+        "queued_p50_ms": _ms(percentile(queued, 50)) if queued else None,
+        "queued_p99_ms": _ms(percentile(queued, 99)) if queued else None,
         "decoding_rows_mean": round(streaming / wall, 2) if wall > 0 else None,
         "prompt_tokens": prompt_all,
         "cached_tokens": cached_all,
@@ -1133,6 +1146,21 @@ def warm_up_pass(w, builder, warm, ns, model, log_dir, stamp) -> None:
     run_server(system, model, probe, Prompts(builder, probe), warm, -1, ns, log_dir, stamp)
 
 
+ACCESS_QUEUED = re.compile(r"mlx_trio\.access: request_id=(\S+) .*\bqueued_ms=([\d.]+)")
+
+
+def access_queued(log_path: Path) -> dict[str, float]:
+    """Each request's ``queued_ms`` in a server's log, in seconds, by request id (the
+    last line of an id: a warm-up's turn can share a measured one's)."""
+    queued: dict[str, float] = {}
+    if log_path.exists():
+        for line in log_path.read_text(errors="replace").splitlines():
+            match = ACCESS_QUEUED.search(line)
+            if match:
+                queued[match.group(1)] = float(match.group(2)) / 1000
+    return queued
+
+
 def run_server(
     system: str,
     model: str,
@@ -1172,6 +1200,9 @@ def run_server(
         run = run_http(server.url, w, prompts, system, rnd, server.pid)
     finally:
         rc = server.stop()
+    queued = access_queued(server.log_path)
+    for rec in run["records"]:
+        rec.queued_s = queued.get(turn_request_id(rec))
     run.update(
         startup_s=round(startup, 2),
         warm_up_s=round(warm_s, 2),

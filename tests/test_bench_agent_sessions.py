@@ -114,6 +114,35 @@ def test_summary_of_synthetic_turns():
     assert "3" not in s["by_turn"]  # the failed turn counts as an error only
 
 
+def test_the_turns_queue_waits_come_from_our_access_log(tmp_path):
+    """Each turn's ``queued_ms`` is read back from the server's log by its request id
+    (a warm-up turn sharing the id is replaced by the measured one, which comes later),
+    and the summary gives their p50 and p99; a server without them (mlx_lm.server) has
+    none."""
+    log = tmp_path / "agent.log"
+    log.write_text(
+        "2026-12-08 01:00:00,000 INFO mlx_trio.access: request_id=agent-2-0-1 method=POST "
+        "endpoint=/v1/chat/completions status=200 submit_ms=1.0 queued_ms=900.0 ttft_ms=950.0\n"
+        "2026-12-08 01:00:01,000 INFO mlx_trio.access: request_id=agent-2-0-1 method=POST "
+        "endpoint=/v1/chat/completions status=200 submit_ms=1.0 queued_ms=0.5 ttft_ms=40.0\n"
+        "2026-12-08 01:00:02,000 INFO mlx_trio.access: request_id=agent-2-1-1 method=POST "
+        "endpoint=/v1/chat/completions status=200 submit_ms=1.0 queued_ms=3600.0 ttft_ms=3650.0\n"
+        "2026-12-08 01:00:02,500 INFO mlx_trio.access: request_id=x method=GET "
+        "endpoint=/health status=200 duration_ms=0.3\n")
+    queued = bench.access_queued(log)
+    assert queued == {"agent-2-0-1": 0.0005, "agent-2-1-1": 3.6}
+    assert bench.access_queued(tmp_path / "none.log") == {}
+    rec = bench.TurnRecord("ours", 0, 2, 1, 1, max_tokens=10, user_tokens=50)
+    assert bench.turn_request_id(rec) == "agent-2-1-1"
+    records = [_record("ours", 1, ttft=0.04, prompt=100, cached=0),
+               _record("ours", 1, ttft=3.65, prompt=100, cached=0)]
+    records[0]["queued_s"], records[1]["queued_s"] = 0.0005, 3.6
+    s = bench.summarize(records, [{"wall_s": 4.0}])
+    assert 3500 < s["queued_p99_ms"] <= 3600 and s["queued_p50_ms"] < s["queued_p99_ms"]
+    assert bench.summarize(records[:0] + [_record("mlx_lm", 1, ttft=0.1, prompt=1, cached=0)],
+                           [{"wall_s": 1.0}])["queued_p50_ms"] is None
+
+
 def test_summaries_per_level_and_the_table():
     records = [
         _record(system, 1, ttft=0.5, prompt=100, cached=0)
