@@ -88,8 +88,8 @@ class ServerMetrics:
         )
         self.queue_time = Histogram(
             PREFIX + "request_queue_seconds",
-            "Generation requests that started: time waiting in the queue for a place in the "
-            "engine (--decode-concurrency's slots and the KV budget), after tokenization",
+            "Generation requests that started: from tokenization until the engine took them "
+            "into its batch (the queue for a slot and the KV budget, the admission window)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -195,7 +195,8 @@ class SchedulerCore:
                 outputs,
                 aborted=tuple(e for e in outputs.aborted if e.request_id not in resumed),
                 started=tuple(
-                    attrs.evolve(e, queued_seconds=queued.get(e.request_id))
+                    attrs.evolve(e, queued_seconds=queued[e.request_id] + (e.queued_seconds or 0))
+                    if e.request_id in queued else e
                     for e in outputs.started if e.request_id not in shown),
                 progress=tuple(e for e in outputs.progress if e.request_id not in resuming),
             )

@@ -208,8 +208,9 @@ class SequenceStarted:
     cached_tokens: int
     batch_kv_bytes: int = 0  # the batch's KV-cache bytes right after it joined
     miss_reason: CacheMissReason | None = None  # set by the prompt-cache policy (trio side)
-    # Seconds it waited in the Scheduler's queue for a place in the engine (its slots
-    # and KV budget); set by the Scheduler (trio side), None for a resumed sequence.
+    # Seconds it waited before the engine inserted it: in the engine (its admission
+    # window, a shared prefix's leader), and the Scheduler adds its queue's (a slot, the
+    # KV budget). None where not known (a resumed sequence's start is not the client's).
     queued_seconds: float | None = None
 
 
@@ -417,7 +418,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     cache_miss_reason: CacheMissReason | None = None  # why cached_tokens is 0
-    # Seconds it waited for a place in the engine (``SequenceStarted.queued_seconds``):
+    # Seconds it waited before the engine inserted it (``SequenceStarted.queued_seconds``):
     # the access log's and /metrics' figure, not the API's.
     queued_seconds: float | None = None
 

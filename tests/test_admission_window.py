@@ -128,6 +128,23 @@ def test_the_window_ends_the_wait():
     out = core.step()
     assert len(factory.current.inserted) == 3
     assert [e.request_id for e in out.started] == [3]
+    # Its start says how long the engine held it (the access log's queued_ms adds the
+    # Scheduler's queue to it); one inserted at once waited next to nothing.
+    assert out.started[0].queued_seconds >= 0.03
+    assert core.admission.waited(3) is None  # forgotten once read
+
+
+def test_arrivals_are_forgotten_past_a_bound_and_once_started():
+    from runtime.engine import admission
+
+    core, _ = engine(0.0)
+    core.handle_command(long_submit(1))  # no window: inserted as it arrives
+    assert core.step().started[0].queued_seconds < 0.5
+    window = admission.AdmissionWindow()
+    for rid in range(admission.ARRIVALS_KEPT + 10):
+        window.holds(long_submit(rid), decoding=0, awaiting_first=False)
+    assert window.waited(0) is None and window.waited(9) is None  # the oldest went
+    assert window.waited(10) is not None and window.waited(10) is None
 
 
 def test_a_held_request_can_be_aborted_and_never_enters_the_batch():

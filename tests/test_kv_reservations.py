@@ -204,7 +204,8 @@ def test_one_preempted_before_its_start_was_seen_shows_its_resumed_start():
 
 def test_each_start_carries_how_long_it_waited_for_a_place():
     """``SequenceStarted.queued_seconds``: from admission to the start the client sees
-    (the access log's ``queued_ms``); a wait for the KV budget shows in it."""
+    (the access log's ``queued_ms``), the engine's own hold added; a wait for the KV
+    budget shows in it."""
     clock = Clock()
     core = core_with_budget(330, clock=clock)
     core.admit(make_submit(1, max_tokens=230))
@@ -213,11 +214,12 @@ def test_each_start_carries_how_long_it_waited_for_a_place():
     core.admit(make_submit(3, max_tokens=230))  # 150 x 3 tokens: over the budget
     clock.now = 1.0
     assert [s.request_id for s in core.to_start()] == [1, 2]
-    started = tuple(SequenceStarted(request_id=i, prompt_tokens=100, cached_tokens=0)
-                    for i in (1, 2))
+    # The engine says how long it held each before inserting it; the queue's wait adds.
+    started = tuple(SequenceStarted(request_id=i, prompt_tokens=100, cached_tokens=0,
+                                    queued_seconds=0.25) for i in (1, 2))
     clock.now = 1.2  # the engine's step: not the queue's
     seen, _ = core.on_outputs(StepOutputs(started=started))
-    assert [s.queued_seconds for s in seen.started] == [1.0, 0.5]
+    assert [s.queued_seconds for s in seen.started] == [1.25, 0.75]
     clock.now = 4.0
     core.on_outputs(StepOutputs(tokens=tokens(1, 1, finish="stop")))
     assert [s.request_id for s in core.to_start()] == [3]

@@ -12,8 +12,8 @@ more of its burst are on their way. ``burst_wait``: while nothing decodes, a
 request that arrives alone waits that long for a second one.
 
 Sans-IO: the engine core asks ``holds`` when a ``Submit`` arrives, ``due``
-before each step (the requests to insert now) and ``timeout`` when its loop
-may sleep; it drops aborted ones (``runtime.engine.choices.abort_waiting``
+before each step (the requests to insert now), ``timeout`` when its loop
+may sleep and ``waited`` as it inserts one (how long since it arrived); it drops aborted ones (``runtime.engine.choices.abort_waiting``
 over ``held``) and clears them when it closes. Receives and emits ``Submit``s.
 """
 
@@ -23,6 +23,10 @@ import collections
 import time
 
 from runtime.messages import Submit
+
+# Arrival times kept for ``waited``: a request that never starts is forgotten behind this
+# many later ones.
+ARRIVALS_KEPT = 4096
 
 
 class AdmissionWindow:
@@ -47,6 +51,7 @@ class AdmissionWindow:
         self.tokens = tokens
         self.limit = limit
         self.held: collections.deque[tuple[float, Submit]] = collections.deque()
+        self._arrived: collections.OrderedDict[int, float] = collections.OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self.held)
@@ -56,6 +61,9 @@ class AdmissionWindow:
 
     def holds(self, submit: Submit, *, decoding: int, awaiting_first: bool) -> bool:
         """Whether ``submit`` waits (then it is held: the caller does not insert it)."""
+        self._arrived.setdefault(submit.request_id, time.monotonic())
+        if len(self._arrived) > ARRIVALS_KEPT:
+            self._arrived.popitem(last=False)
         if self.window <= 0 or not (
             self.held  # behind those already waiting (the next step decides for all)
             or awaiting_first
@@ -96,6 +104,12 @@ class AdmissionWindow:
         due = [sub for _, sub in self.held]
         self.held.clear()
         return due
+
+    def waited(self, request_id: int) -> float | None:
+        """Seconds since ``request_id`` reached the engine (``holds``), as it is inserted:
+        the window's hold, a shared prefix's leader, a read from disk. Forgotten once read."""
+        arrived = self._arrived.pop(request_id, None)
+        return None if arrived is None else time.monotonic() - arrived
 
     def clear(self) -> None:
         self.held.clear()

@@ -266,14 +266,10 @@ class EngineCore:
         # A copy of the first choice's cache is no prompt-cache hit.
         self.counters.started(cached if start is None else 0, len(sub.prompt))
         self.counters.prompt_tokens_computed += len(sub.prompt) - cached
-        self._started.append(
-            SequenceStarted(
-                request_id=sub.request_id,
-                prompt_tokens=len(sub.prompt),
-                cached_tokens=cached,
-                batch_kv_bytes=batch_kv_bytes,
-            )
-        )
+        self._started.append(SequenceStarted(
+            request_id=sub.request_id, prompt_tokens=len(sub.prompt), cached_tokens=cached,
+            batch_kv_bytes=batch_kv_bytes, queued_seconds=self.admission.waited(sub.request_id),
+        ))
         if sub.choice_ids and len(sub.prompt) - cached > 1:
             self._clones.wait_for(sub)  # until its prompt is processed
         elif sub.choice_ids:  # nothing to share: the prompt cache (if anything) serves each
