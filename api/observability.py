@@ -201,7 +201,8 @@ def access_fields(record: RequestRecord, status: int) -> dict[str, Any]:
             # our side before the engine: the model lease, the chat template, tokenising
             fields["submit_ms"] = round((timing.submitted - record.started) * 1000, 1)
         if timing.queued is not None:
-            # after it, waiting for a place in the engine: its slots and the KV budget
+            # after it, until the engine took it: the queue (a slot, the KV budget), the
+            # engine's admission window
             fields["queued_ms"] = round(timing.queued * 1000, 1)
         if timing.first_output is not None:
             fields["ttft_ms"] = round((timing.first_output - record.started) * 1000, 1)

@@ -12,9 +12,10 @@ more of its burst are on their way. ``burst_wait``: while nothing decodes, a
 request that arrives alone waits that long for a second one.
 
 Sans-IO: the engine core asks ``holds`` when a ``Submit`` arrives, ``due``
-before each step (the requests to insert now), ``timeout`` when its loop
-may sleep and ``waited`` as it inserts one (how long since it arrived); it drops aborted ones (``runtime.engine.choices.abort_waiting``
-over ``held``) and clears them when it closes. Receives and emits ``Submit``s.
+before each step (the requests to insert now), ``timeout`` when its loop may
+sleep and ``waited`` as it inserts one (how long since it arrived); it drops
+aborted ones (``runtime.engine.choices.abort_waiting`` over ``held``) and
+clears them when it closes. Receives and emits ``Submit``s.
 """
 
 from __future__ import annotations
