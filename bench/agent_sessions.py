@@ -257,8 +257,8 @@ class TurnRecord:
     reasoning_chars: int = 0  # streamed as reasoning, not sent back in the history
     retries: int = 0  # sent again after a refused or reset connection
     error: str | None = None
-    # ours: how long it waited for a place in the engine (its slots, the KV budget), from
-    # the server's access log (``queued_ms``)
+    # ours: how long it waited before the engine took it into its batch (the queue for a
+    # slot and the KV budget, the engine's hold), from the server's access log (``queued_ms``)
     queued_s: float | None = None
 
     def finish(self, chunk_times: list[float], end: float) -> None:
