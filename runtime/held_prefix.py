@@ -117,21 +117,25 @@ def row_span(layer: Any, start: int, end: int) -> tuple[Any, Any]:
     the span it already holds (a session's previous turn, or the shared system prompt),
     and the whole row's copy (2.75 GB at 24k tokens on Qwen3-0.6B's shape) is then
     never made."""
-    import mlx.core as mx
-
     parts = getattr(layer, "held_parts", None)
     if parts is None or parts[0] is not layer.keys or parts[1] is not layer.values:
         return layer.keys[..., start:end, :], layer.values[..., start:end, :]
     _, _, prefix_keys, prefix_values, own_keys, own_values = parts
-    length = prefix_keys.shape[2]
+    return (_positions(prefix_keys, own_keys, start, end),
+            _positions(prefix_values, own_values, start, end))
+
+
+def _positions(prefix: Any, own: Any, start: int, end: int):
+    """Positions ``[start, end)`` of ``prefix`` followed by ``own`` (along axis 2),
+    copying only the positions asked for."""
+    import mlx.core as mx
+
+    length = prefix.shape[2]
     if end <= length:
-        return prefix_keys[..., start:end, :], prefix_values[..., start:end, :]
+        return prefix[..., start:end, :]
     if start >= length:
-        return (own_keys[..., start - length:end - length, :],
-                own_values[..., start - length:end - length, :])
-    return (mx.concatenate([prefix_keys[..., start:, :], own_keys[..., :end - length, :]], axis=2),
-            mx.concatenate([prefix_values[..., start:, :], own_values[..., :end - length, :]],
-                           axis=2))
+        return own[..., start - length:end - length, :]
+    return mx.concatenate([prefix[..., start:, :], own[..., :end - length, :]], axis=2)
 
 
 def _extend_holding_the_same(cache: Any, other: Any) -> None:
